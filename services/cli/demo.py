@@ -1,0 +1,118 @@
+"""``conveyor demo``: the whole pipeline as local processes, on a small generated dataset.
+
+Starts Redis, an S3 server (moto), vLLM on CPU with a generated tiny model, a rollout worker,
+a scoring worker and the trainer; runs intake; shows progress until every trajectory is
+terminal; prints a summary; stops everything, also on Ctrl-C or failure.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from services.cli.local_stack import LocalStack, free_port
+from shared.ledger import STATES, Ledger
+from shared.names import RedisKeys
+
+console = Console()
+
+
+def write_demo_dataset(path: Path, tasks: int, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as fh:
+        for index in range(tasks):
+            fh.write(json.dumps({"id": f"guess-{index}", "task_data": {"low": 1, "high": 20, "target": rng.randint(1, 20)}}) + "\n")
+    return path
+
+
+def run_demo(config: Path | None, tasks: int, workdir: Path, timeout_s: float = 1200) -> int:
+    from services.inference.server import VllmServer
+    from services.inference.tiny_model import generate_tiny_model
+
+    workdir = Path(workdir).resolve()
+    run_id = f"demo-{int(time.time())}"
+    stack = LocalStack(workdir, run_id=run_id)
+    if config:
+        stack.env["CONVEYOR_CONFIG"] = str(Path(config).resolve())
+    vllm = None
+    try:
+        with console.status("starting Redis and the S3 server"):
+            stack.start_redis()
+            stack.start_s3()
+        with console.status("generating the tiny model"):
+            model_dir = generate_tiny_model(workdir / "models" / "tiny", end_of_turn_bias=4.0)
+        port = free_port()
+        vllm = VllmServer(model_dir, "tiny", port=port, log_path=workdir / "logs" / "vllm.log")
+        with console.status("starting vLLM on CPU (about a minute)"):
+            vllm.start()
+            ready_s = vllm.wait_ready(600)
+        console.print(f"vLLM ready in {ready_s:.0f}s at {vllm.base_url}")
+        stack.use_inference(vllm.base_url, model_dir, "tiny")
+        stack.start_rollout_worker()
+        stack.start_scoring_worker()
+        stack.start_trainer()
+        dataset = write_demo_dataset(workdir / "data" / "guess.jsonl", tasks)
+        result = stack.run_conveyor("intake", "--dataset", str(dataset))
+        console.print(result.stderr.strip() or result.stdout.strip())
+        if result.returncode != 0:
+            return result.returncode
+        _follow(stack, run_id, timeout_s)
+        _summary(stack, run_id)
+        return 0
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: shutting down[/yellow]")
+        return 130
+    finally:
+        with console.status("stopping everything"):
+            stack.stop()
+            if vllm:
+                vllm.stop()
+        console.print(f"logs and metrics: {workdir}")
+
+
+def _follow(stack: LocalStack, run_id: str, timeout_s: float) -> None:
+    ledger = Ledger(stack.redis_client())
+    deadline = time.time() + timeout_s
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console) as progress:
+        bar = progress.add_task("trajectories consumed or failed", total=None)
+        while time.time() < deadline:
+            counts = ledger.counts(run_id)
+            total = sum(counts.values())
+            done = counts["consumed"] + counts["failed"]
+            progress.update(bar, total=total, completed=done, description=" ".join(f"{s}={counts[s]}" for s in STATES))
+            if total and done == total:
+                return
+            for proc in stack.processes:
+                if not proc.alive():
+                    raise RuntimeError(f"{proc.name} died:\n{stack.logs(proc.name)}")
+            time.sleep(0.5)
+    raise TimeoutError(f"the demo did not finish within {timeout_s}s")
+
+
+def _summary(stack: LocalStack, run_id: str) -> None:
+    client = stack.redis_client()
+    counts = Ledger(client).counts(run_id)
+    trainer = client.hgetall(RedisKeys.trainer_counters(run_id))
+    metrics_path = Path(stack.env["CONVEYOR_TRAINER__METRICS_PATH"])
+    groups = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
+    table = Table(title=f"Conveyor demo {run_id}")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    for state in STATES:
+        table.add_row(f"trajectories {state}", str(counts[state]))
+    for name, value in sorted(trainer.items()):
+        table.add_row(f"trainer {name}", value)
+    rewards = [g["reward_mean"] for g in groups if g.get("reward_mean") is not None]
+    if rewards:
+        table.add_row("mean group reward", f"{sum(rewards) / len(rewards):.3f}")
+    latencies = sorted(g["group_latency_s"] for g in groups)
+    if latencies:
+        table.add_row("group latency p50 (s)", f"{latencies[len(latencies) // 2]:.2f}")
+    console.print(table)

@@ -1,0 +1,168 @@
+"""Conveyor as local processes: Redis, an S3 server (moto), vLLM, Celery workers, the trainer.
+
+Used by ``conveyor demo`` and by the end-to-end tests, so both exercise the same real
+processes. Invariants:
+- Every process gets its own log file under the stack's directory, and its own process group,
+  so ``stop()`` ends it and everything it spawned (Celery's pool, vLLM's engine).
+- Settings reach the child processes as ``CONVEYOR_*`` environment variables, the same way a
+  user configures a deployment.
+- ``stop()`` runs in reverse start order and never raises; it is safe to call twice.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_for_port(port: int, timeout_s: float, proc: subprocess.Popen, log_path: Path) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}:\n{_tail(log_path)}")
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"nothing listened on port {port} within {timeout_s}s:\n{_tail(log_path)}")
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if not self.alive():
+            return
+        self.kill(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill(signal.SIGKILL)
+            self.proc.wait(5)
+
+
+@dataclass
+class LocalStack:
+    root: Path
+    run_id: str = "demo"
+    env: dict[str, str] = field(default_factory=dict)
+    processes: list[ManagedProcess] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root).resolve()
+        (self.root / "logs").mkdir(parents=True, exist_ok=True)
+        self.env.setdefault("CONVEYOR_RUN_ID", self.run_id)
+        self.env.setdefault("CONVEYOR_TRAINER__METRICS_PATH", str(self.root / "metrics.jsonl"))
+
+    # --- generic ----------------------------------------------------------------------------
+    def spawn(self, name: str, argv: list[str], extra_env: dict[str, str] | None = None) -> ManagedProcess:
+        log_path = self.root / "logs" / f"{name}.log"
+        env = {**os.environ, **self.env, **(extra_env or {})}
+        with log_path.open("ab") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=os.getcwd())
+        managed = ManagedProcess(name, proc, log_path)
+        self.processes.append(managed)
+        return managed
+
+    def conveyor(self, name: str, *args: str, extra_env: dict[str, str] | None = None) -> ManagedProcess:
+        return self.spawn(name, [sys.executable, "-m", "services.cli.app", *args], extra_env)
+
+    def run_conveyor(self, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "services.cli.app", *args], env={**os.environ, **self.env},
+            capture_output=True, text=True, timeout=timeout_s,
+        )
+
+    # --- components -------------------------------------------------------------------------
+    def start_redis(self) -> str:
+        binary = shutil.which("redis-server")
+        if not binary:
+            raise RuntimeError("redis-server is not installed (Debian/Ubuntu: apt-get install -y redis-server)")
+        port = free_port()
+        proc = self.spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        _wait_for_port(port, 10, proc.proc, proc.log_path)
+        url = f"redis://127.0.0.1:{port}/0"
+        self.env["CONVEYOR_REDIS__URL"] = url
+        return url
+
+    def start_s3(self) -> str:
+        port = free_port()
+        proc = self.spawn("s3", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)])
+        _wait_for_port(port, 30, proc.proc, proc.log_path)
+        endpoint = f"127.0.0.1:{port}"
+        self.env.update({
+            "CONVEYOR_STORAGE__BACKEND": "s3", "CONVEYOR_STORAGE__ENDPOINT": endpoint,
+            "CONVEYOR_STORAGE__ACCESS_KEY": "testing", "CONVEYOR_STORAGE__SECRET_KEY": "testing",
+        })
+        return endpoint
+
+    def use_inference(self, base_url: str, model_path: Path, served_name: str) -> None:
+        self.env.update({
+            "CONVEYOR_INFERENCE__BASE_URL": base_url,
+            "CONVEYOR_INFERENCE__MODEL_PATH": str(model_path),
+            "CONVEYOR_INFERENCE__MODEL": served_name,
+        })
+
+    def start_rollout_worker(self, name: str = "rollout", concurrency: int = 8) -> ManagedProcess:
+        return self.conveyor(f"worker-{name}", "worker", "rollout", "--name", name, "--concurrency", str(concurrency))
+
+    def start_scoring_worker(self, name: str = "scoring") -> ManagedProcess:
+        return self.conveyor(f"worker-{name}", "worker", "scoring", "--name", name)
+
+    def start_trainer(self, exit_when_done: bool = False) -> ManagedProcess:
+        args = ["trainer"] + (["--exit-when-done"] if exit_when_done else [])
+        return self.conveyor("trainer", *args)
+
+    def redis_client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.env["CONVEYOR_REDIS__URL"], decode_responses=True)
+
+    def logs(self, name: str, lines: int = 40) -> str:
+        return _tail(self.root / "logs" / f"{name}.log", lines)
+
+    def stop(self) -> None:
+        for managed in reversed(self.processes):
+            try:
+                managed.stop()
+            except Exception:  # keep stopping the rest
+                managed.kill()
+        self.processes.clear()
+
+    def __enter__(self) -> "LocalStack":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

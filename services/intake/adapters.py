@@ -1,0 +1,79 @@
+"""Row adapters: one dataset row -> a TaskProfile for an environment.
+
+Accepted row shapes (see the architecture page):
+- ``{"task_data": {...}, "env_config": {...}?, "id": ...?}``, for any environment;
+- task-file JSON with ``task_key`` and ``env_key`` (and ``task_data`` or the task's fields);
+- question/answer keys (``question`` + ``answer``, or ``prompt`` + ``answer``) for ``qa``;
+- flat ``target``/``low``/``high`` rows for ``guess_number``.
+
+Invariant: an adapter either returns a valid TaskProfile or raises ``RowRejected`` with a
+reason that names the missing or bad field. It never returns half a task.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Callable
+
+from shared.schemas import TaskProfile
+
+
+class RowRejected(ValueError):
+    pass
+
+
+def _task_id(row: dict[str, Any]) -> str:
+    for key in ("id", "task_id", "task_key", "instance_id"):
+        if key in row and row[key] not in (None, ""):
+            return str(row[key])
+    return hashlib.sha256(json.dumps(row, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _require_int(data: dict[str, Any], field: str) -> int:
+    value = data.get(field)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RowRejected(f"field {field!r} must be an integer, got {value!r}")
+    return value
+
+
+def guess_number_task(data: dict[str, Any]) -> dict[str, Any]:
+    low, high, target = (_require_int(data, f) for f in ("low", "high", "target"))
+    if not low <= target <= high:
+        raise RowRejected(f"target {target} is outside [{low}, {high}]")
+    return {"low": low, "high": high, "target": target}
+
+
+def qa_task(data: dict[str, Any]) -> dict[str, Any]:
+    question = data.get("question") or data.get("prompt")
+    if not isinstance(question, str) or not question.strip():
+        raise RowRejected("field 'question' (or 'prompt') must be a non-empty string")
+    if data.get("answer") in (None, ""):
+        raise RowRejected("field 'answer' is missing")
+    return {"question": question, "answer": str(data["answer"])}
+
+
+TASK_VALIDATORS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "guess_number": guess_number_task,
+    "qa": qa_task,
+}
+
+
+def adapt_row(row: Any, default_env: str, source: str = "") -> TaskProfile:
+    if not isinstance(row, dict):
+        raise RowRejected(f"row must be a JSON object, got {type(row).__name__}")
+    env_name = row.get("env_key") or row.get("env_name") or default_env
+    if not isinstance(env_name, str):
+        raise RowRejected(f"field 'env_key'/'env_name' must be a string naming an environment, got {env_name!r}")
+    validator = TASK_VALIDATORS.get(env_name)
+    if validator is None:
+        raise RowRejected(f"unknown environment {env_name!r}; known: {sorted(TASK_VALIDATORS)}")
+    data = row.get("task_data")
+    if data is None:  # columnar datasets give absent columns as None
+        data = row
+    if not isinstance(data, dict):
+        raise RowRejected("field 'task_data' must be an object")
+    env_config = row.get("env_config") or {}
+    if not isinstance(env_config, dict):
+        raise RowRejected("field 'env_config' must be an object")
+    return TaskProfile(task_id=_task_id(row), env_name=env_name, task_data=validator(data), env_config=env_config, source=source)

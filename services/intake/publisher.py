@@ -1,0 +1,103 @@
+"""Intake: dataset rows -> task profiles -> GRPO groups of rollout requests on queue ``rollouts``.
+
+Invariants:
+- Ids and seeds follow ``shared.ids``. In traversal mode a group's id is its row's position in
+  the dataset; in sample mode it is the group's ordinal and the row is drawn from its seed.
+  Either way, running intake twice over the same data yields the same ids, and the ledger
+  registration makes the second run publish nothing already known.
+- A group is registered (Redis) and its trajectories recorded as queued in the ledger before
+  its rollout task is published, so a worker never sees a trajectory the ledger does not know.
+- A bad row is rejected with its location and reason, recorded in Redis and counted;
+  intake goes on with the next row.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from services.intake.adapters import RowRejected, adapt_row
+from services.intake.datasets import BadRow, Row
+from shared import ids
+from shared.ledger import Ledger
+from shared.names import RedisKeys
+from shared.schemas import GroupRegistration, RolloutRequest, TaskProfile
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class IntakeReport:
+    groups: int = 0
+    trajectories: int = 0
+    already_known: int = 0
+    rejected: list[dict[str, str]] = field(default_factory=list)
+
+
+def build_group(settings: Settings, group_id: int, task: TaskProfile, policy_version: int = 0) -> list[RolloutRequest]:
+    now = time.time()
+    size = settings.rollout.group_size
+    requests = []
+    for index in range(size):
+        seed = ids.episode_seed(settings.intake.base_seed, group_id, index)
+        requests.append(
+            RolloutRequest(
+                run_id=settings.run_id, group_id=group_id, episode_index=index, episode_seed=seed,
+                trajectory_id=ids.trajectory_id(settings.run_id, group_id, index, seed), group_size=size,
+                task=task, policy_version=policy_version, dispatched_at=now,
+            )
+        )
+    return requests
+
+
+def select_rows(settings: Settings, rows: list[Row | BadRow]) -> Iterable[tuple[int, Row | BadRow]]:
+    """(group id, row) pairs for the configured mode."""
+    if settings.intake.mode == "traversal":
+        yield from enumerate(rows)
+        return
+    for group_id in range(settings.intake.num_groups):
+        yield group_id, rows[ids.sample_row_index(settings.intake.base_seed, group_id, len(rows))]
+
+
+def run_intake(
+    settings: Settings,
+    rows: list[Row | BadRow],
+    ledger: Ledger,
+    publish: Callable[[list[RolloutRequest]], None],
+    on_group: Callable[[int], None] | None = None,
+) -> IntakeReport:
+    report = IntakeReport()
+    run = settings.run_id
+    policy_version = int(ledger.redis.get(RedisKeys.policy_version(run)) or 0)
+    for group_id, row in select_rows(settings, rows):
+        try:
+            if isinstance(row, BadRow):
+                raise RowRejected(row.reason)
+            task = adapt_row(row.value, settings.intake.env_name, row.source)
+        except (RowRejected, ValueError) as exc:  # ValueError: the row broke a schema
+            rejection = {"source": row.source, "reason": str(exc)}
+            report.rejected.append(rejection)
+            ledger.redis.rpush(RedisKeys.rejected_rows(run), json.dumps(rejection))
+            log.warning("rejected row %s: %s", row.source, exc)
+            continue
+        requests = build_group(settings, group_id, task, policy_version)
+        registration = GroupRegistration(
+            run_id=run, group_id=group_id, expected_size=len(requests), task_id=task.task_id,
+            policy_version=policy_version, dispatched_at=requests[0].dispatched_at,
+        )
+        ledger.redis.hsetnx(RedisKeys.groups(run), str(group_id), registration.model_dump_json())
+        added = ledger.register(requests)
+        if added == 0:
+            report.already_known += 1
+            continue
+        publish(requests)
+        report.groups += 1
+        report.trajectories += len(requests)
+        if on_group:
+            on_group(group_id)
+    ledger.redis.set(RedisKeys.intake_done(run), "1")
+    return report

@@ -1,0 +1,52 @@
+"""Token ids for prompts and observations, from the policy's own tokenizer and chat template.
+
+Invariant: earlier turns are never re-tokenized. The initial prompt is rendered once; each
+later turn only appends the ids of the text that closes the assistant turn, carries the
+observation and opens the next assistant turn. That text is derived from the model's own chat
+template (render a conversation around a placeholder and cut at it), so any template that
+renders an assistant message as its content followed by an end marker works.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+_PLACEHOLDER = "\u2063PLACEHOLDER\u2063"
+
+
+class ChatTokens:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, observation_role: str = "user"):
+        self.tokenizer = tokenizer
+        self.observation_role = observation_role
+        self.eos_token_id = tokenizer.eos_token_id
+        self.eos_text = tokenizer.eos_token or ""
+
+    def initial_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def observation_ids(self, observation: str, sampled_ended_with_eos: bool) -> list[int]:
+        rendered = self.tokenizer.apply_chat_template(
+            [
+                {"role": "user", "content": "x"},
+                {"role": "assistant", "content": _PLACEHOLDER},
+                {"role": self.observation_role, "content": observation},
+            ],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        delta = rendered[rendered.index(_PLACEHOLDER) + len(_PLACEHOLDER):]
+        if sampled_ended_with_eos and self.eos_text and delta.startswith(self.eos_text):
+            delta = delta[len(self.eos_text):]  # the model already sampled the end marker
+        return list(self.tokenizer(delta, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@lru_cache(maxsize=4)
+def load_chat_tokens(model_path: str | Path) -> ChatTokens:
+    return ChatTokens(AutoTokenizer.from_pretrained(str(model_path)))

@@ -1,0 +1,163 @@
+"""The episode loop: one trajectory, token-in/token-out against the inference service.
+
+Invariants:
+- The context is a list of token ids that only grows: initial prompt ids, then per turn the
+  sampled ids and the observation ids. Nothing already in it is re-tokenized.
+- The loss mask is 1 exactly on sampled ids (``Trajectory.flatten``); observation ids are 0.
+- Each turn's token budget is the smallest of the per-turn limit, what is left of the episode
+  budget and what is left of the model's context; an exhausted budget ends the episode with
+  ``max_tokens``.
+- Bad model output never raises here (the environment answers it); an environment that raises
+  ends the episode with ``env_error``; unreachable inference ends it with ``infra_error``.
+  Either way a Trajectory comes back, with the turns done so far.
+- Sampling seeds are ``episode_seed * 1000 + turn``, so a turn can be replayed exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from services.rollout_worker.chat_tokens import ChatTokens
+from services.rollout_worker.environments import make_environment
+from services.rollout_worker.environments.base import AgentAction
+from services.rollout_worker.inference_client import InferenceClient, InferenceRejected, InferenceUnavailable
+from services.rollout_worker.tool_calls import parse_tool_calls
+from shared.schemas import EpisodeTimings, RolloutRequest, StopReason, Trajectory, Turn, TurnTimings
+from shared.settings import RolloutSettings
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int
+    max_tokens_per_turn: int
+    max_episode_tokens: int
+    max_model_len: int
+    timeout_s: float
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    @classmethod
+    def from_settings(cls, rollout: RolloutSettings, max_model_len: int, env_config: dict) -> "EpisodeLimits":
+        return cls(
+            max_turns=int(env_config.get("max_turns", rollout.max_turns)),
+            max_tokens_per_turn=int(env_config.get("max_tokens_per_turn", rollout.max_tokens_per_turn)),
+            max_episode_tokens=int(env_config.get("max_episode_tokens", rollout.max_episode_tokens)),
+            max_model_len=max_model_len,
+            timeout_s=float(env_config.get("episode_timeout_s", rollout.episode_timeout_s)),
+            temperature=rollout.sampling.temperature,
+            top_p=rollout.sampling.top_p,
+        )
+
+
+def turn_seed(episode_seed: int, turn_index: int) -> int:
+    return episode_seed * 1000 + turn_index
+
+
+async def run_episode(
+    request: RolloutRequest,
+    client: InferenceClient,
+    chat: ChatTokens,
+    limits: EpisodeLimits,
+    policy_version: Callable[[], int],
+    attempt: int = 1,
+    worker: str = "",
+) -> Trajectory:
+    started = time.time()
+    turns: list[Turn] = []
+    env = make_environment(request.task.env_name, request.task.env_config)
+    stop, error, env_reward, env_info = StopReason.max_turns, None, None, {}
+    try:
+        try:
+            messages = await env.reset(request.task.task_data, request.episode_seed)
+        except Exception as exc:  # the environment broke, not the agent
+            raise _EnvFailure(f"reset: {type(exc).__name__}: {exc}") from exc
+        new_ids = chat.initial_prompt(messages)
+        context: list[int] = []
+        sampled_total = 0
+        for index in range(limits.max_turns):
+            budget = min(
+                limits.max_tokens_per_turn,
+                limits.max_episode_tokens - sampled_total,
+                limits.max_model_len - len(context) - len(new_ids),
+            )
+            if budget <= 0:
+                stop = StopReason.max_tokens
+                break
+            remaining_s = limits.timeout_s - (time.time() - started)
+            if remaining_s <= 0:
+                stop = StopReason.timeout
+                break
+            context += new_ids
+            version = policy_version()
+            t0 = time.perf_counter()
+            completion = await asyncio.wait_for(
+                client.complete(
+                    context, budget, turn_seed(request.episode_seed, index), limits.temperature, limits.top_p
+                ),
+                timeout=remaining_s,
+            )
+            inference_s = time.perf_counter() - t0
+            context += completion.token_ids
+            sampled_total += len(completion.token_ids)
+            text = chat.decode(completion.token_ids)
+            calls, call_error = parse_tool_calls(text)
+            t1 = time.perf_counter()
+            try:
+                result = await env.step(AgentAction(text, calls, call_error))
+            except Exception as exc:
+                raise _EnvFailure(f"step {index}: {type(exc).__name__}: {exc}") from exc
+            env_step_s = time.perf_counter() - t1
+            turns.append(
+                Turn(
+                    index=index,
+                    prompt_token_ids=new_ids,
+                    sampled_token_ids=completion.token_ids,
+                    logprobs=completion.logprobs,
+                    policy_version=version,
+                    finish_reason=completion.finish_reason,
+                    completion_text=text,
+                    tool_calls=calls,
+                    tool_call_error=call_error,
+                    observation=None if result.done else result.observation,
+                    timings=TurnTimings(inference_s=inference_s, env_step_s=env_step_s),
+                )
+            )
+            if result.done:
+                stop = StopReason.done
+                break
+            ended_with_eos = bool(completion.token_ids) and completion.token_ids[-1] == chat.eos_token_id
+            new_ids = chat.observation_ids(result.observation, ended_with_eos)
+        try:
+            verdict = await env.verify()
+            env_reward, env_info = verdict.reward, verdict.info
+        except Exception as exc:
+            raise _EnvFailure(f"verify: {type(exc).__name__}: {exc}") from exc
+    except _EnvFailure as exc:
+        stop, error = StopReason.env_error, str(exc)
+    except asyncio.TimeoutError:
+        stop, error = StopReason.timeout, f"episode exceeded {limits.timeout_s}s"
+    except (InferenceUnavailable, InferenceRejected) as exc:
+        stop, error = StopReason.infra_error, str(exc)
+    finally:
+        try:
+            await env.close()
+        except Exception as exc:  # a failed close must not hide the episode's outcome
+            error = error or f"close: {type(exc).__name__}: {exc}"
+    ended = time.time()
+    timings = EpisodeTimings(
+        queue_wait_s=max(0.0, started - request.dispatched_at),
+        episode_s=ended - started,
+        inference_s=sum(t.timings.inference_s for t in turns),
+        env_s=sum(t.timings.env_step_s for t in turns),
+    )
+    return Trajectory(
+        request=request, turns=turns, stop_reason=stop, error=error, env_reward=env_reward,
+        env_info=env_info, attempt=attempt, worker=worker, timings=timings,
+    )
+
+
+class _EnvFailure(Exception):
+    pass

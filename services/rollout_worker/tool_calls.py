@@ -1,0 +1,37 @@
+"""Parse tool calls from model output: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+
+Invariant: parsing never raises. Malformed output yields an error message that says what was
+wrong, which the environment turns into an observation for the agent.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from pydantic import ValidationError
+
+from shared.schemas import ToolCall
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
+
+
+def parse_tool_calls(text: str) -> tuple[list[ToolCall], str | None]:
+    """Returns (calls, error). No tool call at all is (``[]``, None)."""
+    calls: list[ToolCall] = []
+    for number, body in enumerate(_BLOCK.findall(text), start=1):
+        try:
+            payload = json.loads(body)
+        except json.JSONDecodeError as exc:
+            return calls, f"tool call {number} is not valid JSON ({exc.msg} at char {exc.pos})"
+        if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+            return calls, f'tool call {number} needs an object with a string "name"'
+        try:
+            calls.append(ToolCall(name=payload["name"], arguments=payload.get("arguments") or {}))
+        except ValidationError:
+            return calls, f'tool call {number}: "arguments" must be an object'
+    unclosed = text.count(OPEN) - text.count(CLOSE)
+    if unclosed > 0:
+        return calls, f"{unclosed} tool call(s) opened with {OPEN} but never closed with {CLOSE}"
+    return calls, None

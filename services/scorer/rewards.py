@@ -1,0 +1,83 @@
+"""Reward functions and their weighted combination.
+
+A reward function takes a Trajectory and returns a float. Built-ins:
+- ``verifier``: the environment's own verdict (``Trajectory.env_reward``; 0 when it has none),
+- ``format``: the share of turns whose output held at least one well-formed tool call,
+- ``brevity``: 1 - sampled tokens / the episode token budget, a length-shaping term.
+Any other name is an import path ``module:function``.
+
+Invariant: the combined reward is ``sum(weight * fn(trajectory))`` over the configured
+functions, and each component is kept beside it for inspection. A function that raises or
+returns a non-finite number is an error naming the function, never a silent 0.
+"""
+
+from __future__ import annotations
+
+import importlib
+from functools import partial
+import math
+from typing import Callable
+
+from shared.schemas import RewardBreakdown, Trajectory
+
+RewardFn = Callable[[Trajectory], float]
+
+
+def verifier_reward(trajectory: Trajectory) -> float:
+    return float(trajectory.env_reward or 0.0)
+
+
+def format_reward(trajectory: Trajectory) -> float:
+    if not trajectory.turns:
+        return 0.0
+    good = sum(1 for t in trajectory.turns if t.tool_calls and not t.tool_call_error)
+    return good / len(trajectory.turns)
+
+
+def brevity_reward(trajectory: Trajectory, default_budget: int = 256) -> float:
+    sampled = sum(len(t.sampled_token_ids) for t in trajectory.turns)
+    budget = int(trajectory.request.task.env_config.get("max_episode_tokens", default_budget))
+    return max(0.0, 1.0 - sampled / max(budget, 1))
+
+
+BUILTIN: dict[str, RewardFn] = {"verifier": verifier_reward, "format": format_reward, "brevity": brevity_reward}
+
+
+class RewardError(ValueError):
+    pass
+
+
+def resolve(name: str) -> RewardFn:
+    if name in BUILTIN:
+        return BUILTIN[name]
+    module_name, _, attr = name.partition(":")
+    if not attr:
+        raise RewardError(f"reward function {name!r}: not a built-in ({sorted(BUILTIN)}) nor 'module:function'")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise RewardError(f"reward function {name!r} cannot be imported: {exc}") from exc
+    if not callable(fn):
+        raise RewardError(f"reward function {name!r} is not callable")
+    return fn
+
+
+class RewardCombiner:
+    def __init__(self, weights: dict[str, float], episode_token_budget: int = 256):
+        if not weights:
+            raise RewardError("no reward functions configured")
+        self.functions = {name: (resolve(name), weight) for name, weight in weights.items()}
+        if "brevity" in self.functions:
+            self.functions["brevity"] = (partial(brevity_reward, default_budget=episode_token_budget), weights["brevity"])
+
+    def score(self, trajectory: Trajectory) -> tuple[float, list[RewardBreakdown]]:
+        parts = []
+        for name, (fn, weight) in self.functions.items():
+            try:
+                value = float(fn(trajectory))
+            except Exception as exc:
+                raise RewardError(f"reward function {name!r} raised {type(exc).__name__}: {exc}") from exc
+            if not math.isfinite(value):
+                raise RewardError(f"reward function {name!r} returned {value}")
+            parts.append(RewardBreakdown(name=name, value=value, weight=weight))
+        return sum(p.value * p.weight for p in parts), parts

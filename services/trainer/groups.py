@@ -1,0 +1,65 @@
+"""GRPO group assembly from the trainer's event stream.
+
+Invariants:
+- A group is complete when every one of its ``expected_size`` members is terminal: scored
+  or failed. It completes exactly once.
+- An event for a trajectory the group already holds (a redelivery) is a duplicate and is
+  ignored; an event for a group that already completed is late and is ignored. Both are
+  counted, neither changes a decided group.
+- The assembler keeps no state that cannot be rebuilt: after a restart the consumer replays
+  its pending stream entries into a fresh assembler and gets the same groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+from shared.schemas import TrainerEvent
+
+
+@dataclass
+class PendingGroup:
+    group_id: int
+    expected_size: int
+    events: dict[str, TrainerEvent] = field(default_factory=dict)  # trajectory id -> event
+    entry_ids: list[str] = field(default_factory=list)  # stream entries to acknowledge
+
+    @property
+    def complete(self) -> bool:
+        return len(self.events) >= self.expected_size
+
+    @property
+    def scored(self) -> list[TrainerEvent]:
+        return sorted((e for e in self.events.values() if e.kind == "scored"), key=lambda e: e.trajectory_id)
+
+    @property
+    def failed(self) -> list[TrainerEvent]:
+        return sorted((e for e in self.events.values() if e.kind == "failed"), key=lambda e: e.trajectory_id)
+
+
+AddOutcome = Literal["added", "duplicate", "late"]
+
+
+class GroupAssembler:
+    def __init__(self, expected_size: Callable[[int], int], is_done: Callable[[int], bool]):
+        self._expected_size = expected_size
+        self._is_done = is_done
+        self.pending: dict[int, PendingGroup] = {}
+
+    def add(self, event: TrainerEvent, entry_id: str) -> tuple[AddOutcome, PendingGroup | None]:
+        """Returns the outcome and, when this event completed its group, the group."""
+        group_id = event.group_id
+        if self._is_done(group_id):
+            return "late", None
+        group = self.pending.get(group_id)
+        if group is None:
+            group = self.pending[group_id] = PendingGroup(group_id, self._expected_size(group_id))
+        group.entry_ids.append(entry_id)
+        if event.trajectory_id in group.events:
+            return "duplicate", None
+        group.events[event.trajectory_id] = event
+        if group.complete:
+            del self.pending[group_id]
+            return "added", group
+        return "added", None

@@ -1,0 +1,57 @@
+"""Seeds and ids, exactly as the architecture page defines them.
+
+- ``group_seed = base_seed + group_id``; ``episode_seed = group_seed + episode_index``.
+- ``trajectory_id = {run}_{group_id}_{episode_index}_{episode_seed}``; run ids contain no "_",
+  so a trajectory id parses back into its parts.
+- Sample mode picks rows deterministically from the group seed.
+- Train/eval splits are hash-based: the same task id always lands in the same split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from typing import NamedTuple
+
+
+def group_seed(base_seed: int, group_id: int) -> int:
+    return base_seed + group_id
+
+
+def episode_seed(base_seed: int, group_id: int, episode_index: int) -> int:
+    return group_seed(base_seed, group_id) + episode_index
+
+
+def trajectory_id(run_id: str, group_id: int, episode_index: int, seed: int) -> str:
+    if "_" in run_id:
+        raise ValueError(f"run id {run_id!r} must not contain '_' (it separates trajectory id fields)")
+    return f"{run_id}_{group_id}_{episode_index}_{seed}"
+
+
+class TrajectoryIdParts(NamedTuple):
+    run_id: str
+    group_id: int
+    episode_index: int
+    episode_seed: int
+
+
+def parse_trajectory_id(value: str) -> TrajectoryIdParts:
+    parts = value.split("_")
+    if len(parts) != 4:
+        raise ValueError(f"malformed trajectory id {value!r}: expected run_group_episode_seed")
+    run, group, episode, seed = parts
+    return TrajectoryIdParts(run, int(group), int(episode), int(seed))
+
+
+def sample_row_index(base_seed: int, group_id: int, num_rows: int) -> int:
+    """The dataset row a group uses in sample mode: a pure function of the group seed."""
+    if num_rows <= 0:
+        raise ValueError("cannot sample from an empty dataset")
+    return random.Random(group_seed(base_seed, group_id)).randrange(num_rows)
+
+
+def split_of(task_id: str, eval_fraction: float, salt: str = "conveyor") -> str:
+    """'eval' or 'train', stable for a task id across runs and machines."""
+    digest = hashlib.sha256(f"{salt}:{task_id}".encode()).digest()
+    bucket = int.from_bytes(digest[:8], "big") / 2**64
+    return "eval" if bucket < eval_fraction else "train"

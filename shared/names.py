@@ -1,0 +1,94 @@
+"""Queue names, Redis keys and the object-key layout: every service names things through here.
+
+Object key layout (one bucket):
+- ``trajectories/{run}/{group_id:06d}/{trajectory_id}.json.gz`` — the Trajectory, gzip JSON
+- ``scored/{run}/{group_id:06d}/{trajectory_id}.json.gz`` — the ScoredTrajectory
+- ``batches/{run}/{group_id:06d}.json.gz`` — a training batch (one GRPO group)
+- ``groups/{run}/{group_id:06d}.json.gz`` — the GroupRecord the trainer decided
+- ``rejected/{run}/intake.jsonl`` is not used: rejected rows live in Redis (see ``rejected_rows``)
+"""
+
+from __future__ import annotations
+
+ROLLOUT_QUEUE = "rollouts"
+SCORING_QUEUE = "scoring"
+
+ROLLOUT_TASK = "conveyor.rollout.run_trajectories"
+SCORING_TASK = "conveyor.scoring.score_trajectory"
+
+_P = "conveyor"
+
+
+def trajectory_key(run_id: str, group_id: int, trajectory_id: str) -> str:
+    return f"trajectories/{run_id}/{group_id:06d}/{trajectory_id}.json.gz"
+
+
+def scored_key(run_id: str, group_id: int, trajectory_id: str) -> str:
+    return f"scored/{run_id}/{group_id:06d}/{trajectory_id}.json.gz"
+
+
+def batch_key(run_id: str, group_id: int) -> str:
+    return f"batches/{run_id}/{group_id:06d}.json.gz"
+
+
+def group_record_key(run_id: str, group_id: int) -> str:
+    return f"groups/{run_id}/{group_id:06d}.json.gz"
+
+
+class RedisKeys:
+    """Redis key names. Per-run keys share a hash tag so a cluster keeps a run on one slot."""
+
+    runs = f"{_P}:runs"  # set of run ids
+    leases = f"{_P}:leases"  # zset trajectory_id -> lease deadline (unix s), all runs
+
+    @staticmethod
+    def states(run_id: str) -> str:  # hash trajectory_id -> state ("failed" detail in `failures`)
+        return f"{_P}:{{{run_id}}}:state"
+
+    @staticmethod
+    def counts(run_id: str) -> str:  # hash state -> count; kept in step with `states` by Lua
+        return f"{_P}:{{{run_id}}}:counts"
+
+    @staticmethod
+    def failures(run_id: str) -> str:  # hash trajectory_id -> failure reason
+        return f"{_P}:{{{run_id}}}:failures"
+
+    @staticmethod
+    def owners(run_id: str) -> str:  # hash trajectory_id -> lease token of the current attempt
+        return f"{_P}:{{{run_id}}}:owners"
+
+    @staticmethod
+    def attempts(run_id: str) -> str:  # hash trajectory_id -> attempts started
+        return f"{_P}:{{{run_id}}}:attempts"
+
+    @staticmethod
+    def requests(run_id: str) -> str:  # hash trajectory_id -> RolloutRequest JSON (re-dispatch)
+        return f"{_P}:{{{run_id}}}:requests"
+
+    @staticmethod
+    def groups(run_id: str) -> str:  # hash group_id -> GroupRegistration JSON
+        return f"{_P}:{{{run_id}}}:groups"
+
+    @staticmethod
+    def groups_done(run_id: str) -> str:  # set of group ids the trainer has completed
+        return f"{_P}:{{{run_id}}}:groups_done"
+
+    @staticmethod
+    def trainer_stream(run_id: str) -> str:  # stream of TrainerEvent JSON
+        return f"{_P}:{{{run_id}}}:to_trainer"
+
+    @staticmethod
+    def rejected_rows(run_id: str) -> str:  # list of {"source", "reason"} JSON
+        return f"{_P}:{{{run_id}}}:rejected"
+
+    @staticmethod
+    def intake_done(run_id: str) -> str:  # "1" once intake dispatched everything it will
+        return f"{_P}:{{{run_id}}}:intake_done"
+
+    @staticmethod
+    def policy_version(run_id: str) -> str:  # int: the version the inference service serves
+        return f"{_P}:{{{run_id}}}:policy_version"
+
+    @staticmethod
+    def trainer_counters(run_id: str) -> str:  # hash: groups_trained, zero_variance, late, ...
+        return f"{_P}:{{{run_id}}}:trainer"

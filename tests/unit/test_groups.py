@@ -1,0 +1,412 @@
+"""GRPO group assembly, and the trainer consumer end to end against real Redis + LocalStore."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import time
+
+import pytest
+
+from services.intake.datasets import Row
+from services.intake.publisher import run_intake
+from services.trainer.advantages import group_advantages
+from services.trainer.consumer import CONSUMER_GROUP, TrainerConsumer
+from services.trainer.groups import GroupAssembler
+from shared.ledger import Ledger
+from shared.names import RedisKeys, batch_key, group_record_key, scored_key, trajectory_key
+from shared.schemas import (
+    GroupRecord,
+    RolloutRequest,
+    ScoredTrajectory,
+    StopReason,
+    TrainerEvent,
+    TrainingBatch,
+    Trajectory,
+    Turn,
+)
+from shared.settings import Settings
+from shared.storage import LocalStore, get_model, put_model
+
+# --- GroupAssembler -----------------------------------------------------------------------
+
+
+def ev(group_id: int, episode: int, kind: str = "scored", reward: float = 1.0) -> TrainerEvent:
+    tid = f"r_{group_id}_{episode}_{group_id + episode}"
+    if kind == "scored":
+        return TrainerEvent(kind="scored", trajectory_id=tid, run_id="r", group_id=group_id, reward=reward, scored_key="k", at=0.0)
+    return TrainerEvent(kind="failed", trajectory_id=tid, run_id="r", group_id=group_id, failure_reason="env_error", at=0.0)
+
+
+class Done:
+    """A stand-in for the consumer's groups_done set."""
+
+    def __init__(self):
+        self.ids: set[int] = set()
+
+    def __call__(self, group_id: int) -> bool:
+        return group_id in self.ids
+
+
+def test_group_completes_when_all_members_are_terminal():
+    done = Done()
+    asm = GroupAssembler(lambda g: 3, done)
+    assert asm.add(ev(0, 0, reward=0.0), "1-0") == ("added", None)
+    assert asm.add(ev(1, 0), "1-1") == ("added", None)  # other groups are independent
+    assert asm.add(ev(0, 1, reward=1.0), "1-2") == ("added", None)
+    outcome, group = asm.add(ev(0, 2, reward=0.5), "1-3")
+    assert outcome == "added" and group is not None
+    assert group.group_id == 0 and group.expected_size == 3
+    assert [e.reward for e in group.scored] == [0.0, 1.0, 0.5]
+    assert group.failed == []
+    assert group.entry_ids == ["1-0", "1-2", "1-3"]
+    assert 0 not in asm.pending and 1 in asm.pending
+
+
+def test_failed_member_counts_as_terminal():
+    asm = GroupAssembler(lambda g: 2, Done())
+    asm.add(ev(0, 0, reward=1.0), "1-0")
+    outcome, group = asm.add(ev(0, 1, kind="failed"), "1-1")
+    assert outcome == "added" and group is not None
+    assert [e.trajectory_id for e in group.scored] == ["r_0_0_0"]
+    assert [e.trajectory_id for e in group.failed] == ["r_0_1_1"]
+
+
+def test_all_failed_group_completes():
+    asm = GroupAssembler(lambda g: 2, Done())
+    asm.add(ev(0, 0, kind="failed"), "1-0")
+    _, group = asm.add(ev(0, 1, kind="failed"), "1-1")
+    assert group is not None and group.scored == [] and len(group.failed) == 2
+
+
+def test_duplicate_delivery_is_ignored_but_its_entry_is_kept_for_ack():
+    asm = GroupAssembler(lambda g: 2, Done())
+    asm.add(ev(0, 0, reward=1.0), "1-0")
+    # a redelivery, even with a different payload, does not replace the decided member
+    assert asm.add(ev(0, 0, reward=0.0), "1-1") == ("duplicate", None)
+    assert asm.add(ev(0, 0, kind="failed"), "1-2") == ("duplicate", None)
+    outcome, group = asm.add(ev(0, 1, reward=0.0), "1-3")
+    assert outcome == "added" and group is not None
+    assert [e.reward for e in group.scored] == [1.0, 0.0]
+    assert group.entry_ids == ["1-0", "1-1", "1-2", "1-3"]
+
+
+def test_late_member_after_completion_is_reported_late():
+    done = Done()
+    asm = GroupAssembler(lambda g: 1, done)
+    _, group = asm.add(ev(0, 0), "1-0")
+    assert group is not None
+    done.ids.add(0)  # the consumer marks the group done
+    assert asm.add(ev(0, 1), "1-1") == ("late", None)
+    assert asm.add(ev(0, 0), "1-2") == ("late", None)
+    assert 0 not in asm.pending
+
+
+def test_zero_variance_group_is_detected_from_its_rewards():
+    asm = GroupAssembler(lambda g: 3, Done())
+    for i in range(2):
+        asm.add(ev(0, i, reward=0.5), f"1-{i}")
+    _, group = asm.add(ev(0, 2, reward=0.5), "1-2")
+    assert group_advantages([e.reward for e in group.scored]).zero_variance
+
+
+# --- TrainerConsumer integration ----------------------------------------------------------
+
+GROUP_SIZE = 4
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("CONVEYOR_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def settings(clean_env, run_id, tmp_path) -> Settings:
+    return Settings(
+        run_id=run_id,
+        rollout={"group_size": GROUP_SIZE},
+        intake={"mode": "traversal", "env_name": "guess_number", "base_seed": 100},
+        trainer={"consumer_name": "trainer-x", "block_ms": 10, "metrics_path": tmp_path / "metrics.jsonl"},
+    )
+
+
+@pytest.fixture
+def ledger(redis_client) -> Ledger:
+    return Ledger(redis_client)
+
+
+@pytest.fixture
+def store(tmp_path) -> LocalStore:
+    return LocalStore(tmp_path / "objects")
+
+
+def register_groups(settings: Settings, ledger: Ledger, num_groups: int) -> dict[int, list[RolloutRequest]]:
+    rows = [Row(f"mem:{i}", {"id": f"task-{i}", "low": 1, "high": 20, "target": i + 1}) for i in range(num_groups)]
+    published: list[list[RolloutRequest]] = []
+    report = run_intake(settings, rows, ledger, published.append)
+    assert report.groups == num_groups and not report.rejected
+    return {reqs[0].group_id: reqs for reqs in published}
+
+
+def trajectory_for(req: RolloutRequest) -> Trajectory:
+    i = req.episode_index
+    turns = [
+        Turn(index=0, prompt_token_ids=[1, 2, 3], sampled_token_ids=[100 + i, 101], logprobs=[-0.5, -0.25],
+             policy_version=3, finish_reason="stop", completion_text="a", observation="higher"),
+        Turn(index=1, prompt_token_ids=[7] * (i + 1), sampled_token_ids=[200 + i], logprobs=[-1.0 - i],
+             policy_version=2 + i, finish_reason="stop", completion_text="b"),
+    ]
+    return Trajectory(request=req, turns=turns, stop_reason=StopReason.done, env_reward=None)
+
+
+def deliver_scored(ledger: Ledger, store: LocalStore, req: RolloutRequest, reward: float) -> None:
+    """What a rollout worker and the scorer do for one trajectory."""
+    tid = req.trajectory_id
+    assert ledger.claim(tid, f"tok-{tid}", 30)[0]
+    t_key = trajectory_key(req.run_id, req.group_id, tid)
+    put_model(store, t_key, trajectory_for(req))
+    assert ledger.mark_uploaded(tid, f"tok-{tid}").ok
+    s_key = scored_key(req.run_id, req.group_id, tid)
+    put_model(store, s_key, ScoredTrajectory(
+        trajectory_id=tid, run_id=req.run_id, group_id=req.group_id, trajectory_key=t_key, reward=reward,
+        components=[], stop_reason=StopReason.done, scored_at=time.time(),
+    ))
+    event = TrainerEvent(kind="scored", trajectory_id=tid, run_id=req.run_id, group_id=req.group_id,
+                         reward=reward, scored_key=s_key, at=time.time())
+    assert ledger.mark_scored(tid, event).ok
+
+
+def drain(consumer: TrainerConsumer) -> int:
+    total = 0
+    while (n := consumer.poll(block_ms=10)):
+        total += n
+    return total
+
+
+def pending_count(redis_client, run_id: str) -> int:
+    return redis_client.xpending(RedisKeys.trainer_stream(run_id), CONSUMER_GROUP)["pending"]
+
+
+def test_consumer_trains_a_group_with_correct_advantages_and_masks(settings, ledger, store, redis_client, run_id):
+    groups = register_groups(settings, ledger, 1)
+    reqs = groups[0]
+    consumer = TrainerConsumer(settings, ledger, store)
+    rewards = [0.0, 1.0, 1.0, 0.5]
+    for req, reward in zip(reqs[:3], rewards[:3]):
+        deliver_scored(ledger, store, req, reward)
+    assert drain(consumer) == 3
+    assert store.list_keys("batches/") == []
+    assert redis_client.smembers(RedisKeys.groups_done(run_id)) == set()
+    assert pending_count(redis_client, run_id) == 3  # not acknowledged before the group is handled
+
+    deliver_scored(ledger, store, reqs[3], rewards[3])
+    assert drain(consumer) == 1
+
+    batch = get_model(store, batch_key(run_id, 0), TrainingBatch)
+    assert batch.run_id == run_id and batch.group_id == 0
+    assert [s.trajectory_id for s in batch.samples] == [r.trajectory_id for r in reqs]
+    expected = group_advantages(rewards, settings.trainer.advantage_eps).advantages
+    assert [s.advantage for s in batch.samples] == pytest.approx(expected)
+    # hand check: mean .625, population std sqrt(.171875)
+    std = (sum((r - 0.625) ** 2 for r in rewards) / 4) ** 0.5
+    assert batch.samples[1].advantage == pytest.approx(0.375 / (std + 1e-6))
+    for sample, req, reward in zip(batch.samples, reqs, rewards):
+        flat = trajectory_for(req).flatten()
+        assert sample.token_ids == flat.token_ids
+        assert sample.loss_mask == flat.loss_mask
+        assert sample.inference_logprobs == flat.inference_logprobs
+        assert [t for t, m in zip(sample.token_ids, sample.loss_mask) if m] == [100 + req.episode_index, 101, 200 + req.episode_index]
+        assert sample.reward == reward
+        assert sample.oldest_policy_version == min(3, 2 + req.episode_index)
+        assert sample.stop_reason is StopReason.done
+
+    record = get_model(store, group_record_key(run_id, 0), GroupRecord)
+    assert record.status == "trained" and record.batch_key == batch_key(run_id, 0)
+    assert record.expected_size == GROUP_SIZE and len(record.members) == GROUP_SIZE
+    assert record.reward_mean == pytest.approx(0.625) and record.reward_std == pytest.approx(std)
+
+    assert {ledger.state(r.trajectory_id) for r in reqs} == {"consumed"}
+    assert ledger.counts(run_id)["consumed"] == GROUP_SIZE
+    assert redis_client.smembers(RedisKeys.groups_done(run_id)) == {"0"}
+    assert consumer.counters() == {"groups_trained": 1}
+    assert pending_count(redis_client, run_id) == 0
+    lines = [json.loads(line) for line in (settings.trainer.metrics_path).read_text().splitlines()]
+    assert [(m["group_id"], m["status"], m["scored"], m["failed"]) for m in lines] == [(0, "trained", 4, 0)]
+
+    redis_client.set(RedisKeys.intake_done(run_id), "1")
+    assert consumer.finished()
+
+
+def test_batch_object_is_gzip_json(settings, ledger, store, run_id):
+    groups = register_groups(settings, ledger, 1)
+    consumer = TrainerConsumer(settings, ledger, store)
+    for req, reward in zip(groups[0], [0, 1, 0, 1]):
+        deliver_scored(ledger, store, req, reward)
+    drain(consumer)
+    raw = json.loads(gzip.decompress(store.get_bytes(batch_key(run_id, 0))))
+    assert raw["group_id"] == 0 and len(raw["samples"]) == GROUP_SIZE
+
+
+def test_zero_variance_group_is_dropped_and_counted(settings, ledger, store, redis_client, run_id):
+    groups = register_groups(settings, ledger, 2)
+    consumer = TrainerConsumer(settings, ledger, store)
+    for req in groups[0]:
+        deliver_scored(ledger, store, req, 0.5)
+    for req, reward in zip(groups[1], [1, 0, 0, 0]):
+        deliver_scored(ledger, store, req, reward)
+    assert drain(consumer) == 2 * GROUP_SIZE
+    assert store.list_keys("batches/") == [batch_key(run_id, 1)]
+    record = get_model(store, group_record_key(run_id, 0), GroupRecord)
+    assert record.status == "zero_variance" and record.batch_key is None
+    assert all(m.advantage == pytest.approx(0.0) for m in record.members)
+    # dropped, but its members still reached the trainer exactly once
+    assert {ledger.state(r.trajectory_id) for r in groups[0]} == {"consumed"}
+    assert consumer.counters() == {"groups_zero_variance": 1, "groups_trained": 1}
+    assert redis_client.smembers(RedisKeys.groups_done(run_id)) == {"0", "1"}
+    assert pending_count(redis_client, run_id) == 0
+
+
+def test_failed_member_completes_the_group(settings, ledger, store, redis_client, run_id):
+    groups = register_groups(settings, ledger, 1)
+    reqs = groups[0]
+    consumer = TrainerConsumer(settings, ledger, store)
+    for req, reward in zip(reqs[:3], [1.0, 0.0, 0.0]):
+        deliver_scored(ledger, store, req, reward)
+    drain(consumer)
+    assert store.list_keys("batches/") == []
+    assert ledger.fail(reqs[3].trajectory_id, "env_error: sandbox died").ok  # still queued
+    assert drain(consumer) == 1
+
+    batch = get_model(store, batch_key(run_id, 0), TrainingBatch)
+    assert [s.trajectory_id for s in batch.samples] == [r.trajectory_id for r in reqs[:3]]
+    assert [s.advantage for s in batch.samples] == pytest.approx(group_advantages([1.0, 0.0, 0.0]).advantages)
+    record = get_model(store, group_record_key(run_id, 0), GroupRecord)
+    failed = [m for m in record.members if m.reward is None]
+    assert [(m.trajectory_id, m.failure_reason, m.advantage) for m in failed] == [(reqs[3].trajectory_id, "env_error: sandbox died", None)]
+    assert record.status == "trained" and record.expected_size == GROUP_SIZE
+    assert ledger.counts(run_id) == {"queued": 0, "running": 0, "uploaded": 0, "scored": 0, "consumed": 3, "failed": 1}
+    assert consumer.counters() == {"groups_trained": 1}
+    assert pending_count(redis_client, run_id) == 0
+
+
+def test_all_failed_group_is_dropped_and_counted(settings, ledger, store, run_id):
+    groups = register_groups(settings, ledger, 1)
+    consumer = TrainerConsumer(settings, ledger, store)
+    for req in groups[0]:
+        ledger.fail(req.trajectory_id, "infra_error")
+    drain(consumer)
+    record = get_model(store, group_record_key(run_id, 0), GroupRecord)
+    assert record.status == "all_failed" and record.reward_mean is None and record.batch_key is None
+    assert consumer.counters() == {"groups_all_failed": 1}
+    assert store.list_keys("batches/") == []
+
+
+def test_duplicate_late_and_bad_events_are_counted_and_acknowledged(settings, ledger, store, redis_client, run_id):
+    groups = register_groups(settings, ledger, 1)
+    reqs = groups[0]
+    consumer = TrainerConsumer(settings, ledger, store)
+    stream = RedisKeys.trainer_stream(run_id)
+    deliver_scored(ledger, store, reqs[0], 1.0)
+    first = redis_client.xrange(stream)[0][1]
+    redis_client.xadd(stream, first)  # a redelivered copy
+    for req in reqs[1:]:
+        deliver_scored(ledger, store, req, 0.0)
+    redis_client.xadd(stream, first)  # arrives after the group completed
+    redis_client.xadd(stream, {"event": "not json"})
+    unknown = TrainerEvent(kind="failed", trajectory_id=f"{run_id}_99_0_0", run_id=run_id, group_id=99, failure_reason="x", at=0.0)
+    redis_client.xadd(stream, {"event": unknown.model_dump_json()})
+    assert drain(consumer) == GROUP_SIZE + 4
+
+    assert consumer.counters() == {"groups_trained": 1, "duplicate_events": 1, "late_events": 1, "bad_events": 2}
+    batch = get_model(store, batch_key(run_id, 0), TrainingBatch)
+    assert len(batch.samples) == GROUP_SIZE
+    assert pending_count(redis_client, run_id) == 0
+
+
+def test_restart_recovers_pending_entries_and_completes_the_group_once(settings, ledger, store, redis_client, run_id):
+    groups = register_groups(settings, ledger, 1)
+    reqs = groups[0]
+    rewards = [1.0, 0.0, 0.0, 1.0]
+    consumer_a = TrainerConsumer(settings, ledger, store)
+    for req, reward in zip(reqs[:2], rewards[:2]):
+        deliver_scored(ledger, store, req, reward)
+    assert consumer_a.poll(block_ms=10) == 2  # read, group incomplete ...
+    del consumer_a  # ... and the trainer dies
+    assert pending_count(redis_client, run_id) == 2
+
+    consumer_b = TrainerConsumer(settings, Ledger(redis_client), store)
+    assert consumer_b.recover() == 2
+    assert store.list_keys("batches/") == []
+    for req, reward in zip(reqs[2:], rewards[2:]):
+        deliver_scored(ledger, store, req, reward)
+    assert drain(consumer_b) == 2
+
+    batch = get_model(store, batch_key(run_id, 0), TrainingBatch)
+    assert [s.trajectory_id for s in batch.samples] == [r.trajectory_id for r in reqs]
+    assert [s.advantage for s in batch.samples] == pytest.approx(group_advantages(rewards).advantages)
+    assert store.list_keys("batches/") == [batch_key(run_id, 0)]
+    assert consumer_b.counters() == {"groups_trained": 1}
+    assert pending_count(redis_client, run_id) == 0
+    assert {ledger.state(r.trajectory_id) for r in reqs} == {"consumed"}
+
+    # yet another restart finds nothing to replay and trains nothing again
+    consumer_c = TrainerConsumer(settings, Ledger(redis_client), store)
+    assert consumer_c.recover() == 0
+    assert drain(consumer_c) == 0
+    assert consumer_c.counters() == {"groups_trained": 1}
+    assert len(settings.trainer.metrics_path.read_text().splitlines()) == 1
+
+
+def test_restart_after_crash_mid_completion_finishes_the_group(settings, ledger, store, redis_client, run_id, monkeypatch):
+    """The trainer dies after writing the batch but before consuming members / marking the group."""
+    groups = register_groups(settings, ledger, 1)
+    reqs = groups[0]
+    ledger_a = Ledger(redis_client)
+    consumer_a = TrainerConsumer(settings, ledger_a, store)
+
+    def crash(tid):
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(ledger_a, "mark_consumed", crash)
+    for req, reward in zip(reqs, [0, 1, 1, 1]):
+        deliver_scored(ledger, store, req, reward)
+    with pytest.raises(RuntimeError, match="killed"):
+        consumer_a.poll(block_ms=10)
+    assert store.list_keys("batches/") == [batch_key(run_id, 0)]
+    assert pending_count(redis_client, run_id) == GROUP_SIZE
+
+    consumer_b = TrainerConsumer(settings, Ledger(redis_client), store)
+    assert consumer_b.recover() == GROUP_SIZE
+    assert {ledger.state(r.trajectory_id) for r in reqs} == {"consumed"}
+    assert store.list_keys("batches/") == [batch_key(run_id, 0)]
+    assert consumer_b.counters() == {"groups_trained": 1}
+    assert pending_count(redis_client, run_id) == 0
+
+
+def test_crash_before_the_group_is_marked_done_is_finished_once_on_restart(settings, ledger, store, redis_client, redis_url, run_id, monkeypatch):
+    """Done, counted and acked move together: a trainer dying before that transaction leaves
+    the group pending, and the restarted trainer completes and counts it exactly once."""
+    groups = register_groups(settings, ledger, 1)
+    reqs = groups[0]
+    ledger_a = Ledger.from_url(redis_url)  # its own client: only trainer A's transaction fails
+    consumer_a = TrainerConsumer(settings, ledger_a, store)
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(consumer_a.redis, "pipeline", crash)
+    for req, reward in zip(reqs, [0, 1, 1, 1]):
+        deliver_scored(ledger, store, req, reward)
+    with pytest.raises(RuntimeError, match="killed"):
+        consumer_a.poll(block_ms=10)
+    assert redis_client.smembers(RedisKeys.groups_done(run_id)) == set()
+    assert consumer_a.counters() == {}
+
+    consumer_b = TrainerConsumer(settings, Ledger(redis_client), store)
+    consumer_b.recover()
+    assert pending_count(redis_client, run_id) == 0
+    assert redis_client.smembers(RedisKeys.groups_done(run_id)) == {"0"}
+    assert consumer_b.counters() == {"groups_trained": 1}

@@ -1,0 +1,214 @@
+"""Message schemas: JSON round trips, version and extra-field checks, Trajectory.flatten."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from shared.schemas import (
+    SCHEMA_VERSION,
+    EpisodeTimings,
+    GroupMember,
+    GroupRecord,
+    GroupRegistration,
+    RewardBreakdown,
+    RolloutRequest,
+    ScoredTrajectory,
+    StopReason,
+    TaskProfile,
+    ToolCall,
+    TrainerEvent,
+    TrainingBatch,
+    TrainingSample,
+    Trajectory,
+    TrajectoryState,
+    Turn,
+    TurnTimings,
+)
+
+
+def make_task() -> TaskProfile:
+    return TaskProfile(
+        task_id="t-1", env_name="guess_number", task_data={"low": 1, "high": 10, "target": 4},
+        env_config={"max_turns": 3}, source="data/train.jsonl:1",
+    )
+
+
+def make_request(**kw) -> RolloutRequest:
+    base = dict(
+        run_id="run", group_id=2, episode_index=1, episode_seed=3, trajectory_id="run_2_1_3",
+        group_size=4, task=make_task(), policy_version=5, dispatched_at=1700000000.5,
+    )
+    base.update(kw)
+    return RolloutRequest(**base)
+
+
+def make_trajectory() -> Trajectory:
+    turns = [
+        Turn(
+            index=0, prompt_token_ids=[1, 2, 3], sampled_token_ids=[10, 11], logprobs=[-0.1, -0.2],
+            policy_version=5, finish_reason="stop", completion_text='<tool_call>{"name": "guess"}</tool_call>',
+            tool_calls=[ToolCall(name="guess", arguments={"number": 5})], observation="lower",
+            timings=TurnTimings(inference_s=0.3, env_step_s=0.01),
+        ),
+        Turn(
+            index=1, prompt_token_ids=[4, 5], sampled_token_ids=[12, 13, 14], logprobs=[-0.3, -0.4, -0.5],
+            policy_version=6, finish_reason="length", completion_text="oops", tool_call_error="bad json",
+        ),
+    ]
+    return Trajectory(
+        request=make_request(), turns=turns, stop_reason=StopReason.max_turns, env_reward=0.25,
+        env_info={"solved": False, "guesses": 1}, attempt=2, worker="w-1",
+        timings=EpisodeTimings(queue_wait_s=0.5, episode_s=2.0, inference_s=1.0, env_s=0.1, upload_s=0.05),
+    )
+
+
+def round_trip(model):
+    raw = model.model_dump_json()
+    json.loads(raw)  # it is real JSON
+    back = type(model).model_validate_json(raw)
+    assert back == model
+    assert back.model_dump() == model.model_dump()
+    return back
+
+
+def test_task_profile_round_trip():
+    back = round_trip(make_task())
+    assert back.task_data == {"low": 1, "high": 10, "target": 4}
+    assert back.schema_version == SCHEMA_VERSION
+
+
+def test_rollout_request_round_trip():
+    back = round_trip(make_request())
+    assert back.task.env_name == "guess_number"
+    assert back.dispatched_at == 1700000000.5
+
+
+def test_trajectory_round_trip_with_turns():
+    traj = make_trajectory()
+    back = round_trip(traj)
+    assert back.trajectory_id == "run_2_1_3"
+    assert back.stop_reason is StopReason.max_turns
+    assert back.turns[0].tool_calls == [ToolCall(name="guess", arguments={"number": 5})]
+    assert back.turns[1].tool_call_error == "bad json"
+    assert back.turns[0].timings.inference_s == 0.3
+
+
+def test_scored_trajectory_round_trip():
+    round_trip(
+        ScoredTrajectory(
+            trajectory_id="run_2_1_3", run_id="run", group_id=2, trajectory_key="trajectories/run/000002/run_2_1_3.json.gz",
+            reward=0.7, components=[RewardBreakdown(name="verifier", value=0.5, weight=1.0), RewardBreakdown(name="format", value=2.0, weight=0.1)],
+            stop_reason=StopReason.done, scored_at=1.5, timings={"scoring": 0.01},
+        )
+    )
+
+
+def test_trainer_event_round_trip_both_kinds():
+    round_trip(TrainerEvent(kind="scored", trajectory_id="run_2_1_3", run_id="run", group_id=2, reward=1.0, scored_key="k", at=1.0))
+    round_trip(TrainerEvent(kind="failed", trajectory_id="run_2_1_3", run_id="run", group_id=2, failure_reason="boom", at=1.0))
+
+
+def test_trainer_event_kind_needs_its_fields():
+    with pytest.raises(ValidationError, match="reward and scored_key"):
+        TrainerEvent(kind="scored", trajectory_id="r_0_0_0", run_id="r", group_id=0, reward=1.0, at=1.0)
+    with pytest.raises(ValidationError, match="failure_reason"):
+        TrainerEvent(kind="failed", trajectory_id="r_0_0_0", run_id="r", group_id=0, at=1.0)
+    with pytest.raises(ValidationError):
+        TrainerEvent(kind="other", trajectory_id="r_0_0_0", run_id="r", group_id=0, at=1.0)
+
+
+def test_group_record_round_trip():
+    round_trip(
+        GroupRecord(
+            run_id="run", group_id=3, expected_size=2,
+            members=[
+                GroupMember(trajectory_id="run_3_0_3", reward=1.0, advantage=1.0),
+                GroupMember(trajectory_id="run_3_1_4", reward=None, advantage=None, failure_reason="env_error"),
+            ],
+            reward_mean=1.0, reward_std=0.0, status="zero_variance", completed_at=2.0,
+        )
+    )
+    round_trip(GroupRegistration(run_id="run", group_id=3, expected_size=2, task_id="t", policy_version=0, dispatched_at=1.0))
+
+
+def test_training_batch_round_trip():
+    sample = TrainingSample(
+        trajectory_id="run_3_0_3", token_ids=[1, 2, 3], loss_mask=[0, 1, 1], inference_logprobs=[0.0, -0.1, -0.2],
+        advantage=-0.5, reward=0.0, oldest_policy_version=4, stop_reason=StopReason.done,
+    )
+    back = round_trip(TrainingBatch(run_id="run", group_id=3, samples=[sample, sample]))
+    assert back.samples[0].stop_reason is StopReason.done
+
+
+@pytest.mark.parametrize("version", ["2.0", "0.9", "10.0"])
+def test_unknown_major_schema_version_is_rejected(version):
+    raw = json.loads(make_request().model_dump_json())
+    raw["schema_version"] = version
+    with pytest.raises(ValidationError, match="schema_version"):
+        RolloutRequest.model_validate(raw)
+    with pytest.raises(ValidationError, match="schema_version"):
+        TaskProfile(task_id="t", env_name="qa", task_data={}, schema_version=version)
+
+
+def test_newer_minor_schema_version_is_accepted():
+    raw = json.loads(make_task().model_dump_json())
+    raw["schema_version"] = "1.7"
+    assert TaskProfile.model_validate(raw).schema_version == "1.7"
+
+
+def test_nested_message_with_wrong_major_version_is_rejected():
+    raw = json.loads(make_trajectory().model_dump_json())
+    raw["request"]["task"]["schema_version"] = "2.0"
+    with pytest.raises(ValidationError):
+        Trajectory.model_validate(raw)
+
+
+def test_extra_fields_are_rejected_top_level_and_nested():
+    raw = json.loads(make_trajectory().model_dump_json())
+    raw["typo_field"] = 1
+    with pytest.raises(ValidationError, match="typo_field"):
+        Trajectory.model_validate(raw)
+    raw = json.loads(make_trajectory().model_dump_json())
+    raw["turns"][0]["extra"] = 1
+    with pytest.raises(ValidationError, match="extra"):
+        Trajectory.model_validate(raw)
+    with pytest.raises(ValidationError):
+        TrainerEvent(kind="failed", trajectory_id="r_0_0_0", run_id="r", group_id=0, failure_reason="x", at=1.0, bogus=2)
+
+
+def test_turn_with_wrong_logprob_count_is_rejected():
+    with pytest.raises(ValidationError, match="2 logprobs for 3 sampled tokens"):
+        Turn(index=0, prompt_token_ids=[1], sampled_token_ids=[1, 2, 3], logprobs=[-0.1, -0.2],
+             policy_version=0, finish_reason="stop", completion_text="")
+    with pytest.raises(ValidationError):
+        Turn(index=0, prompt_token_ids=[1], sampled_token_ids=[], logprobs=[-0.1],
+             policy_version=0, finish_reason="stop", completion_text="")
+
+
+def test_flatten_concatenates_tokens_and_masks_exactly_the_sampled_ones():
+    flat = make_trajectory().flatten()
+    assert flat.token_ids == [1, 2, 3, 10, 11, 4, 5, 12, 13, 14]
+    assert flat.loss_mask == [0, 0, 0, 1, 1, 0, 0, 1, 1, 1]
+    assert flat.inference_logprobs == [0.0, 0.0, 0.0, -0.1, -0.2, 0.0, 0.0, -0.3, -0.4, -0.5]
+    assert len(flat.token_ids) == len(flat.loss_mask) == len(flat.inference_logprobs)
+    sampled = [t for t, m in zip(flat.token_ids, flat.loss_mask) if m == 1]
+    assert sampled == [10, 11, 12, 13, 14]
+
+
+def test_flatten_of_trajectory_without_turns_is_empty():
+    traj = Trajectory(request=make_request(), turns=[], stop_reason=StopReason.infra_error, error="down")
+    flat = traj.flatten()
+    assert flat.token_ids == [] and flat.loss_mask == [] and flat.inference_logprobs == []
+
+
+def test_messages_are_frozen():
+    task = make_task()
+    with pytest.raises(ValidationError):
+        task.task_id = "other"
+
+
+def test_terminal_states():
+    assert {s for s in TrajectoryState if s.terminal} == {TrajectoryState.consumed, TrajectoryState.failed}
