@@ -70,6 +70,10 @@ class RedisKeys:
         return f"{_P}:{{{run_id}}}:groups"
 
     @staticmethod
+    def groups_published(run_id: str) -> str:  # set of group ids intake has published
+        return f"{_P}:{{{run_id}}}:groups_published"
+
+    @staticmethod
     def groups_done(run_id: str) -> str:  # set of group ids the trainer has completed
         return f"{_P}:{{{run_id}}}:groups_done"
 
@@ -88,6 +92,18 @@ class RedisKeys:
     @staticmethod
     def policy_version(run_id: str) -> str:  # int: the version the inference service serves
         return f"{_P}:{{{run_id}}}:policy_version"
+
+    @staticmethod
+    def staleness(run_id: str) -> str:  # hash: admitted, filtered, trainer_step (shared.staleness)
+        return f"{_P}:{{{run_id}}}:staleness"
+
+    @staticmethod
+    def checkpoints(run_id: str) -> str:  # stream: {"version", "prefix"} per committed checkpoint
+        return f"{_P}:{{{run_id}}}:checkpoints"
+
+    @staticmethod
+    def train_queue(run_id: str) -> str:  # list of batch keys of accepted groups, append-only
+        return f"{_P}:{{{run_id}}}:train_queue"
 
     @staticmethod
     def trainer_counters(run_id: str) -> str:  # hash: groups_trained, zero_variance, late, ...

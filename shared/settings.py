@@ -94,6 +94,9 @@ class RewardSettings(Section):
 
 
 class TrainerSettings(Section):
+    # Staleness bound (shared.staleness). None: no training loop, rollouts are not throttled.
+    max_off_policy_steps: int | None = Field(None, ge=0)
+    groups_per_step: int = Field(4, gt=0)
     advantage_eps: float = Field(1e-6, gt=0)
     scale_advantage_by_std: bool = True
     consumer_name: str = "trainer-0"

@@ -21,6 +21,7 @@ from shared.ledger import STATES, Ledger
 from shared.names import RedisKeys
 
 console = Console()
+DEMO_REWARD_WEIGHTS = {"verifier": 1.0, "format": 0.1, "brevity": 0.1}
 
 
 def write_demo_dataset(path: Path, tasks: int, seed: int = 0) -> Path:
@@ -41,6 +42,8 @@ def run_demo(config: Path | None, tasks: int, workdir: Path, timeout_s: float = 
     stack = LocalStack(workdir, run_id=run_id)
     if config:
         stack.env["CONVEYOR_CONFIG"] = str(Path(config).resolve())
+    else:  # the random tiny model never solves the game; brevity makes rewards differ in a group
+        stack.env["CONVEYOR_REWARDS__WEIGHTS"] = json.dumps(DEMO_REWARD_WEIGHTS)
     vllm = None
     try:
         with console.status("starting Redis and the S3 server"):
@@ -65,6 +68,7 @@ def run_demo(config: Path | None, tasks: int, workdir: Path, timeout_s: float = 
             return result.returncode
         _follow(stack, run_id, timeout_s)
         _summary(stack, run_id)
+        _show_groups_and_an_episode(stack, run_id)
         return 0
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: shutting down[/yellow]")
@@ -116,3 +120,38 @@ def _summary(stack: LocalStack, run_id: str) -> None:
     if latencies:
         table.add_row("group latency p50 (s)", f"{latencies[len(latencies) // 2]:.2f}")
     console.print(table)
+
+
+def _show_groups_and_an_episode(stack: LocalStack, run_id: str) -> None:
+    from shared.schemas import GroupRecord, ScoredTrajectory, Trajectory
+    from shared.settings import load_settings
+    from shared.storage import get_model, open_store
+
+    import os
+
+    os.environ.update(stack.env)
+    store = open_store(load_settings().storage)
+    table = Table(title="GRPO groups: rewards and advantages")
+    for column in ("group", "status", "rewards", "advantages"):
+        table.add_column(column)
+    records = [get_model(store, key, GroupRecord) for key in store.list_keys(f"groups/{run_id}/")]
+    for record in records:
+        members = [m for m in record.members if m.reward is not None]
+        table.add_row(
+            str(record.group_id), record.status,
+            " ".join(f"{m.reward:+.3f}" for m in members),
+            " ".join(f"{m.advantage:+.2f}" for m in members),
+        )
+    console.print(table)
+    if not records or not records[0].members:
+        return
+    first = records[0].members[0]
+    scored = get_model(store, f"scored/{run_id}/{records[0].group_id:06d}/{first.trajectory_id}.json.gz", ScoredTrajectory)
+    trajectory = get_model(store, scored.trajectory_key, Trajectory)
+    console.print(f"episode {trajectory.trajectory_id}: {len(trajectory.turns)} turns, stop reason {trajectory.stop_reason.value}")
+    for turn in trajectory.turns:
+        said = turn.completion_text.replace("\n", " ")[:60]
+        console.print(
+            f"  turn {turn.index}: +{len(turn.prompt_token_ids)} prompt ids, {len(turn.sampled_token_ids)} sampled ids "
+            f"({turn.finish_reason}); model: {said!r}; env: {(turn.observation or '')[:50]!r}"
+        )

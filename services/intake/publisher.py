@@ -4,9 +4,12 @@ Invariants:
 - Ids and seeds follow ``shared.ids``. In traversal mode a group's id is its row's position in
   the dataset; in sample mode it is the group's ordinal and the row is drawn from its seed.
   Either way, running intake twice over the same data yields the same ids, and the ledger
-  registration makes the second run publish nothing already known.
+  ``groups_published`` set makes the second run publish nothing already published (and
+  publish what a crash left registered but unpublished).
 - A group is registered (Redis) and its trajectories recorded as queued in the ledger before
   its rollout task is published, so a worker never sees a trajectory the ledger does not know.
+- With a staleness bound configured, a group is published only once ``StalenessBudget``
+  admits it: intake waits instead of running too far ahead of the trainer.
 - A bad row is rejected with its location and reason, recorded in Redis and counted;
   intake goes on with the next row.
 """
@@ -26,6 +29,7 @@ from shared.ledger import Ledger
 from shared.names import RedisKeys
 from shared.schemas import GroupRegistration, RolloutRequest, TaskProfile
 from shared.settings import Settings
+from shared.staleness import StalenessBudget
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +76,9 @@ def run_intake(
 ) -> IntakeReport:
     report = IntakeReport()
     run = settings.run_id
-    policy_version = int(ledger.redis.get(RedisKeys.policy_version(run)) or 0)
+    budget = None
+    if settings.trainer.max_off_policy_steps is not None:
+        budget = StalenessBudget(ledger.redis, run, settings.trainer.max_off_policy_steps, settings.trainer.groups_per_step)
     for group_id, row in select_rows(settings, rows):
         try:
             if isinstance(row, BadRow):
@@ -84,17 +90,22 @@ def run_intake(
             ledger.redis.rpush(RedisKeys.rejected_rows(run), json.dumps(rejection))
             log.warning("rejected row %s: %s", row.source, exc)
             continue
+        if ledger.redis.sismember(RedisKeys.groups_published(run), group_id):
+            report.already_known += 1  # a re-run of intake: this group went out before
+            continue
+        registered = ledger.redis.hexists(RedisKeys.groups(run), str(group_id))
+        if budget is not None and not registered:
+            budget.admit()  # wait for the trainer rather than run too far ahead of it
+        policy_version = int(ledger.redis.get(RedisKeys.policy_version(run)) or 0)
         requests = build_group(settings, group_id, task, policy_version)
         registration = GroupRegistration(
             run_id=run, group_id=group_id, expected_size=len(requests), task_id=task.task_id,
             policy_version=policy_version, dispatched_at=requests[0].dispatched_at,
         )
         ledger.redis.hsetnx(RedisKeys.groups(run), str(group_id), registration.model_dump_json())
-        added = ledger.register(requests)
-        if added == 0:
-            report.already_known += 1
-            continue
-        publish(requests)
+        ledger.register(requests)  # idempotent: a group left unpublished by a crash goes out now
+        publish(requests)  # duplicates of a message are harmless: the ledger claim runs it once
+        ledger.redis.sadd(RedisKeys.groups_published(run), group_id)
         report.groups += 1
         report.trajectories += len(requests)
         if on_group:

@@ -41,7 +41,8 @@ class InferenceClient:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.max_retries = max_retries
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s)
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, limits=limits)
 
     async def complete(
         self, prompt_ids: list[int], max_tokens: int, seed: int, temperature: float = 1.0, top_p: float = 1.0

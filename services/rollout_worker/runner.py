@@ -43,16 +43,12 @@ class RolloutContext:
     enqueue_scoring: Callable[[str, str, float], None]  # (trajectory_id, object key, upload_s)
     redispatch: Callable[[RolloutRequest], None]
     worker_name: str
+    inference: InferenceClient  # shared by every episode of the process (one event loop)
 
 
 async def run_requests(ctx: RolloutContext, requests: list[RolloutRequest]) -> dict[str, str]:
     """Returns trajectory id -> what happened ("uploaded", "failed:...", "skipped:<state>")."""
-    inference = ctx.settings.inference
-    client = InferenceClient(inference.base_url, inference.model, inference.request_timeout_s, inference.max_retries)
-    try:
-        outcomes = await asyncio.gather(*(_run_one(ctx, client, r) for r in requests))
-    finally:
-        await client.aclose()
+    outcomes = await asyncio.gather(*(_run_one(ctx, ctx.inference, r) for r in requests))
     return dict(zip((r.trajectory_id for r in requests), outcomes))
 
 

@@ -1,7 +1,8 @@
 """Celery entry point of the rollout worker: ``celery -A services.rollout_worker.tasks worker -Q rollouts``.
 
 One task carries a list of rollout requests (a whole GRPO group from intake, or single
-members re-dispatched by the reaper); the task runs them concurrently in one event loop.
+members re-dispatched by the reaper); their episodes run concurrently in the process's one
+event loop (``event_loop``), sharing one connection pool to the inference service.
 The thread pool's slots times the group size is the number of concurrent episodes a
 process runs (default 32 slots). Episodes are I/O bound, so threads, not processes.
 
@@ -12,14 +13,16 @@ which Celery then rejects with the validation error in the log.
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import os
 import socket
 import threading
 
 from celery.signals import worker_ready, worker_shutdown
 
 from services.rollout_worker.chat_tokens import load_chat_tokens
+from services.rollout_worker.event_loop import background_loop
+from services.rollout_worker.inference_client import InferenceClient
 from services.rollout_worker.leases import LeaseKeeper, Reaper
 from services.rollout_worker.runner import RolloutContext, run_requests
 from shared.celery_app import make_celery, publish_rollouts
@@ -52,15 +55,21 @@ def _context() -> RolloutContext:
                 chat=load_chat_tokens(settings.inference.model_path),
                 enqueue_scoring=lambda tid, key, upload_s: app.send_task(SCORING_TASK, args=[tid, key, upload_s]),
                 redispatch=lambda request: publish_rollouts(app, [request]),
-                worker_name=f"{socket.gethostname()}:{threading.get_native_id()}",
+                worker_name=f"{socket.gethostname()}:{os.getpid()}",
+                inference=background_loop().run(_make_inference_client()),
             )
         return _ctx
+
+
+async def _make_inference_client() -> InferenceClient:
+    inference = settings.inference
+    return InferenceClient(inference.base_url, inference.model, inference.request_timeout_s, inference.max_retries)
 
 
 @app.task(name=ROLLOUT_TASK)
 def run_trajectories(payload: list[dict]) -> dict[str, str]:
     requests = [RolloutRequest.model_validate(item) for item in payload]
-    outcomes = asyncio.run(run_requests(_context(), requests))
+    outcomes = background_loop().run(run_requests(_context(), requests))
     log.info("rollout task done: %s", outcomes)
     return outcomes
 

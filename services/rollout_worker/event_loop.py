@@ -1,0 +1,40 @@
+"""One long-lived asyncio event loop per worker process, shared by every rollout task.
+
+Celery's thread-pool slots only wait on futures; the episodes themselves all run in this
+loop. So every episode in the process shares one HTTP connection pool to the inference
+service, and a task pays no event-loop or client set-up before its first turn.
+
+Invariant: the loop thread is started once, on first use, and runs until the process exits.
+Coroutines submitted from any thread run in it, and their results or exceptions come back
+to the submitting thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Awaitable, TypeVar
+
+T = TypeVar("T")
+
+
+class BackgroundLoop:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="rollout-event-loop", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Awaitable[T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+
+_loop: BackgroundLoop | None = None
+_lock = threading.Lock()
+
+
+def background_loop() -> BackgroundLoop:
+    global _loop
+    with _lock:
+        if _loop is None:
+            _loop = BackgroundLoop()
+        return _loop

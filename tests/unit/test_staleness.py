@@ -1,0 +1,76 @@
+"""Bounded staleness against a real Redis: the admission bound, filtering, the step, and intake waiting."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from services.intake.datasets import Row
+from services.intake.publisher import run_intake
+from shared.ledger import Ledger
+from shared.staleness import StalenessBudget
+from shared.settings import Settings
+
+
+def test_admission_follows_the_formula(redis_client, run_id):
+    budget = StalenessBudget(redis_client, run_id, max_off_policy_steps=1, groups_per_step=2)
+    # (1 + 0 + 1) * 2 = 4 groups may be in flight or accepted at trainer step 0
+    assert [budget.try_admit() for _ in range(5)] == [True, True, True, True, False]
+    budget.filtered(1)  # a dropped group frees its slot
+    assert budget.try_admit() and not budget.try_admit()
+    budget.advance_step(1)  # a trained step raises the bound by groups_per_step
+    assert [budget.try_admit() for _ in range(3)] == [True, True, False]
+    assert budget.state().admitted == 7 and budget.state().filtered == 1
+
+
+def test_synchronous_mode_admits_one_step_at_a_time(redis_client, run_id):
+    budget = StalenessBudget(redis_client, run_id, max_off_policy_steps=0, groups_per_step=3)
+    assert sum(budget.try_admit() for _ in range(10)) == 3
+    budget.advance_step(1)
+    assert sum(budget.try_admit() for _ in range(10)) == 3
+
+
+def test_step_never_goes_back(redis_client, run_id):
+    budget = StalenessBudget(redis_client, run_id, 1, 1)
+    assert budget.advance_step(3) == 3
+    assert budget.advance_step(2) == 3
+
+
+def test_stale_means_more_than_the_bound_behind(redis_client, run_id):
+    budget = StalenessBudget(redis_client, run_id, max_off_policy_steps=1, groups_per_step=1)
+    assert not budget.is_stale(oldest_policy_version=4, trainer_step=5)
+    assert budget.is_stale(oldest_policy_version=3, trainer_step=5)
+
+
+def test_intake_waits_for_the_trainer_instead_of_over_admitting(redis_client, redis_url, run_id):
+    settings = Settings(run_id=run_id, redis={"url": redis_url}, rollout={"group_size": 2},
+                        trainer={"max_off_policy_steps": 0, "groups_per_step": 2})
+    rows = [Row(f"mem:{i}", {"task_data": {"low": 1, "high": 9, "target": 5}}) for i in range(4)]
+    published: list[int] = []
+    ledger = Ledger(redis_client)
+    worker = threading.Thread(target=run_intake, args=(settings, rows, ledger, lambda reqs: published.append(reqs[0].group_id)))
+    worker.start()
+    time.sleep(1.0)
+    assert published == [0, 1]  # the bound: (0 + 0 + 1) * 2 groups before the first step
+    StalenessBudget(redis_client, run_id, 0, 2).advance_step(1)
+    worker.join(10)
+    assert published == [0, 1, 2, 3]
+
+
+def test_intake_publishes_a_group_a_crash_left_registered_but_unpublished(redis_client, redis_url, run_id):
+    settings = Settings(run_id=run_id, redis={"url": redis_url}, rollout={"group_size": 2})
+    rows = [Row("mem:0", {"task_data": {"low": 1, "high": 9, "target": 5}})]
+    ledger = Ledger(redis_client)
+
+    def crash(requests):
+        raise ConnectionError("broker went away")
+
+    with pytest.raises(ConnectionError):
+        run_intake(settings, rows, ledger, crash)
+    published = []
+    report = run_intake(settings, rows, ledger, published.append)
+    assert report.groups == 1 and len(published) == 1
+    assert run_intake(settings, rows, ledger, published.append).already_known == 1
+    assert len(published) == 1
