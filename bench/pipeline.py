@@ -45,9 +45,12 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def run_level(base: LocalStack, root: Path, level: int, waves: int, step_latency: float, max_turns: int) -> dict:
+def run_level(base: LocalStack, root: Path, level: int, waves: int, step_latency: float, max_turns: int,
+              task_per_trajectory: bool = False) -> dict:
     slots, group_size = LEVELS[level]
-    run_id = f"bench-c{level}"
+    if task_per_trajectory:
+        slots = level  # one episode per task: as many slots as concurrent episodes
+    run_id = f"bench-c{level}" + ("-split" if task_per_trajectory else "")
     env = {k: v for k, v in base.env.items() if k not in ("CONVEYOR_RUN_ID", "CONVEYOR_TRAINER__METRICS_PATH")}
     env.update({
         "CONVEYOR_ROLLOUT__GROUP_SIZE": str(group_size), "CONVEYOR_ROLLOUT__MAX_TURNS": str(max_turns),
@@ -82,7 +85,8 @@ def run_level(base: LocalStack, root: Path, level: int, waves: int, step_latency
                                                  task_id=task.task_id, policy_version=0, dispatched_at=requests[0].dispatched_at)
                 ledger.redis.hset(RedisKeys.groups(run_id), str(group_id), registration.model_dump_json())
                 ledger.register(requests)
-                publish_rollouts(celery, requests)
+                for batch in ([r] for r in requests) if task_per_trajectory else [requests]:
+                    publish_rollouts(celery, batch)
                 wave_groups.append(group_id)
                 group_id += 1
             target = group_id * group_size
@@ -124,6 +128,8 @@ def main() -> None:
     parser.add_argument("--waves", type=int, default=3)
     parser.add_argument("--levels", default="1,8,32")
     parser.add_argument("--storage", choices=["local", "s3"], default="local")
+    parser.add_argument("--compare-task-shapes", action="store_true",
+                        help="at each level, also run one Celery task per trajectory (vs one per group)")
     args = parser.parse_args()
 
     from services.inference.server import VllmServer
@@ -146,11 +152,13 @@ def main() -> None:
         print(f"# pipeline benchmark: storage={args.storage} step_latency={args.step_latency}s max_turns={args.max_turns} waves={args.waves}")
         print("| episodes | traj/s | wave wall s | longest episode s | overhead | overhead ms | queue wait p50 | inference p50 | upload p50 | scoring p50 | assembly p50 |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
-        for level in (int(x) for x in args.levels.split(",")):
-            r = run_level(base, root, level, args.waves, args.step_latency, args.max_turns)
+        shapes = [False, True] if args.compare_task_shapes else [False]
+        for level, split in ((int(x), s) for x in args.levels.split(",") for s in shapes):
+            r = run_level(base, root, level, args.waves, args.step_latency, args.max_turns, split)
             p50 = r["stages_p50_ms"]
+            label = f"{level}{' (task per trajectory)' if split else ''}"
             print(
-                f"| {level} | {r['trajectories_per_s']:.2f} | {r['wave_wall_s']:.3f} | {r['longest_episode_s']:.3f} | "
+                f"| {label} | {r['trajectories_per_s']:.2f} | {r['wave_wall_s']:.3f} | {r['longest_episode_s']:.3f} | "
                 f"{100 * r['overhead']:.1f}% | {1000 * r['overhead_abs_s']:.0f} | {p50['queue_wait']:.1f} ms | {p50['inference']:.1f} ms | "
                 f"{p50['upload']:.1f} ms | {p50['scoring']:.1f} ms | {p50['group_assembly']:.1f} ms |",
                 flush=True,

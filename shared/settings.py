@@ -83,6 +83,7 @@ class IntakeSettings(Section):
     dataset: str = ""  # a .jsonl file or a saved Hugging Face dataset directory
     split: str = "train"
     env_name: str = "guess_number"
+    env_config: dict[str, Any] = Field(default_factory=dict)  # e.g. {"reward_fn": "pkg.mod:fn"}
     mode: Literal["sample", "traversal"] = "traversal"
     num_groups: int = Field(8, gt=0)  # groups to dispatch in sample mode
     base_seed: int = 0

@@ -4,6 +4,7 @@ Accepted row shapes (see the architecture page):
 - ``{"task_data": {...}, "env_config": {...}?, "id": ...?}``, for any environment;
 - task-file JSON with ``task_key`` and ``env_key`` (and ``task_data`` or the task's fields);
 - question/answer keys (``question`` + ``answer``, or ``prompt`` + ``answer``) for ``qa``;
+- ``prompt`` rows for ``single_turn`` (a user's task: the row goes to their reward function);
 - flat ``target``/``low``/``high`` rows for ``guess_number``.
 
 Invariant: an adapter either returns a valid TaskProfile or raises ``RowRejected`` with a
@@ -53,13 +54,21 @@ def qa_task(data: dict[str, Any]) -> dict[str, Any]:
     return {"question": question, "answer": str(data["answer"])}
 
 
+def single_turn_task(data: dict[str, Any]) -> dict[str, Any]:
+    prompt = data.get("prompt") or data.get("question")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise RowRejected("field 'prompt' (or 'question') must be a non-empty string")
+    return {"prompt": prompt, "row": data}
+
+
 TASK_VALIDATORS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "guess_number": guess_number_task,
     "qa": qa_task,
+    "single_turn": single_turn_task,
 }
 
 
-def adapt_row(row: Any, default_env: str, source: str = "") -> TaskProfile:
+def adapt_row(row: Any, default_env: str, source: str = "", default_env_config: dict[str, Any] | None = None) -> TaskProfile:
     if not isinstance(row, dict):
         raise RowRejected(f"row must be a JSON object, got {type(row).__name__}")
     env_name = row.get("env_key") or row.get("env_name") or default_env
@@ -76,4 +85,5 @@ def adapt_row(row: Any, default_env: str, source: str = "") -> TaskProfile:
     env_config = row.get("env_config") or {}
     if not isinstance(env_config, dict):
         raise RowRejected("field 'env_config' must be an object")
+    env_config = {**(default_env_config or {}), **env_config}
     return TaskProfile(task_id=_task_id(row), env_name=env_name, task_data=validator(data), env_config=env_config, source=source)

@@ -83,7 +83,7 @@ def run_intake(
         try:
             if isinstance(row, BadRow):
                 raise RowRejected(row.reason)
-            task = adapt_row(row.value, settings.intake.env_name, row.source)
+            task = adapt_row(row.value, settings.intake.env_name, row.source, settings.intake.env_config)
         except (RowRejected, ValueError) as exc:  # ValueError: the row broke a schema
             rejection = {"source": row.source, "reason": str(exc)}
             report.rejected.append(rejection)

@@ -15,6 +15,7 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 _PLACEHOLDER = "\u2063PLACEHOLDER\u2063"
+_OBSERVATION = "\u2063OBSERVATION\u2063"
 
 
 class ChatTokens:
@@ -23,12 +24,31 @@ class ChatTokens:
         self.observation_role = observation_role
         self.eos_token_id = tokenizer.eos_token_id
         self.eos_text = tokenizer.eos_token or ""
+        self._frame: tuple[str, str] | tuple[()] | None = None  # observation frame, found on first use
 
     def initial_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def observation_ids(self, observation: str, sampled_ended_with_eos: bool) -> list[int]:
+        delta = self._observation_text(observation)
+        if sampled_ended_with_eos and self.eos_text and delta.startswith(self.eos_text):
+            delta = delta[len(self.eos_text):]  # the model already sampled the end marker
+        return list(self.tokenizer(delta, add_special_tokens=False)["input_ids"])
+
+    def _observation_text(self, observation: str) -> str:
+        """The text that closes the assistant turn, carries the observation and opens the next
+        assistant turn. Rendered by the template once; later turns reuse its frame when the
+        template leaves the observation as it is (checked on a sample), else render each time."""
+        if self._frame is None:
+            before, _, after = self._render_delta(_OBSERVATION).partition(_OBSERVATION)
+            sample = "higher \n  lower "
+            self._frame = (before, after) if self._render_delta(sample) == before + sample + after else ()
+        if self._frame:
+            return self._frame[0] + observation + self._frame[1]
+        return self._render_delta(observation)
+
+    def _render_delta(self, observation: str) -> str:
         rendered = self.tokenizer.apply_chat_template(
             [
                 {"role": "user", "content": "x"},
@@ -38,10 +58,7 @@ class ChatTokens:
             add_generation_prompt=True,
             tokenize=False,
         )
-        delta = rendered[rendered.index(_PLACEHOLDER) + len(_PLACEHOLDER):]
-        if sampled_ended_with_eos and self.eos_text and delta.startswith(self.eos_text):
-            delta = delta[len(self.eos_text):]  # the model already sampled the end marker
-        return list(self.tokenizer(delta, add_special_tokens=False)["input_ids"])
+        return rendered[rendered.index(_PLACEHOLDER) + len(_PLACEHOLDER):]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -7,8 +7,11 @@ Invariants:
   at any point re-reads its pending entries on restart and finishes the same groups; every
   write on that path is idempotent (fixed keys, guarded ledger moves, set membership).
   So a restart loses no group and trains no group twice.
-- A group is trained only if at least two scored members disagree; zero-variance and
-  all-failed groups are dropped and counted. Their members are still consumed: every
+- A group is accepted for training only if at least two scored members disagree and, with
+  a staleness bound, its oldest turn is at most ``max_off_policy_steps`` behind the trainer;
+  zero-variance, all-failed and stale groups are dropped, counted, and free their admission
+  slot. Accepted groups' batch keys go on the run's append-only train queue in the same
+  transaction that marks the group done. Their members are still consumed: every
   trajectory reaches the trainer exactly once, trained on or not.
 - One bad event (unparseable, or naming an unknown group) is logged with its entry id,
   counted and acknowledged; the consumer goes on.
@@ -39,6 +42,7 @@ from shared.schemas import (
     Trajectory,
 )
 from shared.settings import Settings
+from shared.staleness import StalenessBudget
 from shared.storage import ObjectStore, get_model, put_model
 
 log = logging.getLogger(__name__)
@@ -57,6 +61,10 @@ class TrainerConsumer:
         self.stream = RedisKeys.trainer_stream(self.run_id)
         self.consumer = self.settings.trainer.consumer_name
         self.assembler = GroupAssembler(self._expected_size, self._is_done)
+        trainer = self.settings.trainer
+        self.budget = None
+        if trainer.max_off_policy_steps is not None:
+            self.budget = StalenessBudget(self.redis, self.run_id, trainer.max_off_policy_steps, trainer.groups_per_step)
         self.metrics_path = Path(self.settings.trainer.metrics_path)
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -145,9 +153,14 @@ class TrainerConsumer:
             if adv.zero_variance:
                 status = "zero_variance"
             else:
-                status = "trained"
-                batch_object = batch_key(self.run_id, group.group_id)
-                put_model(self.store, batch_object, self._batch(group.group_id, scored, adv.advantages))
+                batch = self._batch(group.group_id, scored, adv.advantages)
+                oldest = min(sample.oldest_policy_version for sample in batch.samples)
+                if self.budget is not None and self.budget.is_stale(oldest, self.budget.state().trainer_step):
+                    status = "stale"
+                else:
+                    status = "trained"
+                    batch_object = batch_key(self.run_id, group.group_id)
+                    put_model(self.store, batch_object, batch)
         record = GroupRecord(
             run_id=self.run_id, group_id=group.group_id, expected_size=registration.expected_size,
             members=sorted(members, key=lambda m: m.trajectory_id), reward_mean=mean, reward_std=std,
@@ -157,9 +170,13 @@ class TrainerConsumer:
         for e in scored:
             self.ledger.mark_consumed(e.trajectory_id)
         self._log_metrics(record, registration, assembly_s=time.perf_counter() - started)
-        with self.redis.pipeline(transaction=True) as tx:  # done, counted and acked together
+        with self.redis.pipeline(transaction=True) as tx:  # done, counted, queued and acked together
             tx.sadd(RedisKeys.groups_done(self.run_id), group.group_id)
             tx.hincrby(RedisKeys.trainer_counters(self.run_id), f"groups_{status}", 1)
+            if batch_object is not None:
+                tx.rpush(RedisKeys.train_queue(self.run_id), batch_object)
+            elif self.budget is not None:
+                tx.hincrby(self.budget.key, "filtered", 1)  # a dropped group frees its admission slot
             tx.xack(self.stream, CONSUMER_GROUP, *group.entry_ids)
             tx.execute()
 

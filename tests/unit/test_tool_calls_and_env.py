@@ -88,7 +88,7 @@ def guess(n) -> AgentAction:
 
 
 def test_registry():
-    assert ENVIRONMENTS == {"guess_number": GuessNumberEnv, "qa": QuestionAnswerEnv}
+    assert ENVIRONMENTS["guess_number"] is GuessNumberEnv and ENVIRONMENTS["qa"] is QuestionAnswerEnv
     env = make_environment("guess_number", {"max_turns": 3})
     assert isinstance(env, GuessNumberEnv) and env.env_config == {"max_turns": 3}
     with pytest.raises(KeyError, match="unknown environment 'chess'"):
@@ -291,3 +291,40 @@ def test_non_callable_and_empty_reward_configs(reward_module):
     with pytest.raises(RewardError, match="no reward functions"):
         RewardCombiner({})
     assert math.isclose(resolve("math:sqrt")(4), 2.0)
+
+
+def test_single_turn_env_scores_with_the_users_reward_function():
+    import asyncio
+
+    from services.rollout_worker.environments.single_turn import SingleTurnEnv
+    from services.rollout_worker.environments.toy_rewards import digit_share
+
+    env = SingleTurnEnv({"reward_fn": "services.rollout_worker.environments.toy_rewards:digit_share"})
+    messages = asyncio.run(env.reset({"prompt": "Count!", "row": {"id": 1}}, seed=0))
+    assert messages == [{"role": "user", "content": "Count!"}]
+    asyncio.run(env.step(AgentAction("12 ab", [], None)))
+    assert asyncio.run(env.verify()).reward == pytest.approx(0.5) == digit_share("12 ab", {})
+
+
+def test_single_turn_env_rejects_a_bad_reward_path():
+    import asyncio
+
+    from services.rollout_worker.environments.single_turn import SingleTurnEnv
+
+    with pytest.raises(ValueError, match="module:function|package.module:function"):
+        asyncio.run(SingleTurnEnv({"reward_fn": "no_colon_here"}).reset({"prompt": "p"}, seed=0))
+
+
+def test_observation_frame_gives_the_same_ids_as_rendering_each_turn(tmp_path):
+    from transformers import AutoTokenizer
+
+    from services.inference.tiny_model import generate_tiny_model
+    from services.rollout_worker.chat_tokens import ChatTokens
+
+    tokenizer = AutoTokenizer.from_pretrained(str(generate_tiny_model(tmp_path / "m")))
+    framed, rendered = ChatTokens(tokenizer), ChatTokens(tokenizer)
+    rendered._frame = ()  # no frame: the template renders every observation
+    for observation in ("lower", "Error: tool call 1 is not valid JSON", "  spaced \n text "):
+        for eos in (True, False):
+            assert framed.observation_ids(observation, eos) == rendered.observation_ids(observation, eos)
+    assert framed._frame  # ChatML keeps the observation verbatim, so the frame is used

@@ -5,10 +5,12 @@ from __future__ import annotations
 from services.rollout_worker.environments.base import Environment
 from services.rollout_worker.environments.guess_number import GuessNumberEnv
 from services.rollout_worker.environments.qa import QuestionAnswerEnv
+from services.rollout_worker.environments.single_turn import SingleTurnEnv
 
 ENVIRONMENTS: dict[str, type[Environment]] = {
     GuessNumberEnv.name: GuessNumberEnv,
     QuestionAnswerEnv.name: QuestionAnswerEnv,
+    SingleTurnEnv.name: SingleTurnEnv,
 }
 
 

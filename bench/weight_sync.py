@@ -1,0 +1,214 @@
+"""Weight-sync benchmark: from "checkpoint written to the store" to "new version served".
+
+Method. Real processes: Redis, an S3 server (moto) or a local directory store, and vLLM on
+CPU serving the tiny model. A ``WeightFollower`` runs its ``run()`` loop in a thread,
+blocked on the checkpoint stream, as in a deployment. For each sync the benchmark writes a
+checkpoint the way the trainer does (config, safetensors, tokenizer files, a trainer state,
+the ``COMMITTED`` marker last), takes t0, XADDs the announcement, and polls Redis'
+``policy_version`` (what rollout workers read) every millisecond until it shows the new
+version: latency = t1 - t0. That covers the stream wake-up, the download, pause, reload
+(+ prefix-cache reset), version label and resume; Redis is advanced just before the resume
+(see ``services.inference.control_plane``), so the resume is added from the follower's own
+timings. The checkpoints alternate between two tiny models (seed 0 and 1), so every sync
+really changes the weights. One warm-up sync is not counted.
+
+``--load N`` keeps N streaming completions running against the server during the syncs
+(rollout-like traffic; the pause then has to wait for the engine step in progress).
+
+The in-place reload alone is timed separately: pause, ``/collective_rpc reload_weights``
+(the figure), resume, over the same number of rounds.
+
+    .venv/bin/python bench/weight_sync.py [--syncs 10] [--storage s3|local] [--load 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx  # noqa: E402
+
+from services.cli.local_stack import LocalStack, free_port  # noqa: E402
+from services.inference import weight_sync as ws  # noqa: E402
+from services.inference.control_plane import (  # noqa: E402
+    COMMITTED_MARKER,
+    WeightFollower,
+    checkpoint_prefix,
+    checkpoint_stream,
+    weight_sync_stats,
+)
+from services.inference.server import VllmServer  # noqa: E402
+from services.inference.tiny_model import generate_tiny_model  # noqa: E402
+from shared.names import RedisKeys  # noqa: E402
+from shared.settings import StorageSettings  # noqa: E402
+from shared.storage import LocalStore, open_store  # noqa: E402
+
+RUN = "bench-ws"
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def write_checkpoint(store, prefix: str, model_dir: Path) -> None:
+    for path in sorted(model_dir.iterdir()):
+        store.put_bytes(prefix + path.name, path.read_bytes())
+    store.put_bytes(prefix + "trainer_state.pt", b"\0" * (1 << 20))  # never downloaded
+    store.put_bytes(prefix + COMMITTED_MARKER, b"")
+
+
+class Load:
+    """N streaming completions kept running (each restarts when it finishes)."""
+
+    def __init__(self, base_url: str, n: int):
+        self.base_url, self.n, self.stop = base_url, n, threading.Event()
+        self.completed = self.failed = 0
+        self._lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(n)]
+
+    def _loop(self, i: int) -> None:
+        body = {"model": "tiny", "prompt": list(range(10, 74)), "max_tokens": 400, "temperature": 1.0,
+                "seed": i, "stream": True, "ignore_eos": True}
+        while not self.stop.is_set():
+            try:
+                with httpx.stream("POST", f"{self.base_url}/v1/completions", json=body, timeout=300) as r:
+                    for _ in r.iter_lines():
+                        pass
+                    ok = r.status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            with self._lock:
+                self.completed += ok
+                self.failed += not ok
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        time.sleep(1.0 if self.n else 0.0)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--syncs", type=int, default=10)
+    parser.add_argument("--storage", choices=["s3", "local"], default="s3")
+    parser.add_argument("--load", type=int, default=0, help="concurrent streaming completions during syncs")
+    args = parser.parse_args()
+
+    root = Path(tempfile.mkdtemp(prefix="conveyor-bench-ws-"))
+    models = [generate_tiny_model(root / "A", seed=0), generate_tiny_model(root / "B", seed=1)]
+    stack = LocalStack(root / "stack", run_id=RUN)
+    server = VllmServer(models[0], "tiny", port=free_port(), log_path=root / "vllm.log")
+    stop = threading.Event()
+    loop = None
+    try:
+        stack.start_redis()
+        if args.storage == "s3":
+            endpoint = stack.start_s3()
+            store = open_store(StorageSettings(endpoint=endpoint, access_key="testing", secret_key="testing"))
+        else:
+            store = LocalStore(root / "objects")
+        redis_client = stack.redis_client()
+        server.start()
+        print(f"vLLM ready in {server.wait_ready(timeout=600):.0f}s; storage {args.storage}; load {args.load}",
+              flush=True)
+
+        follower = WeightFollower(redis_client, store, RUN, [server.base_url], root / "weights",
+                                  initial_weights_dir=models[0], block_ms=1000)
+        loop = threading.Thread(target=follower.run, args=(stop,), daemon=True)
+        loop.start()
+        rows = []
+        with Load(server.base_url, args.load) as load:
+            for version in range(1, args.syncs + 2):  # version 1 is the warm-up
+                prefix = checkpoint_prefix(RUN, version)
+                t_up = time.perf_counter()
+                write_checkpoint(store, prefix, models[version % 2])
+                t0 = time.perf_counter()
+                redis_client.xadd(checkpoint_stream(RUN), {"version": version, "prefix": prefix})
+                key = RedisKeys.policy_version(RUN)
+                deadline = t0 + 60
+                while redis_client.get(key) != str(version):
+                    if time.perf_counter() > deadline:
+                        raise TimeoutError(f"version {version} not served after 60s")
+                    time.sleep(0.001)
+                t1 = time.perf_counter()
+                stats = {}
+                while stats.get("version") != str(version) and time.perf_counter() < deadline:
+                    stats = redis_client.hgetall(weight_sync_stats(RUN))  # written right after the resume
+                    time.sleep(0.001)
+                row = {"version": version, "upload_s": t0 - t_up,
+                       "latency_s": (t1 - t0) + float(stats["resume_s"]),
+                       **{k: float(stats[k]) for k in ("download_s", "pause_s", "reload_s", "version_s",
+                                                        "resume_s", "sync_s", "total_s")}}
+                rows.append(row)
+                print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                      flush=True)
+            served_ok = load.failed == 0
+            load_done = (load.completed, load.failed)
+        stop.set()
+        loop.join(10)
+
+        with ws.admin_client() as http:
+            label = ws.weight_version(http, server.base_url)
+            reload_alone = []
+            for i in range(args.syncs):
+                ws.pause(http, server.base_url)
+                try:
+                    t = time.perf_counter()
+                    ws.reload_weights(http, server.base_url, models[i % 2])
+                    reload_alone.append(time.perf_counter() - t)
+                finally:
+                    ws.resume(http, server.base_url)
+
+        measured = rows[1:]
+        lat = [r["latency_s"] for r in measured]
+        summary = {
+            "syncs": len(measured), "storage": args.storage, "load": args.load,
+            "latency_p50_s": pct(lat, 0.5), "latency_p95_s": pct(lat, 0.95), "latency_max_s": max(lat),
+            "warmup_latency_s": rows[0]["latency_s"],
+            **{f"{k}_p50_s": pct([r[k] for r in measured], 0.5)
+               for k in ("download_s", "pause_s", "reload_s", "version_s", "resume_s", "sync_s")},
+            "reload_alone_p50_s": pct(reload_alone, 0.5), "reload_alone_p95_s": pct(reload_alone, 0.95),
+            "upload_p50_s": pct([r["upload_s"] for r in measured], 0.5),
+            "load_requests_completed": load_done[0], "load_requests_failed": load_done[1],
+            "final_label": label,
+        }
+        print()
+        print(f"weight sync, checkpoint written -> version served ({len(measured)} syncs, storage {args.storage}, "
+              f"{args.load} requests in flight):")
+        print(f"  p50 {1000 * summary['latency_p50_s']:.1f} ms   p95 {1000 * summary['latency_p95_s']:.1f} ms   "
+              f"max {1000 * summary['latency_max_s']:.1f} ms   (warm-up {1000 * summary['warmup_latency_s']:.0f} ms)")
+        print("  p50 by phase: " + ", ".join(
+            f"{k} {1000 * summary[f'{k}_p50_s']:.1f} ms" for k in ("download_s", "pause_s", "reload_s", "version_s",
+                                                                   "resume_s")))
+        print(f"  in-place reload alone: p50 {1000 * summary['reload_alone_p50_s']:.1f} ms, "
+              f"p95 {1000 * summary['reload_alone_p95_s']:.1f} ms")
+        if args.load:
+            print(f"  load: {load_done[0]} completions finished, {load_done[1]} failed")
+        print(f"  target < 1 s: {'met' if summary['latency_p95_s'] < 1.0 else 'MISSED'}")
+        print(json.dumps(summary))
+        if not served_ok:
+            sys.exit("some completions failed during the syncs")
+    finally:
+        stop.set()
+        if loop is not None:
+            loop.join(10)
+        server.stop()
+        stack.stop()
+
+
+if __name__ == "__main__":
+    main()
