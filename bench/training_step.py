@@ -33,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from services.inference.tiny_model import generate_tiny_model  # noqa: E402
-from services.trainer.batching import BatchingSettings, micro_batches, prepare_samples  # noqa: E402
-from services.trainer.loss import LossSettings  # noqa: E402
+from services.trainer.batching import micro_batches, prepare_samples  # noqa: E402
 from services.trainer.policy import load_policy, sequence_logprobs  # noqa: E402
-from services.trainer.step import OptimSettings, PolicyTrainer, build_optimizer  # noqa: E402
+from services.trainer.step import PolicyTrainer, build_optimizer  # noqa: E402
+from shared.settings import BatchingSettings, LossSettings, OptimSettings  # noqa: E402
 from shared.schemas import StopReason, TrainingBatch, TrainingSample  # noqa: E402
 
 

@@ -15,7 +15,14 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -94,6 +101,42 @@ class RewardSettings(Section):
     weights: dict[str, float] = Field(default_factory=lambda: {"verifier": 1.0, "format": 0.1})
 
 
+class LossSettings(Section):
+    clip_eps: float = Field(0.2, gt=0, lt=1)  # lower clip: ratio >= 1 - clip_eps
+    clip_eps_high: float | None = Field(None, gt=0)  # upper clip (DAPO clip-higher); None: clip_eps
+    kl_coef: float = Field(0.0, ge=0)  # k3 penalty to the frozen reference; 0 loads no reference
+    aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
+
+
+class OptimSettings(Section):
+    lr: float = Field(1e-6, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float | None = Field(1.0, gt=0)  # None: no clipping (the norm is still reported)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas must lie in [0, 1), got {betas}")
+        return betas
+
+
+class BatchingSettings(Section):
+    max_seq_len: int = Field(1024, gt=1)  # prompt + completion tokens the trainer keeps
+    micro_batch_tokens: int = Field(8192, gt=0)  # padded tokens per forward/backward
+    mask_overlong: bool = True  # DAPO: zero the loss mask of stop_reason=max_tokens samples
+
+    @model_validator(mode="after")
+    def _one_sample_fits(self) -> "BatchingSettings":
+        if self.micro_batch_tokens < self.max_seq_len:
+            raise ValueError(
+                f"micro_batch_tokens ({self.micro_batch_tokens}) must be >= max_seq_len ({self.max_seq_len})"
+            )
+        return self
+
+
 class TrainerSettings(Section):
     # Staleness bound (shared.staleness). None: no training loop, rollouts are not throttled.
     max_off_policy_steps: int | None = Field(None, ge=0)
@@ -102,7 +145,15 @@ class TrainerSettings(Section):
     scale_advantage_by_std: bool = True
     consumer_name: str = "trainer-0"
     block_ms: int = Field(1000, gt=0)
-    metrics_path: Path = Path(".conveyor/metrics.jsonl")
+    metrics_path: Path = Path(".conveyor/metrics.jsonl")  # one line per completed group
+    step_metrics_path: Path = Path(".conveyor/train_steps.jsonl")  # one line per optimizer step
+    reward_curve_path: Path = Path(".conveyor/reward_curve.png")
+    pass_threshold: float = 1.0  # a sample "passes" when its reward reaches this
+    prometheus_port: int | None = Field(None, gt=0, lt=65536)
+    wandb_project: str | None = None
+    loss: LossSettings = LossSettings()
+    optim: OptimSettings = OptimSettings()
+    batching: BatchingSettings = BatchingSettings()
 
 
 class Settings(BaseSettings):

@@ -1,0 +1,152 @@
+"""Policy checkpoints in object storage, and trainer resume.
+
+Layout, one checkpoint per policy version:
+``checkpoints/{run}/{version:06d}/`` holds what ``save_pretrained`` writes for the model
+(``*.safetensors``, ``config.json``, ``generation_config.json``) and the tokenizer, then
+``trainer_state.pt`` (optimizer state dict, step, version), then ``COMMITTED``: a JSON
+manifest naming every file with its size and sha256.
+
+Invariants:
+- ``COMMITTED`` is written last. A checkpoint without it does not exist for any reader:
+  ``latest_checkpoint`` skips it and ``download_checkpoint`` refuses it. So a trainer dying
+  mid-upload leaves nothing a reader could half-load.
+- A committed version is never overwritten (``save_checkpoint`` raises): what inference may
+  already serve under a version number stays that version.
+- ``download_checkpoint`` writes exactly the manifest's files (each checked against its sha256,
+  each renamed into place whole) into a directory that ``from_pretrained`` and vLLM's
+  ``reload_weights(weights_path=...)`` load. The optimizer state is left out unless asked for.
+- ``resume`` restores weights, optimizer state and step of the highest committed version; with
+  no checkpoint it changes nothing and returns ``(0, 0)``: version 0 is the initial policy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from shared.storage import ObjectStore, StorageError
+
+ROOT = "checkpoints"
+COMMITTED = "COMMITTED"
+TRAINER_STATE = "trainer_state.pt"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def run_prefix(run_id: str) -> str:
+    return f"{ROOT}/{run_id}/"
+
+
+def checkpoint_prefix(run_id: str, version: int) -> str:
+    return f"{run_prefix(run_id)}{version:06d}/"
+
+
+def _upload_order(name: str) -> tuple[int, str]:
+    """Weights first, then the rest of the model dir, then the trainer state."""
+    if name.endswith(".safetensors") or name.endswith(".safetensors.index.json"):
+        return 0, name
+    return (2 if name == TRAINER_STATE else 1), name
+
+
+def _is_committed(store: ObjectStore, prefix: str) -> bool:
+    return prefix + COMMITTED in store.list_keys(prefix)
+
+
+def save_checkpoint(
+    store: ObjectStore,
+    run_id: str,
+    version: int,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+) -> str:
+    """Upload the checkpoint of ``version`` and commit it; returns its key prefix."""
+    prefix = checkpoint_prefix(run_id, version)
+    if _is_committed(store, prefix):
+        raise CheckpointError(f"checkpoint {prefix} is already committed; versions are never overwritten")
+    with tempfile.TemporaryDirectory(prefix="conveyor-ckpt-") as tmp:
+        local = Path(tmp)
+        model.save_pretrained(local, safe_serialization=True)
+        tokenizer.save_pretrained(local)
+        torch.save({"optimizer": optimizer.state_dict(), "step": step, "version": version}, local / TRAINER_STATE)
+        names = sorted((p.name for p in local.iterdir() if p.is_file()), key=_upload_order)
+        files = {}
+        for name in names:
+            data = (local / name).read_bytes()
+            store.put_bytes(prefix + name, data)
+            files[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest = {"run_id": run_id, "version": version, "step": step, "saved_at": time.time(), "files": files}
+    store.put_bytes(prefix + COMMITTED, json.dumps(manifest, indent=1).encode())
+    return prefix
+
+
+def read_manifest(store: ObjectStore, prefix: str) -> dict:
+    try:
+        return json.loads(store.get_bytes(prefix + COMMITTED))
+    except StorageError as exc:
+        raise CheckpointError(f"checkpoint {prefix} is not committed (no {COMMITTED} marker)") from exc
+
+
+def latest_checkpoint(store: ObjectStore, run_id: str) -> tuple[int, str] | None:
+    """(version, prefix) of the highest committed checkpoint of the run, or None."""
+    base = run_prefix(run_id)
+    versions = []
+    for key in store.list_keys(base):
+        parts = key[len(base):].split("/")
+        if len(parts) == 2 and parts[1] == COMMITTED and parts[0].isdigit():
+            versions.append(int(parts[0]))
+    if not versions:
+        return None
+    version = max(versions)
+    return version, checkpoint_prefix(run_id, version)
+
+
+def download_checkpoint(store: ObjectStore, prefix: str, local_dir: str | Path, with_trainer_state: bool = False) -> Path:
+    """Write the committed checkpoint's files into ``local_dir`` and return it.
+
+    Weight files in ``local_dir`` that the manifest does not name (stale shards of another
+    version) are removed, so a loader globbing ``*.safetensors`` sees this version only.
+    """
+    manifest = read_manifest(store, prefix)
+    local = Path(local_dir)
+    local.mkdir(parents=True, exist_ok=True)
+    wanted = {n: meta for n, meta in manifest["files"].items() if with_trainer_state or n != TRAINER_STATE}
+    for stale in local.glob("*.safetensors*"):
+        if stale.name not in wanted:
+            stale.unlink()
+    for name, meta in wanted.items():
+        data = store.get_bytes(prefix + name)
+        if len(data) != meta["size"] or hashlib.sha256(data).hexdigest() != meta["sha256"]:
+            raise CheckpointError(f"{prefix}{name} does not match its manifest (size or sha256)")
+        with tempfile.NamedTemporaryFile(dir=local, prefix=f".{name}.", delete=False) as tmp:
+            tmp.write(data)
+        os.replace(tmp.name, local / name)
+    return local
+
+
+def resume(store: ObjectStore, run_id: str, model: PreTrainedModel, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """Load the latest committed checkpoint into ``model`` and ``optimizer``; (version, step)."""
+    latest = latest_checkpoint(store, run_id)
+    if latest is None:
+        return 0, 0
+    version, prefix = latest
+    with tempfile.TemporaryDirectory(prefix="conveyor-resume-") as tmp:
+        local = download_checkpoint(store, prefix, tmp, with_trainer_state=True)
+        dtype = next(model.parameters()).dtype
+        saved = AutoModelForCausalLM.from_pretrained(str(local), dtype=dtype)
+        model.load_state_dict(saved.state_dict(), strict=True)
+        state = torch.load(local / TRAINER_STATE, map_location="cpu", weights_only=True)
+    if state.get("version") != version:
+        raise CheckpointError(f"{prefix}{TRAINER_STATE} is for version {state.get('version')}, not {version}")
+    optimizer.load_state_dict(state["optimizer"])
+    return version, int(state["step"])

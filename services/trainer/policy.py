@@ -1,0 +1,63 @@
+"""The policy as the trainer sees it: the Hugging Face checkpoint vLLM serves, and token logprobs.
+
+Invariants:
+- The trainer loads exactly the directory vLLM serves (``inference.model_path``), in float32,
+  so trainer and inference logprobs of the same weights agree (the correctness alarm
+  ``logprob_mad_vs_inference`` watches this).
+- ``sequence_logprobs(...)[b, t]`` is log p(input_ids[b, t] | input_ids[b, :t]) under the
+  model, from the logits divided by ``temperature``. Position 0 has no prefix: it is 0, and it is
+  always a prompt token, never in a loss mask. Padding (``attention_mask = 0``) is 0 too.
+- The inference server returns *processed* logprobs (``--logprobs-mode processed_logprobs``):
+  those of the sampling distribution, after temperature. So the trainer must use the rollout
+  sampling temperature here, or on-policy ratios are not 1. (top_p < 1 truncates that
+  distribution too; it is not replicated here, and ``logprob_mad_vs_inference`` would show it.)
+- Sequences are right-padded, so the positions of real tokens are 0..len-1 as at inference.
+- The frozen reference is a copy of the initial policy with gradients off, in eval mode.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+
+def load_policy(model_dir: str | Path, device: str | torch.device = "cpu") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Model (float32, training mode, no KV cache) and tokenizer from a HF checkpoint dir."""
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
+    model.config.use_cache = False
+    model.train()
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return model, tokenizer
+
+
+def frozen_reference(model: PreTrainedModel) -> PreTrainedModel:
+    """A frozen copy of ``model`` as it is now (call before the first update)."""
+    reference = copy.deepcopy(model)
+    reference.eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+def sequence_logprobs(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """``[B, T]`` logprob of each token given its prefix; 0 at position 0 and on padding."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    logits = logits[:, :-1]
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()  # logsumexp in at least float32
+    if temperature != 1.0:
+        logits = logits / temperature
+    targets = input_ids[:, 1:].unsqueeze(-1)
+    token_logits = torch.gather(logits, -1, targets).squeeze(-1)
+    shifted = token_logits - torch.logsumexp(logits, dim=-1)
+    shifted = shifted * attention_mask[:, 1:].to(shifted.dtype)
+    return torch.cat([shifted.new_zeros(shifted.shape[0], 1), shifted], dim=1)

@@ -1,0 +1,109 @@
+"""One optimizer step of GRPO over a list of training batches (GRPO groups).
+
+Invariants:
+- One ``train_step`` is one AdamW update of the loss of *all* its batches together. It runs
+  in micro-batches by token budget and accumulates gradients; each micro-batch loss is
+  divided by the whole step's denominator (masked tokens for token_mean, sequences with a
+  masked token for seq_mean), so the accumulated gradient equals the full-batch gradient.
+- Gradients are clipped to ``max_grad_norm`` on the accumulated gradient, before the update;
+  ``grad_norm`` reports the norm before clipping.
+- ``step`` counts applied updates. A step with no masked token at all (every sample dropped
+  or overlong-masked) applies no update, leaves ``step`` unchanged and reports ``skipped=1``.
+- The frozen reference exists only when ``kl_coef > 0``; it is the policy as it was when the
+  trainer was built (or the one passed in).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from transformers import PreTrainedModel
+
+from services.trainer.batching import micro_batches, prepare_samples
+from services.trainer.loss import loss_denominator, policy_loss
+from services.trainer.policy import frozen_reference, sequence_logprobs
+from shared.schemas import TrainingBatch
+from shared.settings import BatchingSettings, LossSettings, OptimSettings
+
+
+def build_optimizer(model: torch.nn.Module, optim: OptimSettings) -> torch.optim.AdamW:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
+
+
+class PolicyTrainer:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        pad_token_id: int,
+        optim: OptimSettings | None = None,
+        loss: LossSettings | None = None,
+        batching: BatchingSettings | None = None,
+        reference: PreTrainedModel | None = None,
+        temperature: float = 1.0,
+    ):
+        self.model = model
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 to train on sampled tokens, got {temperature}")
+        self.pad_token_id = pad_token_id
+        self.temperature = temperature  # the rollout sampling temperature (see policy.py)
+        self.optim = optim or OptimSettings()
+        self.loss = loss or LossSettings()
+        self.batching = batching or BatchingSettings()
+        if self.loss.kl_coef > 0 and reference is None:
+            reference = frozen_reference(model)
+        self.reference = reference if self.loss.kl_coef > 0 else None
+        self.optimizer = build_optimizer(model, self.optim)
+        self.step = 0
+
+    def train_step(self, batches: list[TrainingBatch]) -> dict[str, float]:
+        started = time.perf_counter()
+        prepared = prepare_samples([s for b in batches for s in b.samples], self.batching)
+        mbs = micro_batches(prepared.samples, self.batching.micro_batch_tokens, self.pad_token_id)
+        agg = self.loss.aggregation
+        denominator = sum(loss_denominator(mb.loss_mask, agg) for mb in mbs)
+        metrics: dict[str, float] = {
+            "sequences": float(len(prepared.samples)), "dropped": float(len(prepared.dropped)),
+            "truncated": float(prepared.truncated), "overlong_masked": float(prepared.overlong_masked),
+            "micro_batches": float(len(mbs)),
+        }
+        weighted = {"clip_frac": 0.0, "ratio_mean": 0.0, "kl": 0.0, "logprob_mad_vs_inference": 0.0}
+        if denominator == 0:  # same keys, so a metrics log has one shape
+            return metrics | weighted | {
+                "skipped": 1.0, "loss": 0.0, "grad_norm": 0.0, "tokens": 0.0, "loss_tokens": 0.0,
+                "tokens_per_s": 0.0, "step_time_s": time.perf_counter() - started, "step": float(self.step),
+            }
+
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total_loss, tokens, loss_tokens = 0.0, 0, 0.0
+        for mb in mbs:
+            logprobs = sequence_logprobs(self.model, mb.input_ids, mb.attention_mask, self.temperature)
+            ref = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref = sequence_logprobs(self.reference, mb.input_ids, mb.attention_mask, self.temperature)
+            loss, stats = policy_loss(
+                logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
+                clip_eps=self.loss.clip_eps, clip_eps_high=self.loss.clip_eps_high,
+                kl_coef=self.loss.kl_coef, ref_logprobs=ref, aggregation=agg, denominator=denominator,
+            )
+            loss.backward()
+            total_loss += float(loss.detach())
+            tokens += mb.tokens
+            loss_tokens += stats["loss_tokens"]
+            for key in weighted:
+                weighted[key] += stats[key] * stats["loss_tokens"]
+
+        max_norm = self.optim.max_grad_norm if self.optim.max_grad_norm is not None else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        self.step += 1
+        elapsed = time.perf_counter() - started
+        return metrics | {k: v / loss_tokens for k, v in weighted.items()} | {
+            "skipped": 0.0, "loss": total_loss, "grad_norm": float(grad_norm), "tokens": float(tokens),
+            "loss_tokens": loss_tokens, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
+            "step": float(self.step),
+        }
