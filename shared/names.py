@@ -102,9 +102,17 @@ class RedisKeys:
         return f"{_P}:{{{run_id}}}:checkpoints"
 
     @staticmethod
-    def train_queue(run_id: str) -> str:  # list of batch keys of accepted groups, append-only
+    def weight_sync(run_id: str) -> str:  # hash: version, seconds of the last weight sync
+        return f"{_P}:{{{run_id}}}:weight_sync"
+
+    @staticmethod
+    def train_cursor(run_id: str) -> str:  # hash: policy version -> train-queue position after its step
+        return f"{_P}:{{{run_id}}}:train_cursor"
+
+    @staticmethod
+    def train_queue(run_id: str) -> str:  # list of {key, oldest_policy_version, group_id} JSON, append-only
         return f"{_P}:{{{run_id}}}:train_queue"
 
     @staticmethod
-    def trainer_counters(run_id: str) -> str:  # hash: groups_trained, zero_variance, late, ...
+    def trainer_counters(run_id: str) -> str:  # hash: groups_accepted, zero_variance, late, ...
         return f"{_P}:{{{run_id}}}:trainer"

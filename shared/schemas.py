@@ -231,7 +231,7 @@ class GroupRecord(Message):
     members: list[GroupMember]
     reward_mean: float | None
     reward_std: float | None
-    status: Literal["trained", "zero_variance", "all_failed", "stale"]
+    status: Literal["accepted", "zero_variance", "all_failed", "stale"]
     batch_key: str | None = None  # object key of the emitted training batch
     completed_at: float
 

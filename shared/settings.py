@@ -141,6 +141,7 @@ class TrainerSettings(Section):
     # Staleness bound (shared.staleness). None: no training loop, rollouts are not throttled.
     max_off_policy_steps: int | None = Field(None, ge=0)
     groups_per_step: int = Field(4, gt=0)
+    max_steps: int | None = Field(None, gt=0)  # the trainer exits after this many optimizer steps
     advantage_eps: float = Field(1e-6, gt=0)
     scale_advantage_by_std: bool = True
     consumer_name: str = "trainer-0"

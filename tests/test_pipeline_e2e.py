@@ -131,7 +131,7 @@ def test_pipeline_end_to_end(base, tmp_path):
             assert record.status == "zero_variance" and record.batch_key is None
             continue
         trained += 1
-        assert record.status == "trained"
+        assert record.status == "accepted"
         batch = get_model(store, record.batch_key, TrainingBatch)
         for sample in batch.samples:
             trajectory = get_model(store, scored[sample.trajectory_id].trajectory_key, Trajectory)
@@ -155,7 +155,7 @@ def test_pipeline_end_to_end(base, tmp_path):
                 context += turn.sampled_token_ids
     assert trained >= 1, "every group had zero variance: the advantage check above proved nothing"
     counters = stack.redis_client().hgetall(RedisKeys.trainer_counters(run_id))
-    assert int(counters.get("groups_trained", 0)) == trained
+    assert int(counters.get("groups_accepted", 0)) == trained
     assert int(counters.get("duplicate_events", 0)) == 0
 
 

@@ -107,15 +107,25 @@ def trainer(
     config: Optional[Path] = ConfigOption,
     exit_when_done: bool = typer.Option(False, help="exit once intake is done and every trajectory is terminal"),
 ) -> None:
-    """Consume scored trajectories: assemble GRPO groups, compute advantages, emit batches."""
+    """Consume scored trajectories: assemble GRPO groups, compute advantages, emit batches;
+    with trainer.max_off_policy_steps set, also train, checkpoint and announce new versions."""
     _logging()
     settings = _settings(config)
     from services.trainer.consumer import TrainerConsumer
     from shared.ledger import Ledger
     from shared.storage import open_store
 
-    consumer = TrainerConsumer(settings, Ledger.from_url(settings.redis.url), open_store(settings.storage))
-    consumer.run_forever(stop_when_idle=exit_when_done)
+    store = open_store(settings.storage)
+    consumer = TrainerConsumer(settings, Ledger.from_url(settings.redis.url), store)
+    loop = None
+    if consumer.budget is not None:  # a staleness bound is set: train, not only assemble
+        from services.trainer.loop import TrainingLoop
+        from services.trainer.metrics import MetricsSink
+
+        t = settings.trainer
+        sink = MetricsSink(t.step_metrics_path, t.prometheus_port, t.wandb_project, settings.run_id)
+        loop = TrainingLoop(settings, store, consumer.budget, sink)
+    consumer.run_forever(stop_when_idle=exit_when_done, loop=loop)
     console.print(f"trainer {settings.run_id}: {consumer.counters()}")
 
 
@@ -124,16 +134,30 @@ def inference(
     config: Optional[Path] = ConfigOption,
     check: bool = typer.Option(False, "--check", help="only report the health of the configured server"),
     generate_tiny: bool = typer.Option(False, help="generate the tiny test model at inference.model_path first"),
+    attach: bool = typer.Option(False, help="do not launch vLLM: follow weight updates for the server(s) at inference.base_url"),
+    replica: Optional[list[str]] = typer.Option(None, help="with --attach: a replica base URL (repeatable)"),
 ) -> None:
-    """Launch vLLM's OpenAI-compatible server for the configured model and wait until ready."""
+    """Launch vLLM's OpenAI-compatible server for the configured model, wait until ready, and
+    keep it on the newest checkpoint of the run (the weight-sync control plane)."""
     _logging()
     settings = _settings(config)
+    import threading
+
+    from services.inference.control_plane import WeightFollower
     from services.inference.server import VllmServer, check_inference
 
     if check:
         health = check_inference(settings.inference.base_url)
         print(json.dumps(health))
         raise typer.Exit(0 if health.get("ok") else 1)
+    stop = threading.Event()
+    if attach:
+        with WeightFollower.from_settings(settings, base_urls=replica or None) as follower:
+            try:
+                follower.run(stop)
+            except KeyboardInterrupt:
+                stop.set()
+        return
     if generate_tiny:
         from services.inference.tiny_model import generate_tiny_model
 
@@ -143,8 +167,12 @@ def inference(
     try:
         server.wait_ready(settings.inference.startup_timeout_s)
         console.print(f"vLLM ready: {json.dumps(server.health())}")
-        server.process.wait()
+        with WeightFollower.from_settings(settings, base_urls=[server.base_url]) as follower:
+            thread = threading.Thread(target=follower.run, args=(stop,), name="weight-follower", daemon=True)
+            thread.start()
+            server.process.wait()
     finally:
+        stop.set()
         server.stop()
 
 
@@ -184,6 +212,20 @@ def demo(
     from services.cli.demo import run_demo
 
     sys.exit(run_demo(config, tasks, workdir))
+
+
+@app.command("learn-demo")
+def learn_demo(
+    steps: int = typer.Option(20, help="optimizer steps"),
+    max_off_policy_steps: int = typer.Option(1, help="staleness bound (0: synchronous)"),
+    workdir: Path = typer.Option(Path(".conveyor/learn-demo"), help="where models, logs, metrics and the curve go"),
+) -> None:
+    """Train the tiny model on a toy task through the whole system; write the reward curve PNG."""
+    from services.cli.learning_demo import run_learning
+
+    run = run_learning(workdir, steps, max_off_policy_steps)
+    console.print(f"mean reward per step: {' '.join(f'{r:.2f}' for r in run.rewards)}")
+    console.print(f"reward curve: {run.reward_curve}  metrics: {workdir / 'train_steps.jsonl'}  wall: {run.wall_s:.0f}s")
 
 
 def main() -> None:

@@ -143,6 +143,9 @@ class LocalStack:
     def start_scoring_worker(self, name: str = "scoring") -> ManagedProcess:
         return self.conveyor(f"worker-{name}", "worker", "scoring", "--name", name)
 
+    def start_weight_follower(self) -> ManagedProcess:
+        return self.conveyor("weight-follower", "inference", "--attach")
+
     def start_trainer(self, exit_when_done: bool = False) -> ManagedProcess:
         args = ["trainer"] + (["--exit-when-done"] if exit_when_done else [])
         return self.conveyor("trainer", *args)

@@ -35,6 +35,7 @@ class PreparedSample:
     loss_mask: list[int]
     inference_logprobs: list[float]
     advantage: float
+    policy_version: int = 0  # oldest policy version that produced the sample's tokens
     truncated: bool = False
     overlong_masked: bool = False
 
@@ -83,6 +84,7 @@ def prepare_sample(sample: TrainingSample, max_seq_len: int, mask_overlong: bool
         loss_mask=loss_mask,
         inference_logprobs=list(sample.inference_logprobs[:keep]),
         advantage=sample.advantage,
+        policy_version=sample.oldest_policy_version,
         truncated=keep < n,
         overlong_masked=overlong,
     )
@@ -121,6 +123,7 @@ class MicroBatch:
     loss_mask: torch.Tensor  # [B, T] float32
     old_logprobs: torch.Tensor  # [B, T] float32, inference logprobs
     advantages: torch.Tensor  # [B] float32
+    policy_versions: torch.Tensor  # [B] long: the version each row was sampled by
 
     @property
     def tokens(self) -> int:
@@ -142,7 +145,8 @@ def collate(samples: list[PreparedSample], pad_token_id: int) -> MicroBatch:
         loss_mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
         old[i, :n] = torch.tensor(s.inference_logprobs, dtype=torch.float32)
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    return MicroBatch(input_ids, attention, loss_mask, old * loss_mask, advantages)
+    versions = torch.tensor([s.policy_version for s in samples], dtype=torch.long)
+    return MicroBatch(input_ids, attention, loss_mask, old * loss_mask, advantages, versions)
 
 
 def micro_batches(samples: list[PreparedSample], token_budget: int, pad_token_id: int) -> list[MicroBatch]:

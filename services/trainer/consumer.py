@@ -24,6 +24,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import redis
 
@@ -44,6 +45,9 @@ from shared.schemas import (
 from shared.settings import Settings
 from shared.staleness import StalenessBudget
 from shared.storage import ObjectStore, get_model, put_model
+
+if TYPE_CHECKING:
+    from services.trainer.loop import TrainingLoop
 
 log = logging.getLogger(__name__)
 CONSUMER_GROUP = "trainer"
@@ -98,10 +102,15 @@ class TrainerConsumer:
             self._handle(entry_id, fields)
         return len(entries)
 
-    def run_forever(self, stop_when_idle: bool = False) -> None:
+    def run_forever(self, stop_when_idle: bool = False, loop: "TrainingLoop | None" = None) -> None:
+        """Consume events; with a training loop, train whenever a step's groups are in."""
         self.recover()
         while True:
             handled = self.poll()
+            while loop is not None and not loop.done() and loop.ready():
+                loop.train_once()
+            if loop is not None and loop.done():
+                return
             if stop_when_idle and not handled and self.finished():
                 return
 
@@ -140,7 +149,7 @@ class TrainerConsumer:
             GroupMember(trajectory_id=e.trajectory_id, reward=None, advantage=None, failure_reason=e.failure_reason)
             for e in group.failed
         ]
-        batch_object = None
+        batch_object, oldest = None, None
         if not scored:
             status, mean, std = "all_failed", None, None
         else:
@@ -158,7 +167,7 @@ class TrainerConsumer:
                 if self.budget is not None and self.budget.is_stale(oldest, self.budget.state().trainer_step):
                     status = "stale"
                 else:
-                    status = "trained"
+                    status = "accepted"
                     batch_object = batch_key(self.run_id, group.group_id)
                     put_model(self.store, batch_object, batch)
         record = GroupRecord(
@@ -174,7 +183,8 @@ class TrainerConsumer:
             tx.sadd(RedisKeys.groups_done(self.run_id), group.group_id)
             tx.hincrby(RedisKeys.trainer_counters(self.run_id), f"groups_{status}", 1)
             if batch_object is not None:
-                tx.rpush(RedisKeys.train_queue(self.run_id), batch_object)
+                entry = {"key": batch_object, "oldest_policy_version": oldest, "group_id": group.group_id}
+                tx.rpush(RedisKeys.train_queue(self.run_id), json.dumps(entry))
             elif self.budget is not None:
                 tx.hincrby(self.budget.key, "filtered", 1)  # a dropped group frees its admission slot
             tx.xack(self.stream, CONSUMER_GROUP, *group.entry_ids)

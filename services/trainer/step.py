@@ -74,13 +74,20 @@ class PolicyTrainer:
             return metrics | weighted | {
                 "skipped": 1.0, "loss": 0.0, "grad_norm": 0.0, "tokens": 0.0, "loss_tokens": 0.0,
                 "tokens_per_s": 0.0, "step_time_s": time.perf_counter() - started, "step": float(self.step),
+                "logprob_mad_on_policy": math.nan,
             }
 
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total_loss, tokens, loss_tokens = 0.0, 0, 0.0
+        on_policy_abs, on_policy_tokens = 0.0, 0.0
         for mb in mbs:
             logprobs = sequence_logprobs(self.model, mb.input_ids, mb.attention_mask, self.temperature)
+            # the correctness alarm: on rows sampled by exactly these weights, trainer and
+            # inference logprobs must agree (off-policy rows differ by design)
+            same = mb.loss_mask * (mb.policy_versions == self.step).unsqueeze(-1)
+            on_policy_abs += float(((logprobs.detach() - mb.old_logprobs).abs() * same).sum())
+            on_policy_tokens += float(same.sum())
             ref = None
             if self.reference is not None:
                 with torch.no_grad():
@@ -106,4 +113,5 @@ class PolicyTrainer:
             "skipped": 0.0, "loss": total_loss, "grad_norm": float(grad_norm), "tokens": float(tokens),
             "loss_tokens": loss_tokens, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
             "step": float(self.step),
+            "logprob_mad_on_policy": on_policy_abs / on_policy_tokens if on_policy_tokens else math.nan,
         }

@@ -224,17 +224,17 @@ def test_consumer_trains_a_group_with_correct_advantages_and_masks(settings, led
         assert sample.stop_reason is StopReason.done
 
     record = get_model(store, group_record_key(run_id, 0), GroupRecord)
-    assert record.status == "trained" and record.batch_key == batch_key(run_id, 0)
+    assert record.status == "accepted" and record.batch_key == batch_key(run_id, 0)
     assert record.expected_size == GROUP_SIZE and len(record.members) == GROUP_SIZE
     assert record.reward_mean == pytest.approx(0.625) and record.reward_std == pytest.approx(std)
 
     assert {ledger.state(r.trajectory_id) for r in reqs} == {"consumed"}
     assert ledger.counts(run_id)["consumed"] == GROUP_SIZE
     assert redis_client.smembers(RedisKeys.groups_done(run_id)) == {"0"}
-    assert consumer.counters() == {"groups_trained": 1}
+    assert consumer.counters() == {"groups_accepted": 1}
     assert pending_count(redis_client, run_id) == 0
     lines = [json.loads(line) for line in (settings.trainer.metrics_path).read_text().splitlines()]
-    assert [(m["group_id"], m["status"], m["scored"], m["failed"]) for m in lines] == [(0, "trained", 4, 0)]
+    assert [(m["group_id"], m["status"], m["scored"], m["failed"]) for m in lines] == [(0, "accepted", 4, 0)]
 
     redis_client.set(RedisKeys.intake_done(run_id), "1")
     assert consumer.finished()
@@ -264,7 +264,7 @@ def test_zero_variance_group_is_dropped_and_counted(settings, ledger, store, red
     assert all(m.advantage == pytest.approx(0.0) for m in record.members)
     # dropped, but its members still reached the trainer exactly once
     assert {ledger.state(r.trajectory_id) for r in groups[0]} == {"consumed"}
-    assert consumer.counters() == {"groups_zero_variance": 1, "groups_trained": 1}
+    assert consumer.counters() == {"groups_zero_variance": 1, "groups_accepted": 1}
     assert redis_client.smembers(RedisKeys.groups_done(run_id)) == {"0", "1"}
     assert pending_count(redis_client, run_id) == 0
 
@@ -286,9 +286,9 @@ def test_failed_member_completes_the_group(settings, ledger, store, redis_client
     record = get_model(store, group_record_key(run_id, 0), GroupRecord)
     failed = [m for m in record.members if m.reward is None]
     assert [(m.trajectory_id, m.failure_reason, m.advantage) for m in failed] == [(reqs[3].trajectory_id, "env_error: sandbox died", None)]
-    assert record.status == "trained" and record.expected_size == GROUP_SIZE
+    assert record.status == "accepted" and record.expected_size == GROUP_SIZE
     assert ledger.counts(run_id) == {"queued": 0, "running": 0, "uploaded": 0, "scored": 0, "consumed": 3, "failed": 1}
-    assert consumer.counters() == {"groups_trained": 1}
+    assert consumer.counters() == {"groups_accepted": 1}
     assert pending_count(redis_client, run_id) == 0
 
 
@@ -320,7 +320,7 @@ def test_duplicate_late_and_bad_events_are_counted_and_acknowledged(settings, le
     redis_client.xadd(stream, {"event": unknown.model_dump_json()})
     assert drain(consumer) == GROUP_SIZE + 4
 
-    assert consumer.counters() == {"groups_trained": 1, "duplicate_events": 1, "late_events": 1, "bad_events": 2}
+    assert consumer.counters() == {"groups_accepted": 1, "duplicate_events": 1, "late_events": 1, "bad_events": 2}
     batch = get_model(store, batch_key(run_id, 0), TrainingBatch)
     assert len(batch.samples) == GROUP_SIZE
     assert pending_count(redis_client, run_id) == 0
@@ -348,7 +348,7 @@ def test_restart_recovers_pending_entries_and_completes_the_group_once(settings,
     assert [s.trajectory_id for s in batch.samples] == [r.trajectory_id for r in reqs]
     assert [s.advantage for s in batch.samples] == pytest.approx(group_advantages(rewards).advantages)
     assert store.list_keys("batches/") == [batch_key(run_id, 0)]
-    assert consumer_b.counters() == {"groups_trained": 1}
+    assert consumer_b.counters() == {"groups_accepted": 1}
     assert pending_count(redis_client, run_id) == 0
     assert {ledger.state(r.trajectory_id) for r in reqs} == {"consumed"}
 
@@ -356,7 +356,7 @@ def test_restart_recovers_pending_entries_and_completes_the_group_once(settings,
     consumer_c = TrainerConsumer(settings, Ledger(redis_client), store)
     assert consumer_c.recover() == 0
     assert drain(consumer_c) == 0
-    assert consumer_c.counters() == {"groups_trained": 1}
+    assert consumer_c.counters() == {"groups_accepted": 1}
     assert len(settings.trainer.metrics_path.read_text().splitlines()) == 1
 
 
@@ -382,7 +382,7 @@ def test_restart_after_crash_mid_completion_finishes_the_group(settings, ledger,
     assert consumer_b.recover() == GROUP_SIZE
     assert {ledger.state(r.trajectory_id) for r in reqs} == {"consumed"}
     assert store.list_keys("batches/") == [batch_key(run_id, 0)]
-    assert consumer_b.counters() == {"groups_trained": 1}
+    assert consumer_b.counters() == {"groups_accepted": 1}
     assert pending_count(redis_client, run_id) == 0
 
 
@@ -409,4 +409,4 @@ def test_crash_before_the_group_is_marked_done_is_finished_once_on_restart(setti
     consumer_b.recover()
     assert pending_count(redis_client, run_id) == 0
     assert redis_client.smembers(RedisKeys.groups_done(run_id)) == {"0"}
-    assert consumer_b.counters() == {"groups_trained": 1}
+    assert consumer_b.counters() == {"groups_accepted": 1}

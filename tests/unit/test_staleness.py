@@ -10,6 +10,7 @@ import pytest
 from services.intake.datasets import Row
 from services.intake.publisher import run_intake
 from shared.ledger import Ledger
+from shared.names import RedisKeys
 from shared.staleness import StalenessBudget
 from shared.settings import Settings
 
@@ -20,7 +21,9 @@ def test_admission_follows_the_formula(redis_client, run_id):
     assert [budget.try_admit() for _ in range(5)] == [True, True, True, True, False]
     budget.filtered(1)  # a dropped group frees its slot
     assert budget.try_admit() and not budget.try_admit()
-    budget.advance_step(1)  # a trained step raises the bound by groups_per_step
+    budget.advance_step(1)  # a trained step raises the bound by groups_per_step...
+    assert not budget.try_admit()  # ...once the inference service serves its weights
+    redis_client.set(RedisKeys.policy_version(run_id), 1)
     assert [budget.try_admit() for _ in range(3)] == [True, True, False]
     assert budget.state().admitted == 7 and budget.state().filtered == 1
 
@@ -29,6 +32,7 @@ def test_synchronous_mode_admits_one_step_at_a_time(redis_client, run_id):
     budget = StalenessBudget(redis_client, run_id, max_off_policy_steps=0, groups_per_step=3)
     assert sum(budget.try_admit() for _ in range(10)) == 3
     budget.advance_step(1)
+    redis_client.set(RedisKeys.policy_version(run_id), 1)
     assert sum(budget.try_admit() for _ in range(10)) == 3
 
 
@@ -55,6 +59,9 @@ def test_intake_waits_for_the_trainer_instead_of_over_admitting(redis_client, re
     time.sleep(1.0)
     assert published == [0, 1]  # the bound: (0 + 0 + 1) * 2 groups before the first step
     StalenessBudget(redis_client, run_id, 0, 2).advance_step(1)
+    time.sleep(0.6)
+    assert published == [0, 1]  # trained, but not yet served: rollouts would start stale
+    redis_client.set(RedisKeys.policy_version(run_id), 1)
     worker.join(10)
     assert published == [0, 1, 2, 3]
 

@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 import abc
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,3 +61,10 @@ class Environment(abc.ABC):
 
     async def close(self) -> None:
         return None
+
+    async def simulate_tool_latency(self) -> None:
+        """``env_config["step_latency_s"]`` (default 0): each step takes that long, standing in
+        for tool execution in benchmarks of orchestration overhead and async training."""
+        latency = float(self.env_config.get("step_latency_s", 0.0))
+        if latency > 0:
+            await asyncio.sleep(latency)

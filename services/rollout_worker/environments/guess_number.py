@@ -4,14 +4,10 @@ The agent calls ``guess`` with an integer; the game answers "higher", "lower" or
 Task data: ``{"target": int, "low": int, "high": int}``. The verifier's reward is 1.0 for a
 solved game, otherwise up to 0.5 for how close the best valid guess came (0 without one), so
 partial progress is visible to GRPO.
-
-``env_config["step_latency_s"]`` (default 0) makes each step take that long, standing in for
-tool execution in benchmarks of the orchestration overhead.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from services.rollout_worker.environments.base import AgentAction, Environment, StepResult, VerifyResult
@@ -36,9 +32,7 @@ class GuessNumberEnv(Environment):
         ]
 
     async def step(self, action: AgentAction) -> StepResult:
-        latency = float(self.env_config.get("step_latency_s", 0.0))
-        if latency > 0:
-            await asyncio.sleep(latency)
+        await self.simulate_tool_latency()
         if action.tool_call_error:
             return StepResult(f"Error: {action.tool_call_error}. Try again.", done=False, info={"invalid": True})
         guesses = [c for c in action.tool_calls if c.name == "guess"]

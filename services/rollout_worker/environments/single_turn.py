@@ -44,6 +44,7 @@ class SingleTurnEnv(Environment):
         return messages
 
     async def step(self, action: AgentAction) -> StepResult:
+        await self.simulate_tool_latency()
         self.reply = action.text
         return StepResult("", done=True)
 

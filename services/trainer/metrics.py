@@ -1,0 +1,85 @@
+"""Per-step training metrics: one JSONL line per step, Prometheus gauges, optional W&B, and
+a reward-curve PNG.
+
+Invariant: every sink gets the same flat dict of numbers for a step; a sink that fails (W&B
+offline, a port in use) is reported once at start and turned off, never crashing training.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class MetricsSink:
+    def __init__(self, jsonl_path: Path, prometheus_port: int | None = None, wandb_project: str | None = None, run_id: str = ""):
+        self.jsonl_path = Path(jsonl_path)
+        self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
+        self._gauges: dict[str, Any] = {}
+        self._prometheus = False
+        if prometheus_port:
+            try:
+                from prometheus_client import start_http_server
+
+                start_http_server(prometheus_port)
+                self._prometheus = True
+            except (ImportError, OSError) as exc:
+                log.error("Prometheus endpoint on port %s disabled: %s", prometheus_port, exc)
+        self._wandb = None
+        if wandb_project:
+            try:
+                import wandb
+
+                self._wandb = wandb.init(project=wandb_project, name=run_id, reinit=True)
+            except Exception as exc:  # W&B is optional; training goes on without it
+                log.error("W&B logging disabled: %s", exc)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        with self.jsonl_path.open("a") as fh:
+            fh.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        if self._prometheus:
+            from prometheus_client import Gauge
+
+            for name, value in metrics.items():
+                gauge = self._gauges.get(name)
+                if gauge is None:
+                    gauge = self._gauges[name] = Gauge(f"conveyor_trainer_{name}", f"trainer metric {name}")
+                gauge.set(value)
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+
+
+def read_steps(jsonl_path: Path) -> list[dict[str, float]]:
+    path = Path(jsonl_path)
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def plot_reward_curve(jsonl_path: Path, png_path: Path, title: str = "reward") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = read_steps(jsonl_path)
+    xs = [s["step"] for s in steps]
+    mean = [s["reward_mean"] for s in steps]
+    std = [s.get("reward_std", 0.0) for s in steps]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    ax.plot(xs, mean, marker="o", label="mean reward")
+    ax.fill_between(xs, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2, label="± std")
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel("reward")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    png_path = Path(png_path)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path)
+    plt.close(fig)
+    return png_path
