@@ -25,30 +25,29 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Self
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import httpx  # noqa: E402
+import httpx
 
-from services.cli.local_stack import LocalStack, free_port  # noqa: E402
-from services.inference import weight_sync as ws  # noqa: E402
-from services.inference.control_plane import (  # noqa: E402
+from services.cli.local_stack import LocalStack, free_port
+from services.inference import weight_sync as ws
+from services.inference.control_plane import (
     COMMITTED_MARKER,
     WeightFollower,
-    checkpoint_prefix,
-    checkpoint_stream,
-    weight_sync_stats,
 )
-from services.inference.server import VllmServer  # noqa: E402
-from services.inference.tiny_model import generate_tiny_model  # noqa: E402
-from shared.names import RedisKeys  # noqa: E402
-from shared.settings import StorageSettings  # noqa: E402
-from shared.storage import LocalStore, open_store  # noqa: E402
+from services.inference.server import VllmServer
+from services.inference.tiny_model import generate_tiny_model
+from shared.names import RedisKeys, checkpoint_prefix
+from shared.settings import StorageSettings
+from shared.storage import LocalStore, open_store
 
 RUN = "bench-ws"
 
@@ -65,40 +64,61 @@ def write_checkpoint(store, prefix: str, model_dir: Path) -> None:
     store.put_bytes(prefix + COMMITTED_MARKER, b"")
 
 
-class Load:
-    """N streaming completions kept running (each restarts when it finishes)."""
+def _load_process(base_url: str, n: int, stop, completed, failed) -> None:
+    """N streaming completions kept running, each restarted when it finishes."""
 
-    def __init__(self, base_url: str, n: int):
-        self.base_url, self.n, self.stop = base_url, n, threading.Event()
-        self.completed = self.failed = 0
-        self._lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(n)]
-
-    def _loop(self, i: int) -> None:
+    def one(i: int) -> None:
         body = {"model": "tiny", "prompt": list(range(10, 74)), "max_tokens": 400, "temperature": 1.0,
                 "seed": i, "stream": True, "ignore_eos": True}
-        while not self.stop.is_set():
+        while not stop.is_set():
             try:
-                with httpx.stream("POST", f"{self.base_url}/v1/completions", json=body, timeout=300) as r:
+                with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=300) as r:
                     for _ in r.iter_lines():
                         pass
                     ok = r.status_code == 200
             except httpx.HTTPError:
                 ok = False
-            with self._lock:
-                self.completed += ok
-                self.failed += not ok
+            counter = completed if ok else failed
+            with counter.get_lock():
+                counter.value += 1
 
-    def __enter__(self) -> Load:
-        for t in self.threads:
-            t.start()
-        time.sleep(1.0 if self.n else 0.0)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+class Load:
+    """Rollout-like traffic from a separate process (so it does not take the follower's GIL)."""
+
+    def __init__(self, base_url: str, n: int):
+        ctx = multiprocessing.get_context("spawn")
+        self.n, self.stop = n, ctx.Event()
+        self._completed, self._failed = ctx.Value("i", 0), ctx.Value("i", 0)
+        self.proc = ctx.Process(target=_load_process, args=(base_url, n, self.stop, self._completed, self._failed),
+                                daemon=True) if n else None
+
+    @property
+    def completed(self) -> int:
+        return self._completed.value
+
+    @property
+    def failed(self) -> int:
+        return self._failed.value
+
+    def __enter__(self) -> Self:
+        if self.proc is not None:
+            self.proc.start()
+            time.sleep(3.0)  # requests running before the first sync
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
-        for t in self.threads:
-            t.join(60)
+        if self.proc is not None:
+            self.proc.join(120)
+            if self.proc.is_alive():
+                self.proc.kill()
 
 
 def main() -> None:
@@ -137,7 +157,7 @@ def main() -> None:
                 t_up = time.perf_counter()
                 write_checkpoint(store, prefix, models[version % 2])
                 t0 = time.perf_counter()
-                redis_client.xadd(checkpoint_stream(RUN), {"version": version, "prefix": prefix})
+                redis_client.xadd(RedisKeys.checkpoints(RUN), {"version": version, "prefix": prefix})
                 key = RedisKeys.policy_version(RUN)
                 deadline = t0 + 60
                 while redis_client.get(key) != str(version):
@@ -147,7 +167,7 @@ def main() -> None:
                 t1 = time.perf_counter()
                 stats = {}
                 while stats.get("version") != str(version) and time.perf_counter() < deadline:
-                    stats = redis_client.hgetall(weight_sync_stats(RUN))  # written right after the resume
+                    stats = redis_client.hgetall(RedisKeys.weight_sync(RUN))  # written right after the resume
                     time.sleep(0.001)
                 row = {"version": version, "upload_s": t0 - t_up,
                        "latency_s": (t1 - t0) + float(stats["resume_s"]),
@@ -160,6 +180,7 @@ def main() -> None:
             load_done = (load.completed, load.failed)
         stop.set()
         loop.join(10)
+        follower.close()
 
         with ws.admin_client() as http:
             label = ws.weight_version(http, server.base_url)

@@ -5,7 +5,9 @@ Object key layout (one bucket):
 - ``scored/{run}/{group_id:06d}/{trajectory_id}.json.gz`` — the ScoredTrajectory
 - ``batches/{run}/{group_id:06d}.json.gz`` — a training batch (one GRPO group)
 - ``groups/{run}/{group_id:06d}.json.gz`` — the GroupRecord the trainer decided
-- ``rejected/{run}/intake.jsonl`` is not used: rejected rows live in Redis (see ``rejected_rows``)
+- ``checkpoints/{run}/{version:06d}/`` — a policy checkpoint: safetensors, config and
+  tokenizer files, ``trainer_state.pt``, and the ``COMMITTED`` manifest written last
+Rejected dataset rows live in Redis (``RedisKeys.rejected_rows``), not in the bucket.
 """
 
 from __future__ import annotations
@@ -33,6 +35,18 @@ def batch_key(run_id: str, group_id: int) -> str:
 
 def group_record_key(run_id: str, group_id: int) -> str:
     return f"groups/{run_id}/{group_id:06d}.json.gz"
+
+
+CHECKPOINT_COMMITTED = "COMMITTED"  # written last; a checkpoint without it does not exist
+CHECKPOINT_TRAINER_STATE = "trainer_state.pt"  # optimizer state and step: the trainer's only
+
+
+def checkpoints_of_run(run_id: str) -> str:
+    return f"checkpoints/{run_id}/"
+
+
+def checkpoint_prefix(run_id: str, version: int) -> str:
+    return f"{checkpoints_of_run(run_id)}{version:06d}/"
 
 
 class RedisKeys:

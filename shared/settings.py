@@ -52,6 +52,8 @@ class StorageSettings(Section):
 
 class InferenceSettings(Section):
     base_url: str = "http://127.0.0.1:8000"
+    replica_urls: list[str] = Field(default_factory=list)  # every replica to keep in sync; [] = [base_url]
+    weights_dir: Path = Path(".conveyor/weights")  # where the weight follower puts downloaded checkpoints
     model: str = "tiny"  # served model name
     model_path: Path = Path(".conveyor/models/tiny")  # checkpoint dir; the tokenizer comes from here
     max_model_len: int = Field(1024, gt=0)

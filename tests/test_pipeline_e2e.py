@@ -146,7 +146,7 @@ def test_pipeline_end_to_end(base, tmp_path):
                 context += turn.prompt_token_ids
                 reply = client.post("/v1/completions", json={
                     "model": "tiny", "prompt": context, "max_tokens": len(turn.sampled_token_ids),
-                    "seed": turn_seed(trajectory.request.episode_seed, turn.index), "temperature": 1.0,
+                    "seed": turn_seed(trajectory.trajectory_id, turn.index), "temperature": 1.0,
                     "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
                 }).json()["choices"][0]
                 assert reply["prompt_token_ids"] == context

@@ -87,6 +87,7 @@ class LocalStack:
         (self.root / "logs").mkdir(parents=True, exist_ok=True)
         self.env.setdefault("CONVEYOR_RUN_ID", self.run_id)
         self.env.setdefault("CONVEYOR_TRAINER__METRICS_PATH", str(self.root / "metrics.jsonl"))
+        self.env.setdefault("CONVEYOR_INFERENCE__WEIGHTS_DIR", str(self.root / "weights"))
 
     # --- generic ----------------------------------------------------------------------------
     def spawn(self, name: str, argv: list[str], extra_env: dict[str, str] | None = None) -> ManagedProcess:

@@ -2,7 +2,7 @@
 
 The trainer writes a checkpoint under ``checkpoints/{run}/{version:06d}/`` (config.json,
 model.safetensors, tokenizer files, trainer_state.pt, and a ``COMMITTED`` marker written
-last), then XADDs ``{"version": v, "prefix": ...}`` to ``checkpoint_stream(run)``.
+last), then XADDs ``{"version": v, "prefix": ...}`` to ``RedisKeys.checkpoints(run)``.
 ``WeightFollower`` reads that stream and, for the newest version above the one served,
 downloads the checkpoint (weights, config and tokenizer files only) into a local directory
 and runs ``sync_weights`` on every replica.
@@ -50,29 +50,14 @@ from typing import Any, Self
 
 from services.inference import weight_sync
 from services.inference.weight_sync import SyncReport, sync_weights
-from shared.names import RedisKeys
+from shared.names import CHECKPOINT_COMMITTED, CHECKPOINT_TRAINER_STATE, RedisKeys, checkpoint_prefix
 from shared.storage import ObjectStore
 
 log = logging.getLogger(__name__)
 
-COMMITTED_MARKER = "COMMITTED"
-SKIPPED_FILES = frozenset({"trainer_state.pt", COMMITTED_MARKER})
+COMMITTED_MARKER = CHECKPOINT_COMMITTED
+SKIPPED_FILES = frozenset({CHECKPOINT_TRAINER_STATE, COMMITTED_MARKER})
 DOWNLOAD_THREADS = 4
-
-
-# Key and layout names; to move to shared.names (RedisKeys and the object-key layout).
-def checkpoint_stream(run_id: str) -> str:
-    """Stream of checkpoint announcements: fields ``version`` (int) and ``prefix``."""
-    return f"conveyor:{{{run_id}}}:checkpoints"
-
-
-def weight_sync_stats(run_id: str) -> str:
-    """Hash: the last applied sync's ``version``, ``seconds`` (download + sync) and phase timings."""
-    return f"conveyor:{{{run_id}}}:weight_sync"
-
-
-def checkpoint_prefix(run_id: str, version: int) -> str:
-    return f"checkpoints/{run_id}/{version:06d}/"
 
 
 # Never lowers the served version: SET only if ARGV[1] is above the current value.
@@ -197,7 +182,7 @@ def download_checkpoint(store: ObjectStore, prefix: str, dest: Path) -> Download
 
 
 class WeightFollower:
-    """Follows ``checkpoint_stream(run_id)`` and keeps every replica on the newest version."""
+    """Follows ``RedisKeys.checkpoints(run_id)`` and keeps every replica on the newest version."""
 
     def __init__(
         self,
@@ -252,8 +237,9 @@ class WeightFollower:
             from shared.storage import open_store
 
             store = open_store(settings.storage)
-        return cls(redis_client, store, settings.run_id, base_urls or [settings.inference.base_url],
-                   work_dir or Path(".conveyor/weights") / settings.run_id,
+        replicas = base_urls or settings.inference.replica_urls or [settings.inference.base_url]
+        return cls(redis_client, store, settings.run_id, replicas,
+                   work_dir or Path(settings.inference.weights_dir) / settings.run_id,
                    initial_weights_dir=kwargs.pop("initial_weights_dir", settings.inference.model_path), **kwargs)
 
     # ------------------------------------------------------------ state
@@ -278,7 +264,7 @@ class WeightFollower:
     def read_announcements(self, block_ms: int | None = None) -> list[Announcement]:
         """XREAD new entries (blocking up to ``block_ms`` if given and > 0); remember them."""
         block = block_ms if block_ms and block_ms > 0 else None
-        reply = self.redis.xread({checkpoint_stream(self.run_id): self._cursor}, block=block)
+        reply = self.redis.xread({RedisKeys.checkpoints(self.run_id): self._cursor}, block=block)
         if isinstance(reply, dict):  # RESP3
             reply = list(reply.items())
         found = []
@@ -359,7 +345,7 @@ class WeightFollower:
     def _record(self, applied: Applied) -> None:
         s = applied.sync
         try:
-            self.redis.hset(weight_sync_stats(self.run_id), mapping={
+            self.redis.hset(RedisKeys.weight_sync(self.run_id), mapping={
                 "version": applied.version, "replicas": len(applied.replicas), "at": time.time(),
                 "seconds": applied.total_s, "total_s": applied.total_s, "download_s": applied.download.seconds, "sync_s": s.total_s,
                 "pause_s": s.pause_s, "reload_s": s.reload_s, "version_s": s.version_s, "resume_s": s.resume_s,
@@ -377,7 +363,7 @@ class WeightFollower:
     def run(self, stop_event: threading.Event) -> None:
         """Follow until ``stop_event`` is set; failures are logged and retried with backoff."""
         backoff = self.backoff_s[0]
-        log.info("following %s for %d replica(s)", checkpoint_stream(self.run_id), len(self.base_urls))
+        log.info("following %s for %d replica(s)", RedisKeys.checkpoints(self.run_id), len(self.base_urls))
         while not stop_event.is_set():
             try:
                 self.process_once(block_ms=self.block_ms)

@@ -10,12 +10,17 @@ Invariants:
 - Bad model output never raises here (the environment answers it); an environment that raises
   ends the episode with ``env_error``; unreachable inference ends it with ``infra_error``.
   Either way a Trajectory comes back, with the turns done so far.
-- Sampling seeds are ``episode_seed * 1000 + turn``, so a turn can be replayed exactly.
+- The sampling seed of a turn is a hash of (trajectory id, turn), so a turn can be replayed
+  exactly. It is not the episode seed: ``episode_seed = base_seed + group_id + index`` repeats
+  across groups (group g, episode i+1 has the seed of group g+1, episode i), and as a
+  sampling seed it would make different groups share samples. The episode seed seeds the
+  environment.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -52,8 +57,9 @@ class EpisodeLimits:
         )
 
 
-def turn_seed(episode_seed: int, turn_index: int) -> int:
-    return episode_seed * 1000 + turn_index
+def turn_seed(trajectory_id: str, turn_index: int) -> int:
+    digest = hashlib.sha256(f"{trajectory_id}:{turn_index}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
 async def run_episode(
@@ -95,7 +101,7 @@ async def run_episode(
             t0 = time.perf_counter()
             completion = await asyncio.wait_for(
                 client.complete(
-                    context, budget, turn_seed(request.episode_seed, index), limits.temperature, limits.top_p
+                    context, budget, turn_seed(request.trajectory_id, index), limits.temperature, limits.top_p
                 ),
                 timeout=remaining_s,
             )

@@ -31,23 +31,16 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from shared.names import CHECKPOINT_COMMITTED, CHECKPOINT_TRAINER_STATE, checkpoint_prefix, checkpoints_of_run
 from shared.storage import ObjectStore, StorageError
 
-ROOT = "checkpoints"
-COMMITTED = "COMMITTED"
-TRAINER_STATE = "trainer_state.pt"
+COMMITTED = CHECKPOINT_COMMITTED
+TRAINER_STATE = CHECKPOINT_TRAINER_STATE
 
 
 class CheckpointError(RuntimeError):
     pass
 
-
-def run_prefix(run_id: str) -> str:
-    return f"{ROOT}/{run_id}/"
-
-
-def checkpoint_prefix(run_id: str, version: int) -> str:
-    return f"{run_prefix(run_id)}{version:06d}/"
 
 
 def _upload_order(name: str) -> tuple[int, str]:
@@ -99,7 +92,7 @@ def read_manifest(store: ObjectStore, prefix: str) -> dict:
 
 def latest_checkpoint(store: ObjectStore, run_id: str) -> tuple[int, str] | None:
     """(version, prefix) of the highest committed checkpoint of the run, or None."""
-    base = run_prefix(run_id)
+    base = checkpoints_of_run(run_id)
     versions = []
     for key in store.list_keys(base):
         parts = key[len(base):].split("/")

@@ -30,7 +30,7 @@ from services.trainer.checkpoints import resume, save_checkpoint
 from services.trainer.metrics import MetricsSink, plot_reward_curve
 from services.trainer.policy import load_policy
 from services.trainer.step import PolicyTrainer
-from shared.names import RedisKeys
+from shared.names import RedisKeys, checkpoint_prefix
 from shared.schemas import TrainingBatch
 from shared.settings import Settings
 from shared.staleness import StalenessBudget
@@ -131,8 +131,6 @@ class TrainingLoop:
         )
 
     def _announce(self, version: int) -> None:
-        from services.trainer.checkpoints import checkpoint_prefix
-
         self.redis.xadd(RedisKeys.checkpoints(self.run_id), {"version": version, "prefix": checkpoint_prefix(self.run_id, version)})
 
     def _rollout_metrics(self, batches: list[TrainingBatch], trained_at: int) -> dict[str, float]:

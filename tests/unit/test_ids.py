@@ -83,3 +83,14 @@ def test_split_of_is_monotone_in_fraction_and_depends_on_salt():
     assert small <= large
     salted = {t for t in task_ids if ids.split_of(t, 0.3, salt="other") == "eval"}
     assert salted != large
+
+
+def test_sampling_seeds_differ_across_groups_even_where_episode_seeds_repeat():
+    from services.rollout_worker.episode import turn_seed
+
+    # group 0 episode 1 and group 1 episode 0 share episode seed 1 (base_seed 0) ...
+    assert ids.episode_seed(0, 0, 1) == ids.episode_seed(0, 1, 0)
+    a, b = ids.trajectory_id("r", 0, 1, 1), ids.trajectory_id("r", 1, 0, 1)
+    # ... but never a sampling seed, and a turn's seed is stable for replay
+    assert turn_seed(a, 0) != turn_seed(b, 0)
+    assert turn_seed(a, 2) == turn_seed(a, 2) and 0 <= turn_seed(a, 2) < 2**31
