@@ -86,7 +86,8 @@ async def sdk_exec_run(sandbox: Sandbox, n: int) -> list[float]:
     return samples
 
 
-async def provision_rate(image: str, total: int, concurrency: int, limiter: ProvisionLimiter) -> tuple[float, list[float]]:
+async def provision_rate(image: str, total: int, concurrency: int,
+                         limiter: ProvisionLimiter) -> tuple[float, list[float]]:
     gate = asyncio.Semaphore(concurrency)
     latencies: list[float] = []
 

@@ -1,0 +1,59 @@
+"""Sandboxed containers for agent trajectories: one Docker container per trajectory.
+
+Layout (in the spirit of SWE-ReX's Deployment/Runtime split):
+
+- ``spec``        what a sandbox is (image, user, limits, timeouts, network, labels); pydantic.
+- ``deployment``  the container's lifecycle on the daemon and the isolation policy.
+- ``protocol``    the shell line protocol (pure); ``session`` runs it over the attached socket;
+                  ``exec_runner`` is the one-exec-per-command fallback.
+- ``sandbox``     ``Sandbox``: provision, exec, read/write/list files, diff, teardown.
+- ``limiter``     provisioning rate limit; ``retry`` bounded retries of infra errors;
+  ``janitor``     removal of leaked or expired containers; ``images`` offline base images.
+- ``errors``      the failure taxonomy; ``results`` plain result types; ``blocking`` the thread
+                  pool every docker SDK call runs on.
+
+Typical use::
+
+    spec = SandboxSpec(image=tag, labels=SandboxLabels(run_id=..., group_id=..., trajectory_id=...))
+    async with await provision_with_retry(spec, workspace=repo_dir) as sandbox:
+        result = await sandbox.exec("pytest -q", timeout_s=60)
+"""
+
+from .errors import (
+    EpisodeTimeout,
+    SandboxClosed,
+    SandboxConfigError,
+    SandboxError,
+    SandboxFileError,
+    SandboxInfraError,
+    SandboxLost,
+)
+from .janitor import Reaped, reap
+from .limiter import DEFAULT_LIMITER, ProvisionLimiter
+from .results import ExecResult, WorkspaceDiff
+from .retry import provision_with_retry
+from .sandbox import Sandbox
+from .spec import Limits, NetworkPolicy, SandboxLabels, SandboxSpec, Timeouts
+
+__all__ = [
+    "DEFAULT_LIMITER",
+    "EpisodeTimeout",
+    "ExecResult",
+    "Limits",
+    "NetworkPolicy",
+    "ProvisionLimiter",
+    "Reaped",
+    "Sandbox",
+    "SandboxClosed",
+    "SandboxConfigError",
+    "SandboxError",
+    "SandboxFileError",
+    "SandboxInfraError",
+    "SandboxLabels",
+    "SandboxLost",
+    "SandboxSpec",
+    "Timeouts",
+    "WorkspaceDiff",
+    "provision_with_retry",
+    "reap",
+]

@@ -1,0 +1,182 @@
+"""A sandbox container's lifecycle on the daemon: create (isolated, labelled), attach, start, remove.
+
+Invariants:
+- Every container this module creates carries the ``conveyor.*`` labels (run, group, trajectory,
+  created_at, ttl), so it is removed by its owner in ``finally`` or, failing that, by the janitor.
+- Isolation is not optional: no network, all capabilities dropped, no-new-privileges, bounded
+  pids/memory (no swap)/CPU, read-only root with size-bounded tmpfs for the workspace and /tmp,
+  no mounts from the host (so never the docker socket), no core dumps, no log file on the host.
+- A failure or cancellation between create and return removes the container: inside the worker
+  thread when the daemon fails, from a done-callback when the caller was cancelled meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+
+import docker.errors
+from docker import APIClient
+from docker.types import LogConfig, Ulimit
+
+from .blocking import run_blocking, submit
+from .errors import SandboxConfigError
+from .limiter import ProvisionLimiter
+from .protocol import SESSION_COMMAND, SESSION_ENV
+from .spec import SandboxSpec
+
+LABEL_RUN_ID = "conveyor.run_id"
+LABEL_GROUP_ID = "conveyor.group_id"
+LABEL_TRAJECTORY_ID = "conveyor.trajectory_id"
+LABEL_CREATED_AT = "conveyor.created_at"
+LABEL_TTL = "conveyor.ttl"
+
+
+@dataclass(frozen=True)
+class StartedContainer:
+    id: str
+    name: str
+    shell_socket: socket.socket | None  # stdin/stdout of PID 1, or None: use exec_runner
+
+
+def labels_for(spec: SandboxSpec, *, now: float) -> dict[str, str]:
+    return {
+        LABEL_RUN_ID: spec.labels.run_id,
+        LABEL_GROUP_ID: spec.labels.group_id,
+        LABEL_TRAJECTORY_ID: spec.labels.trajectory_id,
+        LABEL_CREATED_AT: f"{now:.3f}",
+        LABEL_TTL: f"{spec.effective_ttl_s:.0f}",
+    }
+
+
+def container_name(spec: SandboxSpec) -> str:
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "-", spec.labels.trajectory_id)[:80]
+    return f"conveyor-{stem}-{secrets.token_hex(3)}"
+
+
+def _tmpfs_options(size: int, user: str | None, *, shared: bool) -> str:
+    opts = f"rw,exec,nosuid,nodev,size={size}"
+    uid_gid = (user or "").split(":")
+    if not shared and len(uid_gid) == 2 and all(part.isdigit() for part in uid_gid):
+        return f"{opts},uid={uid_gid[0]},gid={uid_gid[1]},mode=0755"
+    return f"{opts},mode=1777"
+
+
+def create_kwargs(api: APIClient, spec: SandboxSpec, *, name: str, now: float) -> dict:
+    """Arguments for ``APIClient.create_container``: the whole isolation policy in one place."""
+    limits = spec.limits
+    host_config = api.create_host_config(
+        network_mode="none",
+        cap_drop=["ALL"],
+        security_opt=["no-new-privileges"],
+        privileged=False,
+        pids_limit=limits.pids,
+        mem_limit=int(limits.memory),
+        memswap_limit=int(limits.memory),
+        nano_cpus=int(limits.cpus * 1e9),
+        read_only=True,
+        tmpfs={
+            spec.workspace_dir: _tmpfs_options(int(limits.workspace_size), spec.user, shared=False),
+            "/tmp": _tmpfs_options(int(limits.tmp_size), spec.user, shared=True),
+        },
+        ulimits=[Ulimit(name="core", soft=0, hard=0)],
+        # Output is read from the attached socket; a log file would only grow with every flood.
+        log_config=LogConfig(type=LogConfig.types.NONE),
+        ipc_mode="private",
+        storage_opt={"size": str(int(limits.disk))} if limits.disk is not None else None,
+    )
+    return dict(
+        image=spec.image,
+        command=SESSION_COMMAND,
+        name=name,
+        user=spec.user or "",
+        environment={"HOME": "/tmp", **SESSION_ENV, **spec.env},
+        working_dir=spec.workspace_dir,
+        labels=labels_for(spec, now=now),
+        stdin_open=True,
+        tty=False,
+        network_disabled=True,
+        host_config=host_config,
+    )
+
+
+def check_supported(api: APIClient, spec: SandboxSpec) -> None:
+    """Refuse, with a clear message, what this daemon or this code cannot enforce. Blocking."""
+    if spec.network.mode != "none":
+        raise SandboxConfigError(
+            "network.mode='allowlist' is not implemented yet (it needs an egress proxy on an internal "
+            "network); use 'none'", reason="unsupported_network")
+    if spec.limits.disk is not None:
+        info = api.info()
+        backing = dict(map(tuple, info.get("DriverStatus") or [])).get("Backing Filesystem", "?")
+        if info.get("Driver") != "overlay2" or backing != "xfs":
+            raise SandboxConfigError(
+                f"limits.disk needs overlay2 on xfs with pquota; this daemon runs {info.get('Driver')} on "
+                f"{backing}. Writable space is already bounded by limits.workspace_size and limits.tmp_size "
+                "(the root filesystem is read-only); leave limits.disk unset", reason="unsupported_disk_quota")
+
+
+def remove_container(api: APIClient, container_id: str) -> None:
+    """Force-remove with volumes; a container already gone (or going) is fine. Blocking."""
+    try:
+        api.remove_container(container_id, force=True, v=True)
+    except docker.errors.NotFound:
+        pass
+    except docker.errors.APIError as exc:
+        if exc.status_code != 409:  # 409: removal already in progress
+            raise
+
+
+def _raw_socket(attached) -> socket.socket | None:
+    sock = getattr(attached, "_sock", attached)
+    # Only a plain socket can be handed to asyncio; an SSLSocket (TLS DOCKER_HOST) cannot.
+    return sock if type(sock) is socket.socket else None
+
+
+def _create_attach_start(api: APIClient, kwargs: dict, attach: bool) -> tuple[str, socket.socket | None]:
+    container_id = api.create_container(**kwargs)["Id"]
+    sock = None
+    try:
+        if attach:
+            attached = api.attach_socket(container_id, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1})
+            sock = _raw_socket(attached)
+            if sock is None:
+                attached.close()
+        api.start(container_id)
+        return container_id, sock
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        remove_container(api, container_id)
+        raise
+
+
+def _discard_when_created(api: APIClient):
+    def callback(job) -> None:
+        if job.cancelled() or job.exception() is not None:
+            return
+        container_id, sock = job.result()
+        if sock is not None:
+            sock.close()
+        submit(remove_container, api, container_id)
+    return callback
+
+
+async def start_container(api: APIClient, spec: SandboxSpec, limiter: ProvisionLimiter) -> StartedContainer:
+    """Create, attach to (before start, so no output is missed) and start one sandbox container."""
+    if spec.network.mode != "none" or spec.limits.disk is not None:
+        await run_blocking(check_supported, api, spec)
+    name = container_name(spec)
+    kwargs = create_kwargs(api, spec, name=name, now=time.time())
+    async with limiter.slot():
+        job = submit(_create_attach_start, api, kwargs, spec.session)
+        try:
+            container_id, sock = await asyncio.shield(asyncio.wrap_future(job))
+        except asyncio.CancelledError:
+            job.add_done_callback(_discard_when_created(api))
+            raise
+    return StartedContainer(id=container_id, name=name, shell_socket=sock)

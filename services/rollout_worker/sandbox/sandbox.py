@@ -1,0 +1,223 @@
+"""One trajectory's sandbox: provision, exec, files, workspace diff, teardown.
+
+Invariants:
+- ``Sandbox.provision`` either returns a sandbox whose shell answers, or removes what it created
+  and raises a ``SandboxError`` (infra errors are retryable: see ``retry.provision_with_retry``).
+  It takes at most ``timeouts.provision_s``.
+- Every coroutine leaves the event loop free: docker SDK calls run on the ``blocking`` pool, the
+  shell session is asyncio-native.
+- After the episode deadline (``timeouts.episode_s`` from provisioning), commands raise
+  ``EpisodeTimeout``; no command runs past it.
+- ``teardown`` is idempotent and completes the removal even if its caller is cancelled. Use
+  ``async with await Sandbox.provision(spec) as sandbox:`` so it runs in ``finally``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import docker
+
+from . import files
+from .blocking import run_blocking
+from .client import default_client
+from .deployment import StartedContainer, remove_container, start_container
+from .errors import (
+    EpisodeTimeout,
+    SandboxClosed,
+    SandboxError,
+    SandboxFileError,
+    SandboxInfraError,
+    SandboxLost,
+    classify_docker_error,
+)
+from .exec_runner import ExecRunner
+from .limiter import DEFAULT_LIMITER, ProvisionLimiter
+from .protocol import KILL_SIGNAL
+from .results import ExecResult, WorkspaceDiff
+from .session import ShellSession
+from .spec import SandboxSpec
+from .workspace import WorkspaceSource, copy_in, pack
+
+log = logging.getLogger(__name__)
+
+
+class Sandbox:
+    def __init__(self, spec: SandboxSpec, client: docker.DockerClient, container: StartedContainer,
+                 runner: ShellSession | ExecRunner):
+        self.spec = spec
+        self.container_id = container.id
+        self.name = container.name
+        self._client = client
+        self._runner = runner
+        self._deadline = time.monotonic() + spec.timeouts.episode_s
+        self._baseline: dict[str, str] = {}
+        self._closed = False
+        self._lost: SandboxLost | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    @classmethod
+    async def provision(cls, spec: SandboxSpec, *, workspace: WorkspaceSource | None = None,
+                        client: docker.DockerClient | None = None,
+                        limiter: ProvisionLimiter | None = None) -> Sandbox:
+        client = client or default_client()
+        started: StartedContainer | None = None
+        runner: ShellSession | ExecRunner | None = None
+        step = "create"
+        try:
+            async with asyncio.timeout(spec.timeouts.provision_s):
+                started = await start_container(client.api, spec, limiter or DEFAULT_LIMITER)
+                step = "open the shell"
+                runner = await _open_runner(client, spec, started)
+                sandbox = cls(spec, client, started, runner)
+                if workspace is not None:
+                    step = "copy the workspace in"
+                    archive = await run_blocking(pack, workspace)
+                    await run_blocking(copy_in, client.api, started.id, archive, dest=spec.workspace_dir,
+                                       user=spec.user)
+                    sandbox._baseline = await sandbox._manifest()
+                return sandbox
+        except BaseException as exc:
+            if started is not None:
+                try:
+                    await _discard(client, started.id, runner)
+                except Exception as cleanup_exc:  # the janitor removes it after its TTL
+                    log.warning("could not remove %s after a failed provision: %s", started.name, cleanup_exc)
+            if isinstance(exc, TimeoutError):
+                raise SandboxInfraError(f"provisioning took longer than {spec.timeouts.provision_s:.0f}s (at: {step})",
+                                        reason="provision_timeout") from exc
+            if isinstance(exc, SandboxLost) and started is not None:
+                state = await _describe_exit(client, started.id)
+                reason = "oom_during_setup" if "OOMKilled" in state else "died_during_setup"
+                raise SandboxInfraError(f"the sandbox died during setup ({step}): {state}", reason=reason) from exc
+            if isinstance(exc, Exception):
+                raise classify_docker_error(exc, during=step) from exc
+            raise
+
+    async def teardown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await _discard(self._client, self.container_id, self._runner)
+        except docker.errors.DockerException as exc:
+            during = f"teardown of {self.name} (the janitor removes it after its TTL)"
+            raise classify_docker_error(exc, during=during) from exc
+
+    async def __aenter__(self) -> Sandbox:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.teardown()
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and self._lost is None
+
+    @property
+    def remaining_s(self) -> float:
+        return self._deadline - time.monotonic()
+
+    # -- commands ------------------------------------------------------------------------------
+
+    async def exec(self, command: str, *, timeout_s: float | None = None,
+                   max_output_bytes: int | None = None) -> ExecResult:
+        if self._closed:
+            raise SandboxClosed(f"sandbox {self.name} was torn down")
+        if self._lost is not None:
+            raise self._lost
+        remaining = self.remaining_s
+        if remaining <= 0:
+            raise EpisodeTimeout(f"the episode's {self.spec.timeouts.episode_s:.0f}s are over")
+        timeout = min(timeout_s if timeout_s is not None else self.spec.timeouts.command_s, remaining)
+        try:
+            return await self._runner.run(command, timeout_s=timeout,
+                                          max_output_bytes=max_output_bytes or self.spec.max_output_bytes)
+        except SandboxLost as exc:
+            state = await _describe_exit(self._client, self.container_id)
+            reason = ("oom" if "OOMKilled" in state else
+                      "pids_exhausted" if "can't fork" in str(exc) or "Cannot fork" in str(exc) else exc.reason)
+            self._lost = SandboxLost(f"{exc} ({state})", reason=reason)
+            raise self._lost from exc
+        except docker.errors.DockerException as exc:
+            raise classify_docker_error(exc, during="exec") from exc
+
+    # -- files ---------------------------------------------------------------------------------
+
+    async def read_file(self, path: str, *, max_bytes: int = 1 << 20) -> bytes:
+        path = files.resolve(path, self.spec.workspace_dir)
+        result = await self.exec(files.read_command(path, max_bytes), max_output_bytes=files.read_output_cap(max_bytes))
+        return files.decode_read(path, result.exit_code, result.raw)
+
+    async def write_file(self, path: str, data: bytes | str) -> None:
+        path = files.resolve(path, self.spec.workspace_dir)
+        payload = data.encode() if isinstance(data, str) else data
+        for command in files.write_commands(path, payload):
+            result = await self.exec(command)
+            if result.exit_code != 0:
+                raise _file_error("write_file", path, result)
+
+    async def list_files(self, path: str = ".", *, recursive: bool = False) -> list[str]:
+        """Paths under ``path`` relative to it, sorted; directories end with ``/``."""
+        path = files.resolve(path, self.spec.workspace_dir)
+        result = await self.exec(files.list_command(path, recursive=recursive), max_output_bytes=8 << 20)
+        if result.exit_code != 0 or result.truncated:
+            raise _file_error("list_files", path, result)
+        return files.parse_list(result.output)
+
+    async def diff(self) -> WorkspaceDiff:
+        """What changed in the workspace since provisioning (by content hash, regular files)."""
+        now = await self._manifest()
+        before = self._baseline
+        return WorkspaceDiff(
+            added=tuple(sorted(now.keys() - before.keys())),
+            modified=tuple(sorted(p for p in now.keys() & before.keys() if now[p] != before[p])),
+            deleted=tuple(sorted(before.keys() - now.keys())),
+        )
+
+    async def _manifest(self) -> dict[str, str]:
+        result = await self.exec(files.manifest_command(self.spec.workspace_dir), max_output_bytes=64 << 20)
+        if result.exit_code != 0 or result.truncated:
+            raise _file_error("manifest", self.spec.workspace_dir, result)
+        return files.parse_manifest(result.output)
+
+
+async def _open_runner(client: docker.DockerClient, spec: SandboxSpec,
+                       started: StartedContainer) -> ShellSession | ExecRunner:
+    if started.shell_socket is None:
+        return ExecRunner(client.api, started.id, user=spec.user, env=spec.env, workdir=spec.workspace_dir,
+                          kill_grace_s=spec.timeouts.kill_grace_s, flood_bytes=spec.output_flood_bytes)
+
+    async def kill() -> None:
+        await run_blocking(client.api.kill, started.id, KILL_SIGNAL)
+
+    return await ShellSession.open(started.shell_socket, kill=kill, cwd=spec.workspace_dir,
+                                   kill_grace_s=spec.timeouts.kill_grace_s, flood_bytes=spec.output_flood_bytes,
+                                   ready_timeout_s=spec.timeouts.provision_s)
+
+
+async def _discard(client: docker.DockerClient, container_id: str, runner: ShellSession | ExecRunner | None) -> None:
+    """Remove the container; the removal finishes even if the awaiting task is cancelled."""
+    removal = asyncio.ensure_future(run_blocking(remove_container, client.api, container_id))
+    try:
+        await asyncio.shield(removal)
+    finally:
+        if runner is not None:
+            await runner.close()
+
+
+async def _describe_exit(client: docker.DockerClient, container_id: str) -> str:
+    try:
+        state = (await run_blocking(client.api.inspect_container, container_id))["State"]
+    except Exception as exc:
+        return f"container state unknown: {exc}"
+    flags = ["OOMKilled"] if state.get("OOMKilled") else []
+    return f"status={state.get('Status')} exit={state.get('ExitCode')} {' '.join(flags)}".strip()
+
+
+def _file_error(op: str, path: str, result: ExecResult) -> SandboxError:
+    detail = result.output.strip()[:500] or f"exit {result.exit_code}"
+    return SandboxFileError(f"{op}({path!r}) failed: {detail}")
