@@ -1,4 +1,6 @@
-"""Leases for running trajectories: the heartbeat that keeps them, the reaper that collects them.
+"""A rollout worker's background upkeep: the heartbeat that keeps leases of running
+trajectories, the reaper that collects expired ones, and the janitor that removes sandbox
+containers nobody owns any more.
 
 Invariants:
 - A worker process renews all leases it holds in one Redis call per heartbeat; if the
@@ -70,6 +72,46 @@ class Reaper:
 
     def start(self) -> None:
         _loop_thread("lease-reaper", self.interval_s, self.sweep, self._stop)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class SandboxJanitor:
+    """Removes sandbox containers whose trajectory is no longer running here (or whose time to
+    live is over): at worker start, then every ``interval_s``. No Docker daemon: it says so
+    once and stays idle, since text-only workers need none."""
+
+    def __init__(self, ledger: Ledger, interval_s: float = 60.0):
+        self.ledger, self.interval_s = ledger, interval_s
+        self._stop = threading.Event()
+
+    def is_done_with(self, trajectory_id: str) -> bool:
+        try:
+            state = self.ledger.state(trajectory_id)
+        except ValueError:  # not a Conveyor trajectory id: leave it to its time to live
+            return False
+        return state is not None and state != "running"
+
+    def sweep(self) -> int:
+        import docker
+
+        from services.rollout_worker.sandbox.client import default_client
+        from services.rollout_worker.sandbox.janitor import reap
+
+        try:
+            client = default_client()
+            client.ping()
+        except docker.errors.DockerException as exc:
+            log.info("sandbox janitor idle: no Docker daemon (%s)", exc)
+            self._stop.set()
+            return 0
+        return len(reap(client, is_terminal=self.is_done_with))
+
+    def start(self) -> None:
+        self.sweep()
+        if not self._stop.is_set():
+            _loop_thread("sandbox-janitor", self.interval_s, self.sweep, self._stop)
 
     def stop(self) -> None:
         self._stop.set()

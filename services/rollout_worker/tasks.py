@@ -23,7 +23,7 @@ from celery.signals import worker_ready, worker_shutdown
 from services.rollout_worker.chat_tokens import load_chat_tokens
 from services.rollout_worker.event_loop import background_loop
 from services.rollout_worker.inference_client import InferenceClient
-from services.rollout_worker.leases import LeaseKeeper, Reaper
+from services.rollout_worker.leases import LeaseKeeper, Reaper, SandboxJanitor
 from services.rollout_worker.runner import RolloutContext, run_requests
 from shared.celery_app import make_celery, publish_rollouts
 from shared.ledger import Ledger
@@ -75,21 +75,27 @@ def run_trajectories(payload: list[dict]) -> dict[str, str]:
 
 
 _reaper: Reaper | None = None
+_janitor: SandboxJanitor | None = None
 
 
 @worker_ready.connect
 def _start_background(**_: object) -> None:
-    """Load the tokenizer and start heartbeat and reaper before the first task arrives."""
-    global _reaper
+    """Load the tokenizer, clean up sandboxes left by a dead worker, and start heartbeat and
+    reaper before the first task arrives."""
+    global _reaper, _janitor
     ctx = _context()
     _reaper = Reaper(ctx.ledger, settings.ledger.max_attempts, settings.ledger.reaper_interval_s, ctx.redispatch)
     _reaper.sweep()  # leases left by a worker that died while this one was down
     _reaper.start()
+    _janitor = SandboxJanitor(ctx.ledger)
+    _janitor.start()
 
 
 @worker_shutdown.connect
 def _stop_background(**_: object) -> None:
     if _reaper:
         _reaper.stop()
+    if _janitor:
+        _janitor.stop()
     if _ctx:
         _ctx.leases.stop()
