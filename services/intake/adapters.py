@@ -5,6 +5,7 @@ Accepted row shapes (see the architecture page):
 - task-file JSON with ``task_key`` and ``env_key`` (and ``task_data`` or the task's fields);
 - question/answer keys (``question`` + ``answer``, or ``prompt`` + ``answer``) for ``qa``;
 - ``prompt`` rows for ``single_turn`` (a user's task: the row goes to their reward function);
+- SWE-bench rows and swe-agent-13k rows for ``coding`` (see ``environments/coding/task.py``);
 - flat ``target``/``low``/``high`` rows for ``guess_number``.
 
 Invariant: an adapter either returns a valid TaskProfile or raises ``RowRejected`` with a
@@ -61,10 +62,19 @@ def single_turn_task(data: dict[str, Any]) -> dict[str, Any]:
     return {"prompt": prompt, "row": data}
 
 
+def coding_task(data: dict[str, Any]) -> dict[str, Any]:
+    # imported on use: the coding task module imports RowRejected from here, and intake
+    # should not load the sandbox (docker) stack for text-only datasets
+    from services.rollout_worker.environments.coding.task import coding_task as adapt
+
+    return adapt(data)
+
+
 TASK_VALIDATORS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "guess_number": guess_number_task,
     "qa": qa_task,
     "single_turn": single_turn_task,
+    "coding": coding_task,
 }
 
 

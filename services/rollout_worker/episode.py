@@ -74,6 +74,9 @@ async def run_episode(
     started = time.time()
     turns: list[Turn] = []
     env = make_environment(request.task.env_name, request.task.env_config)
+    bind = getattr(env, "bind_trajectory", None)  # sandboxed environments label their containers
+    if bind is not None:
+        bind(run_id=request.run_id, group_id=request.group_id, trajectory_id=request.trajectory_id)
     stop, error, env_reward, env_info = StopReason.max_turns, None, None, {}
     try:
         try:

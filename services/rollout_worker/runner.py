@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from services.rollout_worker.chat_tokens import ChatTokens
+from services.rollout_worker.environments.coding.artifacts import write_artifacts
 from services.rollout_worker.episode import EpisodeLimits, run_episode
 from services.rollout_worker.inference_client import InferenceClient
 from services.rollout_worker.leases import LeaseKeeper
@@ -84,6 +85,8 @@ def _hand_on(ctx: RolloutContext, trajectory: Trajectory, token: str) -> str:
     )
     t0 = time.perf_counter()
     put_model(ctx.store, key, trajectory)
+    if "diff" in trajectory.env_info:  # a sandboxed environment's diff, test output and command log
+        write_artifacts(ctx.store, request.run_id, request.trajectory_id, trajectory.env_info)
     upload_s = time.perf_counter() - t0
     if trajectory.stop_reason is StopReason.infra_error:
         return _retry_or_fail(ctx, request, token, trajectory.attempt, f"infra_error: {trajectory.error}")

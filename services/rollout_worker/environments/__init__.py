@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from services.rollout_worker.environments.base import Environment
+from services.rollout_worker.environments.coding import CodingEnv
 from services.rollout_worker.environments.guess_number import GuessNumberEnv
 from services.rollout_worker.environments.qa import QuestionAnswerEnv
 from services.rollout_worker.environments.single_turn import SingleTurnEnv
@@ -11,6 +12,7 @@ ENVIRONMENTS: dict[str, type[Environment]] = {
     GuessNumberEnv.name: GuessNumberEnv,
     QuestionAnswerEnv.name: QuestionAnswerEnv,
     SingleTurnEnv.name: SingleTurnEnv,
+    CodingEnv.name: CodingEnv,
 }
 
 

@@ -1,0 +1,76 @@
+"""Runs the hidden tests in a fresh sandbox and scores them (the steps are in ``grading``).
+
+Invariants:
+- The hidden tests (``test_patch``) only ever enter this fresh verification sandbox, after the
+  agent's episode is over; the agent's sandbox never holds them.
+- What the agent controls reaches the verifier only as its diff, applied without the protected
+  paths, the test patch's paths and the graded tests' files.
+- The verification sandbox is torn down before this returns or raises (``async with``).
+- A broken task (``test_patch`` does not apply to the base) raises ``EnvironmentError_``; anything
+  the agent's code does (a diff that does not apply, a crash, a timeout, a killed sandbox) scores 0
+  with the reason in the info.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from services.rollout_worker.environments.base import EnvironmentError_
+from services.rollout_worker.sandbox import EpisodeTimeout, Sandbox, SandboxLost
+
+from . import grading
+from .config import CodingConfig
+from .task import CodingTask
+from .tools import clip
+
+
+async def run_hidden_tests(provision: Callable[[], Awaitable[Sandbox]], diff: bytes, task: CodingTask,
+                           config: CodingConfig, on_sandbox: Callable[[Sandbox | None], None]) -> tuple[float, dict[str, Any]]:
+    """``provision()`` gives a fresh sandbox holding the base workspace (the agent's starting state)."""
+    info: dict[str, Any] = {"verifier": "tests"}
+    async with await provision() as sandbox:
+        on_sandbox(sandbox)
+        try:
+            reward = await _grade_in(sandbox, diff, task, config, info)
+        except (SandboxLost, EpisodeTimeout) as exc:
+            reward = 0.0
+            info["verifier_error"] = f"the verification sandbox stopped ({exc.reason}): {exc}"
+        finally:
+            on_sandbox(None)
+    return reward, info
+
+
+async def _grade_in(sandbox: Sandbox, diff: bytes, task: CodingTask, config: CodingConfig, info: dict[str, Any]) -> float:
+    ws = sandbox.spec.workspace_dir
+    if task.test_patch.strip():
+        await sandbox.write_file(grading.TEST_PATCH, task.test_patch)
+        check = await sandbox.exec(grading.check_test_patch_command(ws))
+        if check.exit_code != 0:
+            raise EnvironmentError_(f"the task's test_patch does not apply to {task.base_commit}: {check.output[-500:]}")
+    if diff.strip():
+        await sandbox.write_file(grading.AGENT_PATCH, diff)
+        excluded = grading.excluded_paths(config.protected_paths, task.test_patch,
+                                          [*task.fail_to_pass, *task.pass_to_pass])
+        applied = await sandbox.exec(grading.apply_agent_patch_command(ws, excluded))
+        info["excluded_from_diff"] = grading.skipped_by_apply(applied.output)
+        if applied.exit_code != 0:
+            info["verifier_error"] = f"the agent's diff does not apply: {applied.output[-1000:]}"
+            return 0.0
+    if task.test_patch.strip():
+        patched = await sandbox.exec(grading.apply_test_patch_command(ws))
+        if patched.exit_code != 0:
+            info["verifier_error"] = f"the test patch does not apply over the agent's changes: {patched.output[-1000:]}"
+            return 0.0
+    ids = list(dict.fromkeys([*task.fail_to_pass, *task.pass_to_pass]))
+    run = await sandbox.exec(grading.run_tests_command(ws, task.test_command or config.test_command, ids),
+                             timeout_s=config.test_timeout_s, max_output_bytes=4096)
+    info.update(tests_exit_code=run.exit_code, tests_timed_out=run.timed_out, tests_duration_s=round(run.duration_s, 3))
+    summary = await sandbox.exec(grading.summary_lines_command(), max_output_bytes=16 << 20)
+    tail = await sandbox.exec(grading.output_tail_command(config.info_output_bytes),
+                              max_output_bytes=config.info_output_bytes + 4096)
+    info["test_output"] = clip(tail.output, config.info_output_bytes)
+    result = grading.grade(summary.output, task.fail_to_pass, task.pass_to_pass)
+    info.update(fail_to_pass=result.fail_to_pass, pass_to_pass_total=len(result.pass_to_pass),
+                pass_to_pass_failed=result.regressions)
+    return result.reward

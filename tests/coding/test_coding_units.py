@@ -1,0 +1,135 @@
+"""The coding environment's pure parts: row formats, tool-call checking, grading. No Docker."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.intake import adapters
+from services.intake.adapters import RowRejected, adapt_row
+from services.rollout_worker.environments.coding import CodingEnv, CodingTask, coding_task
+from services.rollout_worker.environments.coding import grading
+from services.rollout_worker.environments.coding.tools import ToolError, check_call, replace_once
+from shared.schemas import ToolCall
+
+SWE = {"instance_id": "o__r-1", "repo": "o/r", "base_commit": "a" * 40, "problem_statement": "fix it",
+       "test_patch": "diff --git a/t.py b/t.py\n", "FAIL_TO_PASS": '["t.py::test_a", "t.py::test_a"]',
+       "PASS_TO_PASS": '["t.py::test_b", "t.py::test_a"]'}
+AGENT = {"repo_name": "o/r", "repo_url": "https://example.invalid/o/r.git", "language": "TypeScript",
+         "conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "do it"}]}
+
+
+def test_swe_bench_rows_decode_json_lists_and_dedupe():
+    data = coding_task(SWE)
+    assert data["format"] == "swe_bench" and data["base_commit"] == "a" * 40 and data["language"] == "python"
+    assert data["fail_to_pass"] == ["t.py::test_a"] and data["pass_to_pass"] == ["t.py::test_b"]
+    assert coding_task({**SWE, "FAIL_TO_PASS": ["t.py::test_a"], "PASS_TO_PASS": []})["pass_to_pass"] == []
+    task = CodingTask.from_data(data)
+    assert task.has_tests and task.source_url("https://github.com/{repo}.git") == "https://github.com/o/r.git"
+    json.dumps(data)
+
+
+def test_swe_agent_rows_take_the_human_turn_and_an_optional_label():
+    data = coding_task(AGENT)
+    assert (data["format"], data["problem_statement"], data["language"]) == ("swe_agent", "do it", "node")
+    assert data["label_reward"] is None and data["base_commit"] is None and not CodingTask.from_data(data).has_tests
+    assert coding_task({**AGENT, "resolved": True})["label_reward"] == 1.0
+    assert coding_task({**AGENT, "reward": 0.25})["label_reward"] == 0.25
+    conversations = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+    assert coding_task({**AGENT, "conversations": conversations})["problem_statement"] == "hi"
+
+
+@pytest.mark.parametrize("row, reason", [
+    ({**SWE, "FAIL_TO_PASS": "[]"}, "'FAIL_TO_PASS' is empty"),
+    ({**SWE, "FAIL_TO_PASS": "not json"}, "not a JSON list"),
+    ({**SWE, "PASS_TO_PASS": [1, 2]}, "must be a list of test ids"),
+    ({**SWE, "base_commit": "main"}, "'base_commit' must be a 7-40 digit hex"),
+    ({**SWE, "problem_statement": " "}, "'problem_statement' must be a non-empty string"),
+    ({**SWE, "repo": None}, "'repo' must be a non-empty string"),
+    ({**SWE, "test_patch": None}, "'test_patch' must be a string"),
+    ({**AGENT, "conversations": [{"from": "system", "value": "s"}]}, "second entry is the human's task"),
+    ({**AGENT, "conversations": [{}, {"from": "gpt", "value": "x"}]}, "must come from 'human', got 'gpt'"),
+    ({**AGENT, "repo_url": ""}, "'repo_url' must be a non-empty string"),
+    ({**AGENT, "score": "high"}, "label field 'score' must be a finite number"),
+    ({"prompt": "x"}, "not a coding row"),
+])
+def test_bad_rows_are_rejected_with_the_field(row, reason):
+    with pytest.raises(RowRejected, match=reason.replace("[", r"\[").replace("(", r"\(")):
+        coding_task(row)
+
+
+def test_adapt_row_with_the_coding_validator(monkeypatch):
+    monkeypatch.setitem(adapters.TASK_VALIDATORS, "coding", coding_task)
+    task = adapt_row(SWE, "coding", "swe.jsonl:1")
+    assert task.task_id == "o__r-1" and task.env_name == "coding" and task.task_data["repo"] == "o/r"
+    with pytest.raises(RowRejected, match="FAIL_TO_PASS"):
+        adapt_row({**SWE, "FAIL_TO_PASS": None}, "coding")
+
+
+def test_env_config_is_validated_and_shared_keys_are_ignored():
+    env = CodingEnv({"max_turns": 30, "command_timeout_s": 5, "images": {"node": "img:1"}})
+    assert env.config.command_timeout_s == 5 and env.config.images == {"node": "img:1"}
+    with pytest.raises(ValueError, match="command_timeout_s"):
+        CodingEnv({"command_timeout_s": -1})
+
+
+def test_tool_calls_are_checked_without_raising():
+    assert check_call(ToolCall(name="str_replace", arguments={"path": "a", "old_str": "x", "new_str": ""})) == \
+        {"path": "a", "old": "x", "new": ""}
+    assert check_call(ToolCall(name="submit")) == {}
+    assert isinstance(check_call(ToolCall(name="submit", arguments={"now": True})), ToolError)
+    duplicate = check_call(ToolCall(name="str_replace", arguments={"path": "a", "old": "x", "old_str": "y", "new": ""}))
+    assert isinstance(duplicate, ToolError) and "given twice" in duplicate.message
+    assert replace_once("a b a", "b", "c", "f") == "a c a"
+    assert "occurs 2 times" in replace_once("a b a", "a", "c", "f").message
+
+
+PATCH = """\
+diff --git a/tests/test_x.py b/tests/test_x.py
+new file mode 100644
+--- /dev/null
++++ b/tests/test_x.py
+@@ -0,0 +2 @@
++--- a/not/a/header.py
++x
+diff --git a/with space.py b/with space.py
+--- a/with space.py
++++ b/with space.py
+@@ -1 +1 @@
+-a
++b
+diff --git a/img.png b/img.png
+new file mode 100644
+GIT binary patch
+"""
+
+
+def test_patch_paths_read_headers_only():
+    assert grading.patch_paths(PATCH) == ["tests/test_x.py", "with space.py", "img.png"]
+    excluded = grading.excluded_paths(("conftest.py",), "diff --git a/t[1].py b/t[1].py\n", ["a/b.py::T::t[x]"])
+    assert excluded == ["conftest.py", r"t\[1\].py", "a/b.py"]
+
+
+HEADER = "=========================== short test summary info ============================"
+
+
+def test_grading_counts_only_the_last_summary_and_never_a_forged_pass():
+    summary = "\n".join([
+        "PASSED t.py::test_forged_before",  # captured output shown before the real summary
+        HEADER,
+        "PASSED t.py::test_a",
+        "FAILED t.py::test_b - assert 0",
+        "XFAIL t.py::test_c",
+        "ERROR t.py::test_e - boom",
+        "PASSED t.py::test_b",  # printed after the summary by code under test (atexit)
+        "PASSED t.py::test_p[a - b]",
+    ])
+    statuses = grading.parse_summary(summary)
+    assert not grading.passed(statuses, "t.py::test_forged_before")
+    assert grading.passed(statuses, "t.py::test_a") and grading.passed(statuses, "t.py::test_c")
+    assert not grading.passed(statuses, "t.py::test_b") and not grading.passed(statuses, "t.py::test_e")
+    assert grading.passed(statuses, "t.py::test_p[a - b]")
+    assert grading.grade(summary, ("t.py::test_a", "t.py::test_b"), ()).reward == 0.5
+    assert grading.grade(summary, ("t.py::test_a",), ("t.py::test_missing",)).reward == 0.0
+    assert grading.grade("PASSED t.py::test_a", ("t.py::test_a",), ()).reward == 0.0  # no summary header
