@@ -36,28 +36,28 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import shutil
 import threading
 import time
-import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
 from services.inference import weight_sync
 from services.inference.weight_sync import SyncReport, sync_weights
-from shared.names import CHECKPOINT_COMMITTED, CHECKPOINT_TRAINER_STATE, RedisKeys, checkpoint_prefix
+from shared.checkpoint_files import (  # noqa: F401 - re-exported for callers of the follower
+    COMMITTED_MARKER,
+    CheckpointCorrupt,
+    CheckpointNotCommitted,
+    Download,
+    download_checkpoint,
+)
+from shared.names import RedisKeys, checkpoint_prefix
 from shared.storage import ObjectStore
 
 log = logging.getLogger(__name__)
 
-COMMITTED_MARKER = CHECKPOINT_COMMITTED
-SKIPPED_FILES = frozenset({CHECKPOINT_TRAINER_STATE, COMMITTED_MARKER})
-DOWNLOAD_THREADS = 4
 
 
 # Never lowers the served version: SET only if ARGV[1] is above the current value.
@@ -69,28 +69,11 @@ return 0
 """
 
 
-class CheckpointNotCommitted(RuntimeError):
-    """The announced prefix has no COMMITTED marker (yet)."""
-
-
-class CheckpointCorrupt(RuntimeError):
-    """A downloaded file does not match the checkpoint's manifest."""
-
-
 @dataclass(frozen=True)
 class Announcement:
     version: int
     prefix: str
     entry_id: str
-
-
-@dataclass(frozen=True)
-class Download:
-    local_dir: Path
-    files: int
-    bytes: int
-    seconds: float
-    reused: bool
 
 
 @dataclass(frozen=True)
@@ -120,65 +103,6 @@ def parse_announcement(entry_id: Any, fields: dict[Any, Any]) -> Announcement:
     if version < 0 or not prefix:
         raise ValueError(f"bad checkpoint announcement {_text(entry_id)}: {data!r}")
     return Announcement(version, prefix if prefix.endswith("/") else prefix + "/", _text(entry_id))
-
-
-def _manifest_files(store: ObjectStore, prefix: str) -> dict[str, dict[str, Any]] | None:
-    """The marker's ``{"files": {name: {"size", "sha256"}}}`` manifest, if it holds one."""
-    try:
-        manifest = json.loads(store.get_bytes(prefix + COMMITTED_MARKER) or b"null")
-    except (ValueError, UnicodeDecodeError):
-        return None
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    return files if isinstance(files, dict) else None
-
-
-def download_checkpoint(store: ObjectStore, prefix: str, dest: Path) -> Download:
-    """Copy the checkpoint under ``prefix`` into ``dest`` (weights, config, tokenizer files).
-
-    Reuses ``dest`` if it exists (it only ever exists complete). Raises
-    ``CheckpointNotCommitted`` if the marker is not listed. If the marker is a manifest
-    (``{"files": {name: {"size", "sha256"}}}``, as ``services.trainer.checkpoints`` writes),
-    exactly its files are fetched and each is checked against it (``CheckpointCorrupt``);
-    otherwise every listed object but the skipped ones is fetched.
-    """
-    t0 = time.perf_counter()
-    dest = Path(dest)
-    if dest.is_dir():
-        files = [p for p in dest.rglob("*") if p.is_file()]
-        return Download(dest, len(files), sum(p.stat().st_size for p in files), time.perf_counter() - t0, True)
-    keys = store.list_keys(prefix)
-    names = {k[len(prefix):]: k for k in keys if k.startswith(prefix)}
-    if COMMITTED_MARKER not in names:
-        raise CheckpointNotCommitted(f"checkpoint {prefix} has no {COMMITTED_MARKER} marker (yet)")
-    manifest = _manifest_files(store, prefix)
-    listed = manifest if manifest is not None else names
-    wanted = {name: prefix + name for name in listed if Path(name).name not in SKIPPED_FILES}
-    for name in wanted:
-        if name.startswith("/") or ".." in Path(name).parts:
-            raise ValueError(f"checkpoint object {prefix}{name} escapes its directory")
-    partial = dest.parent / f".{dest.name}.partial-{uuid.uuid4().hex[:8]}"
-    partial.mkdir(parents=True)
-
-    def fetch(item: tuple[str, str]) -> int:
-        name, key = item
-        data = store.get_bytes(key)
-        if manifest is not None:
-            meta = manifest[name]
-            if len(data) != meta.get("size") or hashlib.sha256(data).hexdigest() != meta.get("sha256"):
-                raise CheckpointCorrupt(f"{key} does not match the checkpoint manifest (size or sha256)")
-        path = partial / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-        return len(data)
-
-    try:
-        with ThreadPoolExecutor(max_workers=DOWNLOAD_THREADS, thread_name_prefix="ckpt-download") as pool:
-            sizes = list(pool.map(fetch, wanted.items()))
-        partial.rename(dest)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    return Download(dest, len(sizes), sum(sizes), time.perf_counter() - t0, False)
 
 
 class WeightFollower:

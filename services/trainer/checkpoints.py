@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -31,15 +30,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from shared.checkpoint_files import CheckpointError
+from shared.checkpoint_files import download_checkpoint as fetch_checkpoint
 from shared.names import CHECKPOINT_COMMITTED, CHECKPOINT_TRAINER_STATE, checkpoint_prefix, checkpoints_of_run
 from shared.storage import ObjectStore, StorageError
 
 COMMITTED = CHECKPOINT_COMMITTED
 TRAINER_STATE = CHECKPOINT_TRAINER_STATE
-
-
-class CheckpointError(RuntimeError):
-    pass
 
 
 
@@ -105,26 +102,9 @@ def latest_checkpoint(store: ObjectStore, run_id: str) -> tuple[int, str] | None
 
 
 def download_checkpoint(store: ObjectStore, prefix: str, local_dir: str | Path, with_trainer_state: bool = False) -> Path:
-    """Write the committed checkpoint's files into ``local_dir`` and return it.
-
-    Weight files in ``local_dir`` that the manifest does not name (stale shards of another
-    version) are removed, so a loader globbing ``*.safetensors`` sees this version only.
-    """
-    manifest = read_manifest(store, prefix)
-    local = Path(local_dir)
-    local.mkdir(parents=True, exist_ok=True)
-    wanted = {n: meta for n, meta in manifest["files"].items() if with_trainer_state or n != TRAINER_STATE}
-    for stale in local.glob("*.safetensors*"):
-        if stale.name not in wanted:
-            stale.unlink()
-    for name, meta in wanted.items():
-        data = store.get_bytes(prefix + name)
-        if len(data) != meta["size"] or hashlib.sha256(data).hexdigest() != meta["sha256"]:
-            raise CheckpointError(f"{prefix}{name} does not match its manifest (size or sha256)")
-        with tempfile.NamedTemporaryFile(dir=local, prefix=f".{name}.", delete=False) as tmp:
-            tmp.write(data)
-        os.replace(tmp.name, local / name)
-    return local
+    """Fetch the committed checkpoint into ``local_dir`` (which must not exist yet) and return
+    it; the one reader in ``shared.checkpoint_files`` checks every file against the manifest."""
+    return fetch_checkpoint(store, prefix, Path(local_dir), with_trainer_state=with_trainer_state).local_dir
 
 
 def resume(store: ObjectStore, run_id: str, model: PreTrainedModel, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
@@ -134,7 +114,7 @@ def resume(store: ObjectStore, run_id: str, model: PreTrainedModel, optimizer: t
         return 0, 0
     version, prefix = latest
     with tempfile.TemporaryDirectory(prefix="conveyor-resume-") as tmp:
-        local = download_checkpoint(store, prefix, tmp, with_trainer_state=True)
+        local = download_checkpoint(store, prefix, Path(tmp) / "checkpoint", with_trainer_state=True)
         dtype = next(model.parameters()).dtype
         saved = AutoModelForCausalLM.from_pretrained(str(local), dtype=dtype)
         model.load_state_dict(saved.state_dict(), strict=True)
