@@ -15,7 +15,10 @@ pytestmark = pytest.mark.slow
 def test_mean_reward_rises_through_the_distributed_pipeline(tmp_path):
     steps = 20
     run = run_learning(tmp_path, steps=steps, max_off_policy_steps=1)
-    assert [int(h["step"]) for h in run.steps] == list(range(1, steps + 1))
+    # a policy that collapses onto one reply makes every later group zero-variance, and the
+    # run ends early for want of trainable groups; the reward must have risen by then
+    assert [int(h["step"]) for h in run.steps] == list(range(1, len(run.steps) + 1))
+    assert len(run.steps) >= 10
     rewards = run.rewards
     start, end = statistics.fmean(rewards[:3]), statistics.fmean(rewards[-3:])
     print(f"reward per step: {[round(r, 3) for r in rewards]}")
@@ -27,5 +30,5 @@ def test_mean_reward_rises_through_the_distributed_pipeline(tmp_path):
     assert run.steps[0]["logprob_mad_on_policy"] < 1e-4
     # weight syncs happened and were timed (the follower records each one)
     syncs = [h["weight_sync_s"] for h in run.steps if h["weight_sync_s"] == h["weight_sync_s"]]  # not NaN
-    assert len(syncs) >= steps - 2 and max(syncs) < 5
+    assert len(syncs) >= len(run.steps) - 2 and max(syncs) < 5
     assert run.reward_curve.stat().st_size > 5_000

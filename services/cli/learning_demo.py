@@ -67,7 +67,7 @@ def run_learning(
     settings = {**LEARNING_SETTINGS, **(overrides or {})}
     if task_config:
         settings["CONVEYOR_INTAKE__ENV_CONFIG"] = json.dumps({"reward_fn": TOY_REWARD_FN, **task_config})
-    groups = 3 * steps * int(settings["CONVEYOR_TRAINER__GROUPS_PER_STEP"])  # room for filtered groups
+    groups = 4 * steps * int(settings["CONVEYOR_TRAINER__GROUPS_PER_STEP"])  # room for filtered groups
     stack = LocalStack(workdir / "stack", run_id=f"learn-k{max_off_policy_steps}", env={
         **settings,
         "CONVEYOR_TRAINER__MAX_OFF_POLICY_STEPS": str(max_off_policy_steps),
@@ -87,7 +87,9 @@ def run_learning(
         stack.start_weight_follower()
         stack.start_rollout_worker(concurrency=8)
         stack.start_scoring_worker()
-        trainer = stack.start_trainer()  # exits after trainer.max_steps
+        # exits after trainer.max_steps, or once intake's groups are all consumed: a policy that
+        # collapses (every group zero-variance) runs out of trainable groups before max_steps
+        trainer = stack.start_trainer(exit_when_done=True)
         time.sleep(5)  # let the workers import and connect before the clock starts
         started = time.time()
         intake = stack.conveyor("intake", "intake", "--dataset", str(write_prompts(workdir / "prompts.jsonl")))
