@@ -1,7 +1,9 @@
 """Which image a coding task's sandboxes start from, and the Python language profile's image.
 
 Resolution order: ``env_config.image``, the task's own ``image``, ``env_config.images[language]``,
-then the built-in profile for the language (only ``python`` so far), built offline on first use.
+then the built-in profile for the language, built on first use: ``python`` here, and
+``node``/``rust``/``go``/``c``/``dev-base`` from ``images/profiles`` on top of the Python image
+(``sandbox_profiles``; any other language gets ``dev-base``).
 
 The Python profile (``images/python/packages.txt``): Debian bookworm minbase via debootstrap with
 python3, pytest (Debian's ``python3-pytest``, so tests run without network), git and CA
@@ -49,26 +51,38 @@ def build_python_image(client: docker.DockerClient | None = None, *, ca_bundle: 
                                    ca_bundle=ca_bundle)
 
 
+def build_language_image(profile: str) -> str:
+    """A language profile (``images/profiles/<profile>``) on top of the Python image, which
+    brings git and pytest; built once, tagged by content hash."""
+    from services.rollout_worker.sandbox.client import default_client
+    from services.rollout_worker.sandbox_profiles import build_profile_image
+
+    return build_profile_image(default_client(), profile, build_python_image())
+
+
 BUILDERS: dict[str, Callable[[], str]] = {"python": build_python_image}
 _built: dict[str, str] = {}
 _lock = threading.Lock()
 
 
-def _build_profile(language: str) -> str:
+def _build_profile(profile: str) -> str:
     with _lock:
-        if language not in _built:
-            _built[language] = BUILDERS[language]()
-        return _built[language]
+        if profile not in _built:
+            builder = BUILDERS.get(profile)
+            _built[profile] = builder() if builder else build_language_image(profile)
+        return _built[profile]
 
 
 async def resolve_image(language: str, task_image: str | None, config: CodingConfig) -> str:
+    from services.rollout_worker.sandbox_profiles import profile_for_language
+
     configured = config.image or task_image or config.images.get(language)
     if configured:
         return configured
-    if language in BUILDERS and config.build_missing_images:
-        return await asyncio.to_thread(_build_profile, language)
+    if config.build_missing_images:
+        return await asyncio.to_thread(_build_profile, profile_for_language(language))
     raise NoImage(f"no sandbox image for language {language!r}: set env_config.images.{language} "
-                  f"(built-in profiles: {sorted(BUILDERS)})")
+                  "or allow build_missing_images")
 
 
 def main() -> None:
