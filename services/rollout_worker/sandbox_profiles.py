@@ -26,6 +26,7 @@ from .sandbox.images import IMAGES_DIR, content_hash, image_exists
 PROFILES_DIR = IMAGES_DIR / "profiles"
 PROFILES = ("dev-base", "python", "node", "rust", "go", "c")
 DEFAULT_PROFILE = "dev-base"
+BASE_PROFILE = "dev-base"  # every other profile builds on it (it holds the extra CA bundle)
 PROFILE_REPOSITORY = "conveyor/profile-{profile}"
 
 _ALIASES = {
@@ -54,10 +55,15 @@ def dockerfile_path(profile: str) -> Path:
 
 def profile_tag(client: docker.DockerClient, profile: str, base_image: str,
                 ca_bundle: Path | str | bytes | None = None) -> str:
-    """The tag ``build_profile_image`` would produce, without building. Raises if the base is missing."""
-    dockerfile = dockerfile_path(profile).read_bytes()
+    """The tag ``build_profile_image`` would produce, without building: a hash of the profile's
+    Dockerfile (and dev-base's, for the profiles built on it), the base image id and the CA
+    bundle. Raises if the base is missing."""
+    recipes = [dockerfile_path(profile).read_bytes()]
+    if profile != BASE_PROFILE:
+        recipes.append(dockerfile_path(BASE_PROFILE).read_bytes())
     base_id = _base_image_id(client, base_image)
-    return f"{PROFILE_REPOSITORY.format(profile=profile)}:{content_hash(dockerfile, base_id.encode(), _ca_bytes(ca_bundle))}"
+    digest = content_hash(*recipes, base_id.encode(), _ca_bytes(ca_bundle))
+    return f"{PROFILE_REPOSITORY.format(profile=profile)}:{digest}"
 
 
 def build_profile_image(client: docker.DockerClient, profile: str, base_image: str,
@@ -68,12 +74,14 @@ def build_profile_image(client: docker.DockerClient, profile: str, base_image: s
     ``timeout_s``: HTTP read timeout of the build call; None (default) waits as long as apt takes
     (the client's default 60 s would cut a quiet ``apt-get install`` short).
     """
+    tag = profile_tag(client, profile, base_image, ca_bundle)
+    if image_exists(client, tag):
+        return tag
+    if profile != BASE_PROFILE:  # language profiles build on dev-base, which holds the CA bundle
+        base_image = build_profile_image(client, BASE_PROFILE, base_image, ca_bundle, timeout_s=timeout_s)
     dockerfile = dockerfile_path(profile).read_bytes()
     ca = _ca_bytes(ca_bundle)
     base_id = _base_image_id(client, base_image)
-    tag = f"{PROFILE_REPOSITORY.format(profile=profile)}:{content_hash(dockerfile, base_id.encode(), ca)}"
-    if image_exists(client, tag):
-        return tag
     context = io.BytesIO()
     with tarfile.open(fileobj=context, mode="w") as tar:
         info = tarfile.TarInfo("Dockerfile")
