@@ -8,7 +8,8 @@ Layout (in the spirit of SWE-ReX's Deployment/Runtime split):
                   ``exec_runner`` is the one-exec-per-command fallback.
 - ``sandbox``     ``Sandbox``: provision, exec, read/write/list files, diff, teardown.
 - ``limiter``     provisioning rate limit; ``retry`` bounded retries of infra errors;
-  ``janitor``     removal of leaked or expired containers; ``images`` offline base images.
+  ``janitor``     removal of leaked or expired containers; ``images`` offline base images;
+  ``pool``        a warm pool of pre-started sandboxes per spec.
 - ``errors``      the failure taxonomy; ``results`` plain result types; ``blocking`` the thread
                   pool every docker SDK call runs on.
 
@@ -31,6 +32,7 @@ from .errors import (
 from .janitor import Reaped, reap
 from .limiter import DEFAULT_LIMITER, ProvisionLimiter
 from .results import ExecResult, WorkspaceDiff
+from .pool import WarmPool
 from .retry import provision_with_retry
 from .sandbox import Sandbox
 from .spec import Limits, NetworkPolicy, SandboxLabels, SandboxSpec, Timeouts
@@ -53,6 +55,7 @@ __all__ = [
     "SandboxLost",
     "SandboxSpec",
     "Timeouts",
+    "WarmPool",
     "WorkspaceDiff",
     "provision_with_retry",
     "reap",

@@ -53,6 +53,7 @@ class Sandbox:
         self._client = client
         self._runner = runner
         self._deadline = time.monotonic() + spec.timeouts.episode_s
+        self.assigned_to: str | None = spec.labels.trajectory_id  # differs for pooled sandboxes (pool.py)
         self._baseline: dict[str, str] = {}
         self._closed = False
         self._lost: SandboxLost | None = None
@@ -116,6 +117,11 @@ class Sandbox:
     @property
     def alive(self) -> bool:
         return not self._closed and self._lost is None
+
+    def restart_episode_clock(self) -> None:
+        """Start the episode deadline now: a pre-started (pooled) sandbox gets its full episode
+        time from when a trajectory takes it, not from when it was provisioned."""
+        self._deadline = time.monotonic() + self.spec.timeouts.episode_s
 
     @property
     def remaining_s(self) -> float:
