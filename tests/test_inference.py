@@ -6,8 +6,6 @@ unit tests of the launcher.
 
 from __future__ import annotations
 
-import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any, Iterator
@@ -16,6 +14,9 @@ import httpx
 import pytest
 import torch
 
+from vllm_support import running_vllm
+
+from services.cli.local_stack import free_port
 from services.inference.server import VllmServer, build_command, check_inference
 from services.inference.tiny_model import generate_tiny_model
 
@@ -24,12 +25,6 @@ MESSAGES = [
     {"role": "system", "content": "Guess the secret number between 1 and 100."},
     {"role": "user", "content": "Your first guess?"},
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------- fast: launcher only
@@ -52,12 +47,12 @@ def test_build_command_gpu_host() -> None:
 
 
 def test_check_inference_when_nothing_listens() -> None:
-    status = check_inference(f"http://127.0.0.1:{_free_port()}", timeout=1.0)
+    status = check_inference(f"http://127.0.0.1:{free_port()}", timeout=1.0)
     assert status["ok"] is False and status["model"] is None and status["detail"]
 
 
 def test_wait_ready_reports_log_tail_when_server_dies(tmp_path: Path) -> None:
-    server = VllmServer(tmp_path / "no-such-model", port=_free_port(), log_path=tmp_path / "v.log")
+    server = VllmServer(tmp_path / "no-such-model", port=free_port(), log_path=tmp_path / "v.log")
     server.argv = [sys.executable, "-c", "import sys; print('boom: bad model'); sys.exit(3)"]
     server.start()
     with pytest.raises(RuntimeError, match=r"(?s)exited with code 3.*boom: bad model"):
@@ -75,17 +70,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    log = tmp_path_factory.mktemp("logs") / "vllm.log"
-    srv = VllmServer(model_dir, SERVED, port=_free_port(), log_path=log, max_model_len=1024)
-    srv.start()
-    pgid = srv.process.pid
-    try:
-        srv.wait_ready(timeout=600)
+    with running_vllm(model_dir, SERVED, tmp_path_factory.mktemp("logs") / "vllm.log", max_model_len=1024) as srv:
         yield srv
-    finally:
-        srv.stop()
-        with pytest.raises(ProcessLookupError):  # nothing of the server's group survives
-            os.killpg(pgid, 0)
 
 
 @pytest.fixture(scope="module")

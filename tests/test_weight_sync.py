@@ -34,6 +34,7 @@ from services.inference.control_plane import (
     parse_announcement,
 )
 from services.inference.server import VllmServer
+from vllm_support import running_vllm
 from services.inference.tiny_model import generate_tiny_model
 from shared.names import RedisKeys, checkpoint_prefix
 from shared.settings import StorageSettings
@@ -143,17 +144,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def server(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    log = tmp_path_factory.mktemp("logs") / "vllm.log"
-    srv = VllmServer(models["A"], SERVED, port=free_port(), log_path=log, max_model_len=2048)
-    srv.start()
-    pgid = srv.process.pid
-    try:
-        srv.wait_ready(timeout=600)
+    with running_vllm(models["A"], SERVED, tmp_path_factory.mktemp("logs") / "vllm.log", max_model_len=2048) as srv:
         yield srv
-    finally:
-        srv.stop()
-        with pytest.raises(ProcessLookupError):
-            os.killpg(pgid, 0)
 
 
 @pytest.fixture(scope="module")

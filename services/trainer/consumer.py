@@ -64,6 +64,7 @@ class TrainerConsumer:
         self.redis: redis.Redis = self.ledger.redis
         self.stream = RedisKeys.trainer_stream(self.run_id)
         self.consumer = self.settings.trainer.consumer_name
+        self._registrations: dict[int, GroupRegistration] = {}
         self.assembler = GroupAssembler(self._expected_size, self._is_done)
         trainer = self.settings.trainer
         self.budget = None
@@ -208,10 +209,14 @@ class TrainerConsumer:
 
     # --- bookkeeping ------------------------------------------------------------------------
     def _registration(self, group_id: int) -> GroupRegistration:
-        raw = self.redis.hget(RedisKeys.groups(self.run_id), str(group_id))
-        if raw is None:
-            raise KeyError(f"group {group_id} of run {self.run_id} was never registered by intake")
-        return GroupRegistration.model_validate_json(raw)
+        """Intake writes a group's registration once and never changes it: read it once."""
+        cached = self._registrations.get(group_id)
+        if cached is None:
+            raw = self.redis.hget(RedisKeys.groups(self.run_id), str(group_id))
+            if raw is None:
+                raise KeyError(f"group {group_id} of run {self.run_id} was never registered by intake")
+            cached = self._registrations[group_id] = GroupRegistration.model_validate_json(raw)
+        return cached
 
     def _expected_size(self, group_id: int) -> int:
         return self._registration(group_id).expected_size

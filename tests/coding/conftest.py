@@ -22,8 +22,8 @@ import time
 import uuid
 from pathlib import Path
 
-import docker
 import pytest
+from docker_support import leak_checked_docker_client
 
 from services.rollout_worker.environments.coding import CodingEnv, coding_task
 from services.rollout_worker.environments.coding.images import PYTHON_REPOSITORY, build_python_image
@@ -35,16 +35,8 @@ RUN_LABEL = f"conveyor.run_id={RUN_ID}"
 
 @pytest.fixture(scope="session")
 def docker_client():
-    try:
-        client = docker.from_env(max_pool_size=64)
-        client.ping()
-    except Exception as exc:  # no daemon, no socket, no permission
-        pytest.skip(f"needs a running Docker daemon (docker.from_env().ping() failed: {exc})")
-    yield client
-    leftovers = client.api.containers(all=True, filters={"label": RUN_LABEL})
-    for info in leftovers:
-        client.api.remove_container(info["Id"], force=True, v=True)
-    assert not leftovers, f"containers left behind by the coding tests: {[c['Names'] for c in leftovers]}"
+    with leak_checked_docker_client(RUN_LABEL, "coding") as client:
+        yield client
 
 
 def _mirror_reachable() -> bool:

@@ -1,0 +1,28 @@
+"""A real vLLM server for a test module: started on a free port, and stopped with nothing of its
+process group surviving (asserted)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from services.cli.local_stack import free_port
+from services.inference.server import VllmServer
+
+
+@contextmanager
+def running_vllm(model_dir: Path, served_name: str, log_path: Path, max_model_len: int) -> Iterator[VllmServer]:
+    srv = VllmServer(model_dir, served_name, port=free_port(), log_path=log_path, max_model_len=max_model_len)
+    srv.start()
+    pgid = srv.process.pid
+    try:
+        srv.wait_ready(timeout=600)
+        yield srv
+    finally:
+        srv.stop()
+        with pytest.raises(ProcessLookupError):  # nothing of the server's group survives
+            os.killpg(pgid, 0)
