@@ -11,21 +11,18 @@ and fails the run if there were some.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import re
 import shutil
 import socket
-import subprocess
 import time
 import uuid
-from pathlib import Path
 
 import pytest
-from docker_support import leak_checked_docker_client
+from docker_support import coding_env_maker, leak_checked_docker_client
+from git_support import git
 
-from services.rollout_worker.environments.coding import CodingEnv, coding_task
+from services.rollout_worker.environments.coding import coding_task
 from services.rollout_worker.environments.coding.images import PYTHON_REPOSITORY, build_python_image
 
 from coding_helpers import CALC, EXISTING_TEST, F2P, HIDDEN_TEST, P2P
@@ -65,34 +62,28 @@ def python_image(docker_client) -> str:
         pytest.skip(f"cannot build the Python sandbox image: {exc}")
 
 
-def _git(cwd: Path, *args: str) -> str:
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t"}
-    return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True).stdout
-
-
 @pytest.fixture(scope="session")
 def fixture_repo(tmp_path_factory) -> dict:
     """{path, base_commit, fix_commit, test_patch}: a local repository served by path or file://."""
     repo = tmp_path_factory.mktemp("calc-repo")
-    _git(repo, "init", "-q", "-b", "main")
+    git(repo, "init", "-q", "-b", "main")
     (repo / "calc").mkdir()
     (repo / "calc" / "__init__.py").write_text(CALC)
     (repo / "tests").mkdir()
     (repo / "tests" / "test_existing.py").write_text(EXISTING_TEST)
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-qm", "calc with bugs")
-    base = _git(repo, "rev-parse", "HEAD").strip()
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "calc with bugs")
+    base = git(repo, "rev-parse", "HEAD").strip()
     # the hidden tests, as a diff against base (made in a scratch clone; the repo never has them)
     scratch = tmp_path_factory.mktemp("scratch")
-    _git(scratch, "clone", "-q", str(repo), "c")
+    git(scratch, "clone", "-q", str(repo), "c")
     (scratch / "c" / "tests" / "test_calc.py").write_text(HIDDEN_TEST)
-    _git(scratch / "c", "add", "-A")
-    test_patch = _git(scratch / "c", "diff", "--cached", "HEAD")
+    git(scratch / "c", "add", "-A")
+    test_patch = git(scratch / "c", "diff", "--cached", "HEAD")
     # upstream fixes add after base_commit
     (repo / "calc" / "__init__.py").write_text(CALC.replace("return a - b", "return a + b", 1))
-    _git(repo, "commit", "-qam", "upstream fix of add")
-    return {"path": str(repo), "base_commit": base, "fix_commit": _git(repo, "rev-parse", "HEAD").strip(),
+    git(repo, "commit", "-qam", "upstream fix of add")
+    return {"path": str(repo), "base_commit": base, "fix_commit": git(repo, "rev-parse", "HEAD").strip(),
             "test_patch": test_patch}
 
 
@@ -109,25 +100,11 @@ def swe_bench_row(fixture_repo) -> dict:
 
 @pytest.fixture
 def make_env(docker_client, python_image, tmp_path_factory, request):
-    """``make_env(**env_config)``: a CodingEnv on the Python image, labelled for this test. After the
-    test, every env is closed and the test's trajectories must have no container left."""
-    cache = tmp_path_factory.getbasetemp() / "workspaces"
-    made: list[CodingEnv] = []
-
-    def make(**config) -> CodingEnv:
-        env = CodingEnv({"image": python_image, "workspace_cache_dir": str(cache), "command_timeout_s": 20,
-                         "test_timeout_s": 60, **config})
-        trajectory = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{RUN_ID}-{request.node.name}")[:180] + f"-{len(made)}"
-        env.bind_trajectory(run_id=RUN_ID, group_id="g0", trajectory_id=trajectory)
-        made.append(env)
-        return env
-
-    yield make
-    for env in made:
-        asyncio.run(env.close())
-        left = docker_client.api.containers(all=True, filters={
-            "label": [RUN_LABEL, f"conveyor.trajectory_id={env.labels.trajectory_id}"]})
-        assert not left, f"{env.labels.trajectory_id} left containers behind: {[c['Names'] for c in left]}"
+    """``make_env(**env_config)``: a CodingEnv on the Python image, labelled for this test; closed
+    after it, and no container of its trajectories may be left."""
+    cache = str(tmp_path_factory.getbasetemp() / "workspaces")
+    with coding_env_maker(docker_client, python_image, cache, RUN_ID, request.node.name) as make:
+        yield make
 
 
 @pytest.fixture

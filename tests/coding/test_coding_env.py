@@ -48,7 +48,7 @@ def test_a_str_replace_that_fixes_the_bugs_scores_1(make_env, swe_task, tmp_path
 
     store = LocalStore(tmp_path)
     keys = write_artifacts(store, "run1", "run1_0_0_7", info)
-    assert keys == artifact_keys("run1", "run1_0_0_7")
+    assert keys == {n: k for n, k in artifact_keys("run1", "run1_0_0_7").items() if n != "diff.cut.patch"}
     assert keys["diff.patch"] == "artifacts/run1/run1_0_0_7/diff.patch"
     assert b"return a * b" in store.get_bytes(keys["diff.patch"])
     assert b"3 passed" in store.get_bytes(keys["tests.txt"])
@@ -128,7 +128,7 @@ def test_the_reward_comes_from_the_hidden_tests_not_from_the_agent(make_env, swe
     if cheat in ("hidden_test_path", "conftest_hook"):
         assert verdict.info["excluded_from_diff"], verdict.info  # the agent's versions were dropped
         assert set(verdict.info["excluded_from_diff"]) <= {"tests/test_calc.py", "conftest.py", "tests/conftest.py",
-                                                            "pytest.ini"}
+                                                            "pytest.ini", "tests/test_fail.py"}
 
 
 def test_the_exclusions_are_what_defeat_the_conftest_cheat(make_env, swe_task):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 
 import pytest
@@ -61,6 +63,8 @@ def test_bad_rows_are_rejected_with_the_field(row, reason):
 
 def test_adapt_row_with_the_coding_validator(monkeypatch):
     monkeypatch.setitem(adapters.TASK_VALIDATORS, "coding", coding_task)
+    # the repository checks fetch the repo: tests/coding/test_coding_intake.py runs them on a real one
+    monkeypatch.setitem(adapters.ROW_CHECKS, "coding", lambda data, env_config: data)
     task = adapt_row(SWE, "coding", "swe.jsonl:1")
     assert task.task_id == "o__r-1" and task.env_name == "coding" and task.task_data["repo"] == "o/r"
     with pytest.raises(RowRejected, match="FAIL_TO_PASS"):
@@ -108,28 +112,46 @@ GIT binary patch
 def test_patch_paths_read_headers_only():
     assert grading.patch_paths(PATCH) == ["tests/test_x.py", "with space.py", "img.png"]
     excluded = grading.excluded_paths(("conftest.py",), "diff --git a/t[1].py b/t[1].py\n", ["a/b.py::T::t[x]"])
-    assert excluded == ["conftest.py", r"t\[1\].py", "a/b.py"]
+    assert excluded == ["conftest.py", r"t\[1\].py", "a/b.py", "a/*"]  # the test's directory too
 
 
-HEADER = "=========================== short test summary info ============================"
+KEY = "k" * 64
 
 
-def test_grading_counts_only_the_last_summary_and_never_a_forged_pass():
-    summary = "\n".join([
-        "PASSED t.py::test_forged_before",  # captured output shown before the real summary
-        HEADER,
-        "PASSED t.py::test_a",
-        "FAILED t.py::test_b - assert 0",
-        "XFAIL t.py::test_c",
-        "ERROR t.py::test_e - boom",
-        "PASSED t.py::test_b",  # printed after the summary by code under test (atexit)
-        "PASSED t.py::test_p[a - b]",
-    ])
-    statuses = grading.parse_summary(summary)
-    assert not grading.passed(statuses, "t.py::test_forged_before")
-    assert grading.passed(statuses, "t.py::test_a") and grading.passed(statuses, "t.py::test_c")
-    assert not grading.passed(statuses, "t.py::test_b") and not grading.passed(statuses, "t.py::test_e")
-    assert grading.passed(statuses, "t.py::test_p[a - b]")
-    assert grading.grade(summary, ("t.py::test_a", "t.py::test_b"), ()).reward == 0.5
-    assert grading.grade(summary, ("t.py::test_a",), ("t.py::test_missing",)).reward == 0.0
-    assert grading.grade("PASSED t.py::test_a", ("t.py::test_a",), ()).reward == 0.0  # no summary header
+def signed(*records: dict) -> str:
+    lines = []
+    for seq, record in enumerate(records):
+        body = json.dumps({**record, "seq": seq}, sort_keys=True)
+        lines.append(body + " " + hmac.new(KEY.encode(), body.encode(), hashlib.sha256).hexdigest())
+    return "\n".join(lines) + "\n"
+
+
+def phase(nodeid: str, outcome: str, when: str = "call", xfail: bool = False) -> dict:
+    return {"kind": "phase", "nodeid": nodeid, "when": when, "outcome": outcome, "xfail": xfail}
+
+
+def finish(status: int, **extra) -> dict:
+    return {"kind": "finish", "exitstatus": status, "tampered": False, "plugins_added": [], **extra}
+
+
+def test_the_signed_report_decides_and_must_agree_with_the_exit_status():
+    report = signed(phase("t.py::a", "passed"), phase("t.py::b", "failed"), phase("t.py::c", "skipped", xfail=True),
+                    phase("t.py::d", "passed"), phase("t.py::d", "failed", when="teardown"), finish(1))
+    outcomes, why = grading.read_report(report, KEY, 1)
+    assert why is None
+    assert [grading.passed(outcomes, t) for t in ("t.py::a", "t.py::b", "t.py::c", "t.py::d", "t.py::x")] == [
+        True, False, True, False, False]
+    assert grading.grade(outcomes, ("t.py::a", "t.py::b"), (), 1).reward == 0.5
+    assert grading.grade(outcomes, ("t.py::a",), ("t.py::x",), 1).reward == 0.0
+    assert grading.grade(outcomes, ("t.py::a", "t.py::b"), (), 0).reward == 0.0  # exit 0 with a failure: forged
+
+    assert grading.read_report(report, KEY, 0)[1]  # the process exit status differs from pytest's
+    assert grading.read_report(report, "other-key", 1)[1]  # not signed by this run's key
+    forged = report.replace('"outcome": "failed"', '"outcome": "passed"', 1)
+    assert "not signed" in grading.read_report(forged, KEY, 1)[1]
+    assert "without finishing" in grading.read_report(signed(phase("t.py::a", "passed")), KEY, 0)[1]
+    lines = report.splitlines()
+    assert "sequence" in grading.read_report("\n".join([lines[0], *lines[2:]]), KEY, 1)[1]  # a dropped record
+    assert "altered" in grading.read_report(signed(phase("t.py::a", "passed"), finish(0, tampered=True)), KEY, 0)[1]
+    assert grading.read_report(signed(finish(5)), KEY, 5)[1]  # nothing collected
+    assert grading.read_report("PASSED t.py::a\n", KEY, 0)[1]  # printed text is never a report

@@ -31,7 +31,9 @@ def test_container_is_hardened_and_labelled(make_spec, docker_client, sandbox_ru
     attrs, inside = run(scenario())
     host = attrs["HostConfig"]
     assert host["NetworkMode"] == "none" and not host["Privileged"]
-    assert host["CapDrop"] == ["ALL"] and host["SecurityOpt"] == ["no-new-privileges"]
+    # Only the session shell (PID 1, root) holds these; commands run as 65534 with none (CapEff below).
+    assert host["CapDrop"] == ["ALL"] and sorted(host["CapAdd"]) == ["KILL", "SETGID", "SETUID"]
+    assert host["SecurityOpt"][0] == "no-new-privileges" and host["SecurityOpt"][1].startswith("seccomp={")
     assert host["PidsLimit"] == 100
     assert host["Memory"] == host["MemorySwap"] == 128 << 20
     assert host["NanoCpus"] == 500_000_000

@@ -1,6 +1,6 @@
 """The shell protocol's parser, fed byte streams split at awkward places (no Docker needed)."""
 
-from services.rollout_worker.sandbox.protocol import CommandStream
+from services.rollout_worker.sandbox.protocol import MAX_TRAILER, CommandStream, restart_marker
 
 NONCE = "0123456789abcdef"
 
@@ -55,6 +55,29 @@ def test_a_repeated_trailer_never_reaches_the_next_command():
 
 
 def test_a_restarted_shell_ends_the_command_without_a_status():
-    stream = feed_in_pieces(b"sh: can't fork\n<conveyor: session shell restarted> \nlate", 7)
-    assert stream.done and stream.restarted and stream.exit_code is None
-    assert bytes(stream.output) == b"sh: can't fork\n" and stream.leftover == b" \nlate"
+    marker = restart_marker("s3cr3t")
+    data = b"sh: can't fork\n" + marker + b" \nlate"
+    for size in (1, 7, len(data)):
+        stream = CommandStream(NONCE, 1 << 20, marker)
+        for i in range(0, len(data), size):
+            stream.feed(data[i : i + size])
+        assert stream.done and stream.restarted and stream.exit_code is None
+        assert bytes(stream.output) == b"sh: can't fork\n" and stream.leftover == b" \nlate"
+
+
+def test_a_restart_marker_without_the_session_secret_is_output():
+    stream = CommandStream(NONCE, 1 << 20, restart_marker("s3cr3t"))
+    stream.feed(answer(restart_marker("guess"), rc=3))
+    assert stream.done and not stream.restarted and stream.exit_code == 3
+    assert bytes(stream.output) == restart_marker("guess")
+
+
+def test_an_unfinished_trailer_line_is_output_and_counted():
+    stream = CommandStream(NONCE, 100)
+    stream.feed(f"{NONCE} R".encode())
+    for _ in range(100):
+        stream.feed(b"y" * 1000)
+    assert not stream.done and stream.received == len(NONCE) + 2 + 100_000
+    assert stream.total >= 100_000 - MAX_TRAILER and len(stream.output) == 100 and stream.truncated
+    stream.feed(b"\n" + f"{NONCE} R5\n".encode())
+    assert stream.done and stream.exit_code == 5

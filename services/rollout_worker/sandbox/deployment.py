@@ -3,9 +3,12 @@
 Invariants:
 - Every container this module creates carries the ``conveyor.*`` labels (run, group, trajectory,
   created_at, ttl), so it is removed by its owner in ``finally`` or, failing that, by the janitor.
-- Isolation is not optional: no network, all capabilities dropped, no-new-privileges, bounded
-  pids/memory (no swap)/CPU, read-only root with size-bounded tmpfs for the workspace and /tmp,
-  no mounts from the host (so never the docker socket), no core dumps, no log file on the host.
+- Isolation is not optional: no network, all capabilities dropped, no-new-privileges, the
+  ``seccomp`` profile, bounded pids/memory (no swap)/CPU, read-only root with size-bounded tmpfs
+  for the workspace and /tmp, no mounts from the host (so never the docker socket), no core
+  dumps, no log file on the host.
+- PID 1 (the session shell) runs as root with only CAP_SETUID/SETGID/KILL and a root-only
+  ``protocol.CONTROL_DIR``; every command runs as the spec's non-root user (``command_user``).
 - A failure or cancellation between create and return removes the container: inside the worker
   thread when the daemon fails, from a done-callback when the caller was cancelled meanwhile.
 """
@@ -26,7 +29,8 @@ from docker.types import LogConfig, Ulimit
 from .blocking import run_blocking, submit
 from .errors import SandboxConfigError
 from .limiter import ProvisionLimiter
-from .protocol import SESSION_COMMAND, SESSION_ENV
+from .protocol import BIN_DIR, CONTROL_DIR, SESSION_CAPS, SESSION_COMMAND, SESSION_ENV, SESSION_USER, parse_user
+from .seccomp import security_opt
 from .spec import SandboxSpec
 
 LABEL_RUN_ID = "conveyor.run_id"
@@ -41,6 +45,8 @@ class StartedContainer:
     id: str
     name: str
     shell_socket: socket.socket | None  # stdin/stdout of PID 1, or None: use exec_runner
+    uid: int = 65534  # what commands run as
+    gid: int = 65534
 
 
 def labels_for(spec: SandboxSpec, *, now: float) -> dict[str, str]:
@@ -72,7 +78,8 @@ def create_kwargs(api: APIClient, spec: SandboxSpec, *, name: str, now: float) -
     host_config = api.create_host_config(
         network_mode="none",
         cap_drop=["ALL"],
-        security_opt=["no-new-privileges"],
+        cap_add=list(SESSION_CAPS),
+        security_opt=["no-new-privileges", security_opt()],
         privileged=False,
         pids_limit=limits.pids,
         mem_limit=int(limits.memory),
@@ -82,6 +89,8 @@ def create_kwargs(api: APIClient, spec: SandboxSpec, *, name: str, now: float) -
         tmpfs={
             spec.workspace_dir: _tmpfs_options(int(limits.workspace_size), spec.user, shared=False),
             "/tmp": _tmpfs_options(int(limits.tmp_size), spec.user, shared=True),
+            CONTROL_DIR: "rw,noexec,nosuid,nodev,size=64m,uid=0,gid=0,mode=0711",
+            BIN_DIR: "rw,exec,nosuid,nodev,size=16m,uid=0,gid=0,mode=0711",
         },
         ulimits=[Ulimit(name="core", soft=0, hard=0)],
         # Output is read from the attached socket; a log file would only grow with every flood.
@@ -93,7 +102,7 @@ def create_kwargs(api: APIClient, spec: SandboxSpec, *, name: str, now: float) -
         image=spec.image,
         command=SESSION_COMMAND,
         name=name,
-        user=spec.user or "",
+        user=SESSION_USER,
         environment={"HOME": "/tmp", **SESSION_ENV, **spec.env},
         working_dir=spec.workspace_dir,
         labels=labels_for(spec, now=now),
@@ -102,6 +111,15 @@ def create_kwargs(api: APIClient, spec: SandboxSpec, *, name: str, now: float) -
         network_disabled=True,
         host_config=host_config,
     )
+
+
+def command_user(api: APIClient, spec: SandboxSpec) -> tuple[int, int]:
+    """The numeric uid/gid commands run as: the spec's, else the image's USER. Never root. Blocking."""
+    user = spec.user if spec.user is not None else api.inspect_image(spec.image)["Config"].get("User") or "0"
+    try:
+        return parse_user(user)
+    except ValueError as exc:
+        raise SandboxConfigError(str(exc), reason="bad_user") from None
 
 
 def check_supported(api: APIClient, spec: SandboxSpec) -> None:
@@ -171,6 +189,7 @@ async def start_container(api: APIClient, spec: SandboxSpec, limiter: ProvisionL
     if spec.network.mode != "none" or spec.limits.disk is not None:
         await run_blocking(check_supported, api, spec)
     name = container_name(spec)
+    uid, gid = command_user(api, spec) if spec.user is not None else await run_blocking(command_user, api, spec)
     kwargs = create_kwargs(api, spec, name=name, now=time.time())
     async with limiter.slot():
         job = submit(_create_attach_start, api, kwargs, spec.session)
@@ -179,4 +198,4 @@ async def start_container(api: APIClient, spec: SandboxSpec, limiter: ProvisionL
         except asyncio.CancelledError:
             job.add_done_callback(_discard_when_created(api))
             raise
-    return StartedContainer(id=container_id, name=name, shell_socket=sock)
+    return StartedContainer(id=container_id, name=name, shell_socket=sock, uid=uid, gid=gid)

@@ -20,6 +20,8 @@ import time
 
 import docker
 
+from shared.prometheus import SANDBOX_PROVISION_SECONDS
+
 from . import files
 from .blocking import run_blocking
 from .client import default_client
@@ -65,6 +67,7 @@ class Sandbox:
                         client: docker.DockerClient | None = None,
                         limiter: ProvisionLimiter | None = None) -> Sandbox:
         client = client or default_client()
+        clock = time.perf_counter()
         started: StartedContainer | None = None
         runner: ShellSession | ExecRunner | None = None
         step = "create"
@@ -80,6 +83,7 @@ class Sandbox:
                     await run_blocking(copy_in, client.api, started.id, archive, dest=spec.workspace_dir,
                                        user=spec.user)
                     sandbox._baseline = await sandbox._manifest()
+                SANDBOX_PROVISION_SECONDS.observe(time.perf_counter() - clock)
                 return sandbox
         except BaseException as exc:
             if started is not None:
@@ -131,6 +135,17 @@ class Sandbox:
 
     async def exec(self, command: str, *, timeout_s: float | None = None,
                    max_output_bytes: int | None = None) -> ExecResult:
+        """Run ``command`` as the sandbox user (never root)."""
+        return await self._exec(command, timeout_s, max_output_bytes, as_root=False)
+
+    async def exec_trusted(self, command: str, *, timeout_s: float | None = None,
+                           max_output_bytes: int | None = None) -> ExecResult:
+        """Run ``command`` as root (CAP_SETUID/SETGID/KILL only). For commands the grader composes
+        from its own text; never pass the agent's text, nor follow paths the agent controls."""
+        return await self._exec(command, timeout_s, max_output_bytes, as_root=True)
+
+    async def _exec(self, command: str, timeout_s: float | None, max_output_bytes: int | None, *,
+                    as_root: bool) -> ExecResult:
         if self._closed:
             raise SandboxClosed(f"sandbox {self.name} was torn down")
         if self._lost is not None:
@@ -140,7 +155,7 @@ class Sandbox:
             raise EpisodeTimeout(f"the episode's {self.spec.timeouts.episode_s:.0f}s are over")
         timeout = min(timeout_s if timeout_s is not None else self.spec.timeouts.command_s, remaining)
         try:
-            return await self._runner.run(command, timeout_s=timeout,
+            return await self._runner.run(command, timeout_s=timeout, as_root=as_root,
                                           max_output_bytes=max_output_bytes or self.spec.max_output_bytes)
         except SandboxLost as exc:
             state = await _describe_exit(self._client, self.container_id)
@@ -194,7 +209,8 @@ class Sandbox:
 async def _open_runner(client: docker.DockerClient, spec: SandboxSpec,
                        started: StartedContainer) -> ShellSession | ExecRunner:
     if started.shell_socket is None:
-        return ExecRunner(client.api, started.id, user=spec.user, env=spec.env, workdir=spec.workspace_dir,
+        return ExecRunner(client.api, started.id, user=f"{started.uid}:{started.gid}", env=spec.env,
+                          workdir=spec.workspace_dir,
                           kill_grace_s=spec.timeouts.kill_grace_s, flood_bytes=spec.output_flood_bytes)
 
     async def kill() -> None:
@@ -202,7 +218,7 @@ async def _open_runner(client: docker.DockerClient, spec: SandboxSpec,
 
     return await ShellSession.open(started.shell_socket, kill=kill, cwd=spec.workspace_dir,
                                    kill_grace_s=spec.timeouts.kill_grace_s, flood_bytes=spec.output_flood_bytes,
-                                   ready_timeout_s=spec.timeouts.provision_s)
+                                   ready_timeout_s=spec.timeouts.provision_s, uid=started.uid, gid=started.gid)
 
 
 async def _discard(client: docker.DockerClient, container_id: str, runner: ShellSession | ExecRunner | None) -> None:

@@ -10,7 +10,11 @@ Invariants:
   everything up to a fresh marker (killing what still runs if the caller was cancelled), so a
   command never sees the output of a command that ended abnormally.
 - Kept output is bounded per command; output arriving between commands (background jobs) is
-  bounded too and handed to the next command.
+  bounded too and handed to the next command. Every byte received counts towards the flood
+  limit, an unfinished trailer line included.
+- Commands run as the sandbox user, through the worker when ``open`` could start one (one round
+  trip: ``protocol.open_lines``); ``as_root`` is for commands the grader composes itself (never
+  the agent's text), see ``protocol``.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import socket
 from typing import Awaitable, Callable
 
 from .errors import SandboxLost
-from .protocol import HEADER_SIZE, PREAMBLE, CommandStream, command_lines, frame_length, new_nonce, sync_line
+from .protocol import (HEADER_SIZE, CommandStream, command_lines, frame_length, new_nonce, open_lines, preamble,
+                       restart_marker, sync_line)
 from .results import ExecResult
 
 log = logging.getLogger(__name__)
@@ -32,8 +37,13 @@ SETTLE_S = 0.25  # > one CFS period (100 ms): time for killed processes in a thr
 
 class ShellSession:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, kill: Kill, cwd: str,
-                 kill_grace_s: float, flood_bytes: int, max_pending_bytes: int = 64 << 10):
+                 kill_grace_s: float, flood_bytes: int, uid: int, gid: int, max_pending_bytes: int = 64 << 10):
         self.cwd = cwd
+        self._uid, self._gid = uid, gid
+        self._secret = new_nonce()
+        self._tool: str | None = None  # how the root shell drops to uid:gid (probed at open)
+        self._worker = False  # commands go through the worker shell (protocol.worker_definitions)
+        self._restart = restart_marker(self._secret)
         self._reader, self._writer = reader, writer
         self._kill_fn = kill
         self._grace = kill_grace_s
@@ -53,38 +63,40 @@ class ShellSession:
 
     @classmethod
     async def open(cls, sock: socket.socket, *, kill: Kill, cwd: str, kill_grace_s: float, flood_bytes: int,
-                   ready_timeout_s: float) -> ShellSession:
-        """Wrap an attached socket whose peer is a fresh ``sh``; returns once the shell answers."""
+                   ready_timeout_s: float, uid: int, gid: int) -> ShellSession:
+        """Wrap an attached socket whose peer is a fresh root ``sh``; returns once the shell answers.
+        Commands run as ``uid:gid``."""
         reader, writer = await asyncio.open_connection(sock=sock)
-        session = cls(reader, writer, kill=kill, cwd=cwd, kill_grace_s=kill_grace_s, flood_bytes=flood_bytes)
+        session = cls(reader, writer, kill=kill, cwd=cwd, kill_grace_s=kill_grace_s, flood_bytes=flood_bytes,
+                      uid=uid, gid=gid)
         try:
-            await session._sync(ready_timeout_s, kill=False)
+            await session._sync(ready_timeout_s, kill=False, first=True)
         except BaseException:
             await session.close()
             raise
         return session
 
-    async def run(self, command: str, *, timeout_s: float, max_output_bytes: int) -> ExecResult:
+    async def run(self, command: str, *, timeout_s: float, max_output_bytes: int, as_root: bool = False) -> ExecResult:
         async with self._lock:
             if self._desynced:
                 await self._sync(self._grace, kill=self._kill_on_sync)
             self._check_usable()
             loop = asyncio.get_running_loop()
             nonce = new_nonce()
-            stream = CommandStream(nonce, max_output_bytes)
+            stream = CommandStream(nonce, max_output_bytes, self._restart)
             start = loop.time()
             self._current, pending, self._pending = stream, bytes(self._pending), bytearray()
             kills, timed_out = 0, False
             try:
                 stream.feed(pending)
-                self._writer.write(command_lines(command, nonce, self.cwd))
+                self._writer.write(command_lines(command, nonce, self.cwd, as_root=as_root, worker=self._worker))
                 deadline = start + timeout_s
                 while not stream.done:
                     if self._eof:
                         last_words = bytes(stream.output[-300:]).decode(errors="replace").strip()
                         raise self._lost(f"the sandbox's shell exited; its last output: {last_words!r}")
                     now = loop.time()
-                    if kills == 0 and (now >= deadline or stream.total > self._flood):
+                    if kills == 0 and (now >= deadline or stream.received > self._flood):
                         timed_out = now >= deadline
                         await self._kill()
                         kills, deadline = 1, loop.time() + self._grace / 2
@@ -135,7 +147,7 @@ class ShellSession:
         except (asyncio.CancelledError, Exception):
             pass
 
-    async def _sync(self, timeout_s: float, *, kill: bool) -> None:
+    async def _sync(self, timeout_s: float, *, kill: bool, first: bool = False) -> None:
         """Discard everything up to a fresh marker, (re-)arming the shell's traps on the way.
 
         With ``kill``, whatever still runs is killed: before the marker when the traps are armed
@@ -150,10 +162,13 @@ class ShellSession:
             self._settle = False
         loop = asyncio.get_running_loop()
         nonce = new_nonce()
-        stream = CommandStream(nonce, 0)
+        stream = CommandStream(nonce, 0, self._restart)
         self._current, self._pending = stream, bytearray()
         try:
-            self._writer.write(PREAMBLE.encode() + sync_line(nonce))
+            if first:
+                self._writer.write(open_lines(self._uid, self._gid, self._secret, nonce))
+            else:
+                self._writer.write(preamble(self._secret, self._tool, self._uid, self._gid) + sync_line(nonce))
             deadline = loop.time() + timeout_s
             while not stream.done:
                 if self._eof:
@@ -166,7 +181,10 @@ class ShellSession:
             self._current = None
         if stream.restarted:  # replaced again while we waited: arm the new shell
             self._armed = False
-            return await self._sync(timeout_s, kill=kill)
+            return await self._sync(timeout_s, kill=kill, first=first)
+        if first:
+            tool, _, worker = (stream.cwd or "none").partition(" ")
+            self._tool, self._worker = tool, worker == "worker"
         self._pending = bytearray(stream.next_bytes[: self._max_pending])
         self._desynced, self._kill_on_sync, self._armed = False, False, True
         if kill:
@@ -198,7 +216,7 @@ class ShellSession:
                         self._pending += data[:room]
                     continue
                 stream.feed(data)
-                if stream.done or stream.total > self._flood:
+                if stream.done or stream.received > self._flood:
                     self._wake.set()
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass

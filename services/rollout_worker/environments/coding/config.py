@@ -19,11 +19,15 @@ from pydantic import BaseModel, ConfigDict, Field
 # git-apply wildmatch patterns (``*`` also matches ``/``): files the agent may edit in its sandbox
 # but whose changes are dropped before the hidden tests run, because they could change how the
 # tests are collected or reported rather than what they test.
+# The grader also runs pytest from its own invocation and ini (``grading``), so most of these are
+# belt and braces; conftest.py files are the ones pytest still loads from the workspace.
 DEFAULT_PROTECTED_PATHS = (
-    "conftest.py", "*/conftest.py", "pytest.ini", "*/pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml",
+    "conftest.py", "*/conftest.py", "pytest.ini", "*/pytest.ini", ".pytest.ini", "*/.pytest.ini",
+    "tox.ini", "*/tox.ini", "setup.cfg", "*/setup.cfg", "pyproject.toml", "*/pyproject.toml",
     "sitecustomize.py", "*/sitecustomize.py", "usercustomize.py", "*/usercustomize.py", "*.pth",
+    "pytest.py", "_pytest/*", "pluggy/*", "*.pyc", "__pycache__/*", "*/__pycache__/*", ".pytest_cache/*",
+    ".git/*", ".gitattributes", "*/.gitattributes",
 )
-DEFAULT_TEST_COMMAND = "python3 -m pytest -p no:cacheprovider -rA --tb=short --no-header -q"
 
 
 class CodingConfig(BaseModel):
@@ -33,6 +37,7 @@ class CodingConfig(BaseModel):
     images: dict[str, str] = Field(default_factory=dict)  # language -> image tag
     build_missing_images: bool = True  # build a known language's base image (debootstrap) if absent
     repo_url_template: str = "https://github.com/{repo}.git"
+    intake_checks: bool = True  # intake fetches the repo and rejects rows whose test_patch does not apply
     workspace_cache_dir: str | None = None  # host cache of prepared workspaces; default: $TMPDIR
     # per-repo snapshot image (workspace + setup baked in, built once per tag): see ``snapshot``
     snapshot: bool = False
@@ -49,7 +54,7 @@ class CodingConfig(BaseModel):
     episode_timeout_s: float = Field(1800.0, gt=0)  # the runner's key; the sandbox deadline follows it
     session: bool = True
     # verification
-    test_command: str = DEFAULT_TEST_COMMAND
+    test_python: str = "python3"  # the interpreter that runs the grader's pytest runner (``python3 -I``)
     test_timeout_s: float = Field(900.0, gt=0)
     protected_paths: tuple[str, ...] = DEFAULT_PROTECTED_PATHS
     max_diff_bytes: int = Field(4 << 20, gt=0)  # a larger final diff scores 0

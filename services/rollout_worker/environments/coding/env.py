@@ -200,7 +200,8 @@ class CodingEnv(Environment):
         if self.sandbox is not None:  # done with it: free its resources before the verifier starts
             await self.sandbox.teardown()
         text = (diff or b"").decode(errors="replace")
-        info.update(diff=clip(text, self.config.info_diff_bytes), diff_bytes=len(diff or b""))
+        cut = len(text) > self.config.info_diff_bytes  # a cut diff is no patch: artifacts keep it apart
+        info.update(diff=text[: self.config.info_diff_bytes], diff_truncated=cut, diff_bytes=len(diff or b""))
         if not task.has_tests:
             info["verifier"] = "label" if task.label_reward is not None else "none"
             if task.label_reward is None:

@@ -1,41 +1,78 @@
-"""Grading by hidden tests: the shell steps and the scoring rule. Pure: commands and parsers only.
+"""Grading by hidden tests: the shell steps, the trusted test run and the scoring rule. Pure.
 
 The verifier, in a fresh sandbox of the task's image and workspace (never the agent's):
 
 1. checks that ``test_patch`` applies to the base (if not, the task is broken: environment error);
-2. applies the agent's diff, minus the protected paths, every path ``test_patch`` touches and
-   the files of the graded test ids;
-3. applies ``test_patch``;
-4. runs FAIL_TO_PASS and PASS_TO_PASS node ids in one test run, output to a file;
-5. reads the ``short test summary info`` status lines.
+2. applies the agent's diff, minus the protected paths, every path ``test_patch`` touches, the
+   files of the graded test ids and everything under their directories;
+3. applies ``test_patch``, then checks that every graded test file is a regular file reached
+   through no symbolic link;
+4. installs the trusted runner (``grader_runner.py``), an empty pytest ini and a fresh HMAC key
+   in the root-only ``CONTROL_DIR`` (as root), and runs the FAIL_TO_PASS and PASS_TO_PASS ids
+   there as the sandbox user, with the report on a descriptor the root shell opened;
+5. reads the signed report as root and checks it against the exit status the root shell saw.
 
-Score = passing FAIL_TO_PASS / all FAIL_TO_PASS, and 0 if any PASS_TO_PASS id does not pass.
+Score = passing FAIL_TO_PASS / all FAIL_TO_PASS, and 0 if any PASS_TO_PASS id does not pass
+(an XFAIL counts for PASS_TO_PASS only), if pytest's exit status disagrees with the per-test
+records, or if the report cannot be trusted (see ``read_report``).
 
-Invariants:
-- Only the listed ids count: a test the agent adds is never run for reward, and the agent's
-  changes to a file that holds a graded test (or that the test patch touches) are not applied.
-- An id passes only if the summary after the *last* summary header reports it ``PASSED`` (or
-  ``XFAIL``, as SWE-bench counts it) and reports no ``FAILED``/``ERROR`` for it; a missing id
-  (not collected, skipped, crashed run, timeout) fails. So output printed by code under test
-  cannot turn a failing id into a passing one. (Code under test runs inside the test process and
-  could in principle subvert it; the protected paths keep conftest/plugins/config out.)
+Threat model. The policy controls every byte of its workspace, hence the diff, hence the code
+under test, which runs inside the test process. It does not control: the verification sandbox's
+image and root filesystem (read-only), the root shell (another uid), ``CONTROL_DIR`` (root-only),
+the test patch, or the ids graded. So:
+- Output is never parsed: printing a forged summary, at exit or anywhere, changes nothing.
+- The invocation is the grader's: ``python3 -I`` (workspace not on ``sys.path`` at start, no
+  ``PYTHON*`` variables, no user site, no ``sitecustomize``/``usercustomize``/``.pth`` from the
+  workspace), the workspace appended after pytest and the standard library (a ``pytest.py`` or
+  ``_pytest/`` shadows nothing), ``-c`` the grader's empty ini (``pytest.ini``, ``tox.ini``,
+  ``setup.cfg``, ``pyproject.toml`` are never read), plugin autoloading off, ``env -i``.
+- Files that change how tests are collected or run are never taken from the agent
+  (``config.DEFAULT_PROTECTED_PATHS``: conftest.py anywhere, pytest/tox/setup/pyproject config,
+  ``*.pth``, site/user customize, bytecode caches), nor anything in a graded test's directory
+  (no ``__init__.py`` or sibling module shadowing an import of the tests), nor the tests.
+- The report is written through a descriptor into a file the test process cannot open by name,
+  signed with a key it never sees by name (descriptor 4, closed before any test code runs). A
+  report is trusted only if all signatures check, records are contiguous, the final record is
+  there and its exit status equals the one the root shell got from ``wait``. So ``os._exit``,
+  ``atexit`` tricks, killing the runner, a crash or a timeout all score 0.
+- pytest's machinery (runner, reports, pluggy's call loop, the skipping plugin) is snapshotted
+  before any test code is imported; a replaced function, a plugin registered by test code, a
+  test function whose code lives outside its test file, a trace/profile hook left installed
+  after a test, or a graded test file whose contents differ from root's hash taken before the
+  run (checked before each module is collected, after collection and at the end) scores 0.
+Residual risk, stated: code under test runs in the same process as pytest. A policy that reads
+the key out of the runner's memory and re-signs a whole report, or that makes its functions
+return objects equal to everything, is not stopped here; the first needs deliberate, targeted
+introspection of the runner, the second is a weakness of the test, not of the grader.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
+import posixpath
 import re
 import shlex
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.rollout_worker.sandbox.protocol import CONTROL_DIR, DROP
 
 VERIFY_DIR = "/tmp/.conveyor-verify"
 AGENT_PATCH = f"{VERIFY_DIR}/agent.patch"
 TEST_PATCH = f"{VERIFY_DIR}/test.patch"
-TEST_OUTPUT = f"{VERIFY_DIR}/tests.txt"
+GRADER_DIR = f"{CONTROL_DIR}/grader"  # root-owned, readable by the sandbox user, not writable
+RUNNER = f"{GRADER_DIR}/runner.py"
+INI = f"{GRADER_DIR}/pytest.ini"
+HASHES = f"{GRADER_DIR}/tests.sha256"  # the graded test files as root found them before the run
+KEY = f"{CONTROL_DIR}/report.key"  # root-only, like the two below
+REPORT = f"{CONTROL_DIR}/report.jsonl"
+TEST_OUTPUT = f"{CONTROL_DIR}/tests.txt"
+RUNNER_SOURCE = Path(__file__).with_name("grader_runner.py")
 GIT = "git -c safe.directory='*' -c core.hooksPath=/dev/null -c core.quotepath=off"
 _EXCLUDES = ("__pycache__/", "*.pyc", ".pytest_cache/", "*.egg-info/")
-SUMMARY_HEADER = re.compile(r"^=+ short test summary info =+$")
-_STATUS = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS) (.+)$")
-PASSING = frozenset({"PASSED", "XFAIL"})
+_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def diff_command(workspace_dir: str, base_sha: str) -> str:
@@ -44,7 +81,7 @@ def diff_command(workspace_dir: str, base_sha: str) -> str:
     irrelevant (a commit or reset by the agent changes nothing)."""
     index = f"{VERIFY_DIR}/index"
     excludes = f"{VERIFY_DIR}/exclude"
-    env = f"GIT_INDEX_FILE={index}"
+    env = f"GIT_INDEX_FILE={index} GIT_NO_REPLACE_OBJECTS=1"
     git = f"{GIT} -c core.excludesFile={excludes}"
     return (
         f"mkdir -p {VERIFY_DIR} && rm -f {index} && printf '%s\\n' {' '.join(shlex.quote(e) for e in _EXCLUDES)} "
@@ -102,10 +139,20 @@ def test_files(test_ids: tuple[str, ...] | list[str]) -> list[str]:
 
 
 def excluded_paths(protected: tuple[str, ...], test_patch: str, test_ids: list[str]) -> list[str]:
-    """What of the agent's diff is not applied: protected patterns, the test patch's files and the
-    files of the graded test ids (so an edit cannot weaken a PASS_TO_PASS test)."""
+    """What of the agent's diff is not applied: protected patterns, the test patch's files, the
+    files of the graded test ids (so an edit cannot weaken a PASS_TO_PASS test) and everything
+    in their directories below the root (no ``__init__.py`` or sibling module shadowing the
+    imports of a test)."""
     literal = dict.fromkeys([*patch_paths(test_patch), *test_files(test_ids)])
-    return [*protected, *(_wildmatch_literal(p) for p in literal)]
+    dirs = dict.fromkeys(posixpath.dirname(p) for p in literal if posixpath.dirname(p))
+    return [*protected, *(_wildmatch_literal(p) for p in literal), *(_wildmatch_literal(d) + "/*" for d in dirs)]
+
+
+def test_files_intact_command(workspace_dir: str, test_ids: list[str]) -> str:
+    """Every graded test file is a regular file whose real path is itself (no symlink on the way)."""
+    checks = " && ".join(f"[ -f {shlex.quote(f)} ] && [ ! -L {shlex.quote(f)} ] && "
+                         f"[ \"$(realpath {shlex.quote(f)})\" = \"$PWD\"/{shlex.quote(f)} ]" for f in test_files(test_ids))
+    return f"cd {shlex.quote(workspace_dir)} && {checks or 'true'}"
 
 
 def skipped_by_apply(output: str) -> list[str]:
@@ -117,40 +164,64 @@ def apply_test_patch_command(workspace_dir: str) -> str:
     return f"cd {shlex.quote(workspace_dir)} && {GIT} apply --binary --whitespace=nowarn {TEST_PATCH}"
 
 
-def run_tests_command(workspace_dir: str, test_command: str, ids: list[str]) -> str:
-    quoted = " ".join(shlex.quote(i) for i in ids)
-    return f"cd {shlex.quote(workspace_dir)} && {test_command} {quoted} > {TEST_OUTPUT} 2>&1"
+def run_tests_command(workspace_dir: str, python: str, ids: list[str]) -> str:
+    """Root-shell command: hash the graded test files (``HASHES``, readable), then the runner as
+    the sandbox user (``DROP``), report on 3, key on 4."""
+    script = f"exec env -i PATH={_PATH} HOME=/tmp LANG=C.UTF-8 PYTHONDONTWRITEBYTECODE=1 " \
+             f"PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 {shlex.quote(python)} -I {RUNNER} \"$@\""
+    quoted = " ".join(shlex.quote(i) for i in [workspace_dir, *ids])
+    files = " ".join(shlex.quote(f) for f in test_files(ids)) or "/dev/null"
+    return (f"cd {shlex.quote(workspace_dir)} && rm -f {REPORT} {TEST_OUTPUT} && umask 022 && "
+            f"sha256sum {files} > {HASHES} && umask 077 && "
+            f"{DROP} {shlex.quote(script)} sh {quoted} 3>{REPORT} 4<{KEY} >{TEST_OUTPUT} 2>&1")
 
 
-def summary_lines_command() -> str:
-    return (f"grep -E '^(=+ short test summary info =+|(PASSED|FAILED|ERROR|XFAIL|XPASS) .+)$' "
-            f"{TEST_OUTPUT} || true")
+def grader_files(key: str) -> dict[str, tuple[bytes, str]]:
+    """path -> (content, mode) of what the grader installs in CONTROL_DIR, as root."""
+    return {RUNNER: (RUNNER_SOURCE.read_bytes(), "644"), INI: (b"[pytest]\n", "644"), KEY: (key.encode(), "600")}
 
 
-def output_tail_command(max_bytes: int) -> str:
-    return f"tail -c {int(max_bytes)} {TEST_OUTPUT}"
+def read_report(text: str, key: str, exit_code: int | None) -> tuple[dict[str, set[str]], str | None]:
+    """(node id -> outcomes, None) from a trustworthy report; ({}, why) otherwise."""
+    records = []
+    for number, line in enumerate(text.splitlines()):
+        body, _, signature = line.rpartition(" ")
+        expected = hmac.new(key.encode(), body.encode(), hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(signature, expected):
+            return {}, f"report line {number} is not signed by the grader"
+        record = json.loads(body)
+        if record.get("seq") != number:
+            return {}, f"report line {number} is out of sequence"
+        records.append(record)
+    if not records or records[-1].get("kind") != "finish":
+        return {}, f"the test run ended without finishing its report (exit status {exit_code})"
+    finish = records[-1]
+    if finish["exitstatus"] != exit_code:
+        return {}, f"pytest finished with {finish['exitstatus']} but the process exited with {exit_code}"
+    if finish["tampered"] or finish["plugins_added"]:
+        return {}, f"pytest's machinery was altered during the run (plugins added: {finish['plugins_added']})"
+    foreign = [f'{r["nodeid"]} ({r["code"]})' for r in records if r["kind"] == "foreign_test"]
+    if foreign:
+        return {}, f"test functions were replaced or traced by code outside their test files: {foreign[:5]}"
+    changed = sorted({r["path"] for r in records if r["kind"] == "test_file_changed"})
+    if changed:
+        return {}, f"graded test files changed while the tests ran: {changed[:5]}"
+    outcomes: dict[str, set[str]] = {}
+    for record in records:
+        if record["kind"] == "phase":
+            tag = "xfail" if record["xfail"] else f"{record['when']}:{record['outcome']}"
+            outcomes.setdefault(record["nodeid"], set()).add(tag)
+    if exit_code not in (0, 1):
+        return {}, f"pytest exited with {exit_code} (interrupted, internal or usage error, or nothing collected)"
+    return outcomes, None
 
 
-def parse_summary(text: str) -> dict[str, set[str]]:
-    """node id -> statuses reported in the last summary section (empty without one)."""
-    lines = text.splitlines()
-    starts = [i for i, line in enumerate(lines) if SUMMARY_HEADER.match(line.strip())]
-    if not starts:
-        return {}
-    statuses: dict[str, set[str]] = {}
-    for line in lines[starts[-1] + 1 :]:
-        match = _STATUS.match(line)
-        if not match:
-            continue
-        status, rest = match.groups()
-        node_id = rest.split(" - ", 1)[0] if status in ("FAILED", "ERROR") else rest
-        statuses.setdefault(node_id.strip(), set()).add(status)
-    return statuses
-
-
-def passed(statuses: dict[str, set[str]], node_id: str) -> bool:
-    seen = statuses.get(node_id, set())
-    return bool(seen & PASSING) and not seen & {"FAILED", "ERROR"}
+def passed(outcomes: dict[str, set[str]], node_id: str, *, allow_xfail: bool = True) -> bool:
+    """No phase failed, and the call passed (or, where allowed, the test xfailed)."""
+    seen = outcomes.get(node_id, set())
+    if any(tag.endswith(":failed") for tag in seen):
+        return False
+    return "call:passed" in seen or (allow_xfail and "xfail" in seen)
 
 
 @dataclass(frozen=True)
@@ -164,10 +235,21 @@ class Grade:
         return [t for t, ok in self.pass_to_pass.items() if not ok]
 
 
-def grade(summary: str, fail_to_pass: tuple[str, ...], pass_to_pass: tuple[str, ...]) -> Grade:
-    statuses = parse_summary(summary)
-    f2p = {t: passed(statuses, t) for t in fail_to_pass}
-    p2p = {t: passed(statuses, t) for t in pass_to_pass}
-    if not all(p2p.values()):
-        return Grade(0.0, f2p, p2p)
+def grade(outcomes: dict[str, set[str]], fail_to_pass: tuple[str, ...], pass_to_pass: tuple[str, ...],
+          exit_code: int | None = None) -> Grade:
+    # A FAIL_TO_PASS test must really pass: code under test can call pytest.xfail() itself.
+    f2p = {t: passed(outcomes, t, allow_xfail=False) for t in fail_to_pass}
+    p2p = {t: passed(outcomes, t) for t in pass_to_pass}
+    everything = all(f2p.values()) and all(p2p.values())
+    if not all(p2p.values()) or (exit_code is not None and (exit_code == 0) != everything):
+        return Grade(0.0, f2p, p2p)  # pytest's own verdict must agree with the per-test records
     return Grade(sum(f2p.values()) / len(f2p) if f2p else 1.0, f2p, p2p)
+
+
+def output_tail_command(max_bytes: int) -> str:
+    """Root-shell command: the end of the test run's output (for the info only, never scored)."""
+    return f"tail -c {int(max_bytes)} {TEST_OUTPUT} 2>/dev/null"
+
+
+def read_report_command() -> str:
+    return f"cat {REPORT} 2>/dev/null || true"

@@ -5,13 +5,16 @@ Two row formats:
 - SWE-bench: ``repo`` ("owner/name"), ``base_commit``, ``problem_statement``, ``test_patch``,
   ``FAIL_TO_PASS``, ``PASS_TO_PASS`` (lists of pytest node ids, or JSON strings of lists), and
   optionally ``repo_url`` (a local path, ``file://`` or remote URL; otherwise the environment
-  builds one from ``env_config.repo_url_template``), ``language``, ``image``, ``test_command``.
+  builds one from ``env_config.repo_url_template``), ``language``, ``image``, ``test_command`` (kept in
+  the task data but not used: the grader always runs its own pytest invocation, see ``grading``).
 - swe-agent-13k: ``repo_name``, ``repo_url``, ``language``, ``conversations`` (``conversations[1]``
   from ``human`` is the prompt). No tests: the reward is a dataset label (``reward``, ``score``,
   ``resolved`` or ``label``) when present, else 0 with ``verifier: none`` in the info.
 
 Invariants:
-- ``coding_task`` returns a complete task or raises ``RowRejected`` naming the bad field.
+- ``coding_task`` returns a complete task or raises ``RowRejected`` naming the bad field. A
+  ``test_patch`` missing its final newline is normalised. Whether the row can grade at all (repo,
+  commit, patch applies) is checked at intake by ``gradable``.
 - A task with tests always has at least one FAIL_TO_PASS id (otherwise the reward would be
   decided by nothing the agent does).
 - The task data is plain JSON (it travels in rollout messages); ``CodingTask.from_data`` reads it.
@@ -84,6 +87,8 @@ def _swe_bench(row: dict[str, Any]) -> dict[str, Any]:
     test_patch = row.get("test_patch")
     if not isinstance(test_patch, str):
         raise RowRejected(f"field 'test_patch' must be a string (a unified diff), got {test_patch!r:.80}")
+    if test_patch.strip() and not test_patch.endswith("\n"):
+        test_patch += "\n"  # a diff that only lacks its final newline is fine; git apply would call it corrupt
     return {
         "format": "swe_bench",
         "repo": _text(row, "repo"),
@@ -121,10 +126,17 @@ def _label(row: dict[str, Any]) -> float | None:
             continue
         if isinstance(value, bool):
             return float(value)
-        if isinstance(value, (int, float)) and math.isfinite(value):
-            return float(value)
+        if isinstance(value, (int, float)) and math.isfinite(number := _as_float(value)):
+            return number
         raise RowRejected(f"label field {field!r} must be a finite number or a boolean, got {value!r:.80}")
     return None
+
+
+def _as_float(value: int | float) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond any float
+        return math.inf
 
 
 def _swe_agent(row: dict[str, Any]) -> dict[str, Any]:

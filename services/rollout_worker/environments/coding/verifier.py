@@ -4,7 +4,10 @@ Invariants:
 - The hidden tests (``test_patch``) only ever enter this fresh verification sandbox, after the
   agent's episode is over; the agent's sandbox never holds them.
 - What the agent controls reaches the verifier only as its diff, applied without the protected
-  paths, the test patch's paths and the graded tests' files.
+  paths, the test patch's paths and the graded tests' files and directories.
+- Tests run from the grader's own runner as the sandbox user; the reward comes only from the
+  signed report in the root-only control directory, checked against the exit status the root
+  shell saw (threat model: ``grading``).
 - The verification sandbox is torn down before this returns or raises (``async with``).
 - A broken task (``test_patch`` does not apply to the base) raises ``EnvironmentError_``; anything
   the agent's code does (a diff that does not apply, a crash, a timeout, a killed sandbox) scores 0
@@ -13,11 +16,12 @@ Invariants:
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from services.rollout_worker.environments.base import EnvironmentError_
-from services.rollout_worker.sandbox import EpisodeTimeout, Sandbox, SandboxLost
+from services.rollout_worker.sandbox import EpisodeTimeout, Sandbox, SandboxLost, files
 
 from . import grading
 from .config import CodingConfig
@@ -48,10 +52,10 @@ async def _grade_in(sandbox: Sandbox, diff: bytes, task: CodingTask, config: Cod
         check = await sandbox.exec(grading.check_test_patch_command(ws))
         if check.exit_code != 0:
             raise EnvironmentError_(f"the task's test_patch does not apply to {task.base_commit}: {check.output[-500:]}")
+    ids = list(dict.fromkeys([*task.fail_to_pass, *task.pass_to_pass]))
     if diff.strip():
         await sandbox.write_file(grading.AGENT_PATCH, diff)
-        excluded = grading.excluded_paths(config.protected_paths, task.test_patch,
-                                          [*task.fail_to_pass, *task.pass_to_pass])
+        excluded = grading.excluded_paths(config.protected_paths, task.test_patch, ids)
         applied = await sandbox.exec(grading.apply_agent_patch_command(ws, excluded))
         info["excluded_from_diff"] = grading.skipped_by_apply(applied.output)
         if applied.exit_code != 0:
@@ -62,15 +66,34 @@ async def _grade_in(sandbox: Sandbox, diff: bytes, task: CodingTask, config: Cod
         if patched.exit_code != 0:
             info["verifier_error"] = f"the test patch does not apply over the agent's changes: {patched.output[-1000:]}"
             return 0.0
-    ids = list(dict.fromkeys([*task.fail_to_pass, *task.pass_to_pass]))
-    run = await sandbox.exec(grading.run_tests_command(ws, task.test_command or config.test_command, ids),
-                             timeout_s=config.test_timeout_s, max_output_bytes=4096)
+    intact = await sandbox.exec(grading.test_files_intact_command(ws, ids))
+    if intact.exit_code != 0:
+        info["verifier_error"] = "a graded test file is missing or reached through a symbolic link"
+        return 0.0
+    key = secrets.token_hex(32)
+    await _install_grader(sandbox, key)
+    run = await sandbox.exec_trusted(grading.run_tests_command(ws, config.test_python, ids),
+                                     timeout_s=config.test_timeout_s, max_output_bytes=4096)
     info.update(tests_exit_code=run.exit_code, tests_timed_out=run.timed_out, tests_duration_s=round(run.duration_s, 3))
-    summary = await sandbox.exec(grading.summary_lines_command(), max_output_bytes=16 << 20)
-    tail = await sandbox.exec(grading.output_tail_command(config.info_output_bytes),
-                              max_output_bytes=config.info_output_bytes + 4096)
+    report = await sandbox.exec_trusted(grading.read_report_command(), max_output_bytes=16 << 20)
+    tail = await sandbox.exec_trusted(grading.output_tail_command(config.info_output_bytes),
+                                      max_output_bytes=config.info_output_bytes + 4096)
     info["test_output"] = clip(tail.output, config.info_output_bytes)
-    result = grading.grade(summary.output, task.fail_to_pass, task.pass_to_pass)
+    outcomes, distrust = grading.read_report(report.output, key, run.exit_code)
+    if distrust:
+        info["verifier_error"] = f"the test report is not trusted: {distrust}"
+    result = grading.grade(outcomes, task.fail_to_pass, task.pass_to_pass, run.exit_code)
     info.update(fail_to_pass=result.fail_to_pass, pass_to_pass_total=len(result.pass_to_pass),
                 pass_to_pass_failed=result.regressions)
-    return result.reward
+    return 0.0 if distrust else result.reward
+
+
+async def _install_grader(sandbox: Sandbox, key: str) -> None:
+    """The runner, its ini and the report key, written by root into the control directory."""
+    commands = [f"umask 022 && mkdir -p {grading.GRADER_DIR} && chmod 755 {grading.GRADER_DIR}"]
+    for path, (data, mode) in grading.grader_files(key).items():
+        commands += [*files.write_commands(path, data), f"chmod {mode} {path}"]
+    for command in commands:
+        done = await sandbox.exec_trusted(command)
+        if done.exit_code != 0:
+            raise EnvironmentError_(f"could not install the grader in the verification sandbox: {done.output[-500:]}")
