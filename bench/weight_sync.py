@@ -46,8 +46,11 @@ from services.inference.control_plane import (
 from services.inference.server import VllmServer
 from services.inference.tiny_model import generate_tiny_model
 from shared.names import RedisKeys, checkpoint_prefix
+from shared.policy_version import PolicyVersion
+from shared.schemas import CheckpointAnnouncement
 from shared.settings import StorageSettings
 from shared.storage import LocalStore, open_store
+from shared.weight_sync_record import WeightSyncRecord
 
 RUN = "bench-ws"
 
@@ -157,17 +160,17 @@ def main() -> None:
                 t_up = time.perf_counter()
                 write_checkpoint(store, prefix, models[version % 2])
                 t0 = time.perf_counter()
-                redis_client.xadd(RedisKeys.checkpoints(RUN), {"version": version, "prefix": prefix})
-                key = RedisKeys.policy_version(RUN)
+                redis_client.xadd(RedisKeys.checkpoints(RUN), CheckpointAnnouncement(version=version, prefix=prefix).stream_fields())
+                served, syncs = PolicyVersion(redis_client, RUN), WeightSyncRecord(redis_client, RUN)
                 deadline = t0 + 60
-                while redis_client.get(key) != str(version):
+                while served.get() != version:
                     if time.perf_counter() > deadline:
                         raise TimeoutError(f"version {version} not served after 60s")
                     time.sleep(0.001)
                 t1 = time.perf_counter()
-                stats = {}
-                while stats.get("version") != str(version) and time.perf_counter() < deadline:
-                    stats = redis_client.hgetall(RedisKeys.weight_sync(RUN))  # written right after the resume
+                stats: dict[str, float] = {}
+                while stats.get("version") != version and time.perf_counter() < deadline:
+                    stats = syncs.last_sync()  # written right after the resume
                     time.sleep(0.001)
                 row = {"version": version, "upload_s": t0 - t_up,
                        "latency_s": (t1 - t0) + float(stats["resume_s"]),

@@ -1,5 +1,7 @@
 """Learning, proven through the whole distributed system (see services/cli/learning_demo.py):
-the random tiny model's mean reward on the digit task must rise clearly within 20 steps."""
+the random tiny model's mean reward on the digit task must rise clearly within 20 steps, with a
+separate output head and with one tied to the input embedding; and a weight sync that does
+not take stops the run."""
 
 from __future__ import annotations
 
@@ -8,13 +10,15 @@ import statistics
 import pytest
 
 from services.cli.learning_demo import run_learning
+from services.trainer.metrics import read_steps
 
 pytestmark = pytest.mark.slow
 
 
-def test_mean_reward_rises_through_the_distributed_pipeline(tmp_path):
+@pytest.mark.parametrize("layout", ["llama", "llama-tied"])
+def test_mean_reward_rises_through_the_distributed_pipeline(tmp_path, layout):
     steps = 20
-    run = run_learning(tmp_path, steps=steps, max_off_policy_steps=1)
+    run = run_learning(tmp_path, steps=steps, max_off_policy_steps=1, layout=layout)
     # a policy that collapses onto one reply makes every later group zero-variance, and the
     # run ends early for want of trainable groups; the reward must have risen by then
     assert [int(h["step"]) for h in run.steps] == list(range(1, len(run.steps) + 1))
@@ -29,6 +33,24 @@ def test_mean_reward_rises_through_the_distributed_pipeline(tmp_path):
     # the trainer's logprobs and vLLM's agree on tokens sampled by the same weights (fp32)
     assert run.steps[0]["logprob_mad_on_policy"] < 1e-4
     # weight syncs happened and were timed (the follower records each one)
-    syncs = [h["weight_sync_s"] for h in run.steps if h["weight_sync_s"] == h["weight_sync_s"]]  # not NaN
+    syncs = [h["weight_sync_s"] for h in run.steps if h["weight_sync_s"] is not None]  # null: no sync that step
     assert len(syncs) >= len(run.steps) - 2 and max(syncs) < 5
+    # every sync was verified by the probe: vLLM served the trainer's logprobs to fp32 noise
+    probes = [h["served_probe_max_abs_diff"] for h in run.steps if h["served_probe_max_abs_diff"] is not None]
+    assert len(probes) >= len(run.steps) - 2 and max(probes) < 1e-4
     assert run.reward_curve.stat().st_size > 5_000
+
+
+def test_a_weight_sync_that_does_not_take_stops_the_run_within_three_steps(tmp_path):
+    """vLLM launched without Conveyor's worker extension reloads a tied model with its plain
+    reload_weights, which leaves the served output head stale (the bug of issue 7): every
+    process exited 0 and every sync reported success. Now the sync's probe catches it, the
+    served version does not move, and the trainer stops with the cause."""
+    with pytest.raises(RuntimeError, match="trainer failed") as info:
+        run_learning(tmp_path, steps=20, max_off_policy_steps=1, layout="llama-tied", worker_extension=False)
+    message = str(info.value)
+    assert "logprob alarm: the weight sync to version 1 did not take (probe)" in message
+    assert "probe logprobs differ" in message
+    steps = read_steps(tmp_path / "train_steps.jsonl")
+    assert 1 <= len(steps) <= 3
+

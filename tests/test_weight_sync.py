@@ -36,7 +36,9 @@ from services.inference.control_plane import (
 from services.inference.server import VllmServer
 from vllm_support import running_vllm
 from services.inference.tiny_model import generate_tiny_model
+from shared.dead_letters import DeadLetters
 from shared.names import RedisKeys, checkpoint_prefix
+from shared.schemas import CheckpointAnnouncement
 from shared.settings import StorageSettings
 from shared.storage import LocalStore, S3Store
 
@@ -57,8 +59,19 @@ def test_parse_announcement() -> None:
     ann = parse_announcement(b"1-0", {b"version": b"3", b"prefix": b"checkpoints/r/000003"})
     assert (ann.version, ann.prefix, ann.entry_id) == (3, "checkpoints/r/000003/", "1-0")
     for bad in ({"version": "x", "prefix": "p/"}, {"prefix": "p/"}, {"version": "1"}, {"version": "-1", "prefix": "p/"}):
-        with pytest.raises(ValueError, match="bad checkpoint announcement"):
+        with pytest.raises(ValueError, match="bad checkpoint announcement 2-0: "):
             parse_announcement("2-0", bad)
+
+
+def test_a_bad_announcement_is_dead_lettered_and_the_follower_goes_on(redis_client: Any, run_id: str, tmp_path: Path) -> None:
+    stream = RedisKeys.checkpoints(run_id)
+    redis_client.xadd(stream, {"version": "two", "prefix": checkpoint_prefix(run_id, 2)})
+    redis_client.xadd(stream, CheckpointAnnouncement(version=3, prefix=checkpoint_prefix(run_id, 3)).stream_fields())
+    with WeightFollower(redis_client, LocalStore(tmp_path / "objects"), run_id, ["http://127.0.0.1:9"], tmp_path / "w") as f:
+        assert [a.version for a in f.read_announcements()] == [3]
+        assert f.latest_announced == 3 and f.pending
+    [letter] = DeadLetters(redis_client).newest()
+    assert letter["source"].startswith(f"{stream} entry ") and "version: Input should be a valid integer" in letter["problems"]
 
 
 def _upload_checkpoint(store: Any, prefix: str, model_dir: Path, *, commit: bool = True,

@@ -30,6 +30,7 @@ LEARNING_SETTINGS = {
     "CONVEYOR_TRAINER__GROUPS_PER_STEP": "4",
     "CONVEYOR_TRAINER__OPTIM__LR": "0.005",
     "CONVEYOR_TRAINER__PASS_THRESHOLD": "0.5",
+    "CONVEYOR_TRAINER__TORCH_THREADS": "1",  # vLLM and the workers share these 2 cores
 }
 
 
@@ -58,7 +59,7 @@ def write_prompts(path: Path, n: int = 16) -> Path:
 
 def run_learning(
     workdir: Path, steps: int, max_off_policy_steps: int, overrides: dict[str, str] | None = None,
-    timeout_s: float = 1500, task_config: dict | None = None,
+    timeout_s: float = 1500, task_config: dict | None = None, layout: str = "llama", worker_extension: bool = True,
 ) -> LearningRun:
     from services.inference.server import VllmServer
     from services.inference.tiny_model import generate_tiny_model
@@ -76,8 +77,8 @@ def run_learning(
         "CONVEYOR_TRAINER__STEP_METRICS_PATH": str(workdir / "train_steps.jsonl"),
         "CONVEYOR_TRAINER__REWARD_CURVE_PATH": str(workdir / "reward_curve.png"),
     })
-    model_dir = generate_tiny_model(workdir / "tiny", end_of_turn_bias=4.0)
-    vllm = VllmServer(model_dir, "tiny", port=free_port(), log_path=workdir / "vllm.log")
+    model_dir = generate_tiny_model(workdir / "tiny", end_of_turn_bias=4.0, layout=layout)
+    vllm = VllmServer(model_dir, "tiny", port=free_port(), log_path=workdir / "vllm.log", worker_extension=worker_extension)
     try:
         stack.start_redis()
         stack.start_s3()

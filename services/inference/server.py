@@ -8,10 +8,13 @@ Invariants:
   ``VLLM_CPU_KVCACHE_SPACE`` (GiB) and never passes GPU flags. On a GPU host it passes
   ``--gpu-memory-utilization`` and does not set CPU variables.
 - ``dev_mode`` sets ``VLLM_SERVER_DEV_MODE=1``, which exposes /pause, /resume,
-  /collective_rpc, /weight_info and /update_weight_version for weight syncs.
+  /collective_rpc, /weight_info and /update_weight_version for weight syncs, and loads
+  Conveyor's worker extension (``WORKER_EXTENSION``), whose reload is right for tied layers.
 - The server runs in its own process group (its engine-core child included) with stdout
   and stderr appended to one log file; ``stop()`` sends SIGTERM to the whole group, then
-  SIGKILL after a grace period, so no process outlives the ``VllmServer``.
+  SIGKILL after a grace period, so no process outlives the ``VllmServer``. If the process
+  that started it dies first, even by SIGKILL, the same happens to the group
+  (``shared.processes.start_group_leader``: the kernel's SIGTERM, then the group reaper's).
 - ``wait_ready()`` returns only once ``/health`` answers 200 and ``/v1/models`` lists the
   served name; it raises ``InferenceServerError`` carrying the log's tail if the process
   exits first or the timeout passes (and stops the process in both cases).
@@ -35,11 +38,14 @@ from typing import Any
 import httpx
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
+from shared.processes import release_group, start_group_leader
+
 # vLLM 0.32's entry point; the older module path is a deprecated shim that calls it.
 SERVER_MODULES = ("vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoints.openai.api_server")
 
 
 CPU_MAX_NUM_SEQS = 64
+WORKER_EXTENSION = "services.inference.vllm_worker.ConveyorWorkerExtension"
 
 
 class InferenceServerError(RuntimeError):
@@ -79,6 +85,7 @@ def build_command(
     dev_mode: bool = True,
     gpu: bool | None = None,
     gpu_memory_utilization: float = 0.85,
+    worker_extension: bool = True,
     extra_args: tuple[str, ...] | list[str] = (),
 ) -> tuple[list[str], dict[str, str]]:
     """Return ``(argv, env_overrides)`` for the server; ``gpu=None`` detects the host."""
@@ -108,6 +115,8 @@ def build_command(
         argv += ["--max-num-seqs", str(CPU_MAX_NUM_SEQS), "--max-num-batched-tokens", str(CPU_MAX_NUM_SEQS * max_model_len)]
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
+        if worker_extension:
+            argv += ["--worker-extension-cls", WORKER_EXTENSION]
     argv += list(extra_args)
     return argv, env
 
@@ -159,23 +168,25 @@ class VllmServer:
         gpu: bool | None = None,
         extra_args: tuple[str, ...] | list[str] = (),
         startup_timeout: float = 300.0,
+        worker_extension: bool = True,
     ) -> None:
         self.served_model_name = served_model_name
-        self.base_url = f"http://{host}:{port}"
+        local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # where this process reaches it
+        self.base_url = f"http://{local}:{port}"
         self.log_path = Path(log_path) if log_path else Path(tempfile.gettempdir()) / f"vllm-{port}.log"
         self.startup_timeout = startup_timeout
         self.argv, self.env_overrides = build_command(
             model_path, served_model_name, host=host, port=port, dtype=dtype,
             max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, dev_mode=dev_mode,
-            gpu=gpu, extra_args=extra_args,
+            gpu=gpu, extra_args=extra_args, worker_extension=worker_extension,
         )
         self.process: subprocess.Popen[bytes] | None = None
 
     @classmethod
     def from_settings(cls, inference: Any, log_path: str | Path | None = None) -> VllmServer:
-        """Build from ``shared.settings.InferenceSettings`` (served on 127.0.0.1)."""
+        """Build from ``shared.settings.InferenceSettings`` (listening on ``inference.host``)."""
         return cls(
-            inference.model_path, inference.model, port=inference.port, dtype=inference.dtype,
+            inference.model_path, inference.model, host=inference.host, port=inference.port, dtype=inference.dtype,
             max_model_len=inference.max_model_len, kv_cache_gib=inference.kv_cache_space_gib,
             log_path=log_path, startup_timeout=inference.startup_timeout_s,
         )
@@ -187,9 +198,9 @@ class VllmServer:
         with open(self.log_path, "ab") as log:
             log.write(f"$ {' '.join(self.argv)}\n".encode())
             log.flush()
-            self.process = subprocess.Popen(
+            self.process = start_group_leader(
                 self.argv, env={**os.environ, **self.env_overrides}, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                stdout=log, stderr=subprocess.STDOUT,
             )
         return self
 
@@ -241,7 +252,8 @@ class VllmServer:
             except ProcessLookupError:
                 pass
             if _wait_gone(proc, pgid, wait):
-                return
+                break
+        release_group(pgid)
 
     def __enter__(self) -> VllmServer:
         self.start()

@@ -1,11 +1,17 @@
-"""A tiny random Llama checkpoint that vLLM (CPU, float32) can serve, made on the spot.
+"""A tiny random checkpoint that vLLM (CPU, float32) can serve, made on the spot.
 
 No model hub is reachable, so tests and the demo use this instead of a real model.
 
+Layouts (``LAYOUTS``), so every weight path is tested on more than one model family:
+- ``llama``: ``LlamaForCausalLM``, separate ``lm_head.weight``, no biases;
+- ``llama-tied``: the same with ``tie_word_embeddings: true`` (no ``lm_head.weight`` in the
+  checkpoint: the output head is the input embedding, as in many small open models);
+- ``qwen2``: ``Qwen2ForCausalLM`` with q/k/v projection biases and tied embeddings.
+
 Invariants:
-- ``generate_tiny_model(dir, seed, bias)`` is a pure function of its arguments: the same
-  arguments write byte-identical files (the tokenizer does not depend on the seed).
-- The directory is a standard HF checkpoint: ``LlamaForCausalLM`` in float32 safetensors,
+- ``generate_tiny_model(dir, seed, bias, layout)`` is a pure function of its arguments: the
+  same arguments write byte-identical files (the tokenizer does not depend on the seed).
+- The directory is a standard HF checkpoint in float32 safetensors,
   ``config.json``, ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json``.
 - Token ids: ``<|endoftext|>`` (bos/pad), ``<|im_start|>``, ``<|im_end|>`` (eos) are special;
   ``<tool_call>`` / ``</tool_call>`` are added, non-special tokens (they survive decoding).
@@ -19,6 +25,9 @@ Invariants:
   so its logit sits about ``end_of_turn_bias`` nats above the rest and turns end at
   varied lengths (measured: about 4% per step at temperature 1 with bias 4,
   against 1/512 for a uniform pick; turns then average ~20 tokens).
+  In the tied layouts the head is the embedding, so the prior lives there: every row's dim 0
+  is 1 and ``<|im_end|>``'s is ``1 + bias``, and content rows are scaled so that logits keep
+  a spread of about ``LOGIT_STD``.
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ LAYERS = 2
 INTERMEDIATE = 256
 MAX_POSITIONS = 2048
 LOGIT_STD = 1.0  # spread of the content part of the logits
+TIED_PRIOR_SCALE = 0.6  # tied: the final hidden state's dim 0 is larger (content rows are small)
 
 
 def _corpus() -> list[str]:
@@ -92,17 +102,26 @@ def _train_tokenizer() -> Tokenizer:
     return tok
 
 
-def _weights(vocab: int, eos_id: int, seed: int, end_of_turn_bias: float) -> dict[str, torch.Tensor]:
+LAYOUTS = ("llama", "llama-tied", "qwen2")
+
+
+def _weights(vocab: int, eos_id: int, seed: int, end_of_turn_bias: float, layout: str) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
+    tied = layout != "llama"
 
     def randn(*shape: int, std: float) -> torch.Tensor:
         return torch.randn(*shape, generator=g, dtype=torch.float32) * std
 
     # Embedding rows: dim 0 = 1 (the constant channel), dims 1.. a random direction with
-    # norm sqrt(H - 1), so every row has RMS exactly 1.
+    # norm sqrt(H - 1), so every row has RMS exactly 1 (untied); tied, the content part is
+    # scaled to give logits of spread LOGIT_STD, and the end-of-turn prior sits in dim 0.
     content = randn(vocab, HIDDEN - 1, std=1.0)
     content = content / content.norm(dim=1, keepdim=True) * (HIDDEN - 1) ** 0.5
+    if tied:
+        content = content * LOGIT_STD / HIDDEN**0.5
     embed = torch.cat([torch.ones(vocab, 1), content], dim=1)
+    if tied:
+        embed[eos_id, 0] += end_of_turn_bias * TIED_PRIOR_SCALE
 
     head_dim = HIDDEN // HEADS
     sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": embed}
@@ -117,6 +136,11 @@ def _weights(vocab: int, eos_id: int, seed: int, end_of_turn_bias: float) -> dic
             p + "self_attn.k_proj.weight": randn(KV_HEADS * head_dim, HIDDEN, std=HIDDEN**-0.5),
             p + "self_attn.v_proj.weight": randn(KV_HEADS * head_dim, HIDDEN, std=HIDDEN**-0.5),
             p + "self_attn.o_proj.weight": o_proj,
+            **({
+                p + "self_attn.q_proj.bias": randn(HEADS * head_dim, std=0.1),
+                p + "self_attn.k_proj.bias": randn(KV_HEADS * head_dim, std=0.1),
+                p + "self_attn.v_proj.bias": randn(KV_HEADS * head_dim, std=0.1),
+            } if layout == "qwen2" else {}),
             p + "mlp.gate_proj.weight": randn(INTERMEDIATE, HIDDEN, std=HIDDEN**-0.5),
             p + "mlp.up_proj.weight": randn(INTERMEDIATE, HIDDEN, std=HIDDEN**-0.5),
             p + "mlp.down_proj.weight": down,
@@ -124,6 +148,8 @@ def _weights(vocab: int, eos_id: int, seed: int, end_of_turn_bias: float) -> dic
             p + "post_attention_layernorm.weight": torch.ones(HIDDEN),
         })
     sd["model.norm.weight"] = torch.ones(HIDDEN)
+    if tied:
+        return {k: v.contiguous() for k, v in sd.items()}
     # Final hidden state has RMS ~1, so a row with std s gives logits with std ~s*sqrt(H).
     lm_head = randn(vocab, HIDDEN, std=LOGIT_STD / HIDDEN**0.5)
     lm_head[:, 0] = 0.0
@@ -138,8 +164,35 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def generate_tiny_model(out_dir: Path, seed: int = 0, end_of_turn_bias: float = 0.0) -> Path:
-    """Write the tiny checkpoint to ``out_dir`` (created if needed) and return it."""
+def _config(layout: str, vocab: int, bos_id: int, eos_id: int) -> dict:
+    common = {
+        "vocab_size": vocab,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "hidden_act": "silu",
+        "max_position_embeddings": MAX_POSITIONS,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": layout != "llama",
+        "dtype": "float32",
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": bos_id,
+    }
+    if layout == "qwen2":  # q/k/v biases are implied by the architecture
+        return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **common,
+                "use_sliding_window": False, "max_window_layers": LAYERS}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
+            "head_dim": HIDDEN // HEADS, "attention_bias": False, "mlp_bias": False}
+
+
+def generate_tiny_model(out_dir: Path, seed: int = 0, end_of_turn_bias: float = 0.0, layout: str = "llama") -> Path:
+    """Write the tiny checkpoint of ``layout`` (see ``LAYOUTS``) to ``out_dir`` and return it."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown tiny-model layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = _train_tokenizer()
@@ -147,30 +200,11 @@ def generate_tiny_model(out_dir: Path, seed: int = 0, end_of_turn_bias: float = 
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     bos_id, eos_id = ids[BOS], ids[IM_END]
 
-    save_file(_weights(vocab, eos_id, seed, end_of_turn_bias), str(out_dir / "model.safetensors"),
+    save_file(_weights(vocab, eos_id, seed, end_of_turn_bias, layout), str(out_dir / "model.safetensors"),
               metadata={"format": "pt"})
     _write_json(out_dir / "config.json", {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab,
-        "hidden_size": HIDDEN,
-        "intermediate_size": INTERMEDIATE,
-        "num_hidden_layers": LAYERS,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS,
-        "head_dim": HIDDEN // HEADS,
-        "hidden_act": "silu",
-        "max_position_embeddings": MAX_POSITIONS,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "dtype": "float32",
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": bos_id,
-        "conveyor_tiny": {"seed": seed, "end_of_turn_bias": end_of_turn_bias},
+        **_config(layout, vocab, bos_id, eos_id),
+        "conveyor_tiny": {"seed": seed, "end_of_turn_bias": end_of_turn_bias, "layout": layout},
     })
     # Only token ids here: sampling defaults in generation_config.json would silently
     # become vLLM's server-side defaults.

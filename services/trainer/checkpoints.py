@@ -2,8 +2,9 @@
 
 Layout, one checkpoint per policy version:
 ``checkpoints/{run}/{version:06d}/`` holds what ``save_pretrained`` writes for the model
-(``*.safetensors``, ``config.json``, ``generation_config.json``) and the tokenizer, then
-``trainer_state.pt`` (optimizer state dict, step, version), then ``COMMITTED``: a JSON
+(``*.safetensors``, ``config.json``, ``generation_config.json``) and the tokenizer, the
+logprob probe (``logprob_probe.json``: what a replica serving these weights must answer,
+``shared.logprob_probe``), then ``trainer_state.pt`` (optimizer state dict, step, version), then ``COMMITTED``: a JSON
 manifest naming every file with its size and sha256.
 
 Invariants:
@@ -32,7 +33,14 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 
 from shared.checkpoint_files import CheckpointError
 from shared.checkpoint_files import download_checkpoint as fetch_checkpoint
-from shared.names import CHECKPOINT_COMMITTED, CHECKPOINT_TRAINER_STATE, checkpoint_prefix, checkpoints_of_run
+from services.trainer.policy import logprob_probe
+from shared.names import (
+    CHECKPOINT_COMMITTED,
+    CHECKPOINT_PROBE,
+    CHECKPOINT_TRAINER_STATE,
+    checkpoint_prefix,
+    checkpoints_of_run,
+)
 from shared.storage import ObjectStore, StorageError
 
 COMMITTED = CHECKPOINT_COMMITTED
@@ -68,6 +76,7 @@ def save_checkpoint(
         local = Path(tmp)
         model.save_pretrained(local, safe_serialization=True)
         tokenizer.save_pretrained(local)
+        (local / CHECKPOINT_PROBE).write_bytes(logprob_probe(model, version).to_json())
         torch.save({"optimizer": optimizer.state_dict(), "step": step, "version": version}, local / TRAINER_STATE)
         names = sorted((p.name for p in local.iterdir() if p.is_file()), key=_upload_order)
         files = {}

@@ -7,50 +7,79 @@ Invariants:
   at any point re-reads its pending entries on restart and finishes the same groups; every
   write on that path is idempotent (fixed keys, guarded ledger moves, set membership).
   So a restart loses no group and trains no group twice.
-- A group is accepted for training only if at least two scored members disagree and, with
-  a staleness bound, its oldest turn is at most ``max_off_policy_steps`` behind the trainer;
+- A group is accepted for training only if at least two scored members disagree (or, with
+  ``zero_variance_groups: keep``, with every advantage exactly 0) and, with a staleness
+  bound, its oldest turn is at most ``max_off_policy_steps`` behind the trainer;
   zero-variance, all-failed and stale groups are dropped, counted, and free their admission
   slot. Accepted groups' batch keys go on the run's append-only train queue in the same
-  transaction that marks the group done. Their members are still consumed: every
+  transaction that marks the group done; a dropped zero-variance group goes there too, as a
+  ``skip`` entry with its rewards, so a step can count it (reward metrics, and the cap on
+  extra groups a step waits for). Their members are still consumed: every
   trajectory reaches the trainer exactly once, trained on or not.
-- One bad event (unparseable, or naming an unknown group) is logged with its entry id,
-  counted and acknowledged; the consumer goes on.
+- A group's metrics line (``trainer.metrics_path``) is written exactly once: before the
+  transaction that marks the group done, idempotently by (group, the entry that completed it)
+  (``services.trainer.group_metrics``), so a replay after a crash finds it written.
+- One bad event (one that does not fit ``TrainerEvent``, or names an unknown group) is logged
+  with its entry id, counted and acknowledged (it stays in the stream); one that does not
+  parse is also dead-lettered (``shared.dead_letters``). The consumer goes on.
+- The run's Redis records are read and written through their owners: ``GroupRegistry``,
+  ``TrainerCounters``, ``StalenessBudget``; train-queue entries are ``TrainQueueEntry``.
+- An outage of Redis or of the S3 server is waited out (``shared.outage``); after Redis comes
+  back, the consumer re-reads its pending entries it does not hold, in case a read's reply
+  was lost with the connection.
+- A run whose data Redis lost (``shared.run_marker``: checked at start, against the object
+  store too, and at every poll) stops the consumer with ``RedisDataLost``: it never goes on
+  with an empty ledger.
+- Stopping (``run_forever(stop=...)``, set on SIGTERM) happens between two reads, never in the
+  middle of a group: what was read and not yet decided stays pending in the stream.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import redis
 
 from services.trainer.advantages import group_advantages
+from services.trainer.group_metrics import GroupMetricsLog
 from services.trainer.groups import GroupAssembler, PendingGroup
+from shared import outage
 from shared.ledger import Ledger
 from shared.names import RedisKeys, batch_key, group_record_key
+from shared.run_marker import RunMarker
+from shared.dead_letters import DeadLetters
+from shared.group_registry import GroupRegistry
 from shared.schemas import (
+    BadMessage,
     GroupMember,
     GroupRecord,
     GroupRegistration,
+    ScoredEvent,
     ScoredTrajectory,
+    SkippedGroupEntry,
+    TrainBatchEntry,
     TrainerEvent,
     TrainingBatch,
     TrainingSample,
     Trajectory,
+    parse_message,
 )
 from shared.settings import Settings
 from shared.staleness import StalenessBudget
 from shared.storage import ObjectStore, get_model, put_model
+from shared.trainer_counters import TrainerCounter, TrainerCounters
 
 if TYPE_CHECKING:
     from services.trainer.loop import TrainingLoop
 
 log = logging.getLogger(__name__)
 CONSUMER_GROUP = "trainer"
+_STOPS = "stops rather than train on it"
 
 
 @dataclass
@@ -65,13 +94,18 @@ class TrainerConsumer:
         self.stream = RedisKeys.trainer_stream(self.run_id)
         self.consumer = self.settings.trainer.consumer_name
         self._registrations: dict[int, GroupRegistration] = {}
-        self.assembler = GroupAssembler(self._expected_size, self._is_done)
+        self.groups = GroupRegistry(self.redis, self.run_id)
+        self.trainer_counters = TrainerCounters(self.redis, self.run_id)
+        self.dead_letters = DeadLetters(self.redis)
+        self.assembler = GroupAssembler(self._expected_size, self.groups.is_done)
         trainer = self.settings.trainer
         self.budget = None
         if trainer.max_off_policy_steps is not None:
             self.budget = StalenessBudget(self.redis, self.run_id, trainer.max_off_policy_steps, trainer.groups_per_step)
-        self.metrics_path = Path(self.settings.trainer.metrics_path)
-        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        self.metrics = GroupMetricsLog(Path(self.settings.trainer.metrics_path), self.run_id)
+        self.marker = RunMarker(self.redis, self.run_id, self.store)
+        self.marker.check(_STOPS, look_in_store=True)  # before anything of the run is created again
+        self._recoveries = outage.recoveries(self.redis)
         try:
             self.redis.xgroup_create(self.stream, CONSUMER_GROUP, id="0", mkstream=True)
         except redis.ResponseError as exc:
@@ -80,40 +114,57 @@ class TrainerConsumer:
 
     # --- reading ----------------------------------------------------------------------------
     def recover(self) -> int:
-        """Replay this consumer's pending (delivered, unacknowledged) entries after a restart."""
+        """Replay this consumer's pending (delivered, unacknowledged) entries that it does not
+        hold: all of them after a restart, the ones whose reply was lost after an outage."""
+        held = {entry_id for group in self.assembler.pending.values() for entry_id in group.entry_ids}
         replayed = 0
         last = "0"
         while True:
-            batch = self.redis.xreadgroup(CONSUMER_GROUP, self.consumer, {self.stream: last}, count=500)
+            batch = self._read({self.stream: last}, count=500)
             entries = batch[0][1] if batch else []
             if not entries:
                 return replayed
             for entry_id, fields in entries:
-                self._handle(entry_id, fields)
+                if entry_id not in held:
+                    self._handle(entry_id, fields)
+                    replayed += 1
                 last = entry_id
-            replayed += len(entries)
 
     def poll(self, block_ms: int | None = None) -> int:
-        batch = self.redis.xreadgroup(
-            CONSUMER_GROUP, self.consumer, {self.stream: ">"}, count=256,
-            block=self.settings.trainer.block_ms if block_ms is None else block_ms,
-        )
+        batch = self._read({self.stream: ">"}, count=256, block=self.settings.trainer.block_ms if block_ms is None else block_ms)
         entries = batch[0][1] if batch else []
         for entry_id, fields in entries:
             self._handle(entry_id, fields)
         return len(entries)
 
-    def run_forever(self, stop_when_idle: bool = False, loop: "TrainingLoop | None" = None) -> None:
-        """Consume events; with a training loop, train whenever a step's groups are in."""
+    def run_forever(self, stop_when_idle: bool = False, loop: "TrainingLoop | None" = None,
+                    stop: threading.Event | None = None) -> None:
+        """Consume events; with a training loop, train whenever a step's groups are in. Once
+        ``stop`` is set (SIGTERM), return between two reads: unacknowledged entries wait in
+        the stream for the next trainer."""
         self.recover()
-        while True:
+        while stop is None or not stop.is_set():
+            self.marker.check(_STOPS)
+            if outage.recoveries(self.redis) != self._recoveries:  # Redis was down
+                self._recoveries = outage.recoveries(self.redis)
+                self.recover()
             handled = self.poll()
+            if loop is not None:
+                loop.check_alarms()
             while loop is not None and not loop.done() and loop.ready():
                 loop.train_once()
             if loop is not None and loop.done():
                 return
             if stop_when_idle and not handled and self.finished():
                 return
+
+    def _read(self, streams: dict[str, str], count: int, block: int | None = None) -> list:
+        try:
+            return self.redis.xreadgroup(CONSUMER_GROUP, self.consumer, streams, count=count, block=block)
+        except redis.ResponseError as exc:
+            if "NOGROUP" in str(exc):  # the stream is gone: say so if Redis lost the run
+                self.marker.check(_STOPS)
+            raise
 
     def finished(self) -> bool:
         """Intake is done and every trajectory of the run is terminal."""
@@ -125,16 +176,20 @@ class TrainerConsumer:
     # --- one entry --------------------------------------------------------------------------
     def _handle(self, entry_id: str, fields: dict[str, str]) -> None:
         try:
-            event = TrainerEvent.model_validate_json(fields["event"])
+            if "event" not in fields:
+                raise BadMessage("trainer event", "the stream entry has no 'event' field", fields)
+            event = parse_message(TrainerEvent, fields["event"])
             self._expected_size(event.group_id)  # unknown group -> KeyError now, not later
-        except (KeyError, ValueError) as exc:
+        except (KeyError, BadMessage) as exc:  # the entry stays in the stream; it is acked, not deleted
             log.error("trainer stream entry %s rejected: %s", entry_id, exc)
-            self._count("bad_events")
+            if isinstance(exc, BadMessage):
+                self.dead_letters.add(f"{self.stream} entry {entry_id}", exc)
+            self.trainer_counters.add(TrainerCounter.bad_events)
             self.redis.xack(self.stream, CONSUMER_GROUP, entry_id)
             return
         outcome, group = self.assembler.add(event, entry_id)
         if outcome != "added":
-            self._count(f"{outcome}_events")
+            self.trainer_counters.add(TrainerCounter.duplicate_events if outcome == "duplicate" else TrainerCounter.late_events)
             if outcome == "late":
                 self.redis.xack(self.stream, CONSUMER_GROUP, entry_id)
             return
@@ -150,20 +205,23 @@ class TrainerConsumer:
             GroupMember(trajectory_id=e.trajectory_id, reward=None, advantage=None, failure_reason=e.failure_reason)
             for e in group.failed
         ]
-        batch_object, oldest = None, None
+        batch_object, oldest, keep = None, None, False
         if not scored:
             status, mean, std = "all_failed", None, None
         else:
-            adv = group_advantages(rewards, self.settings.trainer.advantage_eps, self.settings.trainer.scale_advantage_by_std)
+            trainer = self.settings.trainer
+            adv = group_advantages(rewards, trainer.advantage_eps, trainer.scale_advantage_by_std, trainer.advantage_std)
             mean, std = adv.mean, adv.std
+            keep = adv.zero_variance and trainer.zero_variance_groups == "keep"
+            advantages = [0.0] * len(rewards) if keep else adv.advantages
             members += [
                 GroupMember(trajectory_id=e.trajectory_id, reward=e.reward, advantage=a)
-                for e, a in zip(scored, adv.advantages)
+                for e, a in zip(scored, advantages)
             ]
-            if adv.zero_variance:
+            if adv.zero_variance and not keep:
                 status = "zero_variance"
             else:
-                batch = self._batch(group.group_id, scored, adv.advantages)
+                batch = self._batch(group.group_id, scored, advantages)
                 oldest = min(sample.oldest_policy_version for sample in batch.samples)
                 if self.budget is not None and self.budget.is_stale(oldest, self.budget.state().trainer_step):
                     status = "stale"
@@ -179,19 +237,48 @@ class TrainerConsumer:
         put_model(self.store, group_record_key(self.run_id, group.group_id), record)
         for e in scored:
             self.ledger.mark_consumed(e.trajectory_id)
-        self._log_metrics(record, registration, assembly_s=time.perf_counter() - started)
-        with self.redis.pipeline(transaction=True) as tx:  # done, counted, queued and acked together
-            tx.sadd(RedisKeys.groups_done(self.run_id), group.group_id)
-            tx.hincrby(RedisKeys.trainer_counters(self.run_id), f"groups_{status}", 1)
+        self._log_metrics(record, registration, group.entry_ids[-1], assembly_s=time.perf_counter() - started)
+        def fill(tx: redis.client.Pipeline) -> None:  # done, counted, queued and acked together
+            self.groups.mark_done(group.group_id, tx)
+            self.trainer_counters.add(TrainerCounter.for_group_status(status), transaction=tx)
+            if keep and batch_object is not None:
+                self.trainer_counters.add(TrainerCounter.groups_zero_variance_kept, transaction=tx)
+            entry: TrainBatchEntry | SkippedGroupEntry | None = None
             if batch_object is not None:
-                entry = {"key": batch_object, "oldest_policy_version": oldest, "group_id": group.group_id}
-                tx.rpush(RedisKeys.train_queue(self.run_id), json.dumps(entry))
-            elif self.budget is not None:
-                tx.hincrby(self.budget.key, "filtered", 1)  # a dropped group frees its admission slot
+                entry = TrainBatchEntry(group_id=group.group_id, key=batch_object, oldest_policy_version=oldest)
+            else:
+                if status == "zero_variance":
+                    entry = SkippedGroupEntry(group_id=group.group_id, skip=status, rewards=rewards)
+                if self.budget is not None:
+                    self.budget.filtered(1, transaction=tx)  # a dropped group frees its admission slot
+            if entry is not None:
+                tx.rpush(RedisKeys.train_queue(self.run_id), entry.model_dump_json())
             tx.xack(self.stream, CONSUMER_GROUP, *group.entry_ids)
-            tx.execute()
 
-    def _batch(self, group_id: int, scored: list[TrainerEvent], advantages: list[float]) -> TrainingBatch:
+        self._commit(group.group_id, fill)
+
+    def _commit(self, group_id: int, fill: Callable[[redis.client.Pipeline], None]) -> None:
+        """Run a group's final transaction exactly once, and never into a Redis that lost the run:
+        it watches the run's marker and the done set. A transaction cut by a lost connection is
+        looked at again: done already (its reply was lost), or done now; a vanished marker
+        stops the trainer (``RedisDataLost``) instead of writing the group into an empty Redis."""
+        done = self.groups.done_key
+        while True:
+            try:
+                with self.redis.pipeline(transaction=True) as tx:
+                    tx.watch(self.marker.key, done)
+                    if not tx.exists(self.marker.key):
+                        self.marker.check(_STOPS)
+                    if tx.sismember(done, group_id):
+                        return
+                    tx.multi()
+                    fill(tx)
+                    tx.execute()
+                    return
+            except redis.WatchError:
+                self.marker.check(_STOPS)
+
+    def _batch(self, group_id: int, scored: list[ScoredEvent], advantages: list[float]) -> TrainingBatch:
         samples = []
         for event, advantage in zip(scored, advantages):
             scored_traj = get_model(self.store, event.scored_key, ScoredTrajectory)
@@ -212,25 +299,17 @@ class TrainerConsumer:
         """Intake writes a group's registration once and never changes it: read it once."""
         cached = self._registrations.get(group_id)
         if cached is None:
-            raw = self.redis.hget(RedisKeys.groups(self.run_id), str(group_id))
-            if raw is None:
-                raise KeyError(f"group {group_id} of run {self.run_id} was never registered by intake")
-            cached = self._registrations[group_id] = GroupRegistration.model_validate_json(raw)
+            cached = self._registrations[group_id] = self.groups.get(group_id)
         return cached
 
     def _expected_size(self, group_id: int) -> int:
         return self._registration(group_id).expected_size
 
-    def _is_done(self, group_id: int) -> bool:
-        return bool(self.redis.sismember(RedisKeys.groups_done(self.run_id), group_id))
-
-    def _count(self, name: str) -> None:
-        self.redis.hincrby(RedisKeys.trainer_counters(self.run_id), name, 1)
-
     def counters(self) -> dict[str, int]:
-        return {k: int(v) for k, v in self.redis.hgetall(RedisKeys.trainer_counters(self.run_id)).items()}
+        return self.trainer_counters.all()
 
-    def _log_metrics(self, record: GroupRecord, registration: GroupRegistration, assembly_s: float) -> None:
+    def _log_metrics(self, record: GroupRecord, registration: GroupRegistration, completed_by: str, assembly_s: float) -> None:
+        """Idempotent by (group, the entry that completed it): see ``services.trainer.group_metrics``."""
         line = {
             "time": record.completed_at, "run_id": self.run_id, "group_id": record.group_id, "status": record.status,
             "reward_mean": record.reward_mean, "reward_std": record.reward_std,
@@ -238,6 +317,5 @@ class TrainerConsumer:
             "failed": sum(1 for m in record.members if m.reward is None),
             "group_latency_s": record.completed_at - registration.dispatched_at, "assembly_s": assembly_s,
         }
-        with self.metrics_path.open("a") as fh:
-            fh.write(json.dumps(line) + "\n")
+        self.metrics.write(line, completed_by)
         log.info("group %d %s: reward mean %s std %s", record.group_id, record.status, record.reward_mean, record.reward_std)

@@ -6,49 +6,76 @@ Invariants:
 - Step ``v + 1`` trains on the next G (``groups_per_step``) groups of the run's append-only
   train queue after cursor ``v``, skipping groups that have become stale by then (oldest
   turn more than ``max_off_policy_steps`` behind ``v``): staleness is checked when a group is
-  trained on, not only when it was accepted. The selection is recorded (cursor ``v + 1``, and
+  trained on, not only when it was accepted. Dropped zero-variance groups (``skip`` entries)
+  are passed over and counted; with ``max_extra_groups_per_step = c`` the step stops
+  waiting once it has passed G + c fresh entries, and trains on the groups among them
+  (``c = 0``: exactly the G groups generated for it, as TRL does). The selection is recorded (cursor ``v + 1``, and
   the stale groups counted) in one atomic step before training, and it is a pure function of
   the queue and ``v``, so a restarted trainer re-selects the same groups: none skipped,
   none repeated, none counted twice.
-- A step is announced (checkpoints stream) only after its checkpoint is committed, and the
+- A train-queue entry that does not fit ``TrainQueueEntry`` (only a bug or a hand edit makes
+  one) is logged once and passed over, and counted (``bad_train_entries``) with the selection.
+- A step is announced (a ``CheckpointAnnouncement`` on the checkpoints stream) only after its checkpoint is committed, and the
   staleness step advances with it; on start the latest checkpoint is announced again (the
   weight follower ignores versions it already serves).
-- A step with no trainable token (all masks zero) still counts as a step: the version moves
-  on with unchanged weights, so the queue position stays a function of the version.
+- A step with no trainable token (all masks zero), or one the logprob alarm skipped, still
+  counts as a step: the version moves on with unchanged weights, so the queue position stays
+  a function of the version.
+- The logprob alarm (``services.trainer.alarm``) is checked before every step and whenever
+  the consumer polls, so a failed weight sync stops the run even while no group arrives.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 import statistics
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
+
+from services.trainer.alarm import ServedWeightsAlarm
 from services.trainer.checkpoints import resume, save_checkpoint
 from services.trainer.metrics import MetricsSink, plot_reward_curve
 from services.trainer.policy import load_policy
 from services.trainer.step import PolicyTrainer
 from shared.names import RedisKeys, checkpoint_prefix
-from shared.schemas import TrainingBatch
+from shared.schemas import BadMessage, CheckpointAnnouncement, SkippedGroupEntry, TrainingBatch, TrainQueueEntry, parse_message
 from shared.settings import Settings
 from shared.staleness import StalenessBudget
 from shared.storage import ObjectStore, get_model
+from shared.trainer_counters import TrainerCounter, TrainerCounters
+from shared.weight_sync_record import WeightSyncRecord
 
 log = logging.getLogger(__name__)
 
 # KEYS: train cursor hash, staleness hash, trainer counters ; ARGV: next version, cursor,
-# stale groups skipped, groups trained. Applied once per version (HSETNX), so a replayed
-# selection after a restart counts nothing twice.
+# stale groups skipped, groups trained, bad entries passed over, then the field names (from
+# their owners): staleness 'filtered', counters stale, trained, bad entries. Applied once per
+# version (HSETNX), so a replayed selection after a restart counts nothing twice.
 _COMMIT_SELECTION = """
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
-  redis.call('HINCRBY', KEYS[2], 'filtered', ARGV[3])
-  redis.call('HINCRBY', KEYS[3], 'groups_stale', ARGV[3])
-  redis.call('HINCRBY', KEYS[3], 'groups_trained', ARGV[4])
+  redis.call('HINCRBY', KEYS[2], ARGV[6], ARGV[3])
+  redis.call('HINCRBY', KEYS[3], ARGV[7], ARGV[3])
+  redis.call('HINCRBY', KEYS[3], ARGV[8], ARGV[4])
+  if tonumber(ARGV[5]) > 0 then redis.call('HINCRBY', KEYS[3], ARGV[9], ARGV[5]) end
 end
 return 1
 """
+
+
+@dataclass
+class Selection:
+    """What step ``v + 1`` takes from the train queue: a pure function of the queue and ``v``."""
+
+    keys: list[str]  # batch objects of the groups it trains on
+    cursor: int  # queue position after the last entry it passed
+    stale: int = 0
+    dropped: int = 0  # zero-variance groups passed over
+    bad: int = 0  # entries that did not parse, passed over (logged once)
+    dropped_rewards: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -62,16 +89,24 @@ class TrainingLoop:
         self.run_id = self.settings.run_id
         self.redis = self.budget.redis
         self.groups_per_step = self.settings.trainer.groups_per_step
+        if self.settings.trainer.torch_threads:
+            torch.set_num_threads(self.settings.trainer.torch_threads)
         model, self.tokenizer = load_policy(self.settings.inference.model_path)
         trainer = self.settings.trainer
         self.trainer = PolicyTrainer(
             model, pad_token_id=self.tokenizer.pad_token_id or 0, optim=trainer.optim, loss=trainer.loss,
             batching=trainer.batching, temperature=self.settings.rollout.sampling.temperature or 1.0,
+            alarm=trainer.logprob_alarm,
         )
+        self.served_alarm = ServedWeightsAlarm(self.redis, self.run_id, trainer.logprob_alarm)
+        self.counters = TrainerCounters(self.redis, self.run_id)
+        self.weight_syncs = WeightSyncRecord(self.redis, self.run_id)
+        self._reported_bad: set[int] = set()  # queue positions of bad entries already logged
         self.version, step = resume(self.store, self.run_id, model, self.trainer.optimizer)
         self.trainer.step = step
         self.budget.advance_step(self.version)
         self._commit_selection = self.redis.register_script(_COMMIT_SELECTION)
+        self._last_step_at: float | None = None
         if self.version > 0:
             self._announce(self.version)
         log.info("training loop at version %d (step %d)", self.version, step)
@@ -83,21 +118,37 @@ class TrainingLoop:
     def ready(self) -> bool:
         return self._select() is not None
 
-    def _select(self) -> tuple[list[str], int, int] | None:
-        """(batch keys, cursor after them, stale groups skipped) for the next step, or None
-        while fewer than G fresh groups are queued."""
+    def check_alarms(self) -> None:
+        """Raise ``LogprobAlarm`` (action stop) if a weight sync of this run did not take."""
+        self.served_alarm.check()
+
+    def _select(self) -> Selection | None:
+        """The next step's groups, or None while the queue does not hold them yet."""
         cursor = int(self.redis.hget(RedisKeys.train_cursor(self.run_id), str(self.version)) or 0)
-        keys: list[str] = []
-        stale = 0
+        cap = self.settings.trainer.max_extra_groups_per_step
+        selection = Selection(keys=[], cursor=cursor)
         for raw in self.redis.lrange(RedisKeys.train_queue(self.run_id), cursor, -1):
-            cursor += 1
-            entry = json.loads(raw)
-            if self.budget.is_stale(entry["oldest_policy_version"], self.version):
-                stale += 1
+            selection.cursor += 1
+            try:
+                entry = parse_message(TrainQueueEntry, raw)
+            except BadMessage as exc:
+                if selection.cursor not in self._reported_bad:
+                    self._reported_bad.add(selection.cursor)
+                    log.error("train queue entry %d passed over: %s", selection.cursor - 1, exc)
+                selection.bad += 1
                 continue
-            keys.append(entry["key"])
-            if len(keys) == self.groups_per_step:
-                return keys, cursor, stale
+            if isinstance(entry, SkippedGroupEntry):
+                selection.dropped_rewards.extend(entry.rewards)
+                selection.dropped += 1
+            elif self.budget.is_stale(entry.oldest_policy_version, self.version):
+                selection.stale += 1
+                continue
+            else:
+                selection.keys.append(entry.key)
+            if len(selection.keys) == self.groups_per_step:
+                return selection
+            if cap is not None and len(selection.keys) + selection.dropped >= self.groups_per_step + cap:
+                return selection
         return None
 
     def train_once(self) -> dict[str, float]:
@@ -105,12 +156,16 @@ class TrainingLoop:
         selection = self._select()
         if selection is None:
             raise RuntimeError("train_once called before a step's groups were queued")
-        keys, cursor, stale = selection
-        self._record_selection(cursor, stale)
-        batches = [get_model(self.store, key, TrainingBatch) for key in keys]
+        self.check_alarms()
+        self._record_selection(selection)
+        batches = [get_model(self.store, key, TrainingBatch) for key in selection.keys]
         metrics = self.trainer.train_step(batches)
         if metrics.get("skipped"):
             self.trainer.step += 1  # see the module docstring: the version still moves on
+        if metrics.get("alarm"):
+            log.error("step %d applied no update: logprob alarm (mean on-policy |dlogprob| %.3g > %g)",
+                      self.version + 1, metrics["logprob_mad_on_policy"], self.settings.trainer.logprob_alarm.max_on_policy_mad)
+            self.counters.add(TrainerCounter.alarm_skipped_steps)
         version = self.version + 1
         t0 = time.perf_counter()
         save_checkpoint(self.store, self.run_id, version, self.trainer.model, self.tokenizer, self.trainer.optimizer, self.trainer.step)
@@ -118,37 +173,50 @@ class TrainingLoop:
         self._announce(version)
         self.version = version
         self.budget.advance_step(version)
-        metrics |= self._rollout_metrics(batches, trained_at=version - 1) | {"checkpoint_s": checkpoint_s}
+        metrics |= self._rollout_metrics(batches, selection, trained_at=version - 1) | {"checkpoint_s": checkpoint_s}
         self.metrics.log(version, metrics)
         plot_reward_curve(self.metrics.jsonl_path, self.settings.trainer.reward_curve_path, f"{self.run_id}: mean reward per step")
-        log.info("step %d: reward %.3f loss %.4f (%.2fs)", version, metrics["reward_mean"], metrics["loss"], metrics["step_time_s"])
+        now = time.time()
+        wall = now - self._last_step_at if self._last_step_at else math.nan
+        self._last_step_at = now
+        log.info("step %d: reward %.3f loss %.4f | train %.2fs, %.0f tokens/s | %.1fs since the last step, %.1f trajectories/s",
+                 version, metrics["reward_mean"], metrics["loss"], metrics["step_time_s"], metrics["tokens_per_s"],
+                 wall, metrics["sequences"] / wall if wall == wall and wall > 0 else math.nan)
         return metrics
 
-    def _record_selection(self, cursor: int, stale: int) -> None:
+    def _record_selection(self, selection: Selection) -> None:
         self._commit_selection(
-            keys=[RedisKeys.train_cursor(self.run_id), self.budget.key, RedisKeys.trainer_counters(self.run_id)],
-            args=[self.version + 1, cursor, stale, self.groups_per_step],
+            keys=[RedisKeys.train_cursor(self.run_id), self.budget.key, self.counters.key],
+            args=[self.version + 1, selection.cursor, selection.stale, len(selection.keys), selection.bad,
+                  StalenessBudget.FILTERED, TrainerCounter.groups_stale.value, TrainerCounter.groups_trained.value,
+                  TrainerCounter.bad_train_entries.value],
         )
 
     def _announce(self, version: int) -> None:
-        self.redis.xadd(RedisKeys.checkpoints(self.run_id), {"version": version, "prefix": checkpoint_prefix(self.run_id, version)})
+        announcement = CheckpointAnnouncement(version=version, prefix=checkpoint_prefix(self.run_id, version))
+        self.redis.xadd(RedisKeys.checkpoints(self.run_id), announcement.stream_fields())
 
-    def _rollout_metrics(self, batches: list[TrainingBatch], trained_at: int) -> dict[str, float]:
+    def _rollout_metrics(self, batches: list[TrainingBatch], selection: Selection, trained_at: int) -> dict[str, float]:
         samples = [s for b in batches for s in b.samples]
-        rewards = [s.reward for s in samples]
-        lengths = [sum(s.loss_mask) for s in samples]
+        trained_rewards = [s.reward for s in samples]
+        rewards = trained_rewards + selection.dropped_rewards  # every scored sample of the step's groups
+        lengths = [sum(s.loss_mask) for s in samples] or [0]
         staleness = Counter(trained_at - s.oldest_policy_version for s in samples)
-        counters = {k: float(v) for k, v in self.redis.hgetall(RedisKeys.trainer_counters(self.run_id)).items()}
-        sync = self.redis.hgetall(RedisKeys.weight_sync(self.run_id))
+        counters = self.counters.all()
+        sync = self.weight_syncs.last_sync()
         return {
             "reward_mean": statistics.fmean(rewards),
             "reward_std": statistics.pstdev(rewards),
+            "reward_mean_trained": statistics.fmean(trained_rewards) if trained_rewards else math.nan,
+            "groups_trained": float(len(selection.keys)),
+            "groups_dropped_zero_variance": float(selection.dropped),
             "pass_rate": sum(r >= self.settings.trainer.pass_threshold for r in rewards) / len(rewards),
             "response_tokens_mean": statistics.fmean(lengths),
             "response_tokens_max": float(max(lengths)),
-            "filtered_zero_variance": counters.get("groups_zero_variance", 0.0),
-            "filtered_stale": counters.get("groups_stale", 0.0),
-            "filtered_all_failed": counters.get("groups_all_failed", 0.0),
-            "weight_sync_s": float(sync.get("seconds", "nan")),
+            "filtered_zero_variance": float(counters.get(TrainerCounter.groups_zero_variance.value, 0)),
+            "filtered_stale": float(counters.get(TrainerCounter.groups_stale.value, 0)),
+            "filtered_all_failed": float(counters.get(TrainerCounter.groups_all_failed.value, 0)),
+            "weight_sync_s": sync["seconds"],
+            "served_probe_max_abs_diff": sync["probe_max_abs_diff"],
             **{f"staleness_{lag}": float(n) for lag, n in sorted(staleness.items())},
         }

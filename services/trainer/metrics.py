@@ -1,14 +1,18 @@
 """Per-step training metrics: one JSONL line per step, Prometheus gauges, optional W&B, and
 a reward-curve PNG.
 
-Invariant: every sink gets the same flat dict of numbers for a step; a sink that fails (W&B
-offline, a port in use) is reported once at start and turned off, never crashing training.
+Invariants:
+- Every sink gets the same flat dict of numbers for a step; a sink that fails (W&B offline, a
+  port in use) is reported once at start and turned off, never crashing training.
+- The JSONL file is strict JSON: a non-finite number (a NaN loss, an infinite gradient norm)
+  is written as ``null``, and a value JSON cannot hold raises instead of writing ``NaN``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -23,13 +27,9 @@ class MetricsSink:
         self._gauges: dict[str, Any] = {}
         self._prometheus = False
         if prometheus_port:
-            try:
-                from prometheus_client import start_http_server
+            from shared.prometheus import serve_metrics
 
-                start_http_server(prometheus_port)
-                self._prometheus = True
-            except (ImportError, OSError) as exc:
-                log.error("Prometheus endpoint on port %s disabled: %s", prometheus_port, exc)
+            self._prometheus = serve_metrics(prometheus_port)
         self._wandb = None
         if wandb_project:
             try:
@@ -40,8 +40,9 @@ class MetricsSink:
                 log.error("W&B logging disabled: %s", exc)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        line = json.dumps({"step": step, "time": time.time(), **{k: _finite_or_none(v) for k, v in metrics.items()}}, allow_nan=False)
         with self.jsonl_path.open("a") as fh:
-            fh.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+            fh.write(line + "\n")
         if self._prometheus:
             from prometheus_client import Gauge
 
@@ -52,6 +53,10 @@ class MetricsSink:
                 gauge.set(value)
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
+
+
+def _finite_or_none(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def read_steps(jsonl_path: Path) -> list[dict[str, float]]:
@@ -67,8 +72,8 @@ def plot_reward_curve(jsonl_path: Path, png_path: Path, title: str = "reward") -
 
     steps = read_steps(jsonl_path)
     xs = [s["step"] for s in steps]
-    mean = [s["reward_mean"] for s in steps]
-    std = [s.get("reward_std", 0.0) for s in steps]
+    mean = [math.nan if s["reward_mean"] is None else s["reward_mean"] for s in steps]  # null: a gap in the curve
+    std = [s.get("reward_std") or 0.0 for s in steps]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
     ax.plot(xs, mean, marker="o", label="mean reward")
     ax.fill_between(xs, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2, label="± std")

@@ -13,6 +13,9 @@ Invariants:
   distribution too; it is not replicated here, and ``logprob_mad_vs_inference`` would show it.)
 - Sequences are right-padded, so the positions of real tokens are 0..len-1 as at inference.
 - The frozen reference is a copy of the initial policy with gradients off, in eval mode.
+- ``logprob_probe(model, version)`` is the probe every checkpoint carries
+  (``shared.logprob_probe``): temperature 1, eval mode, no gradient, and the model's
+  train/eval mode is left as it was.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import copy
 from pathlib import Path
 
 import torch
+from shared.logprob_probe import LogprobProbe, probe_token_ids
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -61,3 +65,18 @@ def sequence_logprobs(
     shifted = token_logits - torch.logsumexp(logits, dim=-1)
     shifted = shifted * attention_mask[:, 1:].to(shifted.dtype)
     return torch.cat([shifted.new_zeros(shifted.shape[0], 1), shifted], dim=1)
+
+
+@torch.no_grad()
+def logprob_probe(model: PreTrainedModel, version: int) -> LogprobProbe:
+    """The model's logprobs of the fixed probe sequence, for the checkpoint of ``version``."""
+    token_ids = probe_token_ids(model.config.vocab_size)
+    was_training = model.training
+    model.eval()
+    try:
+        device = next(model.parameters()).device
+        ids = torch.tensor([token_ids], device=device)
+        logprobs = sequence_logprobs(model, ids, torch.ones_like(ids), temperature=1.0)[0, 1:]
+    finally:
+        model.train(was_training)
+    return LogprobProbe(version=version, token_ids=token_ids, logprobs=[float(x) for x in logprobs.double().cpu()])

@@ -11,6 +11,9 @@ Invariants:
   or overlong-masked) applies no update, leaves ``step`` unchanged and reports ``skipped=1``.
 - The frozen reference exists only when ``kl_coef > 0``; it is the policy as it was when the
   trainer was built (or the one passed in).
+- The logprob alarm (``services.trainer.alarm``) is decided before the update: past
+  ``alarm.max_on_policy_mad`` the step raises ``LogprobAlarm`` (``stop``) or applies no update
+  and reports ``skipped=1, alarm=1`` (``skip_step``).
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ import time
 import torch
 from transformers import PreTrainedModel
 
+from services.trainer.alarm import LogprobAlarm, on_policy_message
 from services.trainer.batching import micro_batches, prepare_samples
 from services.trainer.loss import loss_denominator, policy_loss
 from services.trainer.policy import frozen_reference, sequence_logprobs
 from shared.schemas import TrainingBatch
-from shared.settings import BatchingSettings, LossSettings, OptimSettings
+from shared.settings import BatchingSettings, LogprobAlarmSettings, LossSettings, OptimSettings
 
 
 def build_optimizer(model: torch.nn.Module, optim: OptimSettings) -> torch.optim.AdamW:
@@ -43,8 +47,10 @@ class PolicyTrainer:
         batching: BatchingSettings | None = None,
         reference: PreTrainedModel | None = None,
         temperature: float = 1.0,
+        alarm: LogprobAlarmSettings | None = None,
     ):
         self.model = model
+        self.alarm = alarm or LogprobAlarmSettings()
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 to train on sampled tokens, got {temperature}")
         self.pad_token_id = pad_token_id
@@ -72,7 +78,7 @@ class PolicyTrainer:
         weighted = {"clip_frac": 0.0, "ratio_mean": 0.0, "kl": 0.0, "logprob_mad_vs_inference": 0.0}
         if denominator == 0:  # same keys, so a metrics log has one shape
             return metrics | weighted | {
-                "skipped": 1.0, "loss": 0.0, "grad_norm": 0.0, "tokens": 0.0, "loss_tokens": 0.0,
+                "skipped": 1.0, "alarm": 0.0, "loss": 0.0, "grad_norm": 0.0, "tokens": 0.0, "loss_tokens": 0.0,
                 "tokens_per_s": 0.0, "step_time_s": time.perf_counter() - started, "step": float(self.step),
                 "logprob_mad_on_policy": math.nan,
             }
@@ -106,12 +112,19 @@ class PolicyTrainer:
 
         max_norm = self.optim.max_grad_norm if self.optim.max_grad_norm is not None else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        self.optimizer.step()
-        self.step += 1
+        mad = on_policy_abs / on_policy_tokens if on_policy_tokens else math.nan
+        alarm = mad > self.alarm.max_on_policy_mad  # NaN (no on-policy token) never fires
+        if alarm and self.alarm.action == "stop":
+            self.optimizer.zero_grad(set_to_none=True)
+            raise LogprobAlarm(on_policy_message(mad, self.alarm.max_on_policy_mad))
+        if alarm:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+            self.step += 1
         elapsed = time.perf_counter() - started
         return metrics | {k: v / loss_tokens for k, v in weighted.items()} | {
-            "skipped": 0.0, "loss": total_loss, "grad_norm": float(grad_norm), "tokens": float(tokens),
-            "loss_tokens": loss_tokens, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
-            "step": float(self.step),
-            "logprob_mad_on_policy": on_policy_abs / on_policy_tokens if on_policy_tokens else math.nan,
+            "skipped": float(alarm), "alarm": float(alarm), "loss": total_loss, "grad_norm": float(grad_norm),
+            "tokens": float(tokens), "loss_tokens": loss_tokens, "tokens_per_s": tokens / elapsed,
+            "step_time_s": elapsed, "step": float(self.step), "logprob_mad_on_policy": mad,
         }

@@ -19,3 +19,25 @@ def test_step_metrics_go_to_jsonl_and_prometheus_and_the_curve(tmp_path):
     assert "conveyor_trainer_reward_mean 0.5" in exposed and "conveyor_trainer_weight_sync_s 0.1" in exposed
     png = plot_reward_curve(tmp_path / "steps.jsonl", tmp_path / "curve.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_non_finite_metrics_are_written_as_null_and_the_file_stays_strict_json(tmp_path):
+    import json
+    import math
+
+    import pytest
+
+    path = tmp_path / "train_steps.jsonl"
+    sink = MetricsSink(path)
+    sink.log(1, {"reward_mean": 0.5, "loss": math.nan, "grad_norm": math.inf, "kl": -math.inf})
+    sink.log(2, {"reward_mean": math.nan, "loss": 0.25})
+
+    def refuse(constant: str):
+        raise AssertionError(f"{constant} in {path}")
+
+    lines = [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+    assert [(s["loss"], s["grad_norm"], s["kl"]) for s in lines[:1]] == [(None, None, None)]
+    assert (lines[0]["reward_mean"], lines[1]["reward_mean"], lines[1]["loss"]) == (0.5, None, 0.25)
+    assert plot_reward_curve(path, tmp_path / "curve.png").exists()  # a null reward is a gap, not a crash
+    with pytest.raises(ValueError, match="JSON compliant"):  # what JSON cannot hold fails loudly
+        sink.log(3, {"per_layer": [math.nan]})

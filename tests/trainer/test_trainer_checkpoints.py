@@ -22,9 +22,15 @@ from services.trainer.checkpoints import (
 )
 from services.trainer.policy import load_policy
 from services.trainer.step import PolicyTrainer
-from shared.settings import OptimSettings
+from shared.logprob_probe import LogprobProbe, probe_token_ids
+from shared.names import CHECKPOINT_PROBE
+from shared.settings import LogprobAlarmSettings, OptimSettings
 from shared.settings import StorageSettings
 from shared.storage import S3Store
+
+# make_batch's inference logprobs are deliberately not the model's own (noise, or random
+# values), so the on-policy logprob alarm would fire on them: these tests turn it off.
+SYNTHETIC_LOGPROBS = LogprobAlarmSettings(max_on_policy_mad=1e6)
 
 
 @pytest.fixture
@@ -54,7 +60,7 @@ class _Recording:
 
 def _trainer(model_dir: Path) -> tuple[PolicyTrainer, object]:
     model, tok = load_policy(model_dir)
-    return PolicyTrainer(model, tok.pad_token_id, optim=OptimSettings(lr=1e-3, weight_decay=0.01)), tok
+    return PolicyTrainer(model, tok.pad_token_id, alarm=SYNTHETIC_LOGPROBS, optim=OptimSettings(lr=1e-3, weight_decay=0.01)), tok
 
 
 def _assert_same_optimizer_state(a: dict, b: dict) -> None:
@@ -92,6 +98,14 @@ def test_round_trip_through_s3(store: S3Store, run_id: str, tiny_dir: Path, make
 
     manifest = read_manifest(store, prefix)
     assert manifest["version"] == 1 and manifest["step"] == 1 and TRAINER_STATE in manifest["files"]
+
+    # the probe a replica must reproduce: the saved weights' own logprobs of the fixed sequence
+    probe = LogprobProbe.from_json((local / CHECKPOINT_PROBE).read_bytes())
+    assert probe.version == 1 and probe.token_ids == probe_token_ids(loaded.config.vocab_size)
+    ids = torch.tensor([probe.token_ids])
+    with torch.no_grad():
+        want = torch.log_softmax(loaded(ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+    assert max(abs(a - b) for a, b in zip(probe.logprobs, want.tolist())) < 1e-5
 
 
 def test_uncommitted_checkpoints_do_not_exist_for_readers(store: S3Store, run_id: str, tiny_dir: Path, tmp_path: Path) -> None:

@@ -9,8 +9,12 @@ import torch
 
 from services.trainer.policy import sequence_logprobs
 from services.trainer.step import PolicyTrainer
-from shared.settings import BatchingSettings, LossSettings, OptimSettings
+from shared.settings import BatchingSettings, LogprobAlarmSettings, LossSettings, OptimSettings
 from shared.schemas import StopReason, TrainingBatch, TrainingSample
+
+# make_batch's inference logprobs are deliberately not the model's own (noise, or random
+# values), so the on-policy logprob alarm would fire on them: these tests turn it off.
+SYNTHETIC_LOGPROBS = LogprobAlarmSettings(max_on_policy_mad=1e6)
 
 METRICS = {"loss", "grad_norm", "tokens", "tokens_per_s", "step_time_s", "clip_frac", "kl",
            "logprob_mad_vs_inference", "overlong_masked", "truncated"}
@@ -51,9 +55,9 @@ def test_micro_batched_update_equals_full_batch_update(tiny_policy, make_batch, 
         optim=OptimSettings(lr=1e-3, max_grad_norm=0.05, weight_decay=0.01),
         loss=LossSettings(aggregation=aggregation, kl_coef=0.05, clip_eps_high=0.28),
     )
-    full = PolicyTrainer(copy.deepcopy(model), tok.pad_token_id,
+    full = PolicyTrainer(copy.deepcopy(model), tok.pad_token_id, alarm=SYNTHETIC_LOGPROBS,
                          batching=BatchingSettings(max_seq_len=32, micro_batch_tokens=4096), **settings)
-    micro = PolicyTrainer(copy.deepcopy(model), tok.pad_token_id,
+    micro = PolicyTrainer(copy.deepcopy(model), tok.pad_token_id, alarm=SYNTHETIC_LOGPROBS,
                           batching=BatchingSettings(max_seq_len=32, micro_batch_tokens=40), **settings)
     mf, mm = full.train_step(batches), micro.train_step(batches)
 
@@ -72,7 +76,7 @@ def test_metrics_and_step_counter(tiny_policy, make_batch) -> None:
     model, tok = tiny_policy
     stops = [StopReason.max_tokens, StopReason.done, StopReason.done, StopReason.done]
     batch = make_batch(1, n=4, model=model, completion_len=(20, 30), stop_reasons=stops)
-    trainer = PolicyTrainer(model, tok.pad_token_id, optim=OptimSettings(lr=1e-4),
+    trainer = PolicyTrainer(model, tok.pad_token_id, alarm=SYNTHETIC_LOGPROBS, optim=OptimSettings(lr=1e-4),
                             batching=BatchingSettings(max_seq_len=24, micro_batch_tokens=48))
     metrics = trainer.train_step([batch])
     assert METRICS <= metrics.keys()
@@ -87,7 +91,7 @@ def test_a_step_with_nothing_to_train_on_is_skipped(tiny_policy, make_batch) -> 
     model, tok = tiny_policy
     before = [p.detach().clone() for p in model.parameters()]
     batch = make_batch(2, n=2, model=model, stop_reasons=[StopReason.max_tokens] * 2)
-    trainer = PolicyTrainer(model, tok.pad_token_id)
+    trainer = PolicyTrainer(model, tok.pad_token_id, alarm=SYNTHETIC_LOGPROBS)
     metrics = trainer.train_step([batch])
     assert METRICS <= metrics.keys()
     assert metrics["skipped"] == 1 and metrics["overlong_masked"] == 2 and trainer.step == 0
@@ -98,7 +102,7 @@ def test_positive_advantage_raises_the_token_probability(tiny_policy) -> None:
     """On-policy GRPO steps: the token with A > 0 gains probability, the one with A < 0 loses it."""
     model, tok = tiny_policy
     prompt, good, bad = [1, 40, 41, 42, 43], 300, 301
-    trainer = PolicyTrainer(model, tok.pad_token_id, optim=OptimSettings(lr=3e-3))
+    trainer = PolicyTrainer(model, tok.pad_token_id, alarm=SYNTHETIC_LOGPROBS, optim=OptimSettings(lr=3e-3))
 
     def logprob(token: int) -> float:
         ids = torch.tensor([prompt + [token]])

@@ -3,8 +3,6 @@ model: which groups a step trains on, staleness at training time, and restart sa
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from services.trainer.checkpoints import latest_checkpoint
@@ -13,7 +11,8 @@ from services.trainer.metrics import MetricsSink, read_steps
 from shared.names import RedisKeys
 from shared.settings import Settings
 from shared.staleness import StalenessBudget
-from shared.storage import LocalStore, put_model
+from shared.schemas import CheckpointAnnouncement, SkippedGroupEntry, TrainBatchEntry, TrainingBatch, parse_message
+from shared.storage import LocalStore, get_model, put_model
 
 
 @pytest.fixture
@@ -21,6 +20,7 @@ def setup(tiny_dir, tmp_path, redis_client, redis_url, run_id):
     settings = Settings(
         run_id=run_id, redis={"url": redis_url}, inference={"model_path": tiny_dir},
         trainer={"max_off_policy_steps": 1, "groups_per_step": 2, "optim": {"lr": 1e-3},
+                 "logprob_alarm": {"max_on_policy_mad": 1e6},  # make_batch's logprobs are synthetic
                  "reward_curve_path": tmp_path / "curve.png"},
     )
     store = LocalStore(tmp_path / "objects")
@@ -37,7 +37,8 @@ def queue_group(redis_client, store, make_batch, run_id, group_id, oldest_versio
     batch = batch.model_copy(update={"samples": [s.model_copy(update={"oldest_policy_version": oldest_version}) for s in batch.samples]})
     key = f"batches/{run_id}/{group_id:06d}.json.gz"
     put_model(store, key, batch)
-    redis_client.rpush(RedisKeys.train_queue(run_id), json.dumps({"key": key, "oldest_policy_version": oldest_version, "group_id": group_id}))
+    entry = TrainBatchEntry(key=key, oldest_policy_version=oldest_version, group_id=group_id)
+    redis_client.rpush(RedisKeys.train_queue(run_id), entry.model_dump_json())
 
 
 def test_steps_take_groups_in_order_and_skip_groups_that_became_stale(setup, redis_client, make_batch, run_id):
@@ -63,8 +64,8 @@ def test_steps_take_groups_in_order_and_skip_groups_that_became_stale(setup, red
     assert budget.state().filtered == 1 and budget.state().trainer_step == 3
     assert latest_checkpoint(store, run_id)[0] == 3
     assert [int(s["step"]) for s in read_steps(loop.metrics.jsonl_path)] == [1, 2, 3]
-    announced = [int(f["version"]) for _, f in redis_client.xrange(RedisKeys.checkpoints(run_id))]
-    assert announced == [1, 2, 3]
+    announced = [parse_message(CheckpointAnnouncement, f) for _, f in redis_client.xrange(RedisKeys.checkpoints(run_id))]
+    assert [(a.version, a.prefix) for a in announced] == [(v, f"checkpoints/{run_id}/{v:06d}/") for v in (1, 2, 3)]
 
 
 def test_a_restarted_trainer_resumes_at_its_checkpoint_and_counts_nothing_twice(setup, redis_client, make_batch, run_id):
@@ -75,7 +76,7 @@ def test_a_restarted_trainer_resumes_at_its_checkpoint_and_counts_nothing_twice(
     first.train_once()
     # the second step's selection is recorded, then the trainer dies before its checkpoint
     selection = first._select()
-    first._record_selection(selection[1], selection[2])
+    first._record_selection(selection)
     del first
     second = make_loop()
     assert second.version == 1 and second.trainer.step == 1
@@ -84,3 +85,47 @@ def test_a_restarted_trainer_resumes_at_its_checkpoint_and_counts_nothing_twice(
     counters = redis_client.hgetall(RedisKeys.trainer_counters(run_id))
     assert counters["groups_trained"] == "4"  # 2 + 2, not 2 + 2 + 2
     assert latest_checkpoint(store, run_id)[0] == 2
+
+
+def test_a_bad_queue_entry_is_passed_over_and_counted_once_across_restarts(setup, redis_client, make_batch, run_id, caplog):
+    _, store, _, make_loop = setup
+    queue_group(redis_client, store, make_batch, run_id, 0, 0)
+    redis_client.rpush(RedisKeys.train_queue(run_id), '{"key": "batches/x", "group_id": 1}')  # no oldest_policy_version
+    queue_group(redis_client, store, make_batch, run_id, 2, 0)
+    first = make_loop()
+    assert first.ready() and first.ready()
+    assert caplog.text.count("train queue entry 1 passed over: bad train-queue entry: train.oldest_policy_version") == 1
+    first._record_selection(first._select())
+    del first  # dies before its checkpoint; the restarted trainer records the same selection again
+    second = make_loop()
+    second.train_once()
+    counters = redis_client.hgetall(RedisKeys.trainer_counters(run_id))
+    assert counters["bad_train_entries"] == "1" and counters["groups_trained"] == "2"
+
+
+def queue_dropped(redis_client, run_id, group_id, rewards):
+    """What the consumer queues for a zero-variance group it drops."""
+    entry = SkippedGroupEntry(skip="zero_variance", group_id=group_id, rewards=rewards)
+    redis_client.rpush(RedisKeys.train_queue(run_id), entry.model_dump_json())
+
+
+@pytest.mark.parametrize("cap, trained, passed", [(None, [0, 3], 4), (0, [0], 2), (1, [0], 3), (2, [0, 3], 4)])
+def test_dropped_groups_and_the_cap_on_extra_groups_a_step_waits_for(setup, redis_client, make_batch, run_id, cap, trained, passed):
+    """Queue: fresh 0, dropped 1, dropped 2, fresh 3 (G = 2). A step waits for at most G + cap
+    fresh entries (dropped ones included); with no cap it waits for G trainable groups."""
+    settings, store, budget, _ = setup
+    settings = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"max_extra_groups_per_step": cap})})
+    loop = TrainingLoop(settings, store, budget, MetricsSink(store.root.parent / f"steps-{cap}.jsonl"))
+    queue_group(redis_client, store, make_batch, run_id, 0, 0)
+    queue_dropped(redis_client, run_id, 1, [1.0, 1.0, 1.0, 1.0])
+    queue_dropped(redis_client, run_id, 2, [0.0, 0.0, 0.0, 0.0])
+    queue_group(redis_client, store, make_batch, run_id, 3, 0)
+    selection = loop._select()
+    assert [int(k.rsplit("/", 1)[1].split(".")[0]) for k in selection.keys] == trained
+    assert selection.cursor == passed and selection.dropped == passed - len(trained)
+    metrics = loop.train_once()
+    assert metrics["groups_trained"] == len(trained) and metrics["groups_dropped_zero_variance"] == passed - len(trained)
+    # reward_mean covers every scored sample of the step's groups, the dropped ones included
+    trained_rewards = [s.reward for k in selection.keys for s in get_model(store, k, TrainingBatch).samples]
+    dropped_rewards = [1.0] * 4 + [0.0] * 4 if passed - len(trained) == 2 else [1.0] * 4 * (passed - len(trained))
+    assert metrics["reward_mean"] == pytest.approx(sum(trained_rewards + dropped_rewards) / len(trained_rewards + dropped_rewards))

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from services.trainer.advantages import group_advantages
+from services.trainer.advantages import group_advantages, group_std
 
 
 def test_hand_computed_group_uses_population_std():
@@ -56,3 +56,22 @@ def test_small_but_real_difference_is_not_zero_variance():
 def test_empty_group_is_an_error():
     with pytest.raises(ValueError):
         group_advantages([])
+
+
+def test_bessel_std_against_hand_computation_and_torch():
+    import torch
+
+    rewards = [0.0, 0.25, 1.0]
+    # mean 5/12; squared deviations sum (25 + 4 + 49) / 144 = 78/144; / (n - 1) = 2
+    assert group_std(rewards, "bessel") == pytest.approx(math.sqrt(78 / 144 / 2))
+    assert group_std(rewards, "population") == pytest.approx(math.sqrt(78 / 144 / 3))
+    assert group_std(rewards, "bessel") == pytest.approx(float(torch.tensor(rewards).std()))  # TRL's choice
+    result = group_advantages(rewards, eps=0.0, std_kind="bessel")
+    assert result.advantages == pytest.approx([(r - 5 / 12) / math.sqrt(78 / 144 / 2) for r in rewards])
+
+
+def test_a_single_member_group_has_zero_std_in_both_kinds():
+    assert group_std([0.7], "bessel") == 0.0 and group_std([0.7], "population") == 0.0
+    assert group_advantages([0.7], std_kind="bessel").zero_variance
+    with pytest.raises(ValueError, match="population or bessel"):
+        group_std([0.0, 1.0], "sample")  # type: ignore[arg-type]
