@@ -28,14 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.cli.local_stack import LocalStack, free_port  # noqa: E402
-from services.intake.publisher import build_group  # noqa: E402
-from shared.celery_app import make_celery, publish_rollouts  # noqa: E402
-from shared.ledger import Ledger  # noqa: E402
-from shared.names import RedisKeys  # noqa: E402
-from shared.schemas import GroupRecord, GroupRegistration, ScoredTrajectory, TaskProfile  # noqa: E402
-from shared.settings import load_settings  # noqa: E402
-from shared.storage import get_model, open_store  # noqa: E402
+from bench.local_runs import BenchRun, episode_settings, inference_stack  # noqa: E402
+from services.cli.local_stack import LocalStack  # noqa: E402
 
 LEVELS = {1: (1, 1), 8: (2, 4), 32: (8, 4)}  # concurrent episodes -> (thread slots, group size)
 
@@ -51,61 +45,29 @@ def run_level(base: LocalStack, root: Path, level: int, waves: int, step_latency
     if task_per_trajectory:
         slots = level  # one episode per task: as many slots as concurrent episodes
     run_id = f"bench-c{level}" + ("-split" if task_per_trajectory else "")
-    env = {k: v for k, v in base.env.items() if k not in ("CONVEYOR_RUN_ID", "CONVEYOR_TRAINER__METRICS_PATH")}
-    env.update({
-        "CONVEYOR_ROLLOUT__GROUP_SIZE": str(group_size), "CONVEYOR_ROLLOUT__MAX_TURNS": str(max_turns),
-        "CONVEYOR_ROLLOUT__MAX_TOKENS_PER_TURN": "24", "CONVEYOR_ROLLOUT__MAX_EPISODE_TOKENS": "400",
-        "CONVEYOR_TRAINER__BLOCK_MS": "50",
-    })
-    stack = LocalStack(root / run_id, run_id=run_id, env=env)
-    import os
-
-    os.environ.update(stack.env)
-    settings = load_settings()
-    celery = make_celery(settings)
-    ledger = Ledger.from_url(settings.redis.url)
-    store = open_store(settings.storage)
+    run = BenchRun.open(base, root, run_id, episode_settings(group_size, max_turns))
     groups_per_wave = level // group_size
     waves_out = []
-    with stack:
-        stack.start_rollout_worker(concurrency=slots)
-        stack.start_scoring_worker()
-        stack.start_trainer()
+    with run.stack:
+        run.stack.start_rollout_worker(concurrency=slots)
+        run.stack.start_scoring_worker()
+        run.stack.start_trainer()
         time.sleep(8)  # workers import torch/transformers and connect
         group_id = 0
         for wave in range(waves + 1):  # wave 0 warms up every process and is not counted
-            wave_groups = []
+            wave_groups = list(range(group_id, group_id + groups_per_wave))
             started = time.time()
-            for _ in range(groups_per_wave):
-                task = TaskProfile(task_id=f"b{group_id}", env_name="guess_number",
-                                   task_data={"low": 1, "high": 50, "target": 1 + (group_id * 7) % 50},
-                                   env_config={"step_latency_s": step_latency})
-                requests = build_group(settings, group_id, task)
-                registration = GroupRegistration(run_id=run_id, group_id=group_id, expected_size=group_size,
-                                                 task_id=task.task_id, policy_version=0, dispatched_at=requests[0].dispatched_at)
-                ledger.redis.hset(RedisKeys.groups(run_id), str(group_id), registration.model_dump_json())
-                ledger.register(requests)
-                for batch in ([r] for r in requests) if task_per_trajectory else [requests]:
-                    publish_rollouts(celery, batch)
-                wave_groups.append(group_id)
-                group_id += 1
-            target = group_id * group_size
-            deadline = time.time() + 600
-            while ledger.counts(run_id)["consumed"] + ledger.counts(run_id)["failed"] < target:
-                if time.time() > deadline:
-                    raise TimeoutError(f"wave {wave} of level {level} did not finish: {ledger.counts(run_id)}")
-                time.sleep(0.05)
+            for g in wave_groups:
+                run.publish_guess_group(g, step_latency, task_per_trajectory)
+            group_id += groups_per_wave
+            run.wait_until_consumed(group_id * group_size, 600, f"wave {wave} of level {level}")
             if wave == 0:
                 continue
-            records = [get_model(store, f"groups/{run_id}/{g:06d}.json.gz", GroupRecord) for g in wave_groups]
-            scored = [
-                get_model(store, f"scored/{run_id}/{g:06d}/{m.trajectory_id}.json.gz", ScoredTrajectory)
-                for r, g in zip(records, wave_groups) for m in r.members if m.reward is not None
-            ]
+            records, scored = run.read_groups(wave_groups)
             wall = max(r.completed_at for r in records) - started
             longest = max(s.timings["episode"] for s in scored)
             waves_out.append({"wall": wall, "longest_episode": longest, "scored": scored, "records": records, "episodes": len(scored)})
-    metrics = [json.loads(line) for line in (root / run_id / "metrics.jsonl").read_text().splitlines()] if (root / run_id / "metrics.jsonl").exists() else []
+    metrics = run.trainer_metrics()
     stages = {name: [s.timings[name] for w in waves_out for s in w["scored"]] for name in ("queue_wait", "episode", "inference", "env", "upload", "scoring")}
     stages["group_assembly"] = [m["assembly_s"] for m in metrics]
     overheads = [(w["wall"] - w["longest_episode"]) / w["longest_episode"] for w in waves_out]
@@ -132,23 +94,8 @@ def main() -> None:
                         help="at each level, also run one Celery task per trajectory (vs one per group)")
     args = parser.parse_args()
 
-    from services.inference.server import VllmServer
-    from services.inference.tiny_model import generate_tiny_model
-
     root = Path(tempfile.mkdtemp(prefix="conveyor-bench-"))
-    base = LocalStack(root / "base")
-    vllm = None
-    try:
-        base.start_redis()
-        if args.storage == "s3":
-            base.start_s3()
-        else:
-            base.env.update({"CONVEYOR_STORAGE__BACKEND": "local", "CONVEYOR_STORAGE__LOCAL_ROOT": str(root / "objects")})
-        model_dir = generate_tiny_model(root / "tiny", end_of_turn_bias=4.0)
-        vllm = VllmServer(model_dir, "tiny", port=free_port(), log_path=root / "vllm.log")
-        vllm.start()
-        vllm.wait_ready(600)
-        base.use_inference(vllm.base_url, model_dir, "tiny")
+    with inference_stack(root, args.storage) as base:
         print(f"# pipeline benchmark: storage={args.storage} step_latency={args.step_latency}s max_turns={args.max_turns} waves={args.waves}")
         print("| episodes | traj/s | wave wall s | longest episode s | overhead | overhead ms | queue wait p50 | inference p50 | upload p50 | scoring p50 | assembly p50 |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -164,10 +111,6 @@ def main() -> None:
                 flush=True,
             )
             print(f"  p95 ms: {json.dumps({k: round(v, 1) for k, v in r['stages_p95_ms'].items()})}", flush=True)
-    finally:
-        base.stop()
-        if vllm:
-            vllm.stop()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,10 @@
 - ``group_seed = base_seed + group_id``; ``episode_seed = group_seed + episode_index``.
 - ``trajectory_id = {run}_{group_id}_{episode_index}_{episode_seed}``; run ids contain no "_",
   so a trajectory id parses back into its parts.
-- Sample mode picks rows deterministically from the group seed.
+- Sample mode picks rows deterministically from the group seed: with replacement
+  (``sample_row_index``), or in shuffled epochs (``epoch_row_index``: group ``g`` takes
+  position ``g mod n`` of epoch ``g div n``'s permutation, seeded by base seed and epoch, so
+  every row is used once per epoch).
 - Train/eval splits are hash-based: the same task id always lands in the same split.
 """
 
@@ -48,6 +51,23 @@ def sample_row_index(base_seed: int, group_id: int, num_rows: int) -> int:
     if num_rows <= 0:
         raise ValueError("cannot sample from an empty dataset")
     return random.Random(group_seed(base_seed, group_id)).randrange(num_rows)
+
+
+def epoch_permutation(base_seed: int, epoch: int, num_rows: int) -> list[int]:
+    """The row order of one epoch in shuffled-epochs sample mode."""
+    if num_rows <= 0:
+        raise ValueError("cannot sample from an empty dataset")
+    order = list(range(num_rows))
+    random.Random(f"epoch:{base_seed}:{epoch}").shuffle(order)
+    return order
+
+
+def epoch_row_index(base_seed: int, group_id: int, num_rows: int) -> int:
+    """The dataset row a group uses in shuffled-epochs sample mode."""
+    if num_rows <= 0:
+        raise ValueError("cannot sample from an empty dataset")
+    epoch, position = divmod(group_id, num_rows)
+    return epoch_permutation(base_seed, epoch, num_rows)[position]
 
 
 def split_of(task_id: str, eval_fraction: float, salt: str = "conveyor") -> str:

@@ -1,4 +1,5 @@
-"""The trajectory ledger in Redis: one state per trajectory, changed only by atomic Lua transitions.
+"""The trajectory ledger in Redis: one state per trajectory, changed only by atomic Lua
+transitions (``shared.ledger_lua``).
 
 States: queued -> running -> uploaded -> scored -> consumed, or failed(reason) from any
 non-terminal state.
@@ -10,10 +11,17 @@ Invariants, per run:
 - A transition names the states it may start from; a redelivered or duplicated message finds
   the trajectory elsewhere and becomes a no-op. This is what makes rollout, scoring and
   consumption idempotent by trajectory id.
-- A running trajectory holds a lease (owner token + deadline in the ``leases`` zset). Only the
-  lease owner can upload or fail it, so a worker that was presumed dead cannot publish a second
-  copy. Workers renew leases by heartbeat; the reaper re-queues trajectories whose lease ran
-  out, and fails them after ``max_attempts``.
+- Every stage that holds work holds it under a lease (a ``LeaseStage``: owner token + deadline
+  in the stage's zset): rollout holds ``running`` trajectories, scoring holds ``uploaded`` ones.
+  At most one attempt per stage holds a trajectory; only its owner can move it on, so a worker
+  presumed dead cannot publish a second copy. Leaving the held state ends the lease in the same
+  Lua call. Workers renew leases by heartbeat; the reaper (``shared.leases``) puts a
+  trajectory whose lease ran out back where the stage claims from, to be re-dispatched, and
+  fails it after ``max_attempts`` attempts of that stage. An owner that stops before its
+  work is done (its worker shuts down) hands the trajectory back (``hand_back``): to the
+  state its stage claims from, the lease ended and the attempt not counted, in one Lua call.
+- Registering a run's trajectories records the run's marker (``shared.run_marker``) in the
+  same Lua call, so Redis never holds a run's trajectories without its marker.
 - Hand-off to the trainer is atomic with the state change: ``mark_scored`` and ``fail`` append
   the TrainerEvent to the run's stream in the same Lua call. An event is never lost or doubled.
 """
@@ -22,103 +30,46 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import redis
 
+from shared import ledger_lua
 from shared.ids import parse_trajectory_id
 from shared.names import RedisKeys
-from shared.schemas import RolloutRequest, TrainerEvent, TrajectoryState
+from shared.outage import redis_client
+from shared.run_marker import RedisDataLost, lost_message, marker_value
+from shared.schemas import FailedEvent, RolloutRequest, ScoredEvent, TrajectoryState
+from shared.settings import OutageSettings
 
 STATES = [s.value for s in TrajectoryState]
 
-# KEYS: states, counts, requests, runs ; ARGV: run_id, then (tid, request_json) pairs
-_REGISTER = """
-local added = 0
-redis.call('SADD', KEYS[4], ARGV[1])
-for i = 2, #ARGV, 2 do
-  if redis.call('HSETNX', KEYS[1], ARGV[i], 'queued') == 1 then
-    redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1])
-    redis.call('HINCRBY', KEYS[2], 'queued', 1)
-    added = added + 1
-  end
-end
-return added
-"""
 
-# KEYS: states, counts, owners, attempts, leases ; ARGV: tid, token, deadline, max_attempts
-# -> {"ok", attempt} | {"skip", state}
-_CLAIM = """
-local state = redis.call('HGET', KEYS[1], ARGV[1])
-if state ~= 'queued' then return {'skip', state or 'unknown'} end
-local attempt = redis.call('HINCRBY', KEYS[4], ARGV[1], 1)
-redis.call('HSET', KEYS[1], ARGV[1], 'running')
-redis.call('HINCRBY', KEYS[2], 'queued', -1)
-redis.call('HINCRBY', KEYS[2], 'running', 1)
-redis.call('HSET', KEYS[3], ARGV[1], ARGV[2])
-redis.call('ZADD', KEYS[5], ARGV[3], ARGV[1])
-return {'ok', tostring(attempt)}
-"""
+@dataclass(frozen=True)
+class LeaseStage:
+    """A stage that holds a trajectory under a lease: it claims it in ``claim_from`` and holds
+    it in ``held``; an expired lease puts it back in ``claim_from`` for a re-dispatch of the
+    ``payload`` stored for it."""
 
-# KEYS: states, owners, leases ; ARGV: deadline, then (tid, token) pairs -> renewed count
-_HEARTBEAT = """
-local renewed = 0
-for i = 2, #ARGV, 2 do
-  if redis.call('HGET', KEYS[1], ARGV[i]) == 'running' and redis.call('HGET', KEYS[2], ARGV[i]) == ARGV[i + 1] then
-    redis.call('ZADD', KEYS[3], 'XX', ARGV[1], ARGV[i])
-    renewed = renewed + 1
-  end
-end
-return renewed
-"""
+    name: str
+    claim_from: TrajectoryState
+    held: TrajectoryState
+    expired_reason: str  # failure reason once the lease expired max_attempts times
+    leases: str  # zset trajectory id -> deadline, all runs
+    owners: Callable[[str], str]  # run id -> hash trajectory id -> token
+    attempts: Callable[[str], str]  # run id -> hash trajectory id -> attempts started
+    payloads: Callable[[str], str]  # run id -> hash trajectory id -> what a re-dispatch publishes
 
-# Generic guarded transition.
-# KEYS: states, counts, owners, leases, failures, stream
-# ARGV: tid, to_state, token ('' = no owner check), failure_reason, event_json ('' = none),
-#       then the allowed from-states
-# -> {"ok", from_state} | {"skip", state}
-_TRANSITION = """
-local state = redis.call('HGET', KEYS[1], ARGV[1])
-if not state then return {'skip', 'unknown'} end
-local allowed = false
-for i = 6, #ARGV do if ARGV[i] == state then allowed = true end end
-if not allowed then return {'skip', state} end
-if ARGV[3] ~= '' and redis.call('HGET', KEYS[3], ARGV[1]) ~= ARGV[3] then
-  return {'skip', 'not_owner'}
-end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-redis.call('HINCRBY', KEYS[2], state, -1)
-redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
-if state == 'running' then
-  redis.call('ZREM', KEYS[4], ARGV[1])
-  redis.call('HDEL', KEYS[3], ARGV[1])
-end
-if ARGV[4] ~= '' then redis.call('HSET', KEYS[5], ARGV[1], ARGV[4]) end
-if ARGV[5] ~= '' then redis.call('XADD', KEYS[6], '*', 'event', ARGV[5]) end
-return {'ok', state}
-"""
 
-# KEYS: states, counts, owners, leases, attempts, failures, stream
-# ARGV: tid, now, max_attempts, failed_event_json
-# -> "requeued" | "failed" | "skip"
-_EXPIRE = """
-local deadline = redis.call('ZSCORE', KEYS[4], ARGV[1])
-if not deadline or tonumber(deadline) > tonumber(ARGV[2]) then return 'skip' end
-redis.call('ZREM', KEYS[4], ARGV[1])
-if redis.call('HGET', KEYS[1], ARGV[1]) ~= 'running' then return 'skip' end
-redis.call('HDEL', KEYS[3], ARGV[1])
-redis.call('HINCRBY', KEYS[2], 'running', -1)
-local attempts = tonumber(redis.call('HGET', KEYS[5], ARGV[1]) or '0')
-if attempts >= tonumber(ARGV[3]) then
-  redis.call('HSET', KEYS[1], ARGV[1], 'failed')
-  redis.call('HINCRBY', KEYS[2], 'failed', 1)
-  redis.call('HSET', KEYS[6], ARGV[1], 'lease_expired after ' .. attempts .. ' attempts')
-  redis.call('XADD', KEYS[7], '*', 'event', ARGV[4])
-  return 'failed'
-end
-redis.call('HSET', KEYS[1], ARGV[1], 'queued')
-redis.call('HINCRBY', KEYS[2], 'queued', 1)
-return 'requeued'
-"""
+ROLLOUT = LeaseStage(
+    "rollout", TrajectoryState.queued, TrajectoryState.running, "lease_expired",
+    RedisKeys.leases, RedisKeys.owners, RedisKeys.attempts, RedisKeys.requests,
+)
+SCORING = LeaseStage(  # the payload is the scoring task's argument list, as JSON
+    "scoring", TrajectoryState.uploaded, TrajectoryState.uploaded, "scoring_lease_expired",
+    RedisKeys.scoring_leases, RedisKeys.scoring_owners, RedisKeys.scoring_attempts, RedisKeys.scoring_tasks,
+)
+LEASE_STAGES = (ROLLOUT, SCORING)  # each holds a different state
 
 
 @dataclass(frozen=True)
@@ -130,50 +81,82 @@ class TransitionResult:
 class Ledger:
     def __init__(self, client: redis.Redis):
         self.redis = client
-        self._register = client.register_script(_REGISTER)
-        self._claim = client.register_script(_CLAIM)
-        self._heartbeat = client.register_script(_HEARTBEAT)
-        self._transition = client.register_script(_TRANSITION)
-        self._expire = client.register_script(_EXPIRE)
+        self._register = client.register_script(ledger_lua.REGISTER)
+        self._claim = client.register_script(ledger_lua.CLAIM)
+        self._heartbeat = client.register_script(ledger_lua.HEARTBEAT)
+        self._transition = client.register_script(ledger_lua.TRANSITION)
+        self._expire = client.register_script(ledger_lua.EXPIRE)
+        self._set_payload = client.register_script(ledger_lua.SET_PAYLOAD)
+        self._hand_back = client.register_script(ledger_lua.HAND_BACK)
 
     @classmethod
-    def from_url(cls, url: str) -> "Ledger":
+    def from_url(cls, url: str, outage: OutageSettings | None = None) -> "Ledger":
+        """With ``outage`` (a long-running service), every call waits out an outage of Redis
+        (``shared.outage``); without, a call fails at once (a one-shot command)."""
+        if outage is not None:
+            return cls(redis_client(url, outage))
         return cls(redis.Redis.from_url(url, decode_responses=True))
 
     # --- intake -----------------------------------------------------------------------------
-    def register(self, requests: list[RolloutRequest]) -> int:
-        """Record requests as queued. Already-known trajectory ids are left as they are."""
+    def register(self, requests: list[RolloutRequest], require_marker: bool = False) -> int:
+        """Record requests as queued, and the run's marker (``shared.run_marker``) if it has
+        none. Already-known trajectory ids are left as they are. With ``require_marker`` (a run
+        intake opened), a run whose marker is gone is refused: ``RedisDataLost``."""
         if not requests:
             return 0
         run_id = requests[0].run_id
-        argv: list[str] = [run_id]
+        argv: list[str] = [run_id, marker_value(run_id), "1" if require_marker else "0"]
         for req in requests:
             argv += [req.trajectory_id, req.model_dump_json()]
         k = RedisKeys
-        keys = [k.states(run_id), k.counts(run_id), k.requests(run_id), k.runs]
-        return int(self._register(keys=keys, args=argv))
+        keys = [k.states(run_id), k.counts(run_id), k.requests(run_id), k.runs, k.run_marker(run_id)]
+        added = int(self._register(keys=keys, args=argv))
+        if added < 0:
+            raise RedisDataLost(lost_message(run_id, "intake saw it when it opened the run", "registers nothing more of it"))
+        return added
 
-    # --- rollout worker ---------------------------------------------------------------------
-    def claim(self, trajectory_id: str, token: str, lease_ttl_s: float) -> tuple[bool, str]:
-        """queued -> running under a fresh lease. Returns (claimed, attempt-or-blocking-state)."""
-        run_id = parse_trajectory_id(trajectory_id).run_id
-        k = RedisKeys
-        keys = [k.states(run_id), k.counts(run_id), k.owners(run_id), k.attempts(run_id), k.leases]
-        status, detail = self._claim(keys=keys, args=[trajectory_id, token, time.time() + lease_ttl_s])
+    # --- leases (rollout worker, scorer) ----------------------------------------------------
+    def claim(
+        self, trajectory_id: str, token: str, lease_ttl_s: float, stage: LeaseStage = ROLLOUT, payload: str = ""
+    ) -> tuple[bool, str]:
+        """Take the stage's lease (``claim_from`` -> ``held``); ``payload``, if given, is what the
+        reaper re-dispatches. Returns (claimed, attempt-or-blocking-state)."""
+        run = parse_trajectory_id(trajectory_id).run_id
+        keys = [RedisKeys.states(run), RedisKeys.counts(run), stage.owners(run), stage.leases, stage.attempts(run), stage.payloads(run)]
+        args = [trajectory_id, token, time.time() + lease_ttl_s, stage.claim_from.value, stage.held.value, payload]
+        status, detail = self._claim(keys=keys, args=args)
         return status == "ok", detail
 
-    def heartbeat(self, leases: dict[str, str], lease_ttl_s: float) -> int:
+    def heartbeat(self, leases: dict[str, str], lease_ttl_s: float, stage: LeaseStage = ROLLOUT) -> int:
         """Extend the leases still owned by these (trajectory id -> token); returns how many."""
         by_run: dict[str, list[str]] = {}
         for tid, token in leases.items():
             by_run.setdefault(parse_trajectory_id(tid).run_id, []).extend([tid, token])
         renewed = 0
         deadline = time.time() + lease_ttl_s
-        for run_id, pairs in by_run.items():
-            keys = [RedisKeys.states(run_id), RedisKeys.owners(run_id), RedisKeys.leases]
-            renewed += int(self._heartbeat(keys=keys, args=[deadline, *pairs]))
+        for run, pairs in by_run.items():
+            keys = [RedisKeys.states(run), stage.owners(run), stage.leases]
+            renewed += int(self._heartbeat(keys=keys, args=[deadline, stage.held.value, *pairs]))
         return renewed
 
+    def expired_leases(self, now: float | None = None, limit: int = 500, stage: LeaseStage = ROLLOUT) -> list[str]:
+        now = time.time() if now is None else now
+        return self.redis.zrangebyscore(stage.leases, "-inf", now, start=0, num=limit)
+
+    def expire(self, trajectory_id: str, max_attempts: int, now: float | None = None, stage: LeaseStage = ROLLOUT) -> str:
+        """Lease ran out: 'requeued' (publish the payload again), 'failed', or 'skip'."""
+        ids = parse_trajectory_id(trajectory_id)
+        now = time.time() if now is None else now
+        reason = f"{stage.expired_reason} after {max_attempts} attempts"
+        event = FailedEvent(
+            trajectory_id=trajectory_id, run_id=ids.run_id, group_id=ids.group_id, failure_reason=reason, at=now,
+        )
+        k, run = RedisKeys, ids.run_id
+        keys = [k.states(run), k.counts(run), stage.owners(run), stage.leases, stage.attempts(run), k.failures(run), k.trainer_stream(run)]
+        args = [trajectory_id, now, max_attempts, event.model_dump_json(), stage.held.value, stage.claim_from.value, stage.expired_reason]
+        return self._expire(keys=keys, args=args)
+
+    # --- transitions ------------------------------------------------------------------------
     def mark_uploaded(self, trajectory_id: str, token: str) -> TransitionResult:
         _require_token(token)
         return self._move(trajectory_id, TrajectoryState.uploaded, [TrajectoryState.running], token=token)
@@ -183,22 +166,30 @@ class Ledger:
         _require_token(token)
         return self._move(trajectory_id, TrajectoryState.queued, [TrajectoryState.running], token=token)
 
-    # --- scorer / trainer -------------------------------------------------------------------
-    def mark_scored(self, trajectory_id: str, event: TrainerEvent) -> TransitionResult:
-        return self._move(trajectory_id, TrajectoryState.scored, [TrajectoryState.uploaded], event=event)
+    def hand_back(self, trajectory_id: str, token: str, stage: LeaseStage = ROLLOUT) -> TransitionResult:
+        """held -> claim_from by the lease owner, the attempt not counted: its worker is
+        shutting down before the work was done (publish the payload again)."""
+        _require_token(token)
+        run = parse_trajectory_id(trajectory_id).run_id
+        keys = [RedisKeys.states(run), RedisKeys.counts(run), stage.owners(run), stage.leases, stage.attempts(run)]
+        status, detail = self._hand_back(keys=keys, args=[trajectory_id, token, stage.held.value, stage.claim_from.value])
+        return TransitionResult(status == "ok", detail)
+
+    def mark_scored(self, trajectory_id: str, event: ScoredEvent, token: str | None = None) -> TransitionResult:
+        """uploaded -> scored, appending the event; with a token, only by the scoring lease's owner."""
+        return self._move(trajectory_id, TrajectoryState.scored, [TrajectoryState.uploaded], token=token, event=event)
 
     def mark_consumed(self, trajectory_id: str) -> TransitionResult:
         return self._move(trajectory_id, TrajectoryState.consumed, [TrajectoryState.scored])
 
     def fail(self, trajectory_id: str, reason: str, token: str | None = None) -> TransitionResult:
         """Any non-terminal state -> failed(reason); tells the trainer. With a token, only the
-        lease owner may fail a running trajectory."""
+        owner of the lease holding the trajectory may fail it."""
         ids = parse_trajectory_id(trajectory_id)
-        event = TrainerEvent(
-            kind="failed", trajectory_id=trajectory_id, run_id=ids.run_id, group_id=ids.group_id,
-            failure_reason=reason, at=time.time(),
+        event = FailedEvent(
+            trajectory_id=trajectory_id, run_id=ids.run_id, group_id=ids.group_id, failure_reason=reason, at=time.time(),
         )
-        allowed = [TrajectoryState.running] if token else [
+        allowed = [stage.held for stage in LEASE_STAGES] if token else [
             TrajectoryState.queued, TrajectoryState.running, TrajectoryState.uploaded, TrajectoryState.scored
         ]
         return self._move(trajectory_id, TrajectoryState.failed, allowed, token=token, event=event, reason=reason)
@@ -209,42 +200,44 @@ class Ledger:
         to: TrajectoryState,
         allowed_from: list[TrajectoryState],
         token: str | None = None,
-        event: TrainerEvent | None = None,
+        event: ScoredEvent | FailedEvent | None = None,
         reason: str = "",
     ) -> TransitionResult:
-        run_id = parse_trajectory_id(trajectory_id).run_id
+        run = parse_trajectory_id(trajectory_id).run_id
         k = RedisKeys
-        keys = [k.states(run_id), k.counts(run_id), k.owners(run_id), k.leases, k.failures(run_id), k.trainer_stream(run_id)]
+        keys = [k.states(run), k.counts(run), k.failures(run), k.trainer_stream(run)]
+        for stage in LEASE_STAGES:
+            keys += [stage.owners(run), stage.leases]
         args = [trajectory_id, to.value, token or "", reason, event.model_dump_json() if event else ""]
-        args += [s.value for s in allowed_from]
+        args += [",".join(s.value for s in allowed_from), *(stage.held.value for stage in LEASE_STAGES)]
         status, detail = self._transition(keys=keys, args=args)
         return TransitionResult(status == "ok", detail)
 
-    # --- reaper -----------------------------------------------------------------------------
-    def expired_leases(self, now: float | None = None, limit: int = 500) -> list[str]:
-        now = time.time() if now is None else now
-        return self.redis.zrangebyscore(RedisKeys.leases, "-inf", now, start=0, num=limit)
-
-    def expire(self, trajectory_id: str, max_attempts: int, now: float | None = None) -> str:
-        """Lease ran out: 'requeued' (publish the request again), 'failed', or 'skip'."""
-        ids = parse_trajectory_id(trajectory_id)
-        now = time.time() if now is None else now
-        event = TrainerEvent(
-            kind="failed", trajectory_id=trajectory_id, run_id=ids.run_id, group_id=ids.group_id,
-            failure_reason=f"lease_expired after {max_attempts} attempts", at=now,
-        )
-        k = RedisKeys
-        run = ids.run_id
-        keys = [k.states(run), k.counts(run), k.owners(run), k.leases, k.attempts(run), k.failures(run), k.trainer_stream(run)]
-        return self._expire(keys=keys, args=[trajectory_id, now, max_attempts, event.model_dump_json()])
-
     # --- reads ------------------------------------------------------------------------------
-    def request(self, trajectory_id: str) -> RolloutRequest:
+    def payload(self, trajectory_id: str, stage: LeaseStage = ROLLOUT) -> str:
         run_id = parse_trajectory_id(trajectory_id).run_id
-        raw = self.redis.hget(RedisKeys.requests(run_id), trajectory_id)
+        raw = self.redis.hget(stage.payloads(run_id), trajectory_id)
         if raw is None:
-            raise KeyError(f"no rollout request recorded for {trajectory_id}")
-        return RolloutRequest.model_validate_json(raw)
+            raise KeyError(f"no {stage.name} payload recorded for {trajectory_id}")
+        return raw
+
+    def set_payload(self, trajectory_id: str, payload: str, stage: LeaseStage) -> bool:
+        """What a re-dispatch of the stage publishes, stored before the first message is sent;
+        only while the trajectory waits for the stage (False: it is elsewhere, or unknown)."""
+        run = parse_trajectory_id(trajectory_id).run_id
+        keys = [RedisKeys.states(run), stage.payloads(run)]
+        return bool(self._set_payload(keys=keys, args=[trajectory_id, stage.claim_from.value, payload]))
+
+    def unclaimed(self, run_id: str, stage: LeaseStage) -> dict[str, str]:
+        """Trajectory id -> payload of those waiting where the stage claims from, with no lease
+        of the stage on them (and a payload to send again)."""
+        owners = set(self.redis.hkeys(stage.owners(run_id)))
+        waiting = [t for t, state in self.states(run_id).items() if state == stage.claim_from.value and t not in owners]
+        payloads = self.redis.hmget(stage.payloads(run_id), waiting) if waiting else []
+        return {t: p for t, p in zip(waiting, payloads) if p is not None}
+
+    def request(self, trajectory_id: str) -> RolloutRequest:
+        return RolloutRequest.model_validate_json(self.payload(trajectory_id, ROLLOUT))
 
     def state(self, trajectory_id: str) -> str | None:
         return self.redis.hget(RedisKeys.states(parse_trajectory_id(trajectory_id).run_id), trajectory_id)
@@ -255,9 +248,12 @@ class Ledger:
     def failure_reasons(self, run_id: str) -> dict[str, str]:
         return self.redis.hgetall(RedisKeys.failures(run_id))
 
-    def attempts(self, trajectory_id: str) -> int:
+    def attempts(self, trajectory_id: str, stage: LeaseStage = ROLLOUT) -> int:
         run_id = parse_trajectory_id(trajectory_id).run_id
-        return int(self.redis.hget(RedisKeys.attempts(run_id), trajectory_id) or 0)
+        return int(self.redis.hget(stage.attempts(run_id), trajectory_id) or 0)
+
+    def lease_owner(self, trajectory_id: str, stage: LeaseStage = ROLLOUT) -> str | None:
+        return self.redis.hget(stage.owners(parse_trajectory_id(trajectory_id).run_id), trajectory_id)
 
     def counts(self, run_id: str) -> dict[str, int]:
         raw = self.redis.hgetall(RedisKeys.counts(run_id))

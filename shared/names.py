@@ -2,11 +2,15 @@
 
 Object key layout (one bucket):
 - ``trajectories/{run}/{group_id:06d}/{trajectory_id}.json.gz`` — the Trajectory, gzip JSON
-- ``scored/{run}/{group_id:06d}/{trajectory_id}.json.gz`` — the ScoredTrajectory
+- ``scored/{run}/{group_id:06d}/{trajectory_id}.json.gz`` — the ScoredTrajectory (a re-dispatched
+  scoring attempt n > 1 writes ``{trajectory_id}.s{n}.json.gz``, so a scorer presumed dead never
+  overwrites the object the trainer is told about)
 - ``batches/{run}/{group_id:06d}.json.gz`` — a training batch (one GRPO group)
 - ``groups/{run}/{group_id:06d}.json.gz`` — the GroupRecord the trainer decided
 - ``checkpoints/{run}/{version:06d}/`` — a policy checkpoint: safetensors, config and
   tokenizer files, ``trainer_state.pt``, and the ``COMMITTED`` manifest written last
+- ``runs/{run}/marker.json`` — the run's marker, written by intake after the one in Redis
+  (``RedisKeys.run_marker``); it tells that Redis should hold the run (``shared.run_marker``)
 Rejected dataset rows live in Redis (``RedisKeys.rejected_rows``), not in the bucket.
 """
 
@@ -25,8 +29,9 @@ def trajectory_key(run_id: str, group_id: int, trajectory_id: str) -> str:
     return f"trajectories/{run_id}/{group_id:06d}/{trajectory_id}.json.gz"
 
 
-def scored_key(run_id: str, group_id: int, trajectory_id: str) -> str:
-    return f"scored/{run_id}/{group_id:06d}/{trajectory_id}.json.gz"
+def scored_key(run_id: str, group_id: int, trajectory_id: str, attempt: int = 1) -> str:
+    suffix = "" if attempt == 1 else f".s{attempt}"
+    return f"scored/{run_id}/{group_id:06d}/{trajectory_id}{suffix}.json.gz"
 
 
 def batch_key(run_id: str, group_id: int) -> str:
@@ -38,7 +43,12 @@ def group_record_key(run_id: str, group_id: int) -> str:
 
 
 CHECKPOINT_COMMITTED = "COMMITTED"  # written last; a checkpoint without it does not exist
+CHECKPOINT_PROBE = "logprob_probe.json"  # the trainer's logprobs of a fixed sequence (shared.logprob_probe)
 CHECKPOINT_TRAINER_STATE = "trainer_state.pt"  # optimizer state and step: the trainer's only
+
+
+def run_marker_key(run_id: str) -> str:
+    return f"runs/{run_id}/marker.json"
 
 
 def checkpoints_of_run(run_id: str) -> str:
@@ -53,7 +63,17 @@ class RedisKeys:
     """Redis key names. Per-run keys share a hash tag so a cluster keeps a run on one slot."""
 
     runs = f"{_P}:runs"  # set of run ids
-    leases = f"{_P}:leases"  # zset trajectory_id -> lease deadline (unix s), all runs
+    leases = f"{_P}:leases"  # zset trajectory_id -> rollout lease deadline (unix s), all runs
+    scoring_leases = f"{_P}:scoring_leases"  # zset trajectory_id -> scoring lease deadline, all runs
+    dead_letters = f"{_P}:dead_letters"  # list of messages that did not fit their schema, all runs (shared.dead_letters)
+
+    @staticmethod
+    def resend_lock(stage: str) -> str:  # one reaper per stage re-publishes after an outage (shared.leases)
+        return f"{_P}:resend_after_outage:{stage}"
+
+    @staticmethod
+    def run_marker(run_id: str) -> str:  # JSON {run_id, created_at}: Redis holds the run (shared.run_marker)
+        return f"{_P}:{{{run_id}}}:marker"
 
     @staticmethod
     def states(run_id: str) -> str:  # hash trajectory_id -> state ("failed" detail in `failures`)
@@ -76,11 +96,23 @@ class RedisKeys:
         return f"{_P}:{{{run_id}}}:attempts"
 
     @staticmethod
+    def scoring_owners(run_id: str) -> str:  # hash trajectory_id -> token of the scoring attempt
+        return f"{_P}:{{{run_id}}}:scoring_owners"
+
+    @staticmethod
+    def scoring_attempts(run_id: str) -> str:  # hash trajectory_id -> scoring attempts started
+        return f"{_P}:{{{run_id}}}:scoring_attempts"
+
+    @staticmethod
+    def scoring_tasks(run_id: str) -> str:  # hash trajectory_id -> scoring task args JSON (re-dispatch)
+        return f"{_P}:{{{run_id}}}:scoring_tasks"
+
+    @staticmethod
     def requests(run_id: str) -> str:  # hash trajectory_id -> RolloutRequest JSON (re-dispatch)
         return f"{_P}:{{{run_id}}}:requests"
 
     @staticmethod
-    def groups(run_id: str) -> str:  # hash group_id -> GroupRegistration JSON
+    def groups(run_id: str) -> str:  # hash group_id -> GroupRegistration JSON (shared.group_registry)
         return f"{_P}:{{{run_id}}}:groups"
 
     @staticmethod
@@ -92,7 +124,7 @@ class RedisKeys:
         return f"{_P}:{{{run_id}}}:groups_done"
 
     @staticmethod
-    def trainer_stream(run_id: str) -> str:  # stream of TrainerEvent JSON
+    def trainer_stream(run_id: str) -> str:  # stream of {"event": TrainerEvent JSON}
         return f"{_P}:{{{run_id}}}:to_trainer"
 
     @staticmethod
@@ -104,7 +136,7 @@ class RedisKeys:
         return f"{_P}:{{{run_id}}}:intake_done"
 
     @staticmethod
-    def policy_version(run_id: str) -> str:  # int: the version the inference service serves
+    def policy_version(run_id: str) -> str:  # int: the version the inference service serves (shared.policy_version)
         return f"{_P}:{{{run_id}}}:policy_version"
 
     @staticmethod
@@ -112,11 +144,11 @@ class RedisKeys:
         return f"{_P}:{{{run_id}}}:staleness"
 
     @staticmethod
-    def checkpoints(run_id: str) -> str:  # stream: {"version", "prefix"} per committed checkpoint
+    def checkpoints(run_id: str) -> str:  # stream: a CheckpointAnnouncement per committed checkpoint
         return f"{_P}:{{{run_id}}}:checkpoints"
 
     @staticmethod
-    def weight_sync(run_id: str) -> str:  # hash: version, seconds of the last weight sync
+    def weight_sync(run_id: str) -> str:  # hash: the last weight sync and failure (shared.weight_sync_record)
         return f"{_P}:{{{run_id}}}:weight_sync"
 
     @staticmethod
@@ -124,9 +156,9 @@ class RedisKeys:
         return f"{_P}:{{{run_id}}}:train_cursor"
 
     @staticmethod
-    def train_queue(run_id: str) -> str:  # list of {key, oldest_policy_version, group_id} JSON, append-only
+    def train_queue(run_id: str) -> str:  # list of TrainQueueEntry JSON, append-only
         return f"{_P}:{{{run_id}}}:train_queue"
 
     @staticmethod
-    def trainer_counters(run_id: str) -> str:  # hash: groups_accepted, zero_variance, late, ...
+    def trainer_counters(run_id: str) -> str:  # hash: counter -> int (shared.trainer_counters)
         return f"{_P}:{{{run_id}}}:trainer"

@@ -10,14 +10,32 @@ Invariants:
   (``sampled_token_ids``), with one inference logprob per sampled id. Concatenating, turn by
   turn, prompt ids then sampled ids gives the exact context the model saw.
 - The loss mask is 1 exactly on sampled tokens (``Trajectory.flatten``).
+- Every message between processes is one of these models, built by its producer and read by
+  its consumer through ``parse_message``: rollout tasks (``RolloutRequest``), scoring tasks
+  (``ScoringTask``), trainer-stream events (``TrainerEvent``: ``ScoredEvent | FailedEvent``),
+  train-queue entries (``TrainQueueEntry``: ``TrainBatchEntry | SkippedGroupEntry``),
+  checkpoint announcements (``CheckpointAnnouncement``), group registrations, and the objects
+  in the bucket. ``parse_message`` raises ``BadMessage`` (a ``ValueError`` naming the message
+  and each bad field) and nothing else, whatever the input; the consumer logs it and
+  dead-letters (``shared.dead_letters``) or fails the work it names, and goes on.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 SCHEMA_VERSION = "1.0"
 
@@ -192,25 +210,149 @@ class ScoredTrajectory(Message):
     timings: dict[str, float] = Field(default_factory=dict)
 
 
-class TrainerEvent(Message):
-    """What the trainer receives for one trajectory: it was scored, or it failed."""
+# A float that JSON can carry: NaN and infinity would be written as null and fail the reader,
+# so the producer refuses them.
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
-    kind: Literal["scored", "failed"]
-    trajectory_id: str
+
+class _TrainerEventBase(Message):
+    trajectory_id: str  # names run_id and group_id (``shared.ids``): an event cannot stray into another group
     run_id: str
     group_id: int
-    reward: float | None = None
-    scored_key: str | None = None  # object key of the ScoredTrajectory
-    failure_reason: str | None = None
-    at: float
+    at: FiniteFloat
 
     @model_validator(mode="after")
-    def _kind_has_its_fields(self) -> "TrainerEvent":
-        if self.kind == "scored" and (self.reward is None or self.scored_key is None):
-            raise ValueError("a 'scored' trainer event needs reward and scored_key")
-        if self.kind == "failed" and not self.failure_reason:
-            raise ValueError("a 'failed' trainer event needs failure_reason")
+    def _of_its_run_and_group(self) -> "_TrainerEventBase":
+        parts = self.trajectory_id.split("_")
+        if len(parts) != 4 or parts[0] != self.run_id or parts[1] != str(self.group_id):
+            raise ValueError(f"trajectory_id {self.trajectory_id!r} is not a trajectory of run {self.run_id!r}, "
+                             f"group {self.group_id} (run_group_episode_seed)")
         return self
+
+
+class ScoredEvent(_TrainerEventBase):
+    """The trajectory was scored: the trainer reads the ScoredTrajectory at ``scored_key``."""
+
+    kind: Literal["scored"] = "scored"
+    reward: FiniteFloat
+    scored_key: str  # object key of the ScoredTrajectory
+    failure_reason: None = None  # always null: kept so the JSON is the same for both kinds (see below)
+
+
+class FailedEvent(_TrainerEventBase):
+    """The trajectory failed for good, with the reason the ledger records."""
+
+    kind: Literal["failed"] = "failed"
+    failure_reason: str = Field(min_length=1)
+    reward: None = None  # always null, as above
+    scored_key: None = None
+
+
+# What the trainer receives for one trajectory, on the run's trainer stream: a union told apart
+# by ``kind``. Each kind requires its own fields; the other kind's fields are present as null,
+# so the JSON has the same keys as schema 1.0's single event class and either side of the
+# stream can be upgraded first.
+TrainerEvent = Annotated[Union[ScoredEvent, FailedEvent], Field(discriminator="kind")]
+
+
+class ScoringTask(Message):
+    """The scoring task's arguments: what a rollout worker publishes on queue ``scoring``, what
+    the scorer stores at its claim, and what the scoring reaper publishes again."""
+
+    trajectory_id: str
+    trajectory_key: str  # object key of the uploaded Trajectory
+    upload_s: FiniteFloat = 0.0  # how long the upload took, for the stage timings
+
+
+class CheckpointAnnouncement(Message):
+    """The trainer's word that checkpoint ``version`` is committed under ``prefix``: one entry of
+    the run's checkpoints stream, read by the weight follower. A stream entry is a flat map of
+    strings: ``stream_fields()`` writes it, ``parse_message`` reads it back."""
+
+    version: int = Field(ge=0)
+    prefix: str = Field(min_length=1)  # ends with "/" (added if missing)
+
+    @field_validator("prefix")
+    @classmethod
+    def _a_directory(cls, prefix: str) -> str:
+        return prefix if prefix.endswith("/") else prefix + "/"
+
+    def stream_fields(self) -> dict[str, str]:
+        return {k: str(v) for k, v in self.model_dump(mode="json").items()}
+
+
+class TrainBatchEntry(Message):
+    """A train-queue entry: an accepted group, its batch at ``key``, ready to train on."""
+
+    group_id: int
+    key: str  # object key of the TrainingBatch
+    oldest_policy_version: int  # of the group's oldest turn: staleness is checked when it is trained on
+
+
+class SkippedGroupEntry(Message):
+    """A train-queue entry: a dropped group, passed over by a step but counted by it (reward
+    metrics, and the cap on the extra groups a step waits for)."""
+
+    group_id: int
+    skip: Literal["zero_variance"]  # why it was dropped
+    rewards: list[FiniteFloat]  # its members' rewards
+
+
+def _train_entry_kind(entry: Any) -> str:
+    skip = entry.get("skip") if isinstance(entry, dict) else getattr(entry, "skip", None)
+    return "skip" if skip is not None else "train"
+
+
+# One entry of the run's train queue (consumer -> training loop), told apart by ``skip``.
+TrainQueueEntry = Annotated[
+    Union[Annotated[TrainBatchEntry, Tag("train")], Annotated[SkippedGroupEntry, Tag("skip")]],
+    Discriminator(_train_entry_kind),
+]
+
+
+class BadMessage(ValueError):
+    """A message between processes that does not fit its schema. The text names the message,
+    every bad field with what is wrong with it, and the start of the message itself."""
+
+    def __init__(self, what: str, problems: str, raw: object):
+        self.what, self.problems, self.raw = what, problems, _shorten(raw)
+        super().__init__(f"bad {what}: {problems}; the message: {self.raw}")
+
+
+def _shorten(raw: object, limit: int = 300) -> str:
+    text = raw.decode(errors="replace") if isinstance(raw, (bytes, bytearray)) else raw if isinstance(raw, str) else repr(raw)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+_ADAPTERS: dict[Any, TypeAdapter] = {}
+
+
+def parse_message(schema: Any, raw: str | bytes | Any, what: str | None = None) -> Any:
+    """Read one message: ``raw`` is JSON text or bytes, or an already decoded object (a dict, a
+    stream entry's field map). Returns the model; raises ``BadMessage`` and nothing else."""
+    adapter = _ADAPTERS.get(schema)
+    if adapter is None:
+        adapter = _ADAPTERS[schema] = TypeAdapter(schema)
+    what = what or _message_name(schema)
+    try:
+        if isinstance(raw, (str, bytes, bytearray)):
+            return adapter.validate_json(raw)
+        return adapter.validate_python(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in error['loc']) or '(whole message)'}: {error['msg']}" for error in exc.errors()[:5]
+        )
+        if exc.error_count() > 5:
+            problems += f"; and {exc.error_count() - 5} more"
+        raise BadMessage(what, problems, raw) from None
+
+
+def _message_name(schema: Any) -> str:
+    if schema is TrainerEvent:
+        return "trainer event"
+    if schema is TrainQueueEntry:
+        return "train-queue entry"
+    return getattr(schema, "__name__", str(schema))
 
 
 class GroupMember(BaseModel):

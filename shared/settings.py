@@ -2,33 +2,50 @@
 
 Sources, highest priority first: keyword arguments, environment variables
 (``CONVEYOR_`` prefix, ``__`` between nested names, e.g. ``CONVEYOR_ROLLOUT__GROUP_SIZE=8``),
-the YAML file named by ``CONVEYOR_CONFIG`` (or passed as ``yaml_file``), then defaults.
+a ``.env`` file in the current directory (the same names), the YAML file named by
+``CONVEYOR_CONFIG`` (or passed as ``yaml_file``), then defaults.
 
-Invariant: settings are validated when a service starts. A bad value raises
-``SettingsError`` naming the field (``rollout.group_size: Input should be greater than 0``),
-never a traceback from deep inside a service.
+Invariant: settings are validated when a service starts, and every problem is a
+``SettingsError`` with one message naming its place, never a traceback from deep inside a
+service: a bad value names the field (``rollout.group_size: Input should be greater than 0``),
+an unknown ``CONVEYOR_*`` variable names itself and the closest known name
+(``shared.settings_sources``), bad JSON names the variable, bad YAML names the file and line, and
+an import path that does not import (``intake.env_config.reward_fn``, a ``module:function`` in
+``rewards.weights``) names the setting and the import error. Numbers refuse booleans
+(``group_size: true`` is an error, not 1); digits in a string still parse, as env vars need.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
     field_validator,
     model_validator,
 )
-from pydantic_settings import (
-    BaseSettings,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-    YamlConfigSettingsSource,
-)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsError as SourceError
+
+from shared.import_path import import_callable
+from shared.settings_sources import CheckedDotEnv, CheckedEnv, CheckedYaml, SettingsError  # noqa: F401 (callers import it from here)
+
+
+def _not_a_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not a boolean")
+    return value
+
+
+# Numbers that refuse booleans: pydantic's lax mode would read YAML `true` as 1.
+Int = Annotated[int, BeforeValidator(_not_a_bool)]
+Float = Annotated[float, BeforeValidator(_not_a_bool)]
 
 
 class Section(BaseModel):
@@ -56,36 +73,57 @@ class InferenceSettings(Section):
     weights_dir: Path = Path(".conveyor/weights")  # where the weight follower puts downloaded checkpoints
     model: str = "tiny"  # served model name
     model_path: Path = Path(".conveyor/models/tiny")  # checkpoint dir; the tokenizer comes from here
-    max_model_len: int = Field(1024, gt=0)
+    max_model_len: Int = Field(1024, gt=0)
     dtype: str = "float32"
-    port: int = Field(8000, gt=0, lt=65536)
-    request_timeout_s: float = Field(120.0, gt=0)
-    max_retries: int = Field(3, ge=0)
-    startup_timeout_s: float = Field(300.0, gt=0)
-    kv_cache_space_gib: int = Field(1, gt=0)  # VLLM_CPU_KVCACHE_SPACE on CPU hosts
+    port: Int = Field(8000, gt=0, lt=65536)
+    host: str = "127.0.0.1"  # the interface a launched vLLM listens on (0.0.0.0 in a container)
+    request_timeout_s: Float = Field(120.0, gt=0)
+    max_retries: Int = Field(3, ge=0)
+    startup_timeout_s: Float = Field(300.0, gt=0)
+    kv_cache_space_gib: Int = Field(1, gt=0)  # VLLM_CPU_KVCACHE_SPACE on CPU hosts
+    # After every weight sync, each replica must reproduce the trainer's logprobs of a fixed
+    # sequence (shared.logprob_probe) within the tolerance, or the sync fails and the served
+    # version does not move. None: 1e-4 for float32, 5e-2 for lower precisions.
+    sync_probe: bool = True
+    sync_probe_tolerance: Float | None = Field(None, gt=0)
 
 
 class SamplingSettings(Section):
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: Float = Field(1.0, ge=0)
+    top_p: Float = Field(1.0, gt=0, le=1)
 
 
 class RolloutSettings(Section):
-    group_size: int = Field(4, gt=0)
-    max_turns: int = Field(4, gt=0)
-    max_tokens_per_turn: int = Field(32, gt=0)
-    max_episode_tokens: int = Field(256, gt=0)  # sampled tokens across all turns
-    episode_timeout_s: float = Field(600.0, gt=0)
-    worker_concurrency: int = Field(32, gt=0)  # Celery thread-pool slots per worker process
+    group_size: Int = Field(4, gt=0)
+    max_turns: Int = Field(4, gt=0)
+    max_tokens_per_turn: Int = Field(32, gt=0)
+    max_episode_tokens: Int = Field(256, gt=0)  # sampled tokens across all turns
+    episode_timeout_s: Float = Field(600.0, gt=0)
+    worker_concurrency: Int = Field(32, gt=0)  # Celery thread-pool slots per worker process
+    # after a known infra error, a trajectory is queued again this long after attempt 1,
+    # doubling per attempt up to retry_backoff_max_s (services.rollout_worker.runner)
+    retry_backoff_s: Float = Field(2.0, ge=0)
+    retry_backoff_max_s: Float = Field(30.0, ge=0)
+    # on SIGTERM, running episodes get this long to finish; then they are handed back to the
+    # queue (no attempt spent). Keep it below the orchestrator's kill timeout (compose: 10 s).
+    shutdown_grace_s: Float = Field(5.0, ge=0)
     sampling: SamplingSettings = SamplingSettings()
 
 
 class LedgerSettings(Section):
-    lease_ttl_s: float = Field(30.0, gt=0)  # a running trajectory whose lease is older is re-dispatched
-    heartbeat_s: float = Field(5.0, gt=0)
-    reaper_interval_s: float = Field(5.0, gt=0)
-    max_attempts: int = Field(3, gt=0)
-    visibility_timeout_s: int = Field(3600, gt=0)  # Celery redelivery of unacked tasks (a backstop)
+    lease_ttl_s: Float = Field(30.0, gt=0)  # a running trajectory whose lease is older is re-dispatched
+    heartbeat_s: Float = Field(5.0, gt=0)
+    reaper_interval_s: Float = Field(5.0, gt=0)
+    max_attempts: Int = Field(3, gt=0)
+    visibility_timeout_s: Int = Field(3600, gt=0)  # Celery redelivery of unacked tasks (a backstop)
+
+
+class OutageSettings(Section):
+    """How a long-running service waits out an outage of Redis or the S3 server (shared.outage)."""
+
+    limit_s: Float = Field(900.0, gt=0)  # down longer than this: the service exits with code 2
+    backoff_max_s: Float = Field(2.0, gt=0)  # the longest wait between two tries
+    log_every_s: Float = Field(30.0, gt=0)  # while it lasts, one "still waiting" line this often
 
 
 class IntakeSettings(Section):
@@ -94,28 +132,46 @@ class IntakeSettings(Section):
     env_name: str = "guess_number"
     env_config: dict[str, Any] = Field(default_factory=dict)  # e.g. {"reward_fn": "pkg.mod:fn"}
     mode: Literal["sample", "traversal"] = "traversal"
-    num_groups: int = Field(8, gt=0)  # groups to dispatch in sample mode
-    base_seed: int = 0
+    # sample mode: "replacement" draws each group's row from its seed; "shuffled_epochs" visits
+    # every row once per epoch, in an order shuffled per epoch from base_seed
+    sample_order: Literal["replacement", "shuffled_epochs"] = "replacement"
+    num_groups: Int = Field(8, gt=0)  # groups to dispatch in sample mode
+    base_seed: Int = 0
+
+    @field_validator("env_config")
+    @classmethod
+    def _reward_fn_imports(cls, env_config: dict[str, Any]) -> dict[str, Any]:
+        if "reward_fn" in env_config:
+            import_callable(str(env_config["reward_fn"]), "reward_fn")
+        return env_config
 
 
 class RewardSettings(Section):
     # reward function name -> weight; names are built-ins or "module:function"
-    weights: dict[str, float] = Field(default_factory=lambda: {"verifier": 1.0, "format": 0.1})
+    weights: dict[str, Float] = Field(default_factory=lambda: {"verifier": 1.0, "format": 0.1})
+
+    @field_validator("weights")
+    @classmethod
+    def _import_paths_import(cls, weights: dict[str, float]) -> dict[str, float]:
+        for name in weights:
+            if ":" in name:  # the built-ins' names are checked by the scorer (services.scorer.rewards)
+                import_callable(name, "reward function")
+        return weights
 
 
 class LossSettings(Section):
-    clip_eps: float = Field(0.2, gt=0, lt=1)  # lower clip: ratio >= 1 - clip_eps
-    clip_eps_high: float | None = Field(None, gt=0)  # upper clip (DAPO clip-higher); None: clip_eps
-    kl_coef: float = Field(0.0, ge=0)  # k3 penalty to the frozen reference; 0 loads no reference
+    clip_eps: Float = Field(0.2, gt=0, lt=1)  # lower clip: ratio >= 1 - clip_eps
+    clip_eps_high: Float | None = Field(None, gt=0)  # upper clip (DAPO clip-higher); None: clip_eps
+    kl_coef: Float = Field(0.0, ge=0)  # k3 penalty to the frozen reference; 0 loads no reference
     aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
 
 
 class OptimSettings(Section):
-    lr: float = Field(1e-6, gt=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float | None = Field(1.0, gt=0)  # None: no clipping (the norm is still reported)
+    lr: Float = Field(1e-6, gt=0)
+    betas: tuple[Float, Float] = (0.9, 0.999)
+    eps: Float = Field(1e-8, gt=0)
+    weight_decay: Float = Field(0.0, ge=0)
+    max_grad_norm: Float | None = Field(1.0, gt=0)  # None: no clipping (the norm is still reported)
 
     @field_validator("betas")
     @classmethod
@@ -126,8 +182,8 @@ class OptimSettings(Section):
 
 
 class BatchingSettings(Section):
-    max_seq_len: int = Field(1024, gt=1)  # prompt + completion tokens the trainer keeps
-    micro_batch_tokens: int = Field(8192, gt=0)  # padded tokens per forward/backward
+    max_seq_len: Int = Field(1024, gt=1)  # prompt + completion tokens the trainer keeps
+    micro_batch_tokens: Int = Field(8192, gt=0)  # padded tokens per forward/backward
     mask_overlong: bool = True  # DAPO: zero the loss mask of stop_reason=max_tokens samples
 
     @model_validator(mode="after")
@@ -139,21 +195,43 @@ class BatchingSettings(Section):
         return self
 
 
+class LogprobAlarmSettings(Section):
+    """When the trainer and the inference service disagree on the policy (services.trainer.alarm)."""
+
+    # mean |trainer logprob - inference logprob| over tokens sampled by exactly the trainer's
+    # weights; fp32 agrees to ~2e-7, a stale output head reached 0.15
+    max_on_policy_mad: Float = Field(1e-3, gt=0)
+    # stop: the trainer exits with the cause; skip_step: no update is applied, an error is
+    # logged and counted (alarm_skipped_steps), and training goes on
+    action: Literal["stop", "skip_step"] = "stop"
+
+
 class TrainerSettings(Section):
     # Staleness bound (shared.staleness). None: no training loop, rollouts are not throttled.
-    max_off_policy_steps: int | None = Field(None, ge=0)
-    groups_per_step: int = Field(4, gt=0)
-    max_steps: int | None = Field(None, gt=0)  # the trainer exits after this many optimizer steps
-    advantage_eps: float = Field(1e-6, gt=0)
+    max_off_policy_steps: Int | None = Field(None, ge=0)
+    groups_per_step: Int = Field(4, gt=0)
+    max_steps: Int | None = Field(None, gt=0)  # the trainer exits after this many optimizer steps
+    advantage_eps: Float = Field(1e-6, gt=0)
     scale_advantage_by_std: bool = True
+    advantage_std: Literal["population", "bessel"] = "population"  # TRL: bessel (torch.std)
+    # zero-variance groups: "drop" (no signal; their admission slot is refilled) or "keep"
+    # (trained with advantage 0; their tokens count in token_mean, as TRL does)
+    zero_variance_groups: Literal["drop", "keep"] = "drop"
+    # while dropping: how many dropped groups one step may wait for beyond groups_per_step;
+    # past it the step trains on the groups it has. None: wait for groups_per_step groups.
+    max_extra_groups_per_step: Int | None = Field(None, ge=0)
+    logprob_alarm: LogprobAlarmSettings = LogprobAlarmSettings()
     consumer_name: str = "trainer-0"
-    block_ms: int = Field(1000, gt=0)
+    block_ms: Int = Field(1000, gt=0)
     metrics_path: Path = Path(".conveyor/metrics.jsonl")  # one line per completed group
     step_metrics_path: Path = Path(".conveyor/train_steps.jsonl")  # one line per optimizer step
     reward_curve_path: Path = Path(".conveyor/reward_curve.png")
-    pass_threshold: float = 1.0  # a sample "passes" when its reward reaches this
-    prometheus_port: int | None = Field(None, gt=0, lt=65536)
+    pass_threshold: Float = 1.0  # a sample "passes" when its reward reaches this
+    prometheus_port: Int | None = Field(None, gt=0, lt=65536)
     wandb_project: str | None = None
+    # torch intra-op threads of the trainer; None: torch's default (every core). Where vLLM and
+    # the workers share the CPU, 1 made forward/backward 3-8x faster (bench/training.py --vs-trl)
+    torch_threads: Int | None = Field(None, gt=0)
     loss: LossSettings = LossSettings()
     optim: OptimSettings = OptimSettings()
     batching: BatchingSettings = BatchingSettings()
@@ -165,11 +243,15 @@ class Settings(BaseSettings):
     )
 
     run_id: str = Field("run", pattern=r"^[A-Za-z0-9-]+$")  # no "_": it separates id fields
+    # Prometheus endpoint of a long-running service (workers, trainer, inference control
+    # plane): None = off. shared.prometheus says what each exposes.
+    metrics_port: Int | None = Field(None, gt=0, lt=65536)
     redis: RedisSettings = RedisSettings()
     storage: StorageSettings = StorageSettings()
     inference: InferenceSettings = InferenceSettings()
     rollout: RolloutSettings = RolloutSettings()
     ledger: LedgerSettings = LedgerSettings()
+    outage: OutageSettings = OutageSettings()
     intake: IntakeSettings = IntakeSettings()
     rewards: RewardSettings = RewardSettings()
     trainer: TrainerSettings = TrainerSettings()
@@ -183,15 +265,13 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, CheckedEnv(settings_cls), CheckedDotEnv(settings_cls)]
         yaml_file = os.environ.get("CONVEYOR_CONFIG")
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         if yaml_file:
-            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=yaml_file))
+            if not Path(yaml_file).is_file():
+                raise SettingsError(f"settings file {yaml_file} (CONVEYOR_CONFIG) does not exist")
+            sources.append(CheckedYaml(settings_cls, yaml_file=yaml_file))
         return tuple(sources)
-
-
-class SettingsError(ValueError):
-    """A bad setting, with the field's dotted name in the message."""
 
 
 def load_settings(yaml_file: str | Path | None = None, **overrides: Any) -> Settings:
@@ -204,6 +284,8 @@ def load_settings(yaml_file: str | Path | None = None, **overrides: Any) -> Sett
         return Settings(**overrides)
     except ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg'].removeprefix('Value error, ')}" for err in exc.errors()
         )
         raise SettingsError(f"invalid Conveyor settings: {problems}") from None
+    except SourceError as exc:  # a source could not parse a value (the checks above catch the known cases)
+        raise SettingsError(f"invalid Conveyor settings: {exc}") from None

@@ -7,8 +7,13 @@ Invariants:
 - Objects are gzip-compressed JSON of a pydantic model; keys come from ``shared.names``.
 - ``put`` is idempotent for a key: a retried or redelivered writer overwrites with the same
   content, never creates a second object.
-- Transient S3 errors are retried a bounded number of times, then raised as ``StorageError``
-  naming the key.
+- An S3 server that is down (refused or dropped connections, timeouts, 5xx answers) is waited
+  out by every call, the bucket check included (``shared.outage``: bounded backoff, logged once
+  per outage and then periodically); past ``outage.limit_s`` the call raises
+  ``OutageTooLong``. An outage is never a ``StorageError``: callers fail work on a
+  ``StorageError`` (a missing object, a refused bucket or request), never on an outage.
+- ``open_store`` checks the S3 server at once: refusing the bucket is a ``StorageError`` naming
+  the endpoint.
 """
 
 from __future__ import annotations
@@ -18,14 +23,14 @@ import io
 import os
 import tempfile
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Callable, Protocol, TypeVar
 
 from pydantic import BaseModel
-from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
-
-from shared.settings import StorageSettings
+from shared.outage import Dependency
+from shared.settings import OutageSettings, StorageSettings
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 
 class StorageError(RuntimeError):
@@ -33,7 +38,7 @@ class StorageError(RuntimeError):
 
 
 class ObjectStore(Protocol):
-    def put_bytes(self, key: str, data: bytes) -> None: ...
+    def put_bytes(self, key: str, data: bytes, content_type: str = "application/gzip") -> None: ...
     def get_bytes(self, key: str) -> bytes: ...
     def list_keys(self, prefix: str) -> list[str]: ...
 
@@ -60,8 +65,8 @@ class LocalStore:
             raise StorageError(f"object key {key!r} escapes the store root")
         return path
 
-    def put_bytes(self, key: str, data: bytes) -> None:
-        path = self._path(key)
+    def put_bytes(self, key: str, data: bytes, content_type: str = "application/gzip") -> None:
+        path = self._path(key)  # a file has no content type: the key's suffix says it
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp:
             tmp.write(data)
@@ -80,46 +85,69 @@ class LocalStore:
         )
 
 
-_transient = retry(
-    retry=retry_if_exception_type((ConnectionError, OSError)),
-    stop=stop_after_attempt(4),
-    wait=wait_exponential(multiplier=0.2, max=2),
-    reraise=True,
-)
+# S3 error codes that say "try again", not "this request is wrong"
+_TRANSIENT_S3_CODES = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "RequestTimeTooSkewed"}
 
 
 class S3Store:
-    def __init__(self, settings: StorageSettings):
+    def __init__(self, settings: StorageSettings, outage: OutageSettings | None = None):
+        import urllib3
         from minio import Minio
-        from minio.error import S3Error
+        from minio.error import S3Error, ServerError
 
         self._s3error = S3Error
+        self._transient_types = (urllib3.exceptions.HTTPError, OSError, ServerError)
         self.bucket = settings.bucket
+        self.endpoint = settings.endpoint
+        self.dependency = Dependency.named(f"S3 server at {settings.endpoint}", outage or OutageSettings())
         self.client = Minio(
             settings.endpoint,
             access_key=settings.access_key,
             secret_key=settings.secret_key,
             secure=settings.secure,
             region=settings.region,
+            # few quick retries of its own (the outage helper waits longer), and timeouts, so a
+            # frozen server is an outage too instead of a five-minute hang per call
+            http_client=urllib3.PoolManager(
+                timeout=urllib3.Timeout(connect=5, read=60), maxsize=16,
+                cert_reqs="CERT_REQUIRED" if settings.secure else "CERT_NONE",
+                ca_certs=os.environ.get("SSL_CERT_FILE") or _certifi_bundle(),
+                retries=urllib3.Retry(total=2, backoff_factor=0.1, status_forcelist=[500, 502, 503, 504]),
+            ),
         )
 
-    def ensure_bucket(self) -> None:
-        if not self.client.bucket_exists(self.bucket):
-            self.client.make_bucket(self.bucket)
+    def _transient(self, exc: BaseException) -> bool:
+        if isinstance(exc, self._s3error):
+            return exc.code in _TRANSIENT_S3_CODES
+        return isinstance(exc, self._transient_types)
 
-    @_transient
-    def put_bytes(self, key: str, data: bytes) -> None:
+    def _call(self, fn: Callable[[], T]) -> T:
+        return self.dependency.call(fn, self._transient)
+
+    def ensure_bucket(self) -> None:
+        def ensure() -> None:
+            if not self.client.bucket_exists(self.bucket):
+                self.client.make_bucket(self.bucket)
+
         try:
-            self.client.put_object(self.bucket, key, io.BytesIO(data), len(data), content_type="application/gzip")
+            self._call(ensure)
+        except self._s3error as exc:
+            raise StorageError(f"S3 server at {self.endpoint} refused bucket {self.bucket!r}: {exc.code}: {exc.message}") from exc
+
+    def put_bytes(self, key: str, data: bytes, content_type: str = "application/gzip") -> None:
+        try:
+            self._call(lambda: self.client.put_object(self.bucket, key, io.BytesIO(data), len(data), content_type=content_type))
         except self._s3error as exc:
             raise StorageError(f"S3 put {self.bucket}/{key} failed: {exc}") from exc
 
-    @_transient
     def get_bytes(self, key: str) -> bytes:
         try:
-            response = self.client.get_object(self.bucket, key)
+            return self._call(lambda: self._read(key))
         except self._s3error as exc:
             raise StorageError(f"S3 get {self.bucket}/{key} failed: {exc.code}") from exc
+
+    def _read(self, key: str) -> bytes:
+        response = self.client.get_object(self.bucket, key)
         try:
             return response.read()
         finally:
@@ -127,12 +155,19 @@ class S3Store:
             response.release_conn()
 
     def list_keys(self, prefix: str) -> list[str]:
-        return sorted(o.object_name for o in self.client.list_objects(self.bucket, prefix=prefix, recursive=True))
+        return self._call(lambda: sorted(o.object_name for o in self.client.list_objects(self.bucket, prefix=prefix, recursive=True)))
 
 
-def open_store(settings: StorageSettings) -> ObjectStore:
+def _certifi_bundle() -> str:
+    import certifi
+
+    return certifi.where()
+
+
+def open_store(settings: StorageSettings, outage: OutageSettings | None = None) -> ObjectStore:
+    """The configured store; an S3 server is checked at once (waiting out an outage)."""
     if settings.backend == "local":
         return LocalStore(settings.local_root)
-    store = S3Store(settings)
+    store = S3Store(settings, outage)
     store.ensure_bucket()
     return store

@@ -1,4 +1,7 @@
-"""Shared fixtures: real Redis and a real S3 server (moto), each started on a free port."""
+"""Shared fixtures: real Redis and a real S3 server (moto), each started on a free port.
+
+Redis runs as Conveyor runs it everywhere (docs/reliability.md): with its append-only file
+(``appendonly yes``, ``appendfsync everysec``), so tests exercise the durable configuration."""
 
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ def redis_url(tmp_path_factory):
     port = free_port()
     workdir = tmp_path_factory.mktemp("redis")
     proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
+         "--dir", str(workdir)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     client = redis.Redis(port=port)

@@ -3,27 +3,26 @@ generated model, Celery rollout and scoring workers, and the trainer consumer.
 
 What a user relies on: every trajectory reaches the trainer exactly once; the tokens in S3 are
 the tokens vLLM sampled; the loss mask covers exactly those; the advantages are right; status
-shows it all; and a worker killed with SIGKILL mid-episode loses and duplicates nothing.
+shows it all. (A worker killed with SIGKILL mid-episode: tests/chaos/test_rollout_worker_kill.py.)
 """
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from pipeline_support import REWARD_WEIGHTS, base_stack, run_stack, store_of, stream_events, wait_terminal
+
 from services.cli.demo import write_demo_dataset
-from services.cli.local_stack import LocalStack, free_port
+from services.cli.local_stack import LocalStack
 from services.rollout_worker.episode import turn_seed
 from services.trainer.advantages import group_advantages
-from shared.ledger import Ledger
 from shared.names import RedisKeys
-from shared.schemas import GroupRecord, ScoredTrajectory, TrainerEvent, TrainingBatch, Trajectory
-from shared.settings import StorageSettings
-from shared.storage import S3Store, get_model
+from shared.schemas import GroupRecord, ScoredTrajectory, TrainingBatch, Trajectory
+from shared.storage import get_model
 
 pytestmark = pytest.mark.slow
 
@@ -33,55 +32,13 @@ GROUPS, GROUP_SIZE = 8, 4
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """Redis, S3 and vLLM, shared by the tests of this module (each test has its own run)."""
-    from services.inference.server import VllmServer
-    from services.inference.tiny_model import generate_tiny_model
-
-    root = tmp_path_factory.mktemp("e2e")
-    stack = LocalStack(root / "base")
-    vllm = None
-    try:
-        stack.start_redis()
-        stack.start_s3()
-        model_dir = generate_tiny_model(root / "tiny", end_of_turn_bias=4.0)
-        vllm = VllmServer(model_dir, "tiny", port=free_port(), log_path=root / "vllm.log")
-        vllm.start()
-        vllm.wait_ready(600)
-        stack.use_inference(vllm.base_url, model_dir, "tiny")
+    with base_stack(tmp_path_factory.mktemp("e2e")) as stack:
         yield stack
-    finally:
-        stack.stop()
-        if vllm:
-            vllm.stop()
 
 
 def _run_stack(base: LocalStack, root: Path, run_id: str, **settings: str) -> LocalStack:
-    env = {k: v for k, v in base.env.items() if k not in ("CONVEYOR_RUN_ID", "CONVEYOR_TRAINER__METRICS_PATH")}
-    # the random tiny model never solves the game; brevity makes rewards differ within a group
-    weights = '{"verifier": 1.0, "format": 0.1, "brevity": 0.1}'
-    env.update({"CONVEYOR_ROLLOUT__GROUP_SIZE": str(GROUP_SIZE), "CONVEYOR_REWARDS__WEIGHTS": weights, **settings})
-    return LocalStack(root, run_id=run_id, env=env)
-
-
-def _wait_terminal(stack: LocalStack, run_id: str, expected: int, timeout_s: float) -> dict[str, int]:
-    ledger = Ledger(stack.redis_client())
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        counts = ledger.counts(run_id)
-        if sum(counts.values()) == expected and counts["consumed"] + counts["failed"] == expected:
-            return counts
-        for proc in stack.processes:
-            assert proc.alive(), f"{proc.name} died:\n{stack.logs(proc.name)}"
-        time.sleep(0.5)
-    pytest.fail(f"run {run_id} not terminal after {timeout_s}s: {ledger.counts(run_id)}\n{stack.logs('worker-rollout')}")
-
-
-def _store(stack: LocalStack) -> S3Store:
-    return S3Store(StorageSettings(endpoint=stack.env["CONVEYOR_STORAGE__ENDPOINT"], access_key="testing", secret_key="testing"))
-
-
-def _stream_events(stack: LocalStack, run_id: str) -> list[TrainerEvent]:
-    entries = stack.redis_client().xrange(RedisKeys.trainer_stream(run_id))
-    return [TrainerEvent.model_validate_json(fields["event"]) for _, fields in entries]
+    weights = json.dumps(REWARD_WEIGHTS)
+    return run_stack(base, root, run_id, CONVEYOR_ROLLOUT__GROUP_SIZE=str(GROUP_SIZE), CONVEYOR_REWARDS__WEIGHTS=weights, **settings)
 
 
 def test_pipeline_end_to_end(base, tmp_path):
@@ -98,7 +55,7 @@ def test_pipeline_end_to_end(base, tmp_path):
         assert intake.returncode == 0, intake.stderr
         assert "1 rows rejected" in intake.stderr and "outside [1, 5]" in intake.stderr
         total = GROUPS * GROUP_SIZE
-        _wait_terminal(stack, run_id, total, timeout_s=600)
+        wait_terminal(stack, run_id, total, timeout_s=600)
 
         status = stack.run_conveyor("status", "--json")
         assert status.returncode == 0, status.stderr
@@ -107,10 +64,10 @@ def test_pipeline_end_to_end(base, tmp_path):
         }
 
     # every trajectory reaches the trainer exactly once
-    events = _stream_events(stack, run_id)
+    events = stream_events(stack, run_id)
     assert sorted(e.trajectory_id for e in events) == sorted(set(e.trajectory_id for e in events))
     assert len(events) == total and all(e.kind == "scored" for e in events)
-    store = _store(stack)
+    store = store_of(stack)
     records = [get_model(store, k, GroupRecord) for k in store.list_keys(f"groups/{run_id}/")]
     assert len(records) == GROUPS
     members = [m.trajectory_id for r in records for m in r.members]
@@ -158,38 +115,3 @@ def test_pipeline_end_to_end(base, tmp_path):
     assert int(counters.get("groups_accepted", 0)) == trained
     assert int(counters.get("duplicate_events", 0)) == 0
 
-
-def test_worker_killed_mid_episode_loses_and_duplicates_nothing(base, tmp_path):
-    run_id = "crash"
-    groups = 12
-    stack = _run_stack(
-        base, tmp_path, run_id,
-        CONVEYOR_LEDGER__LEASE_TTL_S="4", CONVEYOR_LEDGER__HEARTBEAT_S="1", CONVEYOR_LEDGER__REAPER_INTERVAL_S="1",
-        CONVEYOR_LEDGER__VISIBILITY_TIMEOUT_S="20", CONVEYOR_ROLLOUT__MAX_TURNS="8",
-        CONVEYOR_ROLLOUT__MAX_TOKENS_PER_TURN="48", CONVEYOR_ROLLOUT__MAX_EPISODE_TOKENS="400",
-    )
-    dataset = write_demo_dataset(tmp_path / "guess.jsonl", groups, seed=1)
-    with stack:
-        victim = stack.start_rollout_worker(name="victim", concurrency=4)
-        stack.start_scoring_worker()
-        stack.start_trainer()
-        assert stack.run_conveyor("intake", "--dataset", str(dataset)).returncode == 0
-        ledger = Ledger(stack.redis_client())
-        deadline = time.time() + 300
-        while ledger.counts(run_id)["running"] < 4 and time.time() < deadline:
-            time.sleep(0.05)
-        running_when_killed = [t for t, s in ledger.states(run_id).items() if s == "running"]
-        assert running_when_killed, "no episode was running: nothing to kill"
-        victim.kill()  # SIGKILL to the worker's whole process group, mid-episode
-        victim.proc.wait(10)
-        stack.processes.remove(victim)
-        stack.start_rollout_worker(name="survivor", concurrency=4)
-        counts = _wait_terminal(stack, run_id, groups * GROUP_SIZE, timeout_s=600)
-
-    assert counts["consumed"] + counts["failed"] == groups * GROUP_SIZE
-    events = _stream_events(stack, run_id)
-    ids = [e.trajectory_id for e in events]
-    assert len(ids) == len(set(ids)) == groups * GROUP_SIZE  # none lost, none duplicated
-    assert any(ledger.attempts(t) >= 2 for t in running_when_killed), "no killed trajectory was re-dispatched"
-    states = ledger.states(run_id)
-    assert all(states[t] in ("consumed", "failed") for t in running_when_killed)

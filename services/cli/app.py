@@ -1,7 +1,12 @@
 """``conveyor``: the one command line for every Conveyor service.
 
 Every subcommand loads the settings first (``--config`` YAML, ``CONVEYOR_*`` environment
-variables), so a bad value stops the command at start with the field's name.
+variables, ``./.env``), so a bad value stops the command at start with the field's name.
+A known failure (``services.cli.errors``) is one line on stderr and exit code 2; the global
+``--debug`` flag shows its traceback. SIGTERM ends a command as Ctrl-C does
+(``shared.processes``): the processes it started are stopped before it exits, and the
+long-running ones hand their work back (the trainer between two stream reads, Celery workers
+through their warm shutdown).
 """
 
 from __future__ import annotations
@@ -17,9 +22,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from shared.settings import Settings, SettingsError, load_settings
+from services.cli import errors
+from shared.settings import Settings, load_settings
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Conveyor: event-driven rollouts for agentic RL.")
+# no locals in a traceback: they would print the settings' secrets
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
+                  help="Conveyor: event-driven rollouts for agentic RL.")
 worker_app = typer.Typer(no_args_is_help=True, help="Celery workers.")
 app.add_typer(worker_app, name="worker")
 console = Console(stderr=True, soft_wrap=True)
@@ -27,22 +35,53 @@ console = Console(stderr=True, soft_wrap=True)
 ConfigOption = typer.Option(None, "--config", "-c", help="YAML settings file (or set CONVEYOR_CONFIG)")
 
 
+@app.callback()
+def _every_command(debug: bool = typer.Option(False, "--debug", help="show the traceback of a known failure too")) -> None:
+    errors.state.debug = debug
+    _log_level(os.environ.get("CONVEYOR_LOG_LEVEL", "INFO"), "CONVEYOR_LOG_LEVEL")
+
+
+def _log_level(name: str, source: str) -> str:
+    if name.upper() not in logging.getLevelNamesMapping():
+        raise errors.CommandError(f"{source}: unknown log level {name!r}; use DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    return name.upper()
+
+
 def _settings(config: Optional[Path]) -> Settings:
-    try:
-        return load_settings(config)
-    except SettingsError as exc:
-        console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(2) from None
+    errors.state.settings = load_settings(config)
+    return errors.state.settings
 
 
 def _logging() -> None:
-    logging.basicConfig(level=os.environ.get("CONVEYOR_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = _log_level(os.environ.get("CONVEYOR_LOG_LEVEL", "INFO"), "CONVEYOR_LOG_LEVEL")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # minio's transport logs each of its retries; the storage layer reports the outcome
+    # (a StorageError naming the endpoint), so an unreachable S3 server is one line, not six
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
+    # httpx logs every request at INFO: a rollout worker would write a line per turn
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def _require_model(settings: Settings) -> None:
+    path = Path(settings.inference.model_path)
+    if not path.is_dir():
+        raise errors.CommandError(f"inference.model_path: {path} is not a directory (a checkpoint with its tokenizer; "
+                                  "`conveyor tiny-model DIR` writes a test one)")
+
+
+def _wait_for_redis(settings: Settings) -> None:
+    """A worker waits for Redis at start, as through any outage (``shared.outage``: logged,
+    bounded by outage.limit_s, then one line and exit 2); a refused password stops it at once."""
+    from shared.outage import redis_client
+
+    redis_client(settings.redis.url, settings.outage).ping()
 
 
 @app.command()
 def intake(
     config: Optional[Path] = ConfigOption,
     dataset: Optional[str] = typer.Option(None, help="JSONL file or saved HF dataset dir (overrides intake.dataset)"),
+    demo_tasks: Optional[int] = typer.Option(None, min=1, help="instead of a dataset: N generated guess-the-number tasks (the demo's)"),
 ) -> None:
     """Publish the dataset's groups of rollout tasks on queue 'rollouts'."""
     _logging()
@@ -51,18 +90,22 @@ def intake(
     from services.intake.publisher import run_intake
     from shared.celery_app import make_celery, publish_rollouts
     from shared.ledger import Ledger
+    from shared.storage import open_store
 
+    if demo_tasks is not None:
+        import tempfile
+
+        from services.cli.demo import write_demo_dataset
+
+        dataset = str(write_demo_dataset(Path(tempfile.mkdtemp(prefix="conveyor-demo-")) / "guess.jsonl", demo_tasks))
     path = dataset or settings.intake.dataset
     if not path:
-        console.print("[red]no dataset: pass --dataset or set intake.dataset[/red]")
-        raise typer.Exit(2)
-    try:
-        rows = read_rows(path, settings.intake.split)
-    except (FileNotFoundError, KeyError) as exc:
-        console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(2) from None
+        raise errors.CommandError("no dataset: pass --dataset or set intake.dataset")
+    rows = read_rows(path, settings.intake.split)
     celery = make_celery(settings)
-    report = run_intake(settings, rows, Ledger.from_url(settings.redis.url), lambda reqs: publish_rollouts(celery, reqs))
+    ledger = Ledger.from_url(settings.redis.url, settings.outage)  # waits out an outage of Redis
+    store = open_store(settings.storage, settings.outage)  # keeps the run's marker (shared.run_marker)
+    report = run_intake(settings, rows, ledger, lambda reqs: publish_rollouts(celery, reqs), store=store)
     console.print(
         f"intake {settings.run_id}: {report.groups} groups, {report.trajectories} trajectories published, "
         f"{report.already_known} already known, {len(report.rejected)} rows rejected"
@@ -74,8 +117,41 @@ def intake(
 def _celery_worker(module: str, queue: str, pool: str, concurrency: int, name: str, loglevel: str) -> None:
     import importlib
 
+    from shared import outage
+
+    outage.exit_on_limit()  # past outage.limit_s a task's thread ends the worker: one line, exit 2
     celery = importlib.import_module(module).app
     celery.worker_main(["worker", "-Q", queue, "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h", "--loglevel", loglevel, "-E"])
+
+
+def _wait_for_inference(settings: Settings) -> None:
+    """A worker takes no task before its inference server serves: it waits (checking at most
+    outage.backoff_max_s apart, so it starts within that of the server's readiness, however
+    long the server took), logs what it waits for, and gives up after
+    inference.startup_timeout_s with one line."""
+    import time
+
+    from services.inference.server import check_inference
+
+    log = logging.getLogger("conveyor.worker")
+    url, limit_s, outage = settings.inference.base_url, settings.inference.startup_timeout_s, settings.outage
+    started = time.monotonic()
+    last_logged = None
+    delay = 0.1
+    while True:
+        health = check_inference(url, timeout=max(1.0, outage.backoff_max_s))
+        if health["ok"]:
+            log.info("inference at %s serves %s (waited %.0fs)", url, health["model"], time.monotonic() - started)
+            return
+        waited = time.monotonic() - started
+        if waited > limit_s:
+            raise errors.CommandError(f"inference at {url} not ready after {limit_s:g}s (inference.startup_timeout_s): {health['detail']}")
+        if last_logged is None or time.monotonic() - last_logged >= outage.log_every_s:
+            last_logged = time.monotonic()
+            log.warning("waiting for inference at %s before taking tasks (%.0fs so far, at most %gs): %s",
+                        url, waited, limit_s, health["detail"])
+        time.sleep(delay)
+        delay = min(delay * 2, outage.backoff_max_s)
 
 
 @worker_app.command("rollout")
@@ -85,9 +161,19 @@ def worker_rollout(
     name: str = typer.Option("rollout", help="worker node name"),
     loglevel: str = typer.Option("INFO"),
 ) -> None:
-    """Run a rollout worker (Celery, thread pool) on queue 'rollouts'."""
+    """Run a rollout worker (Celery, thread pool) on queue 'rollouts'; it starts consuming only
+    once Redis, the object store and the inference service answer (waiting up to
+    outage.limit_s for the first two and inference.startup_timeout_s for inference)."""
+    _logging()
+    level = _log_level(loglevel, "--loglevel")
     settings = _settings(config)
-    _celery_worker("services.rollout_worker.tasks", "rollouts", "threads", concurrency or settings.rollout.worker_concurrency, name, loglevel)
+    _require_model(settings)
+    _wait_for_redis(settings)
+    from shared.storage import open_store
+
+    open_store(settings.storage, settings.outage)  # checks the bucket, waiting out an outage
+    _wait_for_inference(settings)
+    _celery_worker("services.rollout_worker.tasks", "rollouts", "threads", concurrency or settings.rollout.worker_concurrency, name, level)
 
 
 @worker_app.command("scoring")
@@ -98,8 +184,10 @@ def worker_scoring(
     loglevel: str = typer.Option("INFO"),
 ) -> None:
     """Run a scoring worker (Celery) on queue 'scoring'."""
-    _settings(config)
-    _celery_worker("services.scorer.tasks", "scoring", "threads", concurrency, name, loglevel)
+    _logging()
+    level = _log_level(loglevel, "--loglevel")
+    _wait_for_redis(_settings(config))
+    _celery_worker("services.scorer.tasks", "scoring", "threads", concurrency, name, level)
 
 
 @app.command()
@@ -111,22 +199,55 @@ def trainer(
     with trainer.max_off_policy_steps set, also train, checkpoint and announce new versions."""
     _logging()
     settings = _settings(config)
+    if settings.trainer.max_off_policy_steps is not None:  # it trains: it loads the model
+        _require_model(settings)
     from services.trainer.consumer import TrainerConsumer
     from shared.ledger import Ledger
     from shared.storage import open_store
 
-    store = open_store(settings.storage)
-    consumer = TrainerConsumer(settings, Ledger.from_url(settings.redis.url), store)
+    from shared.prometheus import serve_metrics
+
+    store = open_store(settings.storage, settings.outage)  # both wait out an outage (shared.outage)
+    consumer = TrainerConsumer(settings, Ledger.from_url(settings.redis.url, settings.outage), store)
+    serve_metrics(settings.trainer.prometheus_port or settings.metrics_port, consumer.redis)
     loop = None
     if consumer.budget is not None:  # a staleness bound is set: train, not only assemble
         from services.trainer.loop import TrainingLoop
         from services.trainer.metrics import MetricsSink
 
         t = settings.trainer
-        sink = MetricsSink(t.step_metrics_path, t.prometheus_port, t.wandb_project, settings.run_id)
+        sink = MetricsSink(t.step_metrics_path, t.prometheus_port or settings.metrics_port, t.wandb_project, settings.run_id)
         loop = TrainingLoop(settings, store, consumer.budget, sink)
-    consumer.run_forever(stop_when_idle=exit_when_done, loop=loop)
+    from services.trainer.alarm import LogprobAlarm
+    from shared.processes import on_sigterm
+
+    import threading
+
+    stop = threading.Event()  # SIGTERM: finish the group in hand, then exit; the stream keeps the rest
+    on_sigterm(stop.set)
+    try:
+        consumer.run_forever(stop_when_idle=exit_when_done, loop=loop, stop=stop)
+    except LogprobAlarm as exc:
+        logging.getLogger("conveyor.trainer").error("%s", exc)
+        console.print(f"[red]trainer {settings.run_id} stopped: {exc}[/red]")
+        raise typer.Exit(3) from None
     console.print(f"trainer {settings.run_id}: {consumer.counters()}")
+
+
+@app.command("tiny-model")
+def tiny_model(
+    out_dir: Path = typer.Argument(..., help="directory to write the checkpoint to"),
+    layout: str = typer.Option("llama", help="llama, llama-tied or qwen2"),
+    seed: int = typer.Option(0),
+) -> None:
+    """Generate the tiny random test model (a pure function of its options; no download)."""
+    from services.inference.tiny_model import generate_tiny_model
+
+    try:
+        generate_tiny_model(out_dir, seed=seed, end_of_turn_bias=4.0, layout=layout)
+    except ValueError as exc:  # an unknown layout
+        raise errors.CommandError(str(exc)) from exc
+    console.print(f"tiny model ({layout}, seed {seed}) in {out_dir}")
 
 
 @app.command()
@@ -151,6 +272,11 @@ def inference(
         print(json.dumps(health))
         raise typer.Exit(0 if health.get("ok") else 1)
     stop = threading.Event()
+    if settings.metrics_port:
+        from shared.outage import redis_client
+        from shared.prometheus import serve_metrics
+
+        serve_metrics(settings.metrics_port, redis_client(settings.redis.url, settings.outage))
     if attach:
         with WeightFollower.from_settings(settings, base_urls=replica or None) as follower:
             try:
@@ -162,6 +288,7 @@ def inference(
         from services.inference.tiny_model import generate_tiny_model
 
         generate_tiny_model(Path(settings.inference.model_path))
+    _require_model(settings)
     server = VllmServer.from_settings(settings.inference)
     server.start()
     try:
@@ -181,12 +308,21 @@ def status(
     config: Optional[Path] = ConfigOption,
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
     run: Optional[str] = typer.Option(None, help="only this run"),
+    failures: Optional[str] = typer.Option(None, "--failures", metavar="RUN",
+                                           help="why RUN's trajectories failed: counts per reason with examples, and rejected intake rows"),
 ) -> None:
     """Where every trajectory is: counts per run and ledger state."""
     settings = _settings(config)
     from shared.ledger import STATES, Ledger
 
     ledger = Ledger.from_url(settings.redis.url)
+    if failures is not None:
+        from services.cli.failures import failure_report, print_failures
+
+        _require_run(ledger, failures)
+        report = failure_report(ledger, failures)
+        print(json.dumps(report)) if as_json else print_failures(report, Console())
+        return
     runs = [run] if run else ledger.runs()
     counts = {r: ledger.counts(r) for r in runs}
     if as_json:
@@ -202,10 +338,40 @@ def status(
     Console().print(table)
 
 
+def _require_run(ledger: "Ledger", run_id: str) -> None:  # noqa: F821 (imported by the callers)
+    if run_id not in ledger.runs():
+        known = ", ".join(ledger.runs()[-5:]) or "none"
+        raise errors.CommandError(f"Redis holds no run {run_id!r} (runs: {known})")
+
+
+@app.command()
+def retry(
+    run: str = typer.Argument(..., help="the run id"),
+    reason: Optional[str] = typer.Option(None, help="only failures of this kind (infra_error, inference_outage, bug, "
+                                                    "...) or whose reason starts with this text"),
+    config: Optional[Path] = ConfigOption,
+    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+) -> None:
+    """Queue RUN's failed trajectories again, whole groups at a time, through the ledger (with a
+    fresh attempt budget); groups with a consumed member are left alone, so nothing consumed
+    is duplicated."""
+    settings = _settings(config)
+    from services.cli.failures import print_retry, retry_summary
+    from shared.celery_app import make_celery, publish_rollouts
+    from shared.ledger import Ledger
+    from shared.ledger_retry import retry_failed
+
+    ledger = Ledger.from_url(settings.redis.url)
+    _require_run(ledger, run)
+    celery = make_celery(settings)
+    summary = retry_summary(run, retry_failed(ledger, run, reason, lambda requests: publish_rollouts(celery, requests)))
+    print(json.dumps(summary)) if as_json else print_retry(summary, console)
+
+
 @app.command()
 def demo(
     config: Optional[Path] = ConfigOption,
-    tasks: int = typer.Option(8, help="tasks (GRPO groups) in the demo dataset"),
+    tasks: int = typer.Option(8, min=1, help="tasks (GRPO groups) in the demo dataset"),
     workdir: Path = typer.Option(Path(".conveyor/demo"), help="where models, logs and objects go"),
 ) -> None:
     """Run the whole pipeline as local processes on a small dataset, then shut it all down."""
@@ -216,8 +382,8 @@ def demo(
 
 @app.command("learn-demo")
 def learn_demo(
-    steps: int = typer.Option(20, help="optimizer steps"),
-    max_off_policy_steps: int = typer.Option(1, help="staleness bound (0: synchronous)"),
+    steps: int = typer.Option(20, min=1, help="optimizer steps"),
+    max_off_policy_steps: int = typer.Option(1, min=0, help="staleness bound (0: synchronous)"),
     workdir: Path = typer.Option(Path(".conveyor/learn-demo"), help="where models, logs, metrics and the curve go"),
 ) -> None:
     """Train the tiny model on a toy task through the whole system; write the reward curve PNG."""
@@ -229,7 +395,10 @@ def learn_demo(
 
 
 def main() -> None:
-    app()
+    from shared.processes import exit_on_sigterm
+
+    exit_on_sigterm()
+    errors.run(app)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,20 @@
 """``conveyor demo``: the whole pipeline as local processes, on a small generated dataset.
 
-Starts Redis, an S3 server (moto), vLLM on CPU with a generated tiny model, a rollout worker,
+Starts Redis (with AOF), the filesystem object store, vLLM on CPU with a generated tiny model, a rollout worker,
 a scoring worker and the trainer; runs intake; shows progress until every trajectory is
-terminal; prints a summary; stops everything, also on Ctrl-C or failure.
+terminal; prints a summary; stops everything, also on Ctrl-C, SIGTERM or failure.
+
+Invariant: no process of the demo outlives it. Every child runs in its own process group and
+is stopped (SIGTERM, then SIGKILL) on the way out, whatever ended the demo; SIGTERM and
+Ctrl-C end it the same way (``shared.processes``), and a demo killed with SIGKILL takes its
+children with it (``die_with_parent``).
 """
 
 from __future__ import annotations
 
 import json
 import random
+import signal
 import time
 from pathlib import Path
 
@@ -17,8 +23,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from services.cli.local_stack import LocalStack, free_port
+from shared.processes import Terminated
 from shared.ledger import STATES, Ledger
-from shared.names import RedisKeys
+from shared.trainer_counters import TrainerCounters
 
 console = Console()
 DEMO_REWARD_WEIGHTS = {"verifier": 1.0, "format": 0.1, "brevity": 0.1}
@@ -46,9 +53,9 @@ def run_demo(config: Path | None, tasks: int, workdir: Path, timeout_s: float = 
         stack.env["CONVEYOR_REWARDS__WEIGHTS"] = json.dumps(DEMO_REWARD_WEIGHTS)
     vllm = None
     try:
-        with console.status("starting Redis and the S3 server"):
+        with console.status("starting Redis (with its append-only file) and the object store"):
             stack.start_redis()
-            stack.start_s3()
+            stack.start_object_store()  # durable: a directory under the workdir
         with console.status("generating the tiny model"):
             model_dir = generate_tiny_model(workdir / "models" / "tiny", end_of_turn_bias=4.0)
         port = free_port()
@@ -73,6 +80,9 @@ def run_demo(config: Path | None, tasks: int, workdir: Path, timeout_s: float = 
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: shutting down[/yellow]")
         return 130
+    except Terminated:
+        console.print("[yellow]terminated (SIGTERM): shutting down[/yellow]")
+        return 128 + signal.SIGTERM
     finally:
         with console.status("stopping everything"):
             stack.stop()
@@ -103,7 +113,7 @@ def _follow(stack: LocalStack, run_id: str, timeout_s: float) -> None:
 def _summary(stack: LocalStack, run_id: str) -> None:
     client = stack.redis_client()
     counts = Ledger(client).counts(run_id)
-    trainer = client.hgetall(RedisKeys.trainer_counters(run_id))
+    trainer = TrainerCounters(client, run_id).all()
     metrics_path = Path(stack.env["CONVEYOR_TRAINER__METRICS_PATH"])
     groups = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
     table = Table(title=f"Conveyor demo {run_id}")
@@ -112,7 +122,7 @@ def _summary(stack: LocalStack, run_id: str) -> None:
     for state in STATES:
         table.add_row(f"trajectories {state}", str(counts[state]))
     for name, value in sorted(trainer.items()):
-        table.add_row(f"trainer {name}", value)
+        table.add_row(f"trainer {name}", str(value))
     rewards = [g["reward_mean"] for g in groups if g.get("reward_mean") is not None]
     if rewards:
         table.add_row("mean group reward", f"{sum(rewards) / len(rewards):.3f}")

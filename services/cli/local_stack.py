@@ -1,9 +1,18 @@
-"""Conveyor as local processes: Redis, an S3 server (moto), vLLM, Celery workers, the trainer.
+"""Conveyor as local processes: Redis, an object store, vLLM, Celery workers, the trainer.
 
 Used by ``conveyor demo`` and by the end-to-end tests, so both exercise the same real
 processes. Invariants:
+- State is durable by default. Redis writes an append-only file (``appendonly yes``,
+  ``appendfsync everysec``) under the stack's directory, so a restarted Redis (``stop_redis``,
+  then ``start_redis`` on ``redis_port``) comes back with the ledger and the queues, at most one
+  second of writes lost on a crash and none on a clean stop. The object store is the filesystem
+  backend under the stack's directory (``start_object_store``); moto, which keeps objects in
+  memory and loses them when it stops, only when asked for (``start_s3``).
 - Every process gets its own log file under the stack's directory, and its own process group,
-  so ``stop()`` ends it and everything it spawned (Celery's pool, vLLM's engine).
+  so ``stop()`` ends it and everything it spawned (Celery's pool, vLLM's engine): SIGTERM, then
+  SIGKILL to what is left of the group. Each is started with ``start_group_leader``, so the
+  same happens (by the group reaper) even if the process that started the stack is killed with
+  SIGKILL.
 - Settings reach the child processes as ``CONVEYOR_*`` environment variables, the same way a
   user configures a deployment.
 - ``stop()`` runs in reverse start order and never raises; it is safe to call twice.
@@ -22,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
+
+from shared.processes import die_with_parent, release_group, start_group_leader
 
 
 def free_port() -> int:
@@ -65,14 +76,15 @@ class ManagedProcess:
             pass
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        if not self.alive():
-            return
-        self.kill(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill(signal.SIGKILL)
-            self.proc.wait(5)
+        if self.alive():
+            self.kill(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill(signal.SIGKILL)
+                self.proc.wait(5)
+        self.kill(signal.SIGKILL)  # whatever of its group outlived the leader
+        release_group(self.proc.pid)
 
 
 @dataclass
@@ -81,6 +93,7 @@ class LocalStack:
     run_id: str = "demo"
     env: dict[str, str] = field(default_factory=dict)
     processes: list[ManagedProcess] = field(default_factory=list)
+    redis_port: int | None = None
 
     def __post_init__(self) -> None:
         self.root = Path(self.root).resolve()
@@ -94,7 +107,7 @@ class LocalStack:
         log_path = self.root / "logs" / f"{name}.log"
         env = {**os.environ, **self.env, **(extra_env or {})}
         with log_path.open("ab") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=os.getcwd())
+            proc = start_group_leader(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd())
         managed = ManagedProcess(name, proc, log_path)
         self.processes.append(managed)
         return managed
@@ -105,22 +118,49 @@ class LocalStack:
     def run_conveyor(self, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
         return subprocess.run(
             [sys.executable, "-m", "services.cli.app", *args], env={**os.environ, **self.env},
-            capture_output=True, text=True, timeout=timeout_s,
+            capture_output=True, text=True, timeout=timeout_s, preexec_fn=die_with_parent(),
         )
 
     # --- components -------------------------------------------------------------------------
-    def start_redis(self) -> str:
+    def start_redis(self, port: int | None = None) -> str:
+        """Redis with its append-only file in ``root/redis``; again on the same port and
+        directory (a restart), it reloads what it held."""
         binary = shutil.which("redis-server")
         if not binary:
             raise RuntimeError("redis-server is not installed (Debian/Ubuntu: apt-get install -y redis-server)")
-        port = free_port()
-        proc = self.spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        port = port or free_port()
+        data_dir = self.root / "redis"
+        data_dir.mkdir(exist_ok=True)
+        proc = self.spawn("redis", [
+            binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir), "--save", "",
+            "--appendonly", "yes", "--appendfsync", "everysec",
+        ])
         _wait_for_port(port, 10, proc.proc, proc.log_path)
         url = f"redis://127.0.0.1:{port}/0"
         self.env["CONVEYOR_REDIS__URL"] = url
+        self.redis_port = port
         return url
 
+    def process(self, name: str) -> ManagedProcess:
+        return next(p for p in reversed(self.processes) if p.name == name)
+
+    def stop_redis(self) -> None:
+        """A clean stop (SIGTERM): Redis flushes its append-only file first. ``start_redis``
+        with ``redis_port`` starts it again where the services look for it."""
+        redis_proc = self.process("redis")
+        redis_proc.stop()
+        self.processes.remove(redis_proc)
+
+    def start_object_store(self) -> Path:
+        """The durable default: the filesystem backend under ``root/objects`` (every process
+        of the stack shares the directory)."""
+        root = self.root / "objects"
+        root.mkdir(exist_ok=True)
+        self.env.update({"CONVEYOR_STORAGE__BACKEND": "local", "CONVEYOR_STORAGE__LOCAL_ROOT": str(root)})
+        return root
+
     def start_s3(self) -> str:
+        """moto's S3 server: in memory, so only when asked for (tests of the S3 path)."""
         port = free_port()
         proc = self.spawn("s3", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)])
         _wait_for_port(port, 30, proc.proc, proc.log_path)

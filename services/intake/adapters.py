@@ -4,12 +4,15 @@ Accepted row shapes (see the architecture page):
 - ``{"task_data": {...}, "env_config": {...}?, "id": ...?}``, for any environment;
 - task-file JSON with ``task_key`` and ``env_key`` (and ``task_data`` or the task's fields);
 - question/answer keys (``question`` + ``answer``, or ``prompt`` + ``answer``) for ``qa``;
-- ``prompt`` rows for ``single_turn`` (a user's task: the row goes to their reward function);
+- ``prompt`` rows for ``single_turn`` (a user's task: the row goes to their reward function,
+  ``env_config.reward_fn``, which must import);
 - SWE-bench rows and swe-agent-13k rows for ``coding`` (see ``environments/coding/task.py``);
 - flat ``target``/``low``/``high`` rows for ``guess_number``.
 
 Invariant: an adapter either returns a valid TaskProfile or raises ``RowRejected`` with a
-reason that names the missing or bad field. It never returns half a task.
+reason that names the missing or bad field. It never returns half a task, and never raises
+anything else (a settings model refusing the row's ``env_config`` is a ``RowRejected`` too);
+``tests/unit/test_adapters_fuzz.py`` holds it to that.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ import hashlib
 import json
 from typing import Any, Callable
 
+from pydantic import ValidationError
+
+from shared.import_path import ImportPathError, import_callable
 from shared.schemas import TaskProfile
 
 
@@ -70,6 +76,31 @@ def coding_task(data: dict[str, Any]) -> dict[str, Any]:
     return adapt(data)
 
 
+def coding_row_gradable(task_data: dict[str, Any], env_config: dict[str, Any]) -> dict[str, Any]:
+    """Rejects a coding row whose repository, commit or test patch cannot grade (fetches the repo)."""
+    from services.rollout_worker.environments.coding.gradable import check_gradable
+
+    return check_gradable(task_data, env_config)
+
+
+def single_turn_reward_fn(task_data: dict[str, Any], env_config: dict[str, Any]) -> dict[str, Any]:
+    """Rejects a row whose ``reward_fn`` is missing or cannot be imported: every episode of it
+    would fail, with the reason only in the ledger."""
+    if "reward_fn" not in env_config:
+        raise RowRejected("env_config.reward_fn is missing: single_turn rows are scored by it")
+    try:
+        import_callable(str(env_config["reward_fn"]), "env_config.reward_fn")
+    except ImportPathError as exc:
+        raise RowRejected(str(exc)) from None
+    return task_data
+
+
+# Checks that need the environment's settings too, run after the row's validator.
+ROW_CHECKS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
+    "coding": coding_row_gradable,
+    "single_turn": single_turn_reward_fn,
+}
+
 TASK_VALIDATORS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "guess_number": guess_number_task,
     "qa": qa_task,
@@ -96,4 +127,12 @@ def adapt_row(row: Any, default_env: str, source: str = "", default_env_config: 
     if not isinstance(env_config, dict):
         raise RowRejected("field 'env_config' must be an object")
     env_config = {**(default_env_config or {}), **env_config}
-    return TaskProfile(task_id=_task_id(row), env_name=env_name, task_data=validator(data), env_config=env_config, source=source)
+    task_data = validator(data)
+    check = ROW_CHECKS.get(env_name)
+    try:
+        if check is not None:
+            task_data = check(task_data, env_config)  # may read env_config through a settings model
+        return TaskProfile(task_id=_task_id(row), env_name=env_name, task_data=task_data, env_config=env_config, source=source)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'row'}: {e['msg']}" for e in exc.errors()[:3])
+        raise RowRejected(f"{exc.title}: {problems}") from None

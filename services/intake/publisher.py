@@ -12,6 +12,12 @@ Invariants:
   admits it: intake waits instead of running too far ahead of the trainer.
 - A bad row is rejected with its location and reason, recorded in Redis and counted;
   intake goes on with the next row.
+- Intake opens the run (``shared.run_marker``) before it registers anything, and refuses with
+  ``RedisDataLost`` a run the object store knows but Redis lost; every later registration
+  requires the run's marker in the same Lua call, so a Redis that lost its data mid-intake
+  is never filled again with part of the run.
+- An outage of Redis (or of the S3 server, for the marker) is waited out by the ledger client
+  and the publisher (``shared.outage``).
 """
 
 from __future__ import annotations
@@ -25,11 +31,15 @@ from typing import Callable, Iterable
 from services.intake.adapters import RowRejected, adapt_row
 from services.intake.datasets import BadRow, Row
 from shared import ids
+from shared.group_registry import GroupRegistry
 from shared.ledger import Ledger
 from shared.names import RedisKeys
+from shared.policy_version import PolicyVersion
+from shared.run_marker import RunMarker
 from shared.schemas import GroupRegistration, RolloutRequest, TaskProfile
 from shared.settings import Settings
 from shared.staleness import StalenessBudget
+from shared.storage import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +73,19 @@ def select_rows(settings: Settings, rows: list[Row | BadRow]) -> Iterable[tuple[
     if settings.intake.mode == "traversal":
         yield from enumerate(rows)
         return
+    seed, n = settings.intake.base_seed, len(rows)
+    if n == 0:
+        raise ValueError("cannot sample from an empty dataset")
+    if settings.intake.sample_order == "shuffled_epochs":
+        order: list[int] = []
+        for group_id in range(settings.intake.num_groups):
+            epoch, position = divmod(group_id, n)
+            if position == 0 or not order:  # one epoch's permutation at a time, as ids.epoch_row_index
+                order = ids.epoch_permutation(seed, epoch, n)
+            yield group_id, rows[order[position]]
+        return
     for group_id in range(settings.intake.num_groups):
-        yield group_id, rows[ids.sample_row_index(settings.intake.base_seed, group_id, len(rows))]
+        yield group_id, rows[ids.sample_row_index(seed, group_id, n)]
 
 
 def run_intake(
@@ -73,12 +94,16 @@ def run_intake(
     ledger: Ledger,
     publish: Callable[[list[RolloutRequest]], None],
     on_group: Callable[[int], None] | None = None,
+    store: ObjectStore | None = None,
 ) -> IntakeReport:
+    """``store``: where the run's marker outlives Redis (None: Redis only)."""
     report = IntakeReport()
     run = settings.run_id
+    RunMarker(ledger.redis, run, store).open()
     budget = None
     if settings.trainer.max_off_policy_steps is not None:
         budget = StalenessBudget(ledger.redis, run, settings.trainer.max_off_policy_steps, settings.trainer.groups_per_step)
+    groups, served = GroupRegistry(ledger.redis, run), PolicyVersion(ledger.redis, run)
     for group_id, row in select_rows(settings, rows):
         try:
             if isinstance(row, BadRow):
@@ -90,22 +115,21 @@ def run_intake(
             ledger.redis.rpush(RedisKeys.rejected_rows(run), json.dumps(rejection))
             log.warning("rejected row %s: %s", row.source, exc)
             continue
-        if ledger.redis.sismember(RedisKeys.groups_published(run), group_id):
+        if groups.is_published(group_id):
             report.already_known += 1  # a re-run of intake: this group went out before
             continue
-        registered = ledger.redis.hexists(RedisKeys.groups(run), str(group_id))
-        if budget is not None and not registered:
+        if budget is not None and not groups.is_registered(group_id):
             budget.admit()  # wait for the trainer rather than run too far ahead of it
-        policy_version = int(ledger.redis.get(RedisKeys.policy_version(run)) or 0)
+        policy_version = served.get()
         requests = build_group(settings, group_id, task, policy_version)
         registration = GroupRegistration(
             run_id=run, group_id=group_id, expected_size=len(requests), task_id=task.task_id,
             policy_version=policy_version, dispatched_at=requests[0].dispatched_at,
         )
-        ledger.redis.hsetnx(RedisKeys.groups(run), str(group_id), registration.model_dump_json())
-        ledger.register(requests)  # idempotent: a group left unpublished by a crash goes out now
+        groups.register(registration)  # the first registration stays: a re-run keeps it
+        ledger.register(requests, require_marker=True)  # idempotent: a group left unpublished by a crash goes out now
         publish(requests)  # duplicates of a message are harmless: the ledger claim runs it once
-        ledger.redis.sadd(RedisKeys.groups_published(run), group_id)
+        groups.mark_published(group_id)
         report.groups += 1
         report.trajectories += len(requests)
         if on_group:

@@ -8,8 +8,11 @@ Invariants:
   budget and what is left of the model's context; an exhausted budget ends the episode with
   ``max_tokens``.
 - Bad model output never raises here (the environment answers it); an environment that raises
-  ends the episode with ``env_error``; unreachable inference ends it with ``infra_error``.
-  Either way a Trajectory comes back, with the turns done so far.
+  ends the episode with ``env_error``, and a Trajectory comes back with the turns done so far.
+  Infra errors are raised, not recorded: inference failing a request or unreachable past
+  ``outage.limit_s`` (``inference_client``), the sandbox daemon failing (``SandboxInfraError``);
+  the runner classifies them. The environment is closed either way.
+- Time spent waiting out an inference outage does not count against ``episode_timeout_s``.
 - The sampling seed of a turn is a hash of (trajectory id, turn), so a turn can be replayed
   exactly. It is not the episode seed: ``episode_seed = base_seed + group_id + index`` repeats
   across groups (group g, episode i+1 has the seed of group g+1, episode i), and as a
@@ -22,13 +25,16 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
 from services.rollout_worker.chat_tokens import ChatTokens
 from services.rollout_worker.environments import make_environment
 from services.rollout_worker.environments.base import AgentAction
-from services.rollout_worker.inference_client import InferenceClient, InferenceRejected, InferenceUnavailable
+from services.rollout_worker.inference_client import InferenceClient
+from services.rollout_worker.sandbox.errors import SandboxInfraError
 from services.rollout_worker.tool_calls import parse_tool_calls
 from shared.schemas import EpisodeTimings, RolloutRequest, StopReason, Trajectory, Turn, TurnTimings
 from shared.settings import RolloutSettings
@@ -78,11 +84,10 @@ async def run_episode(
     if bind is not None:
         bind(run_id=request.run_id, group_id=request.group_id, trajectory_id=request.trajectory_id)
     stop, error, env_reward, env_info = StopReason.max_turns, None, None, {}
+    outage_s = 0.0  # waited out for inference: not the episode's time
     try:
-        try:
+        with _environment("reset"):
             messages = await env.reset(request.task.task_data, request.episode_seed)
-        except Exception as exc:  # the environment broke, not the agent
-            raise _EnvFailure(f"reset: {type(exc).__name__}: {exc}") from exc
         new_ids = chat.initial_prompt(messages)
         context: list[int] = []
         sampled_total = 0
@@ -95,29 +100,26 @@ async def run_episode(
             if budget <= 0:
                 stop = StopReason.max_tokens
                 break
-            remaining_s = limits.timeout_s - (time.time() - started)
+            remaining_s = limits.timeout_s - (time.time() - started - outage_s)
             if remaining_s <= 0:
                 stop = StopReason.timeout
                 break
             context += new_ids
-            version = policy_version()
+            version = await asyncio.to_thread(policy_version)  # a Redis read may wait out an outage: not in the loop
             t0 = time.perf_counter()
-            completion = await asyncio.wait_for(
-                client.complete(
-                    context, budget, turn_seed(request.trajectory_id, index), limits.temperature, limits.top_p
-                ),
-                timeout=remaining_s,
+            completion = await client.complete(
+                context, budget, turn_seed(request.trajectory_id, index), limits.temperature, limits.top_p,
+                budget_s=remaining_s,
             )
-            inference_s = time.perf_counter() - t0
+            outage_s += completion.outage_wait_s
+            inference_s = time.perf_counter() - t0 - completion.outage_wait_s
             context += completion.token_ids
             sampled_total += len(completion.token_ids)
             text = chat.decode(completion.token_ids)
             calls, call_error = parse_tool_calls(text)
             t1 = time.perf_counter()
-            try:
+            with _environment(f"step {index}"):
                 result = await env.step(AgentAction(text, calls, call_error))
-            except Exception as exc:
-                raise _EnvFailure(f"step {index}: {type(exc).__name__}: {exc}") from exc
             env_step_s = time.perf_counter() - t1
             turns.append(
                 Turn(
@@ -139,17 +141,13 @@ async def run_episode(
                 break
             ended_with_eos = bool(completion.token_ids) and completion.token_ids[-1] == chat.eos_token_id
             new_ids = chat.observation_ids(result.observation, ended_with_eos)
-        try:
+        with _environment("verify"):
             verdict = await env.verify()
             env_reward, env_info = verdict.reward, verdict.info
-        except Exception as exc:
-            raise _EnvFailure(f"verify: {type(exc).__name__}: {exc}") from exc
     except _EnvFailure as exc:
         stop, error = StopReason.env_error, str(exc)
     except asyncio.TimeoutError:
         stop, error = StopReason.timeout, f"episode exceeded {limits.timeout_s}s"
-    except (InferenceUnavailable, InferenceRejected) as exc:
-        stop, error = StopReason.infra_error, str(exc)
     finally:
         try:
             await env.close()
@@ -170,3 +168,15 @@ async def run_episode(
 
 class _EnvFailure(Exception):
     pass
+
+
+@contextmanager
+def _environment(what: str) -> Iterator[None]:
+    """An exception of the environment ends the episode with env_error, except the sandbox
+    daemon failing: an infra error, raised for the runner to retry in a fresh sandbox."""
+    try:
+        yield
+    except SandboxInfraError:
+        raise
+    except Exception as exc:  # the environment broke, not the agent
+        raise _EnvFailure(f"{what}: {type(exc).__name__}: {exc}") from exc

@@ -3,21 +3,33 @@
 Invariants:
 - The prompt goes out as token ids and the sampled ids and their logprobs come back as vLLM
   produced them (``return_token_ids``); nothing is re-tokenized.
-- Connection errors, timeouts and 5xx answers are retried a bounded number of times, then
-  raised as ``InferenceUnavailable`` naming the server; the episode ends with infra_error.
-- A 4xx answer (e.g. prompt longer than the context) is the request's fault, not retried.
+- An unreachable server (connection refused or reset, no answer within
+  ``inference.request_timeout_s``, a 5xx while ``/health`` fails too) is an outage of the
+  process's inference (``InferenceGate``), not an error of the request: the request waits for
+  the server and is sent again with the same seed. Waiting costs no attempt, and it does not
+  count against the request's time budget (the episode's time limit).
+- Only an outage longer than ``outage.limit_s`` fails the request: ``InferenceOutage``.
+- A 5xx while ``/health`` answers is retried ``inference.max_retries`` times with backoff,
+  then raised as ``InferenceUnavailable`` (an infra error of this request).
+- A 4xx answer (e.g. prompt longer than the context) is the request's fault, not retried:
+  ``InferenceRejected``.
+- A request that used up its time budget raises ``asyncio.TimeoutError``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import httpx
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from services.rollout_worker.inference_gate import InferenceGate, InferenceOutage, InferenceUnavailable
+from shared.prometheus import INFERENCE_REQUEST_SECONDS
+from shared.settings import OutageSettings
 
-class InferenceUnavailable(RuntimeError):
-    pass
+__all__ = ["Completion", "InferenceClient", "InferenceOutage", "InferenceRejected", "InferenceUnavailable"]
 
 
 class InferenceRejected(RuntimeError):
@@ -30,23 +42,28 @@ class Completion:
     logprobs: list[float]
     finish_reason: str
     prompt_token_ids: list[int] | None
-
-
-class _Retryable(Exception):
-    pass
+    outage_wait_s: float = 0.0  # time this request waited for an unreachable server
 
 
 class InferenceClient:
-    def __init__(self, base_url: str, model: str, timeout_s: float = 120.0, max_retries: int = 3):
+    """Create it inside the event loop that runs the episodes (its gate probes from there)."""
+
+    def __init__(self, base_url: str, model: str, timeout_s: float = 120.0, max_retries: int = 3,
+                 outage: OutageSettings | None = None, on_outage_change: Callable[[bool], None] | None = None):
         self.base_url = base_url.rstrip("/")
         self.model = model
+        self.timeout_s = timeout_s
         self.max_retries = max_retries
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, limits=limits)
+        self.gate = InferenceGate(self.base_url, self._http, outage or OutageSettings(), on_outage_change)
 
     async def complete(
-        self, prompt_ids: list[int], max_tokens: int, seed: int, temperature: float = 1.0, top_p: float = 1.0
+        self, prompt_ids: list[int], max_tokens: int, seed: int, temperature: float = 1.0, top_p: float = 1.0,
+        budget_s: float | None = None,
     ) -> Completion:
+        """``budget_s``: seconds this call may spend waiting for answers; waiting out an outage
+        is not counted."""
         body = {
             "model": self.model,
             "prompt": prompt_ids,
@@ -58,36 +75,55 @@ class InferenceClient:
             "return_token_ids": True,
             "skip_special_tokens": False,
         }
-        try:
-            async for attempt in AsyncRetrying(
-                retry=retry_if_exception_type(_Retryable),
-                stop=stop_after_attempt(self.max_retries + 1),
-                wait=wait_exponential(multiplier=0.2, max=3),
-                reraise=True,
-            ):
-                with attempt:
-                    return self._parse(await self._post(body))
-        except _Retryable as exc:
-            raise InferenceUnavailable(f"inference at {self.base_url} unavailable after {self.max_retries + 1} tries: {exc}") from None
-        raise AssertionError("unreachable")
+        spent = waited = 0.0
+        server_errors = 0
+        while True:
+            waited += await self.gate.wait_up()
+            timeout = self.timeout_s if budget_s is None else min(self.timeout_s, budget_s - spent)
+            if timeout <= 0:
+                raise asyncio.TimeoutError
+            started = time.monotonic()
+            try:
+                with INFERENCE_REQUEST_SECONDS.time():
+                    response = await self._http.post("/v1/completions", json=body, timeout=timeout)
+            except httpx.TimeoutException as exc:
+                spent += time.monotonic() - started
+                if budget_s is not None and spent >= budget_s:
+                    raise asyncio.TimeoutError from None
+                self.gate.report(f"no answer within {timeout:g}s ({type(exc).__name__})")
+                continue
+            except httpx.TransportError as exc:
+                spent += time.monotonic() - started
+                self.gate.report(f"{type(exc).__name__}: {exc}")
+                continue
+            spent += time.monotonic() - started
+            if response.status_code >= 500:
+                problem = f"HTTP {response.status_code}: {response.text[:200]}"
+                if not await self._healthy():
+                    self.gate.report(problem)
+                    continue
+                server_errors += 1
+                if server_errors > self.max_retries:
+                    raise InferenceUnavailable(f"inference at {self.base_url} failed the request {server_errors} times: {problem}")
+                await asyncio.sleep(min(0.2 * 2 ** (server_errors - 1), 3.0))
+                continue
+            if response.status_code >= 400:
+                raise InferenceRejected(f"inference rejected the request: HTTP {response.status_code}: {response.text[:300]}")
+            return self._parse(response.json(), waited)
 
-    async def _post(self, body: dict) -> dict:
+    async def _healthy(self) -> bool:
         try:
-            response = await self._http.post("/v1/completions", json=body)
-        except (httpx.TransportError, httpx.TimeoutException) as exc:
-            raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
-        if response.status_code >= 500:
-            raise _Retryable(f"HTTP {response.status_code}: {response.text[:200]}")
-        if response.status_code >= 400:
-            raise InferenceRejected(f"inference rejected the request: HTTP {response.status_code}: {response.text[:300]}")
-        return response.json()
+            return (await self._http.get("/health", timeout=5.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     @staticmethod
-    def _parse(payload: dict) -> Completion:
+    def _parse(payload: dict, waited: float) -> Completion:
         choice = payload["choices"][0]
         token_ids = list(choice["token_ids"])
         logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
-        return Completion(token_ids, logprobs, choice.get("finish_reason") or "stop", choice.get("prompt_token_ids") or payload.get("prompt_token_ids"))
+        prompt_ids = choice.get("prompt_token_ids") or payload.get("prompt_token_ids")
+        return Completion(token_ids, logprobs, choice.get("finish_reason") or "stop", prompt_ids, waited)
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -6,9 +6,17 @@ event loop (``event_loop``), sharing one connection pool to the inference servic
 The thread pool's slots times the group size is the number of concurrent episodes a
 process runs (default 32 slots). Episodes are I/O bound, so threads, not processes.
 
-Invariant: the task itself never raises on one bad request or one failed episode: every
-outcome is recorded in the ledger (see ``runner``). It does raise on an unparseable payload,
-which Celery then rejects with the validation error in the log.
+Invariants:
+- The task itself never raises on one bad request or one failed episode: every outcome is
+  recorded in the ledger (see ``runner``). It does raise on an unparseable payload, which
+  Celery then rejects with the validation error in the log.
+- The worker takes tasks only while its inference server answers: ``conveyor worker rollout``
+  waits for Redis, S3 and inference before it starts consuming, and while inference is
+  unreachable later (``inference_gate``) the worker stops consuming the rollouts queue and
+  resumes once the server is back. The episodes it holds wait; the backlog stays queued.
+- On SIGTERM (a warm shutdown) the worker takes nothing more; running episodes get
+  ``rollout.shutdown_grace_s`` to finish, then are cancelled and handed back through the
+  ledger (``in_flight``), so the process exits soon after the grace period with nothing lost.
 """
 
 from __future__ import annotations
@@ -18,17 +26,19 @@ import os
 import socket
 import threading
 
-from celery.signals import worker_ready, worker_shutdown
+from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
 from services.rollout_worker.chat_tokens import load_chat_tokens
 from services.rollout_worker.event_loop import background_loop
 from services.rollout_worker.inference_client import InferenceClient
-from services.rollout_worker.leases import LeaseKeeper, Reaper, SandboxJanitor
 from services.rollout_worker.runner import RolloutContext, run_requests
-from shared.celery_app import make_celery, publish_rollouts
-from shared.ledger import Ledger
-from shared.names import ROLLOUT_TASK, SCORING_TASK
-from shared.schemas import RolloutRequest
+from services.rollout_worker.sandbox_janitor import SandboxJanitor
+from shared.celery_app import make_celery, publish_rollouts, publish_scoring
+from shared.leases import LeaseKeeper, Reaper, settle_s
+from shared.ledger import ROLLOUT, SCORING, Ledger
+from shared.names import ROLLOUT_QUEUE, ROLLOUT_TASK
+from shared.prometheus import serve_metrics
+from shared.schemas import RolloutRequest, ScoringTask
 from shared.settings import load_settings
 from shared.storage import open_store
 
@@ -44,16 +54,17 @@ def _context() -> RolloutContext:
     global _ctx
     with _ctx_lock:
         if _ctx is None:
-            ledger = Ledger.from_url(settings.redis.url)
+            ledger = Ledger.from_url(settings.redis.url, settings.outage)  # waits out an outage of Redis
             leases = LeaseKeeper(ledger, settings.ledger.lease_ttl_s, settings.ledger.heartbeat_s)
             leases.start()
             _ctx = RolloutContext(
                 settings=settings,
                 ledger=ledger,
-                store=open_store(settings.storage),
+                store=open_store(settings.storage, settings.outage),
                 leases=leases,
                 chat=load_chat_tokens(settings.inference.model_path),
-                enqueue_scoring=lambda tid, key, upload_s: app.send_task(SCORING_TASK, args=[tid, key, upload_s]),
+                enqueue_scoring=lambda tid, key, upload_s: _enqueue_scoring(
+                    ledger, ScoringTask(trajectory_id=tid, trajectory_key=key, upload_s=upload_s)),
                 redispatch=lambda request: publish_rollouts(app, [request]),
                 worker_name=f"{socket.gethostname()}:{os.getpid()}",
                 inference=background_loop().run(_make_inference_client()),
@@ -61,15 +72,45 @@ def _context() -> RolloutContext:
         return _ctx
 
 
+def _enqueue_scoring(ledger: Ledger, task: ScoringTask) -> None:
+    """The task is stored first, so that a message lost in an outage of Redis can be sent again
+    (``shared.leases.Reaper.resend_unclaimed``)."""
+    ledger.set_payload(task.trajectory_id, task.model_dump_json(), SCORING)
+    publish_scoring(app, task)
+
+
 async def _make_inference_client() -> InferenceClient:
     inference = settings.inference
-    return InferenceClient(inference.base_url, inference.model, inference.request_timeout_s, inference.max_retries)
+    return InferenceClient(inference.base_url, inference.model, inference.request_timeout_s, inference.max_retries,
+                           outage=settings.outage, on_outage_change=_task_intake.inference_up)
+
+
+class _TaskIntake:
+    """This worker's consumption of the rollouts queue, stopped while inference is down."""
+
+    def __init__(self) -> None:
+        self.consumer = None  # Celery's consumer, from worker_ready
+
+    def inference_up(self, up: bool) -> None:
+        consumer = self.consumer
+        if consumer is None:
+            return
+        if up:
+            consumer.call_soon(consumer.add_task_queue, ROLLOUT_QUEUE)
+            log.warning("inference is back: taking rollout tasks again")
+        else:
+            consumer.call_soon(consumer.cancel_task_queue, ROLLOUT_QUEUE)
+            log.warning("inference is unreachable: taking no rollout task until it is back")
+
+
+_task_intake = _TaskIntake()
 
 
 @app.task(name=ROLLOUT_TASK)
 def run_trajectories(payload: list[dict]) -> dict[str, str]:
     requests = [RolloutRequest.model_validate(item) for item in payload]
-    outcomes = background_loop().run(run_requests(_context(), requests))
+    results = background_loop().run(run_requests(_context(), requests))
+    outcomes = {tid: str(result) for tid, result in results.items()}
     log.info("rollout task done: %s", outcomes)
     return outcomes
 
@@ -79,16 +120,41 @@ _janitor: SandboxJanitor | None = None
 
 
 @worker_ready.connect
-def _start_background(**_: object) -> None:
+def _start_background(sender: object = None, **_: object) -> None:
     """Load the tokenizer, clean up sandboxes left by a dead worker, and start heartbeat and
     reaper before the first task arrives."""
     global _reaper, _janitor
+    _task_intake.consumer = sender
     ctx = _context()
-    _reaper = Reaper(ctx.ledger, settings.ledger.max_attempts, settings.ledger.reaper_interval_s, ctx.redispatch)
+    serve_metrics(settings.metrics_port, ctx.ledger.redis)
+    _reaper = Reaper(
+        ctx.ledger, ROLLOUT, settings.ledger.max_attempts, settings.ledger.reaper_interval_s,
+        lambda _tid, request_json: ctx.redispatch(RolloutRequest.model_validate_json(request_json)),
+        settle_s=settle_s(settings.ledger.heartbeat_s, settings.outage),
+    )
     _reaper.sweep()  # leases left by a worker that died while this one was down
     _reaper.start()
     _janitor = SandboxJanitor(ctx.ledger)
     _janitor.start()
+
+
+@worker_shutting_down.connect
+def _hand_back_after_grace(**_: object) -> None:
+    """Runs in the signal handler: start the grace period's clock, nothing more."""
+    if _ctx is None:
+        return
+    grace = settings.rollout.shutdown_grace_s
+    log.warning("shutting down: %d running episodes get %gs (rollout.shutdown_grace_s) to finish, then are handed back",
+                len(_ctx.in_flight), grace)
+    loop = background_loop().loop
+    timer = threading.Timer(grace, loop.call_soon_threadsafe, args=(_hand_back_all,))
+    timer.daemon = True
+    timer.start()
+
+
+def _hand_back_all() -> None:
+    if _ctx is not None and (cancelled := _ctx.in_flight.stop()):
+        log.warning("grace period over: handing back %d unfinished episodes", cancelled)
 
 
 @worker_shutdown.connect

@@ -1,7 +1,10 @@
 """Parse tool calls from model output: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
 
-Invariant: parsing never raises. Malformed output yields an error message that says what was
-wrong, which the environment turns into an observation for the agent.
+Invariant: parsing never raises (``tests/unit/test_tool_calls_fuzz.py`` holds it to that).
+Malformed output yields an error message that says what was wrong, which the environment turns
+into an observation for the agent: JSON that Python will not read (an integer of more than
+4300 digits, nesting deeper than the recursion limit) is malformed output too.
+A ``</tool_call>`` cannot appear inside a call: it ends the call.
 """
 
 from __future__ import annotations
@@ -25,13 +28,17 @@ def parse_tool_calls(text: str) -> tuple[list[ToolCall], str | None]:
             payload = json.loads(body)
         except json.JSONDecodeError as exc:
             return calls, f"tool call {number} is not valid JSON ({exc.msg} at char {exc.pos})"
+        except ValueError as exc:  # valid JSON Python will not read: a number of too many digits
+            return calls, f"tool call {number} cannot be read: {exc}"
+        except RecursionError:
+            return calls, f"tool call {number} cannot be read: nested too deeply"
         if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
             return calls, f'tool call {number} needs an object with a string "name"'
         try:
             calls.append(ToolCall(name=payload["name"], arguments=payload.get("arguments") or {}))
         except ValidationError:
             return calls, f'tool call {number}: "arguments" must be an object'
-    unclosed = text.count(OPEN) - text.count(CLOSE)
+    unclosed = _BLOCK.sub("", text).count(OPEN)  # outside the calls read (an argument may hold the tag)
     if unclosed > 0:
         return calls, f"{unclosed} tool call(s) opened with {OPEN} but never closed with {CLOSE}"
     return calls, None

@@ -13,11 +13,11 @@ returns a non-finite number is an error naming the function, never a silent 0.
 
 from __future__ import annotations
 
-import importlib
 from functools import partial
 import math
 from typing import Callable
 
+from shared.import_path import ImportPathError, import_callable
 from shared.schemas import RewardBreakdown, Trajectory
 
 RewardFn = Callable[[Trajectory], float]
@@ -50,16 +50,12 @@ class RewardError(ValueError):
 def resolve(name: str) -> RewardFn:
     if name in BUILTIN:
         return BUILTIN[name]
-    module_name, _, attr = name.partition(":")
-    if not attr:
+    if ":" not in name:
         raise RewardError(f"reward function {name!r}: not a built-in ({sorted(BUILTIN)}) nor 'module:function'")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise RewardError(f"reward function {name!r} cannot be imported: {exc}") from exc
-    if not callable(fn):
-        raise RewardError(f"reward function {name!r} is not callable")
-    return fn
+        return import_callable(name, "reward function")
+    except ImportPathError as exc:
+        raise RewardError(str(exc)) from exc
 
 
 class RewardCombiner:

@@ -1,65 +1,87 @@
 """Celery entry point of the scorer: ``celery -A services.scorer.tasks worker -Q scoring``.
 
-Invariants:
-- Scoring is idempotent by trajectory id: only an ``uploaded`` trajectory is scored; a
-  redelivered task finds it ``scored`` (or later) and does nothing.
-- The ScoredTrajectory is written to storage before the ledger moves to ``scored``, and that
-  move appends the trainer event atomically: the trainer sees each trajectory once.
-- A reward function that fails, or a trajectory object that cannot be read, fails the
-  trajectory with the reason; the worker goes on.
+Each task scores one trajectory (``services.scorer.scorer``) under a scoring lease. Every
+scoring worker process renews the leases it holds and runs a scoring reaper: from its start
+(a sweep for leases left by scorers that died while none was running), then every
+``ledger.reaper_interval_s``. A scorer killed mid-task therefore delays its trajectories by at
+most ``lease_ttl_s + reaper_interval_s`` while any scoring worker is alive, never by the
+broker's visibility timeout.
+
+A scoring message carries one ``ScoringTask`` (``shared.celery_app.publish_scoring``). One that
+does not (a producer's bug, another version) never fails in Celery's argument check: the task
+takes anything and hands it to ``Scorer.reject``, which logs it, dead-letters it and fails the
+trajectory it names if nothing else would score it. Nothing waits for a message that will not come.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 
-from services.scorer.rewards import RewardCombiner, RewardError
-from shared.celery_app import make_celery
-from shared.ledger import Ledger
-from shared.names import SCORING_TASK, scored_key
-from shared.schemas import ScoredTrajectory, TrainerEvent, Trajectory, TrajectoryState
+from celery.signals import worker_ready, worker_shutdown
+
+from services.scorer.rewards import RewardCombiner
+from services.scorer.scorer import Scorer
+from shared.celery_app import make_celery, publish_scoring, scoring_task_of
+from shared.leases import LeaseKeeper, Reaper, settle_s
+from shared.ledger import SCORING, Ledger
+from shared.names import SCORING_TASK
+from shared.prometheus import SCORING_SECONDS, serve_metrics
+from shared.schemas import BadMessage, ScoringTask, parse_message
 from shared.settings import load_settings
-from shared.storage import StorageError, get_model, open_store, put_model
+from shared.storage import open_store
 
 log = logging.getLogger(__name__)
 settings = load_settings()
 app = make_celery(settings)
-_ledger = Ledger.from_url(settings.redis.url)
-_store = open_store(settings.storage)
-_combiner = RewardCombiner(settings.rewards.weights, settings.rollout.max_episode_tokens)  # a bad reward config fails at start
+_ledger = Ledger.from_url(settings.redis.url, settings.outage)  # waits out an outage of Redis
+_leases = LeaseKeeper(_ledger, settings.ledger.lease_ttl_s, settings.ledger.heartbeat_s, SCORING)
+_scorer = Scorer(
+    open_store(settings.storage, settings.outage),
+    RewardCombiner(settings.rewards.weights, settings.rollout.max_episode_tokens),  # a bad reward config fails at start
+    _leases,
+)
+_reaper = Reaper(
+    _ledger, SCORING, settings.ledger.max_attempts, settings.ledger.reaper_interval_s,
+    lambda tid, task_json: _redispatch(tid, task_json),
+    settle_s=settle_s(settings.ledger.heartbeat_s, settings.outage),
+)
+
+
+@worker_ready.connect
+def _start_background(**_: object) -> None:
+    serve_metrics(settings.metrics_port, _ledger.redis)
+    _leases.start()
+    _reaper.sweep()
+    _reaper.start()
+
+
+@worker_shutdown.connect
+def _stop_background(**_: object) -> None:
+    _reaper.stop()
+    _leases.stop()
+
+
+def _redispatch(trajectory_id: str, task_json: str) -> None:
+    """Publish the task stored at the claim again; one that does not parse is rejected (and its
+    trajectory failed) rather than left waiting for a message that never comes."""
+    try:
+        publish_scoring(app, parse_message(ScoringTask, task_json, "stored scoring task"))
+    except BadMessage as exc:
+        _scorer.reject(exc, trajectory_id)
 
 
 @app.task(name=SCORING_TASK)
-def score_trajectory(trajectory_id: str, key: str, upload_s: float = 0.0) -> str:
-    started = time.perf_counter()
-    state = _ledger.state(trajectory_id)
-    if state != TrajectoryState.uploaded.value:
-        log.info("skip scoring %s: it is %s", trajectory_id, state)
-        return f"skipped:{state}"
+def score_trajectory(*args: object, **kwargs: object) -> str:
+    """Takes anything, so that a malformed message reaches ``Scorer.reject`` instead of failing
+    in Celery's signature check with the trajectory left waiting."""
     try:
-        trajectory = get_model(_store, key, Trajectory)
-        reward, components = _combiner.score(trajectory)
-    except (StorageError, RewardError, ValueError) as exc:
-        _ledger.fail(trajectory_id, f"scoring_error: {exc}")
-        log.error("scoring %s failed: %s", trajectory_id, exc)
-        return "failed"
-    request = trajectory.request
-    timings = trajectory.timings
-    scored = ScoredTrajectory(
-        trajectory_id=trajectory_id, run_id=request.run_id, group_id=request.group_id,
-        trajectory_key=key, reward=reward, components=components, stop_reason=trajectory.stop_reason,
-        scored_at=time.time(),
-        timings={
-            "queue_wait": timings.queue_wait_s, "episode": timings.episode_s, "inference": timings.inference_s,
-            "env": timings.env_s, "upload": upload_s, "scoring": time.perf_counter() - started,
-        },
-    )
-    out_key = scored_key(request.run_id, request.group_id, trajectory_id)
-    put_model(_store, out_key, scored)
-    event = TrainerEvent(
-        kind="scored", trajectory_id=trajectory_id, run_id=request.run_id, group_id=request.group_id,
-        reward=reward, scored_key=out_key, at=time.time(),
-    )
-    moved = _ledger.mark_scored(trajectory_id, event)
-    return "scored" if moved.ok else f"skipped:{moved.state}"
+        task = scoring_task_of(args, kwargs)
+    except BadMessage as exc:
+        first = args[0] if args else None
+        outcome = _scorer.reject(exc, first.get("trajectory_id") if isinstance(first, dict) else first)
+        log.info("scoring message %.200r: %s", args, outcome)
+        return outcome
+    with SCORING_SECONDS.time():
+        outcome = _scorer.score(task)
+    log.info("scoring %s: %s", task.trajectory_id, outcome)
+    return outcome

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from services.intake.adapters import RowRejected, adapt_row
-from services.intake.datasets import BadRow, Row, read_rows
+from services.intake.datasets import BadRow, DatasetError, Row, read_rows
 from services.intake.publisher import run_intake, select_rows
 from shared import ids
 from shared.ledger import Ledger
@@ -97,7 +97,32 @@ def test_non_string_env_key_is_rejected_not_a_crash(row):
         adapt_row(row, "qa")
 
 
+# found by the fuzz (tests/unit/test_adapters_fuzz.py): each once raised something else than RowRejected
+SWE_AGENT = {"repo_name": "o/r", "repo_url": "https://example.invalid/r.git",
+             "conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "fix it"}]}
+SWE_BENCH = {"repo": "o/r", "base_commit": "abcdef1", "problem_statement": "p", "test_patch": "d", "FAIL_TO_PASS": ["t::a"]}
+
+
+@pytest.mark.parametrize("row, reason", [
+    ({**SWE_AGENT, "reward": 10**400}, "label field 'reward' must be a finite number"),  # was OverflowError
+    ({**SWE_BENCH, "env_config": {"image": False}}, "CodingConfig: image: Input should be a valid string"),  # was ValidationError
+])
+def test_values_no_settings_model_or_float_can_hold_reject_the_row(row, reason):
+    with pytest.raises(RowRejected, match=reason):
+        adapt_row(row, "coding", "f.jsonl:1", {"intake_checks": False})
+
+
 # --- dataset readers ----------------------------------------------------------------------
+
+
+def test_jsonl_lines_python_cannot_read_are_bad_rows_not_a_crash(tmp_path):
+    """Valid JSON that Python's json refuses: an integer of 5000 digits, 100000 nested arrays."""
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"low": 1, "high": 5, "target": ' + "1" * 5000 + "}\n" + "[" * 100_000 + "]" * 100_000 + "\n"
+                    + json.dumps({"low": 1, "high": 3, "target": 2}) + "\n")
+    rows = read_rows(path)
+    assert [type(r) for r in rows] == [BadRow, BadRow, Row]
+    assert "Exceeds the limit (4300 digits)" in rows[0].reason and rows[1].reason == "not readable JSON: nested too deeply"
 
 
 def test_jsonl_reader_reports_bad_lines_with_their_line_number(tmp_path):
@@ -119,9 +144,12 @@ def test_jsonl_reader_reports_bad_lines_with_their_line_number(tmp_path):
     assert rows[3].source == f"{path}:5"
 
 
-def test_missing_dataset_raises(tmp_path):
-    with pytest.raises(FileNotFoundError):
+def test_missing_or_unreadable_dataset_raises_naming_the_path(tmp_path):
+    with pytest.raises(DatasetError, match=f"dataset {tmp_path / 'missing.jsonl'} does not exist"):
         read_rows(tmp_path / "missing.jsonl")
+    (tmp_path / "not-a-dataset").mkdir()
+    with pytest.raises(DatasetError, match="not-a-dataset"):
+        read_rows(tmp_path / "not-a-dataset")
 
 
 def test_saved_hf_dataset_is_read_back(tmp_path):
@@ -150,7 +178,7 @@ def test_saved_hf_dataset_dict_reads_the_requested_split(tmp_path):
     (row,) = read_rows(target, "test")
     assert row.source == f"{target}[test][0]"
     assert adapt_row(row.value, "guess_number").task_data == {"low": 1, "high": 9, "target": 7}
-    with pytest.raises(KeyError, match="no split 'validation'"):
+    with pytest.raises(DatasetError, match="no split 'validation'"):
         read_rows(target, "validation")
 
 

@@ -14,6 +14,7 @@ from services.intake.publisher import run_intake
 from services.trainer.advantages import group_advantages
 from services.trainer.consumer import CONSUMER_GROUP, TrainerConsumer
 from services.trainer.groups import GroupAssembler
+from shared.dead_letters import DeadLetters
 from shared.ledger import Ledger
 from shared.names import RedisKeys, batch_key, group_record_key, scored_key, trajectory_key
 from shared.schemas import (
@@ -21,7 +22,13 @@ from shared.schemas import (
     RolloutRequest,
     ScoredTrajectory,
     StopReason,
+    FailedEvent,
+    ScoredEvent,
+    SkippedGroupEntry,
+    TrainBatchEntry,
     TrainerEvent,
+    TrainQueueEntry,
+    parse_message,
     TrainingBatch,
     Trajectory,
     Turn,
@@ -35,8 +42,8 @@ from shared.storage import LocalStore, get_model, put_model
 def ev(group_id: int, episode: int, kind: str = "scored", reward: float = 1.0) -> TrainerEvent:
     tid = f"r_{group_id}_{episode}_{group_id + episode}"
     if kind == "scored":
-        return TrainerEvent(kind="scored", trajectory_id=tid, run_id="r", group_id=group_id, reward=reward, scored_key="k", at=0.0)
-    return TrainerEvent(kind="failed", trajectory_id=tid, run_id="r", group_id=group_id, failure_reason="env_error", at=0.0)
+        return ScoredEvent(trajectory_id=tid, run_id="r", group_id=group_id, reward=reward, scored_key="k", at=0.0)
+    return FailedEvent(trajectory_id=tid, run_id="r", group_id=group_id, failure_reason="env_error", at=0.0)
 
 
 class Done:
@@ -133,16 +140,6 @@ def settings(clean_env, run_id, tmp_path) -> Settings:
     )
 
 
-@pytest.fixture
-def ledger(redis_client) -> Ledger:
-    return Ledger(redis_client)
-
-
-@pytest.fixture
-def store(tmp_path) -> LocalStore:
-    return LocalStore(tmp_path / "objects")
-
-
 def register_groups(settings: Settings, ledger: Ledger, num_groups: int) -> dict[int, list[RolloutRequest]]:
     rows = [Row(f"mem:{i}", {"id": f"task-{i}", "low": 1, "high": 20, "target": i + 1}) for i in range(num_groups)]
     published: list[list[RolloutRequest]] = []
@@ -174,9 +171,20 @@ def deliver_scored(ledger: Ledger, store: LocalStore, req: RolloutRequest, rewar
         trajectory_id=tid, run_id=req.run_id, group_id=req.group_id, trajectory_key=t_key, reward=reward,
         components=[], stop_reason=StopReason.done, scored_at=time.time(),
     ))
-    event = TrainerEvent(kind="scored", trajectory_id=tid, run_id=req.run_id, group_id=req.group_id,
-                         reward=reward, scored_key=s_key, at=time.time())
+    event = ScoredEvent(trajectory_id=tid, run_id=req.run_id, group_id=req.group_id,
+                        reward=reward, scored_key=s_key, at=time.time())
     assert ledger.mark_scored(tid, event).ok
+
+
+def metrics_lines(settings: Settings) -> list[dict]:
+    """The metrics file's whole lines (a line cut short by a crash is not one)."""
+    lines = []
+    for raw in settings.trainer.metrics_path.read_text().splitlines():
+        try:
+            lines.append(json.loads(raw))
+        except ValueError:
+            continue
+    return lines
 
 
 def drain(consumer: TrainerConsumer) -> int:
@@ -267,6 +275,37 @@ def test_zero_variance_group_is_dropped_and_counted(settings, ledger, store, red
     assert consumer.counters() == {"groups_zero_variance": 1, "groups_accepted": 1}
     assert redis_client.smembers(RedisKeys.groups_done(run_id)) == {"0", "1"}
     assert pending_count(redis_client, run_id) == 0
+    # the dropped group is on the train queue as a skip entry, so a step can count it
+    queue = [parse_message(TrainQueueEntry, e) for e in redis_client.lrange(RedisKeys.train_queue(run_id), 0, -1)]
+    assert SkippedGroupEntry(skip="zero_variance", group_id=0, rewards=[0.5] * GROUP_SIZE) in queue
+    assert TrainBatchEntry(key=batch_key(run_id, 1), oldest_policy_version=2, group_id=1) in queue
+
+
+def test_zero_variance_group_is_kept_with_zero_advantages_when_configured(settings, ledger, store, redis_client, run_id):
+    settings = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"zero_variance_groups": "keep"})})
+    groups = register_groups(settings, ledger, 1)
+    consumer = TrainerConsumer(settings, ledger, store)
+    for req in groups[0]:
+        deliver_scored(ledger, store, req, 0.1)  # 0.1 * 4 / 4 != 0.1 in floats: advantages must still be 0
+    drain(consumer)
+    record = get_model(store, group_record_key(run_id, 0), GroupRecord)
+    assert record.status == "accepted" and record.batch_key == batch_key(run_id, 0)
+    batch = get_model(store, record.batch_key, TrainingBatch)
+    assert [s.advantage for s in batch.samples] == [0.0] * GROUP_SIZE  # exactly: their tokens count, no push
+    assert consumer.counters() == {"groups_accepted": 1, "groups_zero_variance_kept": 1}
+
+
+def test_bessel_std_changes_the_advantages_as_trl_computes_them(settings, ledger, store, run_id):
+    settings = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"advantage_std": "bessel"})})
+    groups = register_groups(settings, ledger, 1)
+    consumer = TrainerConsumer(settings, ledger, store)
+    for req, reward in zip(groups[0], [0.0, 0.0, 1.0, 1.0]):
+        deliver_scored(ledger, store, req, reward)
+    drain(consumer)
+    record = get_model(store, group_record_key(run_id, 0), GroupRecord)
+    # mean 0.5, Bessel std sqrt(1/3) = 0.57735: advantages -+0.866
+    assert record.reward_std == pytest.approx(0.5773503)
+    assert sorted(m.advantage for m in record.members) == pytest.approx([-0.8660254] * 2 + [0.8660254] * 2, abs=1e-5)
 
 
 def test_failed_member_completes_the_group(settings, ledger, store, redis_client, run_id):
@@ -316,11 +355,15 @@ def test_duplicate_late_and_bad_events_are_counted_and_acknowledged(settings, le
         deliver_scored(ledger, store, req, 0.0)
     redis_client.xadd(stream, first)  # arrives after the group completed
     redis_client.xadd(stream, {"event": "not json"})
-    unknown = TrainerEvent(kind="failed", trajectory_id=f"{run_id}_99_0_0", run_id=run_id, group_id=99, failure_reason="x", at=0.0)
+    unknown = FailedEvent(trajectory_id=f"{run_id}_99_0_0", run_id=run_id, group_id=99, failure_reason="x", at=0.0)
     redis_client.xadd(stream, {"event": unknown.model_dump_json()})
     assert drain(consumer) == GROUP_SIZE + 4
 
     assert consumer.counters() == {"groups_accepted": 1, "duplicate_events": 1, "late_events": 1, "bad_events": 2}
+    [letter] = DeadLetters(redis_client).newest()  # the unparseable one; the unknown group's is only counted
+    not_json = [entry_id for entry_id, fields in redis_client.xrange(stream) if fields["event"] == "not json"][0]
+    assert letter["source"] == f"{stream} entry {not_json}" and letter["message"] == "not json"
+    assert letter["problems"].startswith("(whole message): Invalid JSON")
     batch = get_model(store, batch_key(run_id, 0), TrainingBatch)
     assert len(batch.samples) == GROUP_SIZE
     assert pending_count(redis_client, run_id) == 0
@@ -384,6 +427,7 @@ def test_restart_after_crash_mid_completion_finishes_the_group(settings, ledger,
     assert store.list_keys("batches/") == [batch_key(run_id, 0)]
     assert consumer_b.counters() == {"groups_accepted": 1}
     assert pending_count(redis_client, run_id) == 0
+    assert [m["group_id"] for m in metrics_lines(settings)] == [0]  # died before its line: written once, now
 
 
 def test_crash_before_the_group_is_marked_done_is_finished_once_on_restart(settings, ledger, store, redis_client, redis_url, run_id, monkeypatch):
@@ -405,8 +449,30 @@ def test_crash_before_the_group_is_marked_done_is_finished_once_on_restart(setti
     assert redis_client.smembers(RedisKeys.groups_done(run_id)) == set()
     assert consumer_a.counters() == {}
 
+    lines_before_restart = metrics_lines(settings)
+    assert [m["group_id"] for m in lines_before_restart] == [0]  # the line went out before the transaction
+
     consumer_b = TrainerConsumer(settings, Ledger(redis_client), store)
     consumer_b.recover()
     assert pending_count(redis_client, run_id) == 0
     assert redis_client.smembers(RedisKeys.groups_done(run_id)) == {"0"}
     assert consumer_b.counters() == {"groups_accepted": 1}
+    assert metrics_lines(settings) == lines_before_restart  # the replay found it written: once, not twice
+
+
+def test_metrics_lines_of_other_runs_and_a_line_cut_short_do_not_confuse_the_restarted_trainer(
+        settings, ledger, store, redis_client, run_id):
+    """The file holds another run's line for the same group and ends in half a line (a machine
+    that crashed mid-write): the group still gets exactly one line of its own, on a line of its own."""
+    path = settings.trainer.metrics_path
+    path.write_text(json.dumps({"run_id": "other", "group_id": 0, "completed_by": "1-0", "status": "accepted"})
+                    + '\n{"run_id": "' + run_id + '", "group_')
+    groups = register_groups(settings, ledger, 1)
+    consumer = TrainerConsumer(settings, ledger, store)
+    for req, reward in zip(groups[0], [0, 1, 1, 1]):
+        deliver_scored(ledger, store, req, reward)
+    drain(consumer)
+    ours = [m for m in metrics_lines(settings) if m["run_id"] == run_id]
+    assert [(m["group_id"], m["status"]) for m in ours] == [(0, "accepted")]
+    assert ours[0]["completed_by"] == redis_client.xrange(RedisKeys.trainer_stream(run_id))[-1][0]
+    assert TrainerConsumer(settings, ledger, store).metrics.written == {(0, ours[0]["completed_by"])}

@@ -94,3 +94,25 @@ def test_sampling_seeds_differ_across_groups_even_where_episode_seeds_repeat():
     # ... but never a sampling seed, and a turn's seed is stable for replay
     assert turn_seed(a, 0) != turn_seed(b, 0)
     assert turn_seed(a, 2) == turn_seed(a, 2) and 0 <= turn_seed(a, 2) < 2**31
+
+
+def test_shuffled_epochs_visit_every_row_once_per_epoch_in_a_new_order():
+    from shared.ids import epoch_row_index
+
+    n = 7
+    epochs = [[epoch_row_index(3, g, n) for g in range(e * n, (e + 1) * n)] for e in range(3)]
+    assert all(sorted(rows) == list(range(n)) for rows in epochs)
+    assert epochs[0] != epochs[1] != epochs[2]
+    assert epochs[0] == [epoch_row_index(3, g, n) for g in range(n)]  # a pure function of the seed
+    assert [epoch_row_index(4, g, n) for g in range(n)] != epochs[0]
+
+
+def test_intake_in_shuffled_epochs_mode_uses_each_row_once_per_epoch():
+    from services.intake.publisher import select_rows
+    from shared.ids import epoch_row_index
+    from shared.settings import Settings
+
+    settings = Settings(intake={"mode": "sample", "sample_order": "shuffled_epochs", "num_groups": 17, "base_seed": 3})
+    chosen = [row for _, row in select_rows(settings, list(range(5)))]
+    assert chosen == [epoch_row_index(3, g, 5) for g in range(17)]
+    assert sorted(chosen[:5]) == sorted(chosen[5:10]) == list(range(5))

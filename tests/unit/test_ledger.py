@@ -8,7 +8,7 @@ import pytest
 
 from shared.ledger import STATES, Ledger
 from shared.names import RedisKeys
-from shared.schemas import RolloutRequest, TaskProfile, TrainerEvent
+from shared.schemas import RolloutRequest, ScoredEvent, TaskProfile, TrainerEvent, parse_message
 
 
 def requests_for(run_id: str, group_id: int = 0, size: int = 3, base_seed: int = 100) -> list[RolloutRequest]:
@@ -25,17 +25,12 @@ def requests_for(run_id: str, group_id: int = 0, size: int = 3, base_seed: int =
     return out
 
 
-def scored_event(tid: str, run_id: str, group_id: int = 0, reward: float = 1.0) -> TrainerEvent:
-    return TrainerEvent(kind="scored", trajectory_id=tid, run_id=run_id, group_id=group_id, reward=reward, scored_key=f"scored/{tid}", at=time.time())
+def scored_event(tid: str, run_id: str, group_id: int = 0, reward: float = 1.0) -> ScoredEvent:
+    return ScoredEvent(trajectory_id=tid, run_id=run_id, group_id=group_id, reward=reward, scored_key=f"scored/{tid}", at=time.time())
 
 
 def stream_events(redis_client, run_id: str) -> list[TrainerEvent]:
-    return [TrainerEvent.model_validate_json(f["event"]) for _, f in redis_client.xrange(RedisKeys.trainer_stream(run_id))]
-
-
-@pytest.fixture
-def ledger(redis_client) -> Ledger:
-    return Ledger(redis_client)
+    return [parse_message(TrainerEvent, f["event"]) for _, f in redis_client.xrange(RedisKeys.trainer_stream(run_id))]
 
 
 def assert_counts_consistent(ledger: Ledger, run_id: str, registered: int) -> dict[str, int]:

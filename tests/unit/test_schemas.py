@@ -1,4 +1,6 @@
-"""Message schemas: JSON round trips, version and extra-field checks, Trajectory.flatten."""
+"""Message schemas: JSON round trips, version and extra-field checks, Trajectory.flatten, the
+messages between processes (trainer events as a union, scoring tasks, train-queue entries,
+checkpoint announcements) and ``parse_message``'s one error type, naming the bad fields."""
 
 from __future__ import annotations
 
@@ -9,23 +11,32 @@ from pydantic import ValidationError
 
 from shared.schemas import (
     SCHEMA_VERSION,
+    BadMessage,
+    CheckpointAnnouncement,
     EpisodeTimings,
+    FailedEvent,
     GroupMember,
     GroupRecord,
     GroupRegistration,
     RewardBreakdown,
     RolloutRequest,
+    ScoredEvent,
     ScoredTrajectory,
+    ScoringTask,
+    SkippedGroupEntry,
     StopReason,
     TaskProfile,
     ToolCall,
+    TrainBatchEntry,
     TrainerEvent,
+    TrainQueueEntry,
     TrainingBatch,
     TrainingSample,
     Trajectory,
     TrajectoryState,
     Turn,
     TurnTimings,
+    parse_message,
 )
 
 
@@ -106,18 +117,88 @@ def test_scored_trajectory_round_trip():
     )
 
 
-def test_trainer_event_round_trip_both_kinds():
-    round_trip(TrainerEvent(kind="scored", trajectory_id="run_2_1_3", run_id="run", group_id=2, reward=1.0, scored_key="k", at=1.0))
-    round_trip(TrainerEvent(kind="failed", trajectory_id="run_2_1_3", run_id="run", group_id=2, failure_reason="boom", at=1.0))
+def test_trainer_event_round_trip_both_kinds_through_the_union():
+    scored = ScoredEvent(trajectory_id="run_2_1_3", run_id="run", group_id=2, reward=1.0, scored_key="k", at=1.0)
+    failed = FailedEvent(trajectory_id="run_2_1_3", run_id="run", group_id=2, failure_reason="boom", at=1.0)
+    for event in (scored, failed):
+        round_trip(event)
+        back = parse_message(TrainerEvent, event.model_dump_json())
+        assert type(back) is type(event) and back == event
 
 
 def test_trainer_event_kind_needs_its_fields():
-    with pytest.raises(ValidationError, match="reward and scored_key"):
-        TrainerEvent(kind="scored", trajectory_id="r_0_0_0", run_id="r", group_id=0, reward=1.0, at=1.0)
-    with pytest.raises(ValidationError, match="failure_reason"):
-        TrainerEvent(kind="failed", trajectory_id="r_0_0_0", run_id="r", group_id=0, at=1.0)
+    base = {"trajectory_id": "r_0_0_0", "run_id": "r", "group_id": 0, "at": 1.0}
+    with pytest.raises(BadMessage, match=r"bad trainer event: scored\.scored_key: Field required"):
+        parse_message(TrainerEvent, {**base, "kind": "scored", "reward": 1.0})
+    with pytest.raises(BadMessage, match=r"failed\.failure_reason: Field required"):
+        parse_message(TrainerEvent, {**base, "kind": "failed"})
+    with pytest.raises(BadMessage, match=r"failed\.reward: Input should be None"):  # a failed event carries no reward
+        parse_message(TrainerEvent, {**base, "kind": "failed", "failure_reason": "x", "reward": 1.0})
+    with pytest.raises(BadMessage, match="does not match any of the expected tags"):
+        parse_message(TrainerEvent, {**base, "kind": "other"})
     with pytest.raises(ValidationError):
-        TrainerEvent(kind="other", trajectory_id="r_0_0_0", run_id="r", group_id=0, at=1.0)
+        FailedEvent(**base, failure_reason="")
+    with pytest.raises(BadMessage, match=r"trajectory_id 'r_1_0_0' is not a trajectory of run 'r', group 0"):
+        parse_message(TrainerEvent, {**base, "trajectory_id": "r_1_0_0", "kind": "failed", "failure_reason": "x"})
+    with pytest.raises(BadMessage, match=r"trajectory_id 'other_0_0_0' is not a trajectory of run 'r'"):
+        parse_message(TrainerEvent, {**base, "trajectory_id": "other_0_0_0", "kind": "failed", "failure_reason": "x"})
+
+
+def test_trainer_events_keep_the_json_of_schema_1_0():
+    """Schema 1.0 had one event class with every field, null where unused: either side of the
+    trainer stream may be upgraded first."""
+    old_scored = ('{"schema_version": "1.0", "kind": "scored", "trajectory_id": "r_0_0_0", "run_id": "r", "group_id": 0,'
+                  ' "reward": 0.5, "scored_key": "k", "failure_reason": null, "at": 1.0}')
+    old_failed = ('{"schema_version": "1.0", "kind": "failed", "trajectory_id": "r_0_1_1", "run_id": "r", "group_id": 0,'
+                  ' "reward": null, "scored_key": null, "failure_reason": "env_error", "at": 1.0}')
+    assert isinstance(parse_message(TrainerEvent, old_scored), ScoredEvent)
+    assert isinstance(parse_message(TrainerEvent, old_failed), FailedEvent)
+    for event in (parse_message(TrainerEvent, old_scored), parse_message(TrainerEvent, old_failed)):
+        assert json.loads(event.model_dump_json()).keys() == json.loads(old_scored).keys()
+
+
+def test_scoring_task_round_trip_and_bad_fields_named():
+    task = round_trip(ScoringTask(trajectory_id="run_2_1_3", trajectory_key="trajectories/run/x.json.gz", upload_s=0.2))
+    assert parse_message(ScoringTask, task.model_dump(mode="json")) == task
+    with pytest.raises(BadMessage, match=r"bad ScoringTask: trajectory_key: Field required; upload_s: Input should be a valid number"):
+        parse_message(ScoringTask, {"trajectory_id": "run_2_1_3", "upload_s": "x"})
+
+
+def test_train_queue_entries_are_told_apart_by_skip():
+    batch = TrainBatchEntry(group_id=1, key="batches/run/000001.json.gz", oldest_policy_version=3)
+    skipped = SkippedGroupEntry(group_id=2, skip="zero_variance", rewards=[0.5, 0.5])
+    for entry in (batch, skipped):
+        assert parse_message(TrainQueueEntry, entry.model_dump_json()) == entry
+    # the entries the trainer wrote before they had a schema still read
+    assert parse_message(TrainQueueEntry, '{"key": "k", "oldest_policy_version": 0, "group_id": 5}') == TrainBatchEntry(
+        group_id=5, key="k", oldest_policy_version=0)
+    assert isinstance(parse_message(TrainQueueEntry, '{"skip": "zero_variance", "group_id": 5, "rewards": []}'), SkippedGroupEntry)
+    with pytest.raises(BadMessage, match=r"bad train-queue entry: skip\.skip: Input should be 'zero_variance'"):
+        parse_message(TrainQueueEntry, '{"skip": "stale", "group_id": 5, "rewards": []}')
+    with pytest.raises(BadMessage, match=r"train\.oldest_policy_version: Field required"):
+        parse_message(TrainQueueEntry, '{"key": "k", "group_id": 5}')
+
+
+def test_checkpoint_announcement_is_a_flat_stream_entry():
+    ann = CheckpointAnnouncement(version=3, prefix="checkpoints/run/000003")
+    assert ann.prefix == "checkpoints/run/000003/"
+    fields = ann.stream_fields()
+    assert all(isinstance(v, str) for v in fields.values())
+    assert parse_message(CheckpointAnnouncement, fields) == ann
+    assert parse_message(CheckpointAnnouncement, {"version": "3", "prefix": "checkpoints/run/000003/"}) == ann  # no schema_version: 1.0
+    for bad, problem in [({"version": "-1", "prefix": "p/"}, "version: Input should be greater than or equal to 0"),
+                         ({"version": "3"}, "prefix: Field required"), ({"version": "x", "prefix": "p"}, "version: Input should be a valid integer"),
+                         ({"version": "3", "prefix": ""}, "prefix: String should have at least 1 character")]:
+        with pytest.raises(BadMessage, match=problem):
+            parse_message(CheckpointAnnouncement, bad)
+
+
+@pytest.mark.parametrize("raw", ["", "{", "null", "[]", b"\xff\xfe", "[" * 10_000, '{"a": ' * 5000, 12, None])
+def test_parse_message_raises_only_bad_message_and_shows_the_start_of_the_message(raw):
+    with pytest.raises(BadMessage) as info:
+        parse_message(TrainerEvent, raw)
+    assert str(info.value).startswith("bad trainer event: ")
+    assert len(str(info.value)) < 1000  # a huge message is shortened
 
 
 def test_group_record_round_trip():
@@ -176,7 +257,7 @@ def test_extra_fields_are_rejected_top_level_and_nested():
     with pytest.raises(ValidationError, match="extra"):
         Trajectory.model_validate(raw)
     with pytest.raises(ValidationError):
-        TrainerEvent(kind="failed", trajectory_id="r_0_0_0", run_id="r", group_id=0, failure_reason="x", at=1.0, bogus=2)
+        FailedEvent(trajectory_id="r_0_0_0", run_id="r", group_id=0, failure_reason="x", at=1.0, bogus=2)
 
 
 def test_turn_with_wrong_logprob_count_is_rejected():

@@ -11,12 +11,14 @@ from shared.settings import Settings, SettingsError, load_settings
 
 
 @pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    """No CONVEYOR_* variables from the outside, and none left behind (load_settings sets CONVEYOR_CONFIG)."""
+def clean_env(monkeypatch, tmp_path):
+    """No CONVEYOR_* variables from the outside, and none left behind (load_settings sets
+    CONVEYOR_CONFIG); the current directory is empty, so no stray ./.env is read."""
     monkeypatch.setenv("CONVEYOR_CONFIG", "placeholder")  # recorded, so it is removed again after the test
     for name in list(os.environ):
         if name.startswith("CONVEYOR_"):
             monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
 
 
 def write_yaml(tmp_path: Path, text: str, name: str = "conveyor.yaml") -> Path:
@@ -136,3 +138,161 @@ def test_settings_error_is_a_value_error_not_a_pydantic_traceback(monkeypatch):
 def test_plain_settings_constructor_reads_env(monkeypatch):
     monkeypatch.setenv("CONVEYOR_TRAINER__SCALE_ADVANTAGE_BY_STD", "false")
     assert Settings().trainer.scale_advantage_by_std is False
+
+
+# --- strictness: unknown names, booleans, .env, YAML syntax, JSON, import paths ----------------
+
+ROOT = Path(__file__).resolve().parents[2]
+# typos that tests and the README use on purpose, to show they are refused
+DELIBERATE_TYPOS = {"CONVEYOR_ROLOUT__GROUP_SIZE", "CONVEYOR_ROLLOUT__GRUOP_SIZE"}
+
+
+def test_unknown_env_variable_is_refused_naming_it_and_the_closest_name(monkeypatch):
+    monkeypatch.setenv("CONVEYOR_ROLOUT__GROUP_SIZE", "8")
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    assert str(info.value) == (
+        "unknown environment variable CONVEYOR_ROLOUT__GROUP_SIZE: did you mean CONVEYOR_ROLLOUT__GROUP_SIZE?"
+    )
+    monkeypatch.delenv("CONVEYOR_ROLOUT__GROUP_SIZE")
+    monkeypatch.setenv("CONVEYOR_ROLLOUT__GRUOP_SIZE", "8")  # a typo below a real section
+    with pytest.raises(SettingsError, match="CONVEYOR_ROLLOUT__GRUOP_SIZE: did you mean CONVEYOR_ROLLOUT__GROUP_SIZE"):
+        Settings()  # the plain constructor checks too
+
+
+def test_allow_listed_variables_and_dict_entries_are_accepted(monkeypatch):
+    from shared.settings_sources import ALLOWED_VARIABLES
+
+    for name in ALLOWED_VARIABLES - {"CONVEYOR_CONFIG"}:  # CONVEYOR_CONFIG must name a real file
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setenv("CONVEYOR_LOG_LEVEL", "INFO")
+    monkeypatch.setenv("CONVEYOR_REWARDS__WEIGHTS__VERIFIER", "2")  # an entry of a dict setting
+    monkeypatch.setenv("CONVEYOR_INTAKE__ENV_CONFIG__MAX_TURNS", "1")
+    settings = load_settings()
+    assert settings.rewards.weights["verifier"] == 2.0
+    assert settings.intake.env_config == {"max_turns": "1"}
+    assert settings.rollout.group_size == 4  # CONVEYOR_GROUP_SIZE (compose's name) sets nothing
+
+
+def _conveyor_names_in(paths: list[Path]) -> dict[str, str]:
+    import re
+
+    found: dict[str, str] = {}
+    for path in paths:
+        for name in re.findall(r"\bCONVEYOR_[A-Z0-9_]*[A-Z0-9]\b", path.read_text(errors="replace")):
+            found.setdefault(name, str(path.relative_to(ROOT)))
+    return found
+
+
+def test_every_conveyor_variable_the_repository_uses_is_known_and_every_allowed_one_is_used():
+    """The allow-list is complete (nothing the compose files, scripts, code or tests set becomes
+    "unknown") and has no dead entries."""
+    from shared.settings_sources import ALLOWED_VARIABLES, env_problem
+
+    files = [p for pattern in ("compose/*.yml", "compose/.env.example", "scripts/*", ".ci/*", "Makefile", "README.md",
+                               "docs/*.md", "services/**/*.py", "shared/**/*.py", "bench/**/*.py", "tests/**/*.py")
+             for p in ROOT.glob(pattern) if p.is_file()]
+    used = _conveyor_names_in(files)
+    assert "CONVEYOR_METRICS_PORT" in used and "CONVEYOR_DEMO_TASKS" in used  # the scan sees compose and code
+    unknown = {name: where for name, where in used.items() if name not in DELIBERATE_TYPOS and env_problem(Settings, name)}
+    assert unknown == {}
+    assert sorted(ALLOWED_VARIABLES - used.keys()) == []
+
+
+@pytest.mark.parametrize(
+    "yaml_text, overrides, field",
+    [
+        ("rollout:\n  group_size: true\n", {}, "rollout.group_size"),
+        ("trainer:\n  optim:\n    lr: false\n", {}, "trainer.optim.lr"),
+        ("metrics_port: true\n", {}, "metrics_port"),
+        ("", {"rewards": {"weights": {"verifier": True}}}, "rewards.weights.verifier"),
+        ("", {"trainer": {"optim": {"betas": [True, 0.9]}}}, "trainer.optim.betas.0"),
+    ],
+)
+def test_numbers_refuse_booleans(tmp_path, yaml_text, overrides, field):
+    path = write_yaml(tmp_path, yaml_text or "{}\n")
+    with pytest.raises(SettingsError, match=f"{field}: must be a number, not a boolean"):
+        load_settings(yaml_file=path, **overrides)
+
+
+def test_numbers_in_env_strings_still_parse_but_words_do_not(monkeypatch):
+    monkeypatch.setenv("CONVEYOR_ROLLOUT__GROUP_SIZE", "8")
+    monkeypatch.setenv("CONVEYOR_TRAINER__OPTIM__LR", "1e-5")
+    settings = load_settings()
+    assert (settings.rollout.group_size, settings.trainer.optim.lr) == (8, 1e-5)
+    monkeypatch.setenv("CONVEYOR_ROLLOUT__GROUP_SIZE", "true")
+    with pytest.raises(SettingsError, match="rollout.group_size: Input should be a valid integer"):
+        load_settings()
+
+
+def test_dotenv_in_the_current_directory_sits_between_the_environment_and_yaml(tmp_path, monkeypatch):
+    (tmp_path / ".env").write_text(
+        "# settings for this directory\n"
+        "CONVEYOR_ROLLOUT__GROUP_SIZE=7\n"
+        "CONVEYOR_RUN_ID=from-dotenv\n"
+        "export CONVEYOR_LEDGER__MAX_ATTEMPTS=5\n"
+        "REDIS_PASSWORD=not-ours\n"  # another tool's name: ignored
+        "CONVEYOR_GROUP_SIZE=4\n"  # compose's name: ignored
+    )
+    path = write_yaml(tmp_path, "run_id: from-yaml\nrollout:\n  group_size: 6\n  max_turns: 9\n")
+    settings = load_settings(yaml_file=path)
+    assert (settings.rollout.group_size, settings.run_id, settings.ledger.max_attempts) == (7, "from-dotenv", 5)
+    assert settings.rollout.max_turns == 9  # YAML still fills what .env does not set
+    monkeypatch.setenv("CONVEYOR_ROLLOUT__GROUP_SIZE", "9")
+    assert load_settings(yaml_file=path).rollout.group_size == 9  # the environment beats .env
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("CONVEYOR_ROLOUT__GROUP_SIZE=3\n", "unknown variable CONVEYOR_ROLOUT__GROUP_SIZE in {env}: did you mean CONVEYOR_ROLLOUT__GROUP_SIZE?"),
+        ("CONVEYOR_LOG_LEVEL=DEBUG\n", "CONVEYOR_LOG_LEVEL in {env} has no effect there: set it in the environment"),
+        ('CONVEYOR_INTAKE__ENV_CONFIG={"a": 1\n', "variable CONVEYOR_INTAKE__ENV_CONFIG in {env} is not valid JSON"),
+        ("CONVEYOR_RUN_ID=ok\nthis line is not an assignment\n", "{env}:2: not a NAME=value line"),
+    ],
+)
+def test_dotenv_problems_name_the_file(tmp_path, text, message):
+    env = tmp_path / ".env"
+    env.write_text(text)
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    assert str(info.value).startswith(message.format(env=env))
+
+
+def test_yaml_syntax_error_names_the_file_and_line(tmp_path):
+    path = write_yaml(tmp_path, "run_id: ok\nrollout:\n  group_size: [4,\n")
+    with pytest.raises(SettingsError, match=f"^{path}:4: not valid YAML"):
+        load_settings(yaml_file=path)
+    with pytest.raises(SettingsError, match="the top level must map setting names to values"):
+        load_settings(yaml_file=write_yaml(tmp_path, "- rollout\n", "list.yaml"))
+
+
+@pytest.mark.parametrize("name, value", [
+    ("CONVEYOR_INTAKE__ENV_CONFIG", "{reward_fn: x}"),
+    ("CONVEYOR_REWARDS__WEIGHTS", '{"verifier": 1,'),
+    ("CONVEYOR_TRAINER__OPTIM__BETAS", "0.9,0.99"),
+    ("CONVEYOR_ROLLOUT", "group_size=3"),
+])
+def test_bad_json_in_an_env_variable_names_the_variable(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SettingsError, match=f"^environment variable {name} is not valid JSON: "):
+        load_settings()
+
+
+def test_import_paths_are_checked_at_start_naming_the_setting(tmp_path):
+    with pytest.raises(SettingsError) as info:
+        load_settings(intake={"env_config": {"reward_fn": "no_such_module_xyz:score"}})
+    assert str(info.value) == ("invalid Conveyor settings: intake.env_config: reward_fn 'no_such_module_xyz:score' "
+                               "cannot be imported: ModuleNotFoundError: No module named 'no_such_module_xyz'")
+    with pytest.raises(SettingsError, match="rewards.weights: reward function 'math:nope' cannot be imported: AttributeError"):
+        load_settings(rewards={"weights": {"verifier": 1.0, "math:nope": 0.5}})
+    with pytest.raises(SettingsError, match="intake.env_config: reward_fn 'no_colon' must look like 'package.module:function'"):
+        load_settings(intake={"env_config": {"reward_fn": "no_colon"}})
+    good = "services.rollout_worker.environments.toy_rewards:digit_share"
+    assert load_settings(intake={"env_config": {"reward_fn": good}}, rewards={"weights": {"math:sqrt": 1.0}}).intake.env_config["reward_fn"] == good
+
+
+def test_conveyor_config_naming_a_missing_file_is_an_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("CONVEYOR_CONFIG", str(tmp_path / "nope.yaml"))
+    with pytest.raises(SettingsError, match="nope.yaml \\(CONVEYOR_CONFIG\\) does not exist"):
+        load_settings()

@@ -68,6 +68,21 @@ def test_unclosed_tool_call():
     assert calls == [ToolCall(name="a")] and "never closed" in error
 
 
+# found by the fuzz (tests/unit/test_tool_calls_fuzz.py)
+@pytest.mark.parametrize("body, error", [
+    ("[" * 5000 + "]" * 5000, "tool call 1 cannot be read: nested too deeply"),  # was RecursionError
+    ('{"name": "guess", "arguments": {"number": ' + "9" * 5000 + "}}", "tool call 1 cannot be read: Exceeds the limit"),  # was ValueError
+])
+def test_json_python_will_not_read_is_a_malformed_call(body, error):
+    calls, message = parse_tool_calls(call(body))
+    assert calls == [] and message.startswith(error)
+
+
+def test_an_argument_holding_the_opening_tag_is_not_an_unclosed_call():
+    calls, error = parse_tool_calls(call('{"name": "bash", "arguments": {"cmd": "grep -n <tool_call> out.txt"}}'))
+    assert calls == [ToolCall(name="bash", arguments={"cmd": "grep -n <tool_call> out.txt"})] and error is None
+
+
 @pytest.mark.parametrize("text", ["<tool_call>", "</tool_call><tool_call>{", "<tool_call><tool_call>{}</tool_call>", "\x00" * 3 + "<tool_call>}{"])
 def test_parsing_never_raises(text):
     calls, error = parse_tool_calls(text)

@@ -12,23 +12,17 @@ silent reward of 0.
 
 from __future__ import annotations
 
-import importlib
 import math
 from functools import lru_cache
 from typing import Any, Callable
 
 from services.rollout_worker.environments.base import AgentAction, Environment, StepResult, VerifyResult
+from shared.import_path import import_callable
 
 
 @lru_cache(maxsize=32)
 def import_reward_fn(path: str) -> Callable[[str, dict[str, Any]], float]:
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"reward_fn {path!r} must look like 'package.module:function'")
-    fn = getattr(importlib.import_module(module_name), attr)
-    if not callable(fn):
-        raise ValueError(f"reward_fn {path!r} is not callable")
-    return fn
+    return import_callable(path, "reward_fn")
 
 
 class SingleTurnEnv(Environment):

@@ -1,0 +1,110 @@
+"""Scores one uploaded trajectory under a scoring lease and hands it to the trainer.
+
+Invariants:
+- Scoring is idempotent by trajectory id: only an ``uploaded`` trajectory whose scoring lease
+  is free is scored; a redelivered or re-dispatched task finds it ``scored`` (or later), or
+  leased by a live scorer, and does nothing.
+- The scorer holds the trajectory under a lease (``shared.ledger.SCORING``) renewed by the
+  process's heartbeat. A scorer killed mid-task stops renewing it; the reaper re-dispatches
+  the task with the arguments stored at the claim, so no trajectory waits on the broker.
+- Only the lease owner moves the trajectory on: ``mark_scored`` (which appends the trainer
+  event atomically) and ``fail`` carry its token, so a scorer presumed dead never delivers a
+  second copy. The ScoredTrajectory is written before that move, under a key that carries the
+  scoring attempt (``shared.names.scored_key``), so it is never overwritten by another attempt.
+- A trajectory whose run Redis lost (``shared.run_marker``) is refused, with one error line
+  per run: nothing of the run is recreated.
+- An outage of Redis or of the S3 server is waited out (``shared.outage``), never a failure.
+- A scoring message that is not a ``ScoringTask`` is dead-lettered and, when it names a
+  trajectory waiting for scoring that no scorer holds, fails it (``reject``).
+- A reward function that fails, or a trajectory object that cannot be read, fails the
+  trajectory with the reason; the worker goes on. Anything else (a storage outage on write, a
+  bug) raises: the lease runs out and the reaper retries, up to ``max_attempts``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from services.scorer.rewards import RewardCombiner, RewardError
+from shared.dead_letters import DeadLetters
+from shared.ids import parse_trajectory_id
+from shared.leases import LeaseKeeper
+from shared.ledger import SCORING
+from shared.names import scored_key
+from shared.run_marker import refuse_lost_run
+from shared.schemas import BadMessage, ScoredEvent, ScoredTrajectory, ScoringTask, Trajectory
+from shared.storage import ObjectStore, StorageError, get_model, put_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Scorer:
+    store: ObjectStore
+    combiner: RewardCombiner
+    leases: LeaseKeeper  # of the SCORING stage
+
+    def score(self, task: ScoringTask) -> str:
+        """Returns "scored", "failed" or "skipped:<blocking state>"."""
+        trajectory_id, key, upload_s = task.trajectory_id, task.trajectory_key, task.upload_s
+        token, detail = self.leases.claim(trajectory_id, task.model_dump_json())
+        if token is None and detail == "unknown" and refuse_lost_run(self.leases.ledger.redis, parse_trajectory_id(trajectory_id).run_id):
+            return "refused:redis_data_lost"
+        if token is None:
+            log.info("skip scoring %s: it is %s", trajectory_id, detail)
+            return f"skipped:{detail}"
+        try:
+            return self._score(trajectory_id, key, upload_s, token, attempt=int(detail))
+        finally:
+            self.leases.release(trajectory_id)
+
+    def _score(self, trajectory_id: str, key: str, upload_s: float, token: str, attempt: int) -> str:
+        started = time.perf_counter()
+        ledger = self.leases.ledger
+        try:
+            trajectory = get_model(self.store, key, Trajectory)
+            reward, components = self.combiner.score(trajectory)
+        except (StorageError, RewardError, ValueError) as exc:
+            moved = ledger.fail(trajectory_id, f"scoring_error: {exc}", token=token)
+            log.error("scoring %s failed: %s", trajectory_id, exc)
+            return "failed" if moved.ok else f"skipped:{moved.state}"
+        request, timings = trajectory.request, trajectory.timings
+        scored = ScoredTrajectory(
+            trajectory_id=trajectory_id, run_id=request.run_id, group_id=request.group_id,
+            trajectory_key=key, reward=reward, components=components, stop_reason=trajectory.stop_reason,
+            scored_at=time.time(),
+            timings={
+                "queue_wait": timings.queue_wait_s, "episode": timings.episode_s, "inference": timings.inference_s,
+                "env": timings.env_s, "upload": upload_s, "scoring": time.perf_counter() - started,
+            },
+        )
+        out_key = scored_key(request.run_id, request.group_id, trajectory_id, attempt)
+        put_model(self.store, out_key, scored)
+        event = ScoredEvent(
+            trajectory_id=trajectory_id, run_id=request.run_id, group_id=request.group_id,
+            reward=reward, scored_key=out_key, at=time.time(),
+        )
+        moved = ledger.mark_scored(trajectory_id, event, token=token)
+        if not moved.ok:
+            log.warning("%s: lost the scoring lease before hand-off (%s); this attempt is dropped", trajectory_id, moved.state)
+            return f"skipped:{moved.state}"
+        return "scored"
+
+    def reject(self, error: BadMessage, trajectory_id: object = None) -> str:
+        """A scoring message that is not a ``ScoringTask``: logged and dead-lettered; when it names
+        a trajectory that waits for scoring with no scorer holding it, that trajectory fails
+        with the reason (the ledger accounts for it; ``conveyor retry`` can send it again)."""
+        log.error("%s", error)
+        ledger = self.leases.ledger
+        DeadLetters(ledger.redis).add("queue scoring", error)
+        try:
+            parse_trajectory_id(str(trajectory_id))
+        except ValueError:
+            return "rejected:bad_message"
+        tid = str(trajectory_id)
+        if ledger.state(tid) != "uploaded" or ledger.lease_owner(tid, SCORING):
+            return "rejected:bad_message"
+        moved = ledger.fail(tid, f"bad_message: {error.problems}")
+        return "failed:bad_message" if moved.ok else "rejected:bad_message"

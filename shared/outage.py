@@ -1,0 +1,219 @@
+"""Riding out an outage of a dependency (Redis, the S3 server): wait with bounded exponential
+backoff, say what is awaited, and give up only past ``outage.limit_s``.
+
+Invariants:
+- A call that fails with a transient error of its dependency (connection refused or reset, a
+  timeout, Redis loading its data, a 5xx from S3) is retried, the wait doubling from 0.1 s up
+  to ``outage.backoff_max_s``, until the dependency has been down for ``outage.limit_s``.
+  An outage shorter than the limit never makes the call fail.
+- An outage belongs to a dependency, per process: it starts at the first failure any thread
+  saw since the last success, so the limit bounds the outage, not each call. The process logs
+  one warning when the outage starts, one every ``outage.log_every_s`` while it lasts and one
+  when the dependency is back, however many threads wait.
+- Past the limit the call raises ``OutageTooLong``: one line naming the dependency, how long
+  it has been down and the setting. A service exits on it with code 2; a Celery worker process
+  does so through ``exit_on_limit``, because a task cannot raise out of its worker.
+- An error that is not transient (a refused password, a missing object, a bug) is raised at
+  once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable, TypeVar
+
+import redis
+from redis.exceptions import AuthenticationError
+from redis.retry import Retry
+from tenacity import RetryCallState, Retrying, retry_if_exception, wait_exponential
+
+from shared.settings import OutageSettings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class OutageTooLong(RuntimeError):
+    """A dependency stayed down for longer than ``outage.limit_s``."""
+
+
+_exit_on_limit = False
+
+
+def exit_on_limit() -> None:
+    """From now on, a call past the limit ends this process: its one line on stderr, exit
+    code 2. For Celery worker processes, whose tasks cannot raise out of the worker."""
+    global _exit_on_limit
+    _exit_on_limit = True
+
+
+class Dependency:
+    """One dependency of this process (``Dependency.named``): its outage, if any, shared by
+    every thread that calls it."""
+
+    _known: dict[str, "Dependency"] = {}
+    _known_lock = threading.Lock()
+
+    def __init__(self, name: str, settings: OutageSettings):
+        self.name, self.settings = name, settings
+        self.down_since: float | None = None  # monotonic
+        self.recoveries = 0  # outages that ended; a consumer can tell it reconnected
+        self.recovered_at: float | None = None  # monotonic, the end of the last outage
+        self._last_logged = 0.0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def named(cls, name: str, settings: OutageSettings) -> "Dependency":
+        with cls._known_lock:
+            dependency = cls._known.get(name)
+            if dependency is None:
+                dependency = cls._known[name] = cls(name, settings)
+            dependency.settings = settings
+            return dependency
+
+    def call(self, fn: Callable[[], T], transient: Callable[[BaseException], bool],
+             on_failure: Callable[[BaseException], object] | None = None) -> T:
+        """``fn()``, retried with backoff while it fails with a transient error, until the
+        outage is older than the limit (then ``OutageTooLong``)."""
+
+        def failed(state: RetryCallState) -> None:
+            exc = state.outcome.exception()
+            if on_failure is not None:
+                on_failure(exc)
+            self._failed(exc)
+
+        def give_up(state: RetryCallState) -> T:
+            exc = state.outcome.exception()
+            line = (f"{self.name} has been unreachable for {self.down_for_s():.0f}s, longer than "
+                    f"outage.limit_s ({self.settings.limit_s:g}s): {_brief(exc)}")
+            log.error("%s", line)
+            if _exit_on_limit:
+                sys.stderr.write(f"error: {line}\n")
+                sys.stderr.flush()
+                os._exit(2)
+            raise OutageTooLong(line) from exc
+
+        retrying = Retrying(
+            retry=retry_if_exception(transient),
+            wait=wait_exponential(multiplier=0.1, max=self.settings.backoff_max_s),
+            after=failed,
+            stop=lambda _state: self.down_for_s() >= self.settings.limit_s,
+            retry_error_callback=give_up,
+            reraise=True,
+        )
+        result = retrying(fn)
+        self._succeeded()
+        return result
+
+    def down_for_s(self) -> float:
+        since = self.down_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def _failed(self, exc: BaseException) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if self.down_since is None:
+                self.down_since = self._last_logged = now
+                log.warning("%s is unreachable (%s): waiting for it, retrying with backoff up to %gs, for at most "
+                            "%gs (outage.limit_s)", self.name, _brief(exc), self.settings.backoff_max_s, self.settings.limit_s)
+            elif now - self._last_logged >= self.settings.log_every_s:
+                self._last_logged = now
+                log.warning("still waiting for %s: down for %.0fs (%s)", self.name, now - self.down_since, _brief(exc))
+
+    def _succeeded(self) -> None:
+        if self.down_since is None:  # the common case: no lock on the hot path
+            return
+        with self._lock:
+            if self.down_since is not None:
+                log.warning("%s is back after %.1fs", self.name, time.monotonic() - self.down_since)
+                self.down_since = None
+                self.recoveries += 1
+                self.recovered_at = time.monotonic()
+
+
+def _brief(exc: BaseException | None) -> str:
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+
+
+# --- Redis --------------------------------------------------------------------------------------
+
+def redact_url(url: str) -> str:
+    """``redis://:secret@host:6379/0`` -> ``redis://:***@host:6379/0``."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, hostpart = rest.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    return f"{scheme}{sep}{userinfo.partition(':')[0]}:***@{hostpart}"
+
+
+def redis_transient(exc: BaseException) -> bool:
+    """Connection lost or refused, a timeout, Redis loading its data; not a refused password."""
+    return isinstance(exc, (redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError)) and not isinstance(
+        exc, AuthenticationError
+    )
+
+
+class OutageRetry(Retry):
+    """redis-py's retry policy, handing every failed command (and reconnect) to the
+    dependency's outage: the client waits out an outage instead of raising."""
+
+    def __init__(self, dependency: Dependency):
+        super().__init__(backoff=None, retries=1_000_000_000)  # type: ignore[arg-type]  # bounded by time instead
+        self.dependency = dependency
+
+    def call_with_retry(self, do: Callable[[], T], fail: Callable[..., Any], is_retryable: Callable[[Exception], bool] | None = None,
+                        with_failure_count: bool = False) -> T:
+        failures = 0
+
+        def on_failure(exc: BaseException) -> None:
+            nonlocal failures
+            failures += 1
+            fail(exc, failures) if with_failure_count else fail(exc)  # closes the broken connection
+
+        def transient(exc: BaseException) -> bool:
+            return redis_transient(exc) and (is_retryable is None or is_retryable(exc))  # type: ignore[arg-type]
+
+        return self.dependency.call(do, transient, on_failure)
+
+    def __deepcopy__(self, memo: dict) -> "OutageRetry":
+        return self  # redis-py copies the policy per connection; the outage is the process's
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    __hash__ = object.__hash__
+
+
+def redis_client(url: str, outage: OutageSettings, decode_responses: bool = True) -> redis.Redis:
+    """A client whose every command waits out an outage of this Redis (up to the limit). The
+    socket timeout (30 s) turns a frozen server into an outage too; blocking reads must
+    block for less."""
+    dependency = Dependency.named(f"Redis at {redact_url(url)}", outage)
+    return redis.Redis.from_url(
+        url, decode_responses=decode_responses, retry=OutageRetry(dependency),
+        socket_connect_timeout=5, socket_timeout=30, socket_keepalive=True, health_check_interval=15,
+    )
+
+
+def _dependency_of(client: redis.Redis) -> Dependency | None:
+    retry = client.get_retry()
+    return retry.dependency if isinstance(retry, OutageRetry) else None
+
+
+def recoveries(client: redis.Redis) -> int:
+    """How many outages of this client's Redis ended so far in this process (0 for a client
+    that does not wait them out)."""
+    dependency = _dependency_of(client)
+    return dependency.recoveries if dependency else 0
+
+
+def seconds_since_recovery(client: redis.Redis) -> float:
+    """Since this process last saw this client's Redis come back (inf: never saw it down)."""
+    dependency = _dependency_of(client)
+    if dependency is None or dependency.recovered_at is None:
+        return float("inf")
+    return time.monotonic() - dependency.recovered_at

