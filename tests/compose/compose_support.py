@@ -1,0 +1,118 @@
+"""Helpers of the compose and swarm tests: the test secrets, the compose command, a compose
+project handle (``Stack``) and the env file both stacks are started from.
+
+``HEAD_ADDRESS`` is an address of this host that containers on any Docker network reach (the
+default bridge's gateway): it stands in for the head host's LAN address, so Redis, S3 and
+inference are published there and a second compose project can reach them only that way.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import shutil
+import subprocess
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from services.cli.stack_images import StackImages
+from shared.ledger import Ledger
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = ROOT / "compose" / "docker-compose.yml"
+SECRETS = {"REDIS_PASSWORD": "t-redis-" + uuid.uuid4().hex[:8], "S3_ACCESS_KEY": "t-access",
+           "S3_SECRET_KEY": "t-secret-" + uuid.uuid4().hex[:8], "FLOWER_USER": "t-user",
+           "FLOWER_PASSWORD": "t-flower-" + uuid.uuid4().hex[:8]}
+
+
+def compose_command() -> list[str]:
+    if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    pytest.skip("needs docker compose v2 or docker-compose")
+
+
+@dataclass
+class Stack:
+    project: str
+    env_file: Path
+    ports: dict[str, int]
+    compose: list[str]
+    overrides: tuple[Path, ...] = ()
+
+    def dc(self, *args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+        files = [arg for f in (COMPOSE_FILE, *self.overrides) for arg in ("-f", str(f))]
+        argv = [*self.compose, "-p", self.project, "--env-file", str(self.env_file), *files, "--profile", "cpu", *args]
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        if check and result.returncode != 0:
+            raise AssertionError(f"{' '.join(args)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        return result
+
+    def container(self, service: str) -> str:
+        ids = self.dc("ps", "-q", service).stdout.split()
+        assert ids, f"no container for {service}"
+        return ids[0]
+
+    def conveyor(self, *args: str) -> str:
+        return self.dc("exec", "-T", "scorer", "conveyor", *args).stdout
+
+    def logs(self, service: str) -> str:
+        return self.dc("logs", "--no-color", service, check=False).stdout
+
+    def leftovers(self) -> dict[str, list[str]]:
+        label = f"label=com.docker.compose.project={self.project}"
+        return {kind: subprocess.run(["docker", *cmd, "-q", "--filter", label], capture_output=True, text=True,
+                                     check=True).stdout.split()
+                for kind, cmd in (("container", ["ps", "-a"]), ("network", ["network", "ls"]),
+                                  ("volume", ["volume", "ls"]))}
+
+    def tear_down(self) -> None:
+        """``down -v``, then prove that nothing of the project is left; what is left is removed
+        by force (so one failure does not fill the disk) and the teardown fails."""
+        result = self.dc("down", "-v", "--remove-orphans", "-t", "30", check=False, timeout=600)
+        left = {kind: ids for kind, ids in self.leftovers().items() if ids}
+        for kind, ids in left.items():
+            subprocess.run(["docker", *({"container": ["rm", "-f"]}.get(kind, [kind, "rm"])), *ids], capture_output=True)
+        assert not left, f"down left {left} behind:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+
+    def ledger(self) -> Ledger:
+        """The head's ledger, read from this host through Redis's published port."""
+        return Ledger.from_url(f"redis://:{SECRETS['REDIS_PASSWORD']}@{HEAD_ADDRESS}:{self.ports['redis']}/0")
+
+
+def docker_host_address() -> str:
+    info = json.loads(subprocess.run(["docker", "network", "inspect", "bridge"], capture_output=True, text=True,
+                                     check=True).stdout)[0]
+    ipam = info["IPAM"]["Config"][0]
+    # dockerd leaves Gateway out when it takes over an existing docker0: the default is the
+    # subnet's first host address
+    return ipam.get("Gateway") or str(next(ipaddress.ip_network(ipam["Subnet"]).hosts()))
+
+
+HEAD_ADDRESS = docker_host_address() if shutil.which("docker") else "127.0.0.1"
+
+
+
+
+def stack_env(images: StackImages, ports: dict[str, int], **overrides: str) -> dict[str, str]:
+    """The env file's variables: .env.example, the test secrets, the image tags, and the ports."""
+    return {
+        **dict(line.split("=", 1) for line in (ROOT / "compose" / ".env.example").read_text().splitlines()
+               if line and not line.startswith("#")),
+        **SECRETS,
+        **dict(line.split("=", 1) for line in images.env_lines()),
+        "DOCKER_GID": str(os.stat("/var/run/docker.sock").st_gid),
+        "REDIS_PUBLISH": f"{HEAD_ADDRESS}:{ports['redis']}", "S3_PUBLISH": f"{HEAD_ADDRESS}:{ports['s3']}",
+        "INFERENCE_PUBLISH": f"{HEAD_ADDRESS}:{ports['inference']}", "FLOWER_PUBLISH": f"127.0.0.1:{ports['flower']}",
+        **overrides,
+    }
+
+
+def write_env(path: Path, env: dict[str, str]) -> Path:
+    path.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+    return path

@@ -1,0 +1,246 @@
+"""The compose stack, as users run it: images built offline, `docker-compose up` with the CPU
+profile, the demo experiment end to end, Flower, durable Redis and S3, and sandboxes that a
+compose-run worker starts cut off from every service of the stack.
+
+One stack per module (its own compose project, volumes and published ports); it is brought
+down with its volumes at the end. Needs a Docker daemon, docker-compose (1.29 or v2), and
+root with debootstrap for the base image. Marked ``slow`` and ``docker``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.cli.local_stack import free_port
+from services.cli.stack_images import StackImages
+from compose_support import HEAD_ADDRESS, ROOT, SECRETS, Stack, compose_command, stack_env, write_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.docker]
+
+@pytest.fixture(scope="module")
+def stack(images: StackImages, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    compose = compose_command()
+    ports = {name: free_port() for name in ("redis", "s3", "inference", "flower")}
+    env = stack_env(images, ports, CONVEYOR_MAX_STEPS="3", CONVEYOR_DEMO_TASKS="6")  # traversal: 6 groups of 4
+    env_file = write_env(tmp_path_factory.mktemp("compose") / "stack.env", env)
+    stack = Stack(f"conveyortest{uuid.uuid4().hex[:6]}", env_file, ports, compose)
+    try:
+        stack.dc("up", "-d", timeout=900)
+        yield stack
+    finally:
+        for service in ("trainer", "inference", "rollout-worker", "scorer", "intake"):
+            print(f"----- {service} -----\n{stack.logs(service)[-4000:]}")
+        stack.tear_down()
+
+
+def wait_for_exit(stack: Stack, service: str, timeout_s: float) -> int:
+    deadline = time.time() + timeout_s
+    container = stack.container(service)
+    while time.time() < deadline:
+        state = json.loads(subprocess.run(["docker", "inspect", container], capture_output=True, text=True,
+                                          check=True).stdout)[0]["State"]
+        if state["Status"] == "exited":
+            return int(state["ExitCode"])
+        time.sleep(3)
+    raise AssertionError(f"{service} still running after {timeout_s}s:\n{stack.logs(service)[-4000:]}")
+
+
+def test_the_demo_experiment_runs_end_to_end(stack: Stack) -> None:
+    assert wait_for_exit(stack, "trainer", 1500) == 0, stack.logs("trainer")
+    assert wait_for_exit(stack, "intake", 60) == 0, stack.logs("intake")
+    trainer = stack.logs("trainer")
+    # the trainer's log shows progress: step, reward and throughput
+    assert "step 1: reward" in trainer and "tokens/s" in trainer and "trajectories/s" in trainer, trainer[-3000:]
+    counts = json.loads(stack.conveyor("status", "--json"))["runs"]["demo"]
+    assert counts == {"queued": 0, "running": 0, "uploaded": 0, "scored": 0, "consumed": 24, "failed": 0}
+    # weight sync reached the inference container: it serves a trained version
+    assert "serving version 1" in stack.logs("inference")
+
+
+def test_flower_shows_workers_and_queues_behind_basic_auth(stack: Stack) -> None:
+    base = f"http://127.0.0.1:{stack.ports['flower']}"
+    auth = (SECRETS["FLOWER_USER"], SECRETS["FLOWER_PASSWORD"])
+    deadline = time.time() + 120
+    workers: dict = {}
+    while time.time() < deadline and not ({"rollout", "scoring"} <= {name.split("@")[0] for name in workers}):
+        workers = httpx.get(f"{base}/api/workers", auth=auth, params={"refresh": "1"}, timeout=30).json()
+        time.sleep(3)
+    assert {"rollout", "scoring"} <= {name.split("@")[0] for name in workers}, workers
+    queues = httpx.get(f"{base}/api/queues/length", auth=auth, timeout=30).json()
+    assert {"rollouts", "scoring"} <= {q["name"] for q in queues["active_queues"]}, queues
+    assert httpx.get(f"{base}/api/workers", timeout=30).status_code == 401
+    broker = httpx.get(f"{base}/broker", auth=auth, timeout=30).text  # the Broker page lists Conveyor's queues
+    assert "rollouts" in broker and "scoring" in broker
+
+
+# Run inside the scorer container: scrape every service's /metrics on the stack network.
+SCRAPE = """
+import base64, json, sys, urllib.request
+auth = base64.b64encode(sys.argv[2].encode()).decode()
+out = {}
+for url in json.loads(sys.argv[1]):
+    request = urllib.request.Request(url, headers={"Authorization": "Basic " + auth})
+    out[url] = urllib.request.urlopen(request, timeout=20).read().decode()
+print(json.dumps(out))
+"""
+
+
+def metric_value(text: str, name: str) -> float:
+    """The sum of every sample of ``name`` (all label sets) in a Prometheus text page."""
+    samples = [line for line in text.splitlines() if line.startswith((name + " ", name + "{"))]
+    assert samples, f"{name} not exposed"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in samples)
+
+
+def test_every_service_exposes_prometheus_metrics(stack: Stack) -> None:
+    """After the demo run: the worker's episodes, sandbox and inference latency, the scorer's
+    scoring time, the weight follower's syncs and served version, queue depth and ledger states
+    from each of them, vLLM's own metrics and Flower's."""
+    urls = {"worker": "http://rollout-worker:9100/metrics", "scorer": "http://127.0.0.1:9100/metrics",
+            "inference": "http://inference:9100/metrics", "vllm": "http://inference:8000/metrics",
+            "flower": "http://flower:5555/metrics"}
+    auth = f"{SECRETS['FLOWER_USER']}:{SECRETS['FLOWER_PASSWORD']}"
+    pages = json.loads(stack.dc("exec", "-T", "scorer", "python", "-c", SCRAPE, json.dumps(list(urls.values())),
+                                auth).stdout.strip().splitlines()[-1])
+    worker, scorer, inference = pages[urls["worker"]], pages[urls["scorer"]], pages[urls["inference"]]
+    assert metric_value(worker, "conveyor_rollout_episodes_in_flight") == 0  # the run is over
+    assert metric_value(worker, "conveyor_inference_request_seconds_count") > 0
+    metric_value(worker, "conveyor_sandbox_provision_seconds_count")  # exposed (the demo's toy env has no sandbox)
+    assert metric_value(scorer, "conveyor_scoring_seconds_count") > 0
+    assert metric_value(inference, "conveyor_weight_sync_seconds_count") >= 1
+    assert metric_value(inference, "conveyor_served_policy_version") >= 1
+    for page in (worker, scorer, inference):
+        assert metric_value(page, "conveyor_ledger_trajectories") >= 24  # the demo run's trajectories, by state
+        metric_value(page, "conveyor_queue_depth")
+    assert "vllm:" in pages[urls["vllm"]]
+    assert "flower_" in pages[urls["flower"]]
+
+
+# Run inside the rollout-worker container: start a sandbox through its Docker socket, as an
+# episode does, and try every address of the stack from inside it.
+SANDBOX_PROBE = """
+import asyncio, json, sys
+from services.rollout_worker.sandbox import Sandbox, SandboxLabels, SandboxSpec
+
+async def main():
+    labels = SandboxLabels(run_id="composetest", group_id="0", trajectory_id="composetest-probe")
+    async with await Sandbox.provision(SandboxSpec(image=sys.argv[2], labels=labels)) as box:
+        out = {}
+        for target in json.loads(sys.argv[1]):
+            host, port = target.rsplit(":", 1)
+            r = await box.exec(f"nc -w 2 {host} {port} </dev/null && echo OPEN || echo CLOSED", timeout_s=15)
+            out[target] = (r.output.strip().splitlines() or [""])[-1]
+        print(json.dumps(out))
+
+asyncio.run(main())
+"""
+
+
+def test_sandboxes_started_by_a_compose_worker_cannot_reach_the_stack(stack: Stack) -> None:
+    from services.rollout_worker.sandbox.images import build_busybox_image
+
+    image = build_busybox_image()
+    targets = []
+    for service, port in (("redis", 6379), ("s3", 9000), ("inference", 8000), ("flower", 5555)):
+        info = json.loads(subprocess.run(["docker", "inspect", stack.container(service)], capture_output=True,
+                                         text=True, check=True).stdout)[0]
+        ips = [net["IPAddress"] for net in info["NetworkSettings"]["Networks"].values() if net["IPAddress"]]
+        targets += [f"{service}:{port}"] + [f"{ip}:{port}" for ip in ips]
+    result = stack.dc("exec", "-T", "rollout-worker", "python", "-c", SANDBOX_PROBE, json.dumps(targets), image)
+    reached = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(reached) == set(targets)
+    assert all(v != "OPEN" for v in reached.values()), reached
+
+
+def test_redis_and_s3_keep_their_data_across_a_restart(stack: Stack) -> None:
+    before = json.loads(stack.conveyor("status", "--json"))["runs"]
+    objects_before = stack.dc("exec", "-T", "scorer", "python", "-c",
+                              "from shared.settings import load_settings; from shared.storage import open_store; "
+                              "print(len(open_store(load_settings().storage).list_keys('')))").stdout.strip()
+    stack.dc("restart", "redis", "s3", timeout=300)
+    deadline = time.time() + 120
+    while True:
+        try:
+            after = json.loads(stack.conveyor("status", "--json"))["runs"]
+            objects_after = stack.dc("exec", "-T", "scorer", "python", "-c",
+                                     "from shared.settings import load_settings; from shared.storage import open_store; "
+                                     "print(len(open_store(load_settings().storage).list_keys('')))").stdout.strip()
+            break
+        except (AssertionError, json.JSONDecodeError):
+            if time.time() > deadline:
+                raise
+            time.sleep(3)
+    assert after == before and before
+    assert objects_after == objects_before and int(objects_before) > 0
+
+
+def test_scaled_workers_are_distinct_and_a_stopped_worker_loses_nothing(stack: Stack) -> None:
+    """Two rollout workers (`--scale rollout-worker=2`): each has its own Celery name. One of
+    them gets SIGTERM (`docker stop`, what `docker-compose stop` sends) while episodes run;
+    every trajectory of the run still ends consumed."""
+    stack.dc("up", "-d", "--no-recreate", "--scale", "rollout-worker=2", "rollout-worker", timeout=600)
+    workers = stack.dc("ps", "-q", "rollout-worker").stdout.split()
+    assert len(workers) == 2
+    base, auth = f"http://127.0.0.1:{stack.ports['flower']}", (SECRETS["FLOWER_USER"], SECRETS["FLOWER_PASSWORD"])
+    deadline = time.time() + 300
+    names: set[str] = set()
+    while time.time() < deadline and len(names) < 2:
+        listed = httpx.get(f"{base}/api/workers", auth=auth, params={"refresh": "1"}, timeout=30).json()
+        names = {name for name in listed if name.startswith("rollout@")}
+        time.sleep(3)
+    assert len(names) == 2, names  # rollout@<container id> each
+    run = ["-e", "CONVEYOR_RUN_ID=scale", "-e", "CONVEYOR_TRAINER__MAX_OFF_POLICY_STEPS=1000",
+           "-e", "CONVEYOR_TRAINER__MAX_STEPS=1000"]
+    trainer = stack.dc("run", "-d", *run, "trainer", "trainer", "--exit-when-done").stdout.strip().splitlines()[-1]
+    stack.dc("run", "-d", *run, "intake", "intake", "--demo-tasks", "16", timeout=600)
+    ledger, deadline = stack.ledger(), time.time() + 600
+    while (counts := ledger.counts("scale"))["running"] == 0 and time.time() < deadline:
+        time.sleep(0.05)
+    assert counts["running"] > 0, f"no episode was running to interrupt: {counts}"
+    subprocess.run(["docker", "stop", "-t", "120", workers[0]], check=True, capture_output=True, timeout=300)
+    exit_code = subprocess.run(["docker", "wait", trainer], capture_output=True, text=True, timeout=900).stdout.strip()
+    counts = json.loads(stack.conveyor("status", "--json", "--run", "scale"))["runs"]["scale"]
+    assert exit_code == "0" and counts == {"queued": 0, "running": 0, "uploaded": 0, "scored": 0, "consumed": 64,
+                                           "failed": 0}, (exit_code, counts, subprocess.run(
+                                               ["docker", "logs", trainer], capture_output=True, text=True).stdout[-3000:])
+
+
+def test_a_worker_on_another_host_joins_through_published_ports(stack: Stack, tmp_path: Path) -> None:
+    """A second compose project (its own network: a second host) runs only rollout workers
+    (compose/worker-host.yml), pointed at the head's published Redis, S3 and inference ports.
+    With the head's own workers stopped, the second host's worker does a whole run."""
+    env_file = tmp_path / "worker-host.env"
+    env_file.write_text(stack.env_file.read_text() + "".join(
+        f"{k}={v}\n" for k, v in {"CONVEYOR_HEAD": HEAD_ADDRESS, "HEAD_REDIS_PORT": stack.ports["redis"],
+                                  "HEAD_S3_PORT": stack.ports["s3"], "HEAD_INFERENCE_PORT": stack.ports["inference"]}.items()))
+    remote = Stack(f"{stack.project}w", env_file, stack.ports, stack.compose, (ROOT / "compose" / "worker-host.yml",))
+    try:
+        remote.dc("run", "--rm", "model-init", timeout=600)
+        remote.dc("up", "-d", "--no-deps", "rollout-worker", timeout=600)
+        stack.dc("stop", "rollout-worker", timeout=300)  # the head keeps no worker: the run is the remote's
+        worker = remote.container("rollout-worker")
+        networks = json.loads(subprocess.run(["docker", "inspect", worker], capture_output=True, text=True,
+                                             check=True).stdout)[0]["NetworkSettings"]["Networks"]
+        assert list(networks) == [f"{remote.project}_stack"], networks  # not on the head's network
+        run = ["-e", "CONVEYOR_RUN_ID=remote", "-e", "CONVEYOR_TRAINER__MAX_STEPS=1000",
+               "-e", "CONVEYOR_TRAINER__MAX_OFF_POLICY_STEPS=1000"]
+        trainer = stack.dc("run", "-d", *run, "trainer", "trainer", "--exit-when-done").stdout.strip().splitlines()[-1]
+        stack.dc("run", "--rm", "-T", *run, "intake", "intake", "--demo-tasks", "4", timeout=600)
+        exit_code = subprocess.run(["docker", "wait", trainer], capture_output=True, text=True, timeout=900).stdout.strip()
+        assert exit_code == "0", (remote.logs("rollout-worker")[-3000:], subprocess.run(
+            ["docker", "logs", trainer], capture_output=True, text=True).stdout[-3000:])
+        assert stack.ledger().counts("remote") == {"queued": 0, "running": 0, "uploaded": 0, "scored": 0,
+                                                   "consumed": 16, "failed": 0}
+        base, auth = f"http://127.0.0.1:{stack.ports['flower']}", (SECRETS["FLOWER_USER"], SECRETS["FLOWER_PASSWORD"])
+        listed = httpx.get(f"{base}/api/workers", auth=auth, params={"refresh": "1"}, timeout=30).json()
+        assert f"rollout@{worker[:12]}" in listed, sorted(listed)  # the head's Flower sees the remote worker
+    finally:
+        remote.tear_down()

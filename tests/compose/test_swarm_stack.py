@@ -1,0 +1,97 @@
+"""`docker stack deploy` on a single-node swarm, from the same compose file
+(``services/cli/swarm_file.py`` renders what ``docker stack deploy`` reads): the demo experiment
+runs end to end, and removing the stack leaves no container, network or volume behind.
+
+The swarm is created for the test when the daemon is not in one, and left at the end.
+Marked ``slow`` and ``docker``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from compose_support import COMPOSE_FILE, HEAD_ADDRESS, SECRETS, compose_command, stack_env, write_env
+
+from services.cli.local_stack import free_port
+from services.cli.stack_images import StackImages
+from services.cli.swarm_file import render
+from shared.ledger import Ledger
+
+pytestmark = [pytest.mark.slow, pytest.mark.docker]
+
+
+def docker(*args: str, check: bool = True, timeout: float = 300) -> str:
+    result = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"docker {' '.join(args)} failed: {result.stderr.strip()}")
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def swarm() -> Iterator[None]:
+    joined = docker("info", "--format", "{{.Swarm.LocalNodeState}}").strip() == "active"
+    if not joined:
+        docker("swarm", "init", "--advertise-addr", HEAD_ADDRESS)
+    try:
+        yield
+    finally:
+        if not joined:
+            docker("swarm", "leave", "--force", check=False)
+
+
+def service_logs(service: str) -> str:
+    result = subprocess.run(["docker", "service", "logs", "--raw", service], capture_output=True, text=True, timeout=60)
+    return result.stdout + result.stderr
+
+
+def stack_resources(name: str) -> dict[str, list[str]]:
+    label = f"label=com.docker.stack.namespace={name}"
+    return {kind: docker(*cmd, "-q", "--filter", label).split()
+            for kind, cmd in (("service", ["service", "ls"]), ("container", ["ps", "-a"]),
+                              ("network", ["network", "ls"]), ("volume", ["volume", "ls"]))}
+
+
+def remove_stack(name: str) -> dict[str, list[str]]:
+    """``docker stack rm``, then the volumes (a stack keeps them); returns what is left."""
+    docker("stack", "rm", name, check=False)
+    deadline = time.time() + 180
+    while time.time() < deadline and any(stack_resources(name)[k] for k in ("service", "container", "network")):
+        time.sleep(2)
+    for volume in stack_resources(name)["volume"]:
+        docker("volume", "rm", volume, check=False)
+    return {kind: ids for kind, ids in stack_resources(name).items() if ids}
+
+
+def test_the_demo_runs_from_docker_stack_deploy(swarm: None, images: StackImages, tmp_path: Path) -> None:
+    ports = {name: free_port() for name in ("redis", "s3", "inference", "flower")}
+    env_file = write_env(tmp_path / "stack.env", stack_env(images, ports, CONVEYOR_MAX_STEPS="2",
+                                                           CONVEYOR_DEMO_TASKS="4"))
+    stack_file = render(compose_command(), COMPOSE_FILE, env_file, ("cpu",), tmp_path / "stack.yml")
+    name = f"conveyorswarm{uuid.uuid4().hex[:6]}"
+    try:
+        docker("stack", "deploy", "--resolve-image", "never", "-c", str(stack_file), name, timeout=600)
+        ledger = Ledger.from_url(f"redis://:{SECRETS['REDIS_PASSWORD']}@127.0.0.1:{ports['redis']}/0")
+        deadline, counts, trainer_state = time.time() + 1500, {}, ""
+        while time.time() < deadline:
+            trainer_state = docker("service", "ps", f"{name}_trainer", "--format", "{{.CurrentState}}").splitlines()
+            if trainer_state and trainer_state[0].startswith("Complete"):
+                break
+            time.sleep(5)
+        counts = ledger.counts("demo")
+        logs = {svc: service_logs(f"{name}_{svc}")[-3000:] for svc in ("trainer", "inference", "rollout-worker", "intake")}
+        assert trainer_state and trainer_state[0].startswith("Complete"), (trainer_state, logs)
+        # the same run as under compose: 4 groups of 4, every trajectory consumed, weights synced
+        assert counts == {"queued": 0, "running": 0, "uploaded": 0, "scored": 0, "consumed": 16, "failed": 0}, logs
+        assert "serving version 1" in service_logs(f"{name}_inference"), logs
+        services = json.loads(docker("service", "inspect", f"{name}_rollout-worker"))[0]
+        mounts = services["Spec"]["TaskTemplate"]["ContainerSpec"].get("Mounts", [])
+        assert any(m.get("Target") == "/var/run/docker.sock" for m in mounts)
+    finally:
+        left = remove_stack(name)
+    assert not left, f"docker stack rm left {left} behind"
