@@ -1,6 +1,9 @@
 """Seeds and ids, exactly as the architecture page defines them.
 
 - ``group_seed = base_seed + group_id``; ``episode_seed = group_seed + episode_index``.
+- The environment's ``reset`` gets the group seed (``RolloutRequest.task_seed``): every member
+  of a group plays the same task instance, and no two groups of a run share a seed. The
+  episode seed only names the trajectory; sampling seeds hash (trajectory id, turn).
 - ``trajectory_id = {run}_{group_id}_{episode_index}_{episode_seed}``; run ids contain no "_",
   so a trajectory id parses back into its parts.
 - Sample mode picks rows deterministically from the group seed: with replacement

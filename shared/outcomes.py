@@ -34,6 +34,7 @@ class FailureKind(str, enum.Enum):
     infra_error = "infra_error"  # a known infra error (sandbox daemon, storage, inference 5xx) after max_attempts
     inference_outage = "inference_outage"  # inference unreachable for longer than outage.limit_s
     inference_rejected = "inference_rejected"  # inference answered 4xx: this request cannot succeed
+    config_error = "config_error"  # the task names an environment or env_config this worker cannot use: not retried
     bug = "bug"  # an unexpected exception: failed at once, the traceback kept in the reason
     lease_expired = "lease_expired"  # the rollout worker died max_attempts times (shared.ledger)
     scoring_lease_expired = "scoring_lease_expired"

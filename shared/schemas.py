@@ -58,7 +58,9 @@ class Message(BaseModel):
 class StopReason(str, enum.Enum):
     done = "done"  # the environment said the episode is over
     max_turns = "max_turns"
-    max_tokens = "max_tokens"  # episode token budget or model context exhausted
+    max_tokens = "max_tokens"  # the episode's sampled-token budget (max_episode_tokens) is used up
+    context_exhausted = "context_exhausted"  # the model's context (max_model_len) has no room for another reply
+    truncated = "truncated"  # the episode ended on a reply cut at the per-turn token limit (DAPO's overlong)
     timeout = "timeout"  # episode wall-time limit
     env_error = "env_error"  # the environment raised: ends this trajectory, not retried
     infra_error = "infra_error"  # inference/storage unreachable after bounded retries
@@ -100,6 +102,12 @@ class RolloutRequest(Message):
     policy_version: int = 0  # the policy version when intake dispatched the group
     dispatched_at: float  # unix time; queue wait is measured from here
 
+    @property
+    def task_seed(self) -> int:
+        """The seed the environment's ``reset`` gets: the group's seed (``shared.ids.group_seed``),
+        the same for every member of the group and different for every group of the run."""
+        return self.episode_seed - self.episode_index
+
 
 class ToolCall(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -128,6 +136,8 @@ class Turn(BaseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
     tool_call_error: str | None = None  # set when the output held a malformed tool call
     observation: str | None = None  # the environment's reply, rendered into the next prompt
+    reward: float = 0.0  # the environment's reward for this turn (StepResult.reward)
+    info: dict[str, Any] = Field(default_factory=dict)  # the environment's info for this turn (JSON values)
     timings: TurnTimings = Field(default_factory=TurnTimings)
 
     @model_validator(mode="after")

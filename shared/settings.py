@@ -184,7 +184,7 @@ class OptimSettings(Section):
 class BatchingSettings(Section):
     max_seq_len: Int = Field(1024, gt=1)  # prompt + completion tokens the trainer keeps
     micro_batch_tokens: Int = Field(8192, gt=0)  # padded tokens per forward/backward
-    mask_overlong: bool = True  # DAPO: zero the loss mask of stop_reason=max_tokens samples
+    mask_overlong: bool = True  # DAPO: zero the loss mask of stop_reason=truncated samples (a cut last reply)
 
     @model_validator(mode="after")
     def _one_sample_fits(self) -> "BatchingSettings":
@@ -246,6 +246,9 @@ class Settings(BaseSettings):
     # Prometheus endpoint of a long-running service (workers, trainer, inference control
     # plane): None = off. shared.prometheus says what each exposes.
     metrics_port: Int | None = Field(None, gt=0, lt=65536)
+    # environment plugins, {name: "module:Class"}, on top of the built-ins and the
+    # ``conveyor.environments`` entry points (shared.environments.registry)
+    environments: dict[str, str] = Field(default_factory=dict)
     redis: RedisSettings = RedisSettings()
     storage: StorageSettings = StorageSettings()
     inference: InferenceSettings = InferenceSettings()

@@ -98,6 +98,7 @@ def intake(
         from services.cli.demo import write_demo_dataset
 
         dataset = str(write_demo_dataset(Path(tempfile.mkdtemp(prefix="conveyor-demo-")) / "guess.jsonl", demo_tasks))
+    _check_environments(settings)
     path = dataset or settings.intake.dataset
     if not path:
         raise errors.CommandError("no dataset: pass --dataset or set intake.dataset")
@@ -112,6 +113,15 @@ def intake(
     )
     for rejection in report.rejected:
         console.print(f"  rejected {rejection['source']}: {rejection['reason']}")
+
+
+def _check_environments(settings: Settings) -> None:
+    """Every plugin in settings resolves, and intake.env_config fits intake.env_name's Config:
+    a deployment that cannot run its environment stops here, before it takes or sends work."""
+    from shared.environments import check_startup, registry_for
+
+    check_startup(registry_for(settings.environments), settings.intake.env_name, settings.intake.env_config,
+                  settings.environments)
 
 
 def _celery_worker(module: str, queue: str, pool: str, concurrency: int, name: str, loglevel: str) -> None:
@@ -167,6 +177,7 @@ def worker_rollout(
     _logging()
     level = _log_level(loglevel, "--loglevel")
     settings = _settings(config)
+    _check_environments(settings)
     _require_model(settings)
     _wait_for_redis(settings)
     from shared.storage import open_store

@@ -18,6 +18,7 @@ import redis.exceptions
 
 from services.intake.datasets import DatasetError
 from services.scorer.rewards import RewardError
+from shared.environments import EnvironmentConfigError, EnvironmentUnavailable
 from shared.outage import OutageTooLong, redact_url
 from shared.run_marker import RedisDataLost
 from shared.settings import Settings, SettingsError
@@ -52,6 +53,8 @@ KNOWN: list[tuple[type[BaseException], Callable[[BaseException], str]]] = [
     (DatasetError, _as_is),
     (StorageError, _as_is),  # names the S3 endpoint, or the key
     (RewardError, _as_is),
+    (EnvironmentUnavailable, _as_is),  # names the environment and the registered ones
+    (EnvironmentConfigError, _as_is),  # names the environment and the env_config field
     (OutageTooLong, _as_is),  # names the dependency, how long it was down and outage.limit_s
     (RedisDataLost, _as_is),  # names the run and says that Redis lost its data
     (redis.exceptions.AuthenticationError, lambda exc: f"Redis at {_redis_url()} refused the credentials: {exc}"),

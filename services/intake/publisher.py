@@ -31,6 +31,7 @@ from typing import Callable, Iterable
 from services.intake.adapters import RowRejected, adapt_row
 from services.intake.datasets import BadRow, Row
 from shared import ids
+from shared.environments import check_startup, registry_for
 from shared.group_registry import GroupRegistry
 from shared.ledger import Ledger
 from shared.names import RedisKeys
@@ -99,6 +100,9 @@ def run_intake(
     """``store``: where the run's marker outlives Redis (None: Redis only)."""
     report = IntakeReport()
     run = settings.run_id
+    environments = registry_for(settings.environments)
+    # an unknown environment or a bad intake.env_config stops intake before anything is published
+    check_startup(environments, settings.intake.env_name, settings.intake.env_config, settings.environments)
     RunMarker(ledger.redis, run, store).open()
     budget = None
     if settings.trainer.max_off_policy_steps is not None:
@@ -108,7 +112,7 @@ def run_intake(
         try:
             if isinstance(row, BadRow):
                 raise RowRejected(row.reason)
-            task = adapt_row(row.value, settings.intake.env_name, row.source, settings.intake.env_config)
+            task = adapt_row(row.value, settings.intake.env_name, row.source, settings.intake.env_config, environments)
         except (RowRejected, ValueError) as exc:  # ValueError: the row broke a schema
             rejection = {"source": row.source, "reason": str(exc)}
             report.rejected.append(rejection)

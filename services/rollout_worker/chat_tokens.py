@@ -24,36 +24,40 @@ class ChatTokens:
         self.observation_role = observation_role
         self.eos_token_id = tokenizer.eos_token_id
         self.eos_text = tokenizer.eos_token or ""
-        self._frame: tuple[str, str] | tuple[()] | None = None  # observation frame, found on first use
+        # observation frame per role, found on first use
+        self._frames: dict[str, tuple[str, str] | tuple[()]] = {}
 
     def initial_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
-    def observation_ids(self, observation: str, sampled_ended_with_eos: bool) -> list[int]:
-        delta = self._observation_text(observation)
+    def observation_ids(self, observation: str, sampled_ended_with_eos: bool, role: str | None = None) -> list[int]:
+        """``role``: the chat role of the observation (the environment's; default ``observation_role``)."""
+        delta = self._observation_text(observation, role or self.observation_role)
         if sampled_ended_with_eos and self.eos_text and delta.startswith(self.eos_text):
             delta = delta[len(self.eos_text):]  # the model already sampled the end marker
         return list(self.tokenizer(delta, add_special_tokens=False)["input_ids"])
 
-    def _observation_text(self, observation: str) -> str:
+    def _observation_text(self, observation: str, role: str) -> str:
         """The text that closes the assistant turn, carries the observation and opens the next
         assistant turn. Rendered by the template once; later turns reuse its frame when the
         template leaves the observation as it is (checked on a sample), else render each time."""
-        if self._frame is None:
-            before, _, after = self._render_delta(_OBSERVATION).partition(_OBSERVATION)
+        frame = self._frames.get(role)
+        if frame is None:
+            before, _, after = self._render_delta(_OBSERVATION, role).partition(_OBSERVATION)
             sample = "higher \n  lower "
-            self._frame = (before, after) if self._render_delta(sample) == before + sample + after else ()
-        if self._frame:
-            return self._frame[0] + observation + self._frame[1]
-        return self._render_delta(observation)
+            frame = (before, after) if self._render_delta(sample, role) == before + sample + after else ()
+            self._frames[role] = frame
+        if frame:
+            return frame[0] + observation + frame[1]
+        return self._render_delta(observation, role)
 
-    def _render_delta(self, observation: str) -> str:
+    def _render_delta(self, observation: str, role: str) -> str:
         rendered = self.tokenizer.apply_chat_template(
             [
                 {"role": "user", "content": "x"},
                 {"role": "assistant", "content": _PLACEHOLDER},
-                {"role": self.observation_role, "content": observation},
+                {"role": role, "content": observation},
             ],
             add_generation_prompt=True,
             tokenize=False,

@@ -5,8 +5,11 @@ Invariants:
   sampled ids and the observation ids. Nothing already in it is re-tokenized.
 - The loss mask is 1 exactly on sampled ids (``Trajectory.flatten``); observation ids are 0.
 - Each turn's token budget is the smallest of the per-turn limit, what is left of the episode
-  budget and what is left of the model's context; an exhausted budget ends the episode with
-  ``max_tokens``.
+  budget and what is left of the model's context. The stop reason says which ended the
+  episode: ``max_tokens`` (the episode budget), ``context_exhausted`` (the context), or
+  ``truncated`` when the episode ended on a reply cut at the per-turn limit (the only case
+  overlong masking drops); ``max_turns`` and ``done`` otherwise.
+- The environment's per-turn reward and info are kept on each ``Turn``.
 - Bad model output never raises here (the environment answers it); an environment that raises
   ends the episode with ``env_error``, and a Trajectory comes back with the turns done so far.
   Infra errors are raised, not recorded: inference failing a request or unreachable past
@@ -14,16 +17,19 @@ Invariants:
   the runner classifies them. The environment is closed either way.
 - Time spent waiting out an inference outage does not count against ``episode_timeout_s``.
 - The sampling seed of a turn is a hash of (trajectory id, turn), so a turn can be replayed
-  exactly. It is not the episode seed: ``episode_seed = base_seed + group_id + index`` repeats
-  across groups (group g, episode i+1 has the seed of group g+1, episode i), and as a
-  sampling seed it would make different groups share samples. The episode seed seeds the
-  environment.
+  exactly, and no two trajectories share one. The environment's ``reset`` gets the group's
+  task seed (``RolloutRequest.task_seed``): every member of a GRPO group plays the same task
+  instance, and no two groups of a run share a seed. (The episode seed,
+  ``base_seed + group_id + index``, repeats across groups: group g, episode i+1 has the seed of
+  group g+1, episode i. It only names the trajectory.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,8 +37,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from services.rollout_worker.chat_tokens import ChatTokens
-from services.rollout_worker.environments import make_environment
-from services.rollout_worker.environments.base import AgentAction
+from shared.environments import AgentAction, EnvConfig, Environment
 from services.rollout_worker.inference_client import InferenceClient
 from services.rollout_worker.sandbox.errors import SandboxInfraError
 from services.rollout_worker.tool_calls import parse_tool_calls
@@ -51,13 +56,17 @@ class EpisodeLimits:
     top_p: float = 1.0
 
     @classmethod
-    def from_settings(cls, rollout: RolloutSettings, max_model_len: int, env_config: dict) -> "EpisodeLimits":
+    def from_settings(cls, rollout: RolloutSettings, max_model_len: int, config: EnvConfig) -> "EpisodeLimits":
+        """The environment's validated ``env_config`` overrides the rollout settings key by key."""
+        def pick(value, default):
+            return default if value is None else value
+
         return cls(
-            max_turns=int(env_config.get("max_turns", rollout.max_turns)),
-            max_tokens_per_turn=int(env_config.get("max_tokens_per_turn", rollout.max_tokens_per_turn)),
-            max_episode_tokens=int(env_config.get("max_episode_tokens", rollout.max_episode_tokens)),
+            max_turns=pick(config.max_turns, rollout.max_turns),
+            max_tokens_per_turn=pick(config.max_tokens_per_turn, rollout.max_tokens_per_turn),
+            max_episode_tokens=pick(config.max_episode_tokens, rollout.max_episode_tokens),
             max_model_len=max_model_len,
-            timeout_s=float(env_config.get("episode_timeout_s", rollout.episode_timeout_s)),
+            timeout_s=float(pick(config.episode_timeout_s, rollout.episode_timeout_s)),
             temperature=rollout.sampling.temperature,
             top_p=rollout.sampling.top_p,
         )
@@ -70,6 +79,7 @@ def turn_seed(trajectory_id: str, turn_index: int) -> int:
 
 async def run_episode(
     request: RolloutRequest,
+    env: Environment,
     client: InferenceClient,
     chat: ChatTokens,
     limits: EpisodeLimits,
@@ -79,7 +89,7 @@ async def run_episode(
 ) -> Trajectory:
     started = time.time()
     turns: list[Turn] = []
-    env = make_environment(request.task.env_name, request.task.env_config)
+    role = env.role_of_observations()
     bind = getattr(env, "bind_trajectory", None)  # sandboxed environments label their containers
     if bind is not None:
         bind(run_id=request.run_id, group_id=request.group_id, trajectory_id=request.trajectory_id)
@@ -87,19 +97,17 @@ async def run_episode(
     outage_s = 0.0  # waited out for inference: not the episode's time
     try:
         with _environment("reset"):
-            messages = await env.reset(request.task.task_data, request.episode_seed)
+            messages = await env.reset(request.task.task_data, request.task_seed)
         new_ids = chat.initial_prompt(messages)
         context: list[int] = []
         sampled_total = 0
+        last_bound: StopReason | str = "turn"
         for index in range(limits.max_turns):
-            budget = min(
-                limits.max_tokens_per_turn,
-                limits.max_episode_tokens - sampled_total,
-                limits.max_model_len - len(context) - len(new_ids),
-            )
+            budget, bound = _turn_budget(limits, sampled_total, len(context) + len(new_ids))
             if budget <= 0:
-                stop = StopReason.max_tokens
+                stop = bound
                 break
+            last_bound = bound
             remaining_s = limits.timeout_s - (time.time() - started - outage_s)
             if remaining_s <= 0:
                 stop = StopReason.timeout
@@ -133,6 +141,8 @@ async def run_episode(
                     tool_calls=calls,
                     tool_call_error=call_error,
                     observation=None if result.done else result.observation,
+                    reward=_finite(result.reward, index),
+                    info=_json_values(result.info),
                     timings=TurnTimings(inference_s=inference_s, env_step_s=env_step_s),
                 )
             )
@@ -140,7 +150,9 @@ async def run_episode(
                 stop = StopReason.done
                 break
             ended_with_eos = bool(completion.token_ids) and completion.token_ids[-1] == chat.eos_token_id
-            new_ids = chat.observation_ids(result.observation, ended_with_eos)
+            new_ids = chat.observation_ids(result.observation, ended_with_eos, role)
+        if turns:
+            stop = final_stop_reason(stop, turns[-1].finish_reason, last_bound)
         with _environment("verify"):
             verdict = await env.verify()
             env_reward, env_info = verdict.reward, verdict.info
@@ -164,6 +176,38 @@ async def run_episode(
         request=request, turns=turns, stop_reason=stop, error=error, env_reward=env_reward,
         env_info=env_info, attempt=attempt, worker=worker, timings=timings,
     )
+
+
+def _turn_budget(limits: EpisodeLimits, sampled_total: int, context_len: int) -> tuple[int, StopReason | str]:
+    """(tokens the next reply may have, which limit set it: ``"turn"``, ``max_tokens`` or
+    ``context_exhausted``). Ties go to the per-turn limit, then the episode budget."""
+    options = [
+        (limits.max_tokens_per_turn, "turn"),
+        (limits.max_episode_tokens - sampled_total, StopReason.max_tokens),
+        (limits.max_model_len - context_len, StopReason.context_exhausted),
+    ]
+    return min(options, key=lambda option: option[0])
+
+
+def final_stop_reason(stop: StopReason, last_finish_reason: str, last_bound: StopReason | str) -> StopReason:
+    """An episode that ended (done, or out of turns) on a reply cut at its token limit: cut by
+    the per-turn limit is ``truncated``; cut by what was left of the episode budget or the
+    context is that budget's reason. Any other ending keeps its reason."""
+    if stop not in (StopReason.done, StopReason.max_turns) or last_finish_reason != "length":
+        return stop
+    return StopReason.truncated if last_bound == "turn" else StopReason(last_bound)
+
+
+def _finite(reward: float, index: int) -> float:
+    value = float(reward)
+    if not math.isfinite(value):
+        raise _EnvFailure(f"step {index}: the environment returned a non-finite reward {value}")
+    return value
+
+
+def _json_values(info: dict) -> dict:
+    """The step's info as JSON values (what a trajectory object holds); other values become strings."""
+    return json.loads(json.dumps(dict(info or {}), default=str)) if info else {}
 
 
 class _EnvFailure(Exception):

@@ -18,8 +18,9 @@ Invariants, per trajectory:
   - a known infra error (``INFRA_ERRORS``) puts the trajectory back in the queue after a
     backoff (``rollout.retry_backoff_s``, doubling per attempt) while attempts remain, then
     fails it as ``infra_error``;
-  - the environment raising (``env_error``) or inference refusing the request
-    (``inference_rejected``) fails it at once;
+  - the environment raising (``env_error``), inference refusing the request
+    (``inference_rejected``), or a task this worker cannot run, an environment it does not
+    have or an ``env_config`` its ``Config`` refuses (``config_error``), fails it at once;
   - any other exception is a bug: it fails the trajectory at once, never retried, with the
     traceback in the failure reason.
   Nothing is dropped silently.
@@ -45,6 +46,7 @@ from services.rollout_worker.episode import EpisodeLimits, run_episode
 from services.rollout_worker.in_flight import HandBack, InFlight
 from services.rollout_worker.inference_client import InferenceClient, InferenceOutage, InferenceRejected, InferenceUnavailable
 from services.rollout_worker.sandbox.errors import SandboxInfraError
+from shared.environments import EnvironmentConfigError, EnvironmentUnavailable, registry_for
 from shared.leases import LeaseKeeper
 from shared.ledger import Ledger
 from shared.names import trajectory_key
@@ -119,6 +121,9 @@ async def _roll_out(ctx: RolloutContext, request: RolloutRequest, token: str, at
     except InferenceRejected as exc:
         log.error("%s failed: %s", tid, exc)
         return await asyncio.to_thread(_fail, ctx, tid, token, FailureKind.inference_rejected, str(exc))
+    except (EnvironmentUnavailable, EnvironmentConfigError) as exc:  # this deployment cannot run the task
+        log.error("%s failed: %s", tid, exc)
+        return await asyncio.to_thread(_fail, ctx, tid, token, FailureKind.config_error, str(exc))
     except INFRA_ERRORS as exc:
         return await _retry_or_fail(ctx, request, token, attempt, f"{type(exc).__name__}: {exc}")
     except Exception as exc:  # a bug: retrying would run it again, so fail now and keep the traceback
@@ -128,10 +133,11 @@ async def _roll_out(ctx: RolloutContext, request: RolloutRequest, token: str, at
 
 
 async def _episode(ctx: RolloutContext, request: RolloutRequest, attempt: int) -> Trajectory:
-    limits = EpisodeLimits.from_settings(ctx.settings.rollout, ctx.settings.inference.max_model_len, request.task.env_config)
+    env = registry_for(ctx.settings.environments).make(request.task.env_name, request.task.env_config)
+    limits = EpisodeLimits.from_settings(ctx.settings.rollout, ctx.settings.inference.max_model_len, env.config)
     served = PolicyVersion(ctx.ledger.redis, request.run_id)
     return await run_episode(
-        request, ctx.inference, ctx.chat, limits,
+        request, env, ctx.inference, ctx.chat, limits,
         policy_version=served.get,
         attempt=attempt, worker=ctx.worker_name,
     )

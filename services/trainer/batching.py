@@ -6,8 +6,10 @@ Invariants:
   leaves no room for one sampled token (or that has no prompt, or whose fields disagree in
   length) is dropped, and ``Prepared.dropped`` says which and why.
 - DAPO overlong filtering: with ``mask_overlong``, a sample whose ``stop_reason`` is
-  ``max_tokens`` keeps its place in the accounting but its loss mask is all zero: it
+  ``truncated`` (its last reply was cut at the per-turn token limit) keeps its place in the accounting but its loss mask is all zero: it
   contributes neither loss nor gradient. It is counted in ``overlong_masked``.
+  A trajectory that ran out of its episode budget (``max_tokens``) or of the model's context
+  (``context_exhausted``) is not masked: its turns are complete replies.
 - Samples with no masked token carry no gradient, so they are never forwarded.
 - A micro-batch's padded size (rows × longest row) is at most ``micro_batch_tokens``, and
   ``micro_batch_tokens >= max_seq_len`` so every sample fits in one. Sequences are
@@ -75,7 +77,7 @@ def prepare_sample(sample: TrainingSample, max_seq_len: int, mask_overlong: bool
         return f"prompt of {prompt_len} tokens leaves no room for a sampled token within max_seq_len={max_seq_len}"
     keep = min(n, max_seq_len)
     loss_mask = [1 if m else 0 for m in sample.loss_mask[:keep]]
-    overlong = mask_overlong and sample.stop_reason == StopReason.max_tokens
+    overlong = mask_overlong and sample.stop_reason == StopReason.truncated
     if overlong:
         loss_mask = [0] * keep
     return PreparedSample(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from services.rollout_worker.environments.base import AgentAction
+from shared.environments import AgentAction
 from services.rollout_worker.environments.coding import CodingEnv
 from services.rollout_worker.tool_calls import parse_tool_calls
 

@@ -208,7 +208,7 @@ def test_swe_agent_rows_have_no_verifier_but_keep_the_diff(make_env, fixture_rep
 
 
 def test_a_broken_test_patch_is_an_environment_error_and_leaves_no_container(make_env, swe_bench_row, docker_client):
-    from services.rollout_worker.environments.base import EnvironmentError_
+    from shared.environments import EnvironmentError_
     from services.rollout_worker.environments.coding import coding_task
     broken = coding_task({**swe_bench_row, "test_patch": swe_bench_row["test_patch"].replace("new file mode", "index")
                           .replace("--- /dev/null", "--- a/tests/test_calc.py")})

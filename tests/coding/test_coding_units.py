@@ -8,7 +8,6 @@ import json
 
 import pytest
 
-from services.intake import adapters
 from services.intake.adapters import RowRejected, adapt_row
 from services.rollout_worker.environments.coding import CodingEnv, CodingTask, coding_task
 from services.rollout_worker.environments.coding import grading
@@ -61,21 +60,21 @@ def test_bad_rows_are_rejected_with_the_field(row, reason):
         coding_task(row)
 
 
-def test_adapt_row_with_the_coding_validator(monkeypatch):
-    monkeypatch.setitem(adapters.TASK_VALIDATORS, "coding", coding_task)
+def test_adapt_row_with_the_coding_validator():
     # the repository checks fetch the repo: tests/coding/test_coding_intake.py runs them on a real one
-    monkeypatch.setitem(adapters.ROW_CHECKS, "coding", lambda data, env_config: data)
-    task = adapt_row(SWE, "coding", "swe.jsonl:1")
+    task = adapt_row(SWE, "coding", "swe.jsonl:1", {"intake_checks": False})
     assert task.task_id == "o__r-1" and task.env_name == "coding" and task.task_data["repo"] == "o/r"
     with pytest.raises(RowRejected, match="FAIL_TO_PASS"):
-        adapt_row({**SWE, "FAIL_TO_PASS": None}, "coding")
+        adapt_row({**SWE, "FAIL_TO_PASS": None}, "coding", "", {"intake_checks": False})
 
 
-def test_env_config_is_validated_and_shared_keys_are_ignored():
+def test_env_config_is_validated_with_the_shared_keys_and_unknown_keys_are_refused():
     env = CodingEnv({"max_turns": 30, "command_timeout_s": 5, "images": {"node": "img:1"}})
-    assert env.config.command_timeout_s == 5 and env.config.images == {"node": "img:1"}
+    assert env.config.command_timeout_s == 5 and env.config.images == {"node": "img:1"} and env.config.max_turns == 30
     with pytest.raises(ValueError, match="command_timeout_s"):
         CodingEnv({"command_timeout_s": -1})
+    with pytest.raises(ValueError, match="env_config.comand_timeout_s: Extra inputs are not permitted"):
+        CodingEnv({"comand_timeout_s": 5})
 
 
 def test_tool_calls_are_checked_without_raising():

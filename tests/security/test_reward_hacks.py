@@ -12,7 +12,7 @@ import asyncio
 
 import pytest
 
-from services.rollout_worker.environments.base import AgentAction
+from shared.environments import AgentAction
 from shared.schemas import ToolCall
 
 from security_support import F2P

@@ -105,7 +105,7 @@ SWE_BENCH = {"repo": "o/r", "base_commit": "abcdef1", "problem_statement": "p", 
 
 @pytest.mark.parametrize("row, reason", [
     ({**SWE_AGENT, "reward": 10**400}, "label field 'reward' must be a finite number"),  # was OverflowError
-    ({**SWE_BENCH, "env_config": {"image": False}}, "CodingConfig: image: Input should be a valid string"),  # was ValidationError
+    ({**SWE_BENCH, "env_config": {"image": False}}, r"environment .coding. \(CodingConfig\): env_config.image: Input should be a valid string"),  # was ValidationError
 ])
 def test_values_no_settings_model_or_float_can_hold_reject_the_row(row, reason):
     with pytest.raises(RowRejected, match=reason):

@@ -19,7 +19,8 @@ import pytest
 from fuzz_support import FUZZ, json_like, nested, numbers, text
 from hypothesis import event, given, strategies as st
 
-from services.intake.adapters import TASK_VALIDATORS, RowRejected, adapt_row
+from services.intake.adapters import RowRejected, adapt_row
+from shared.environments.registry import BUILTIN
 from services.intake.datasets import BadRow, read_rows
 from shared.schemas import TaskProfile
 
@@ -31,7 +32,7 @@ ROW_KEYS = [
     "repo", "repo_url", "base_commit", "commit", "problem_statement", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS",
     "language", "image", "test_command", "repo_name", "conversations", "reward", "score", "resolved", "label",
 ]
-env_names = st.sampled_from(sorted(TASK_VALIDATORS)) | text
+env_names = st.sampled_from(sorted(BUILTIN)) | text
 keys = st.sampled_from(ROW_KEYS) | text
 hex_commits = st.text(alphabet="0123456789abcdefABCDEF", min_size=7, max_size=40)
 id_lists = st.lists(text, max_size=3) | st.lists(text, max_size=3).map(json.dumps) | text

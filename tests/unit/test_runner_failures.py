@@ -17,9 +17,8 @@ import pytest
 
 from services.cli.local_stack import free_port
 from services.inference.tiny_model import generate_tiny_model
-from services.rollout_worker import environments
 from services.rollout_worker.chat_tokens import load_chat_tokens
-from services.rollout_worker.environments.base import Environment, StepResult, VerifyResult
+from shared.environments import Environment, StepResult, VerifyResult
 from services.rollout_worker.inference_client import InferenceClient
 from services.rollout_worker.runner import RolloutContext, retry_delay_s, run_requests
 from services.rollout_worker.sandbox.errors import SandboxInfraError
@@ -87,16 +86,14 @@ def chat(tmp_path_factory):
     return load_chat_tokens(generate_tiny_model(tmp_path_factory.mktemp("runner") / "tiny", end_of_turn_bias=4.0))
 
 
-@pytest.fixture(autouse=True)
-def test_environments(monkeypatch):
-    for env in (DaemonDown, Buggy, Broken, Talks, Hangs):
-        monkeypatch.setitem(environments.ENVIRONMENTS, env.name, env)
+# the test environments are plugins, named in settings as users name theirs
+PLUGINS = {env.name: f"{__name__}:{env.__name__}" for env in (DaemonDown, Buggy, Broken, Talks, Hangs)}
 
 
 class Harness:
     def __init__(self, ledger, store, chat, run_id, outage_limit_s=900.0):
         self.settings = load_settings(
-            run_id=run_id,
+            run_id=run_id, environments=PLUGINS,
             ledger={"max_attempts": MAX_ATTEMPTS, "lease_ttl_s": 30, "heartbeat_s": 1},
             rollout={"retry_backoff_s": 0.2, "retry_backoff_max_s": 0.3},
             outage={"limit_s": outage_limit_s, "backoff_max_s": 0.2, "log_every_s": 1},

@@ -9,8 +9,8 @@ import uuid
 
 import pytest
 
-from services.rollout_worker.environments import ENVIRONMENTS, make_environment
-from services.rollout_worker.environments.base import AgentAction
+from shared.environments import EnvironmentConfigError, EnvironmentRegistry, EnvironmentUnavailable
+from shared.environments import AgentAction
 from services.rollout_worker.environments.guess_number import GuessNumberEnv
 from services.rollout_worker.environments.qa import QuestionAnswerEnv
 from services.rollout_worker.tool_calls import parse_tool_calls
@@ -103,11 +103,14 @@ def guess(n) -> AgentAction:
 
 
 def test_registry():
-    assert ENVIRONMENTS["guess_number"] is GuessNumberEnv and ENVIRONMENTS["qa"] is QuestionAnswerEnv
-    env = make_environment("guess_number", {"max_turns": 3})
-    assert isinstance(env, GuessNumberEnv) and env.env_config == {"max_turns": 3}
-    with pytest.raises(KeyError, match="unknown environment 'chess'"):
-        make_environment("chess")
+    registry = EnvironmentRegistry(entry_points=False)
+    assert registry.resolve("guess_number") is GuessNumberEnv and registry.resolve("qa") is QuestionAnswerEnv
+    env = registry.make("guess_number", {"max_turns": 3})
+    assert isinstance(env, GuessNumberEnv) and env.env_config == {"max_turns": 3} and env.config.max_turns == 3
+    with pytest.raises(EnvironmentUnavailable, match="unknown environment 'chess'; registered: .*guess_number"):
+        registry.make("chess", {})
+    with pytest.raises(EnvironmentConfigError, match=r"'guess_number'.*env_config.max_turnz: Extra inputs"):
+        registry.make("guess_number", {"max_turnz": 3})
 
 
 def test_guess_number_higher_lower_correct():
@@ -338,8 +341,8 @@ def test_observation_frame_gives_the_same_ids_as_rendering_each_turn(tmp_path):
 
     tokenizer = AutoTokenizer.from_pretrained(str(generate_tiny_model(tmp_path / "m")))
     framed, rendered = ChatTokens(tokenizer), ChatTokens(tokenizer)
-    rendered._frame = ()  # no frame: the template renders every observation
+    rendered._frames = {"user": ()}  # no frame: the template renders every observation
     for observation in ("lower", "Error: tool call 1 is not valid JSON", "  spaced \n text "):
         for eos in (True, False):
             assert framed.observation_ids(observation, eos) == rendered.observation_ids(observation, eos)
-    assert framed._frame  # ChatML keeps the observation verbatim, so the frame is used
+    assert framed._frames["user"]  # ChatML keeps the observation verbatim, so the frame is used

@@ -1,24 +1,9 @@
-"""Environment registry: ``env_name`` in a task profile -> environment class."""
+"""Conveyor's built-in environments. Names resolve through ``shared.environments.registry``
+(built-ins, the ``conveyor.environments`` entry points, and ``environments`` in settings);
+this package holds only the implementations.
 
-from __future__ import annotations
-
-from services.rollout_worker.environments.base import Environment
-from services.rollout_worker.environments.coding import CodingEnv
-from services.rollout_worker.environments.guess_number import GuessNumberEnv
-from services.rollout_worker.environments.qa import QuestionAnswerEnv
-from services.rollout_worker.environments.single_turn import SingleTurnEnv
-
-ENVIRONMENTS: dict[str, type[Environment]] = {
-    GuessNumberEnv.name: GuessNumberEnv,
-    QuestionAnswerEnv.name: QuestionAnswerEnv,
-    SingleTurnEnv.name: SingleTurnEnv,
-    CodingEnv.name: CodingEnv,
-}
-
-
-def make_environment(env_name: str, env_config: dict | None = None) -> Environment:
-    try:
-        env_type = ENVIRONMENTS[env_name]
-    except KeyError:
-        raise KeyError(f"unknown environment {env_name!r}; known: {sorted(ENVIRONMENTS)}") from None
-    return env_type(env_config)
+- ``guess_number``, ``qa``, ``single_turn``: text environments.
+- ``coding``: a repository in a Docker sandbox, graded by hidden tests.
+- ``gym_text``: any gym-style text environment (``reset(seed)``/``step(action)``), synchronous
+  steps run off the event loop; ``textarena_env`` and ``skyrl_gym_env`` build on it.
+"""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.rollout_worker.environments.base import AgentAction, Environment, StepResult, VerifyResult
+from shared.environments import AgentAction, Environment, RowRejected, StepResult, VerifyResult
 
 SYSTEM_PROMPT = (
     "You are playing a number guessing game. To guess, call the tool: "
@@ -19,8 +19,23 @@ SYSTEM_PROMPT = (
 )
 
 
+def _require_int(data: dict[str, Any], field: str) -> int:
+    value = data.get(field)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RowRejected(f"field {field!r} must be an integer, got {value!r}")
+    return value
+
+
 class GuessNumberEnv(Environment):
     name = "guess_number"
+
+    @classmethod
+    def task_from_row(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """Flat ``target``/``low``/``high`` fields, target within the range."""
+        low, high, target = (_require_int(data, f) for f in ("low", "high", "target"))
+        if not low <= target <= high:
+            raise RowRejected(f"target {target} is outside [{low}, {high}]")
+        return {"low": low, "high": high, "target": target}
 
     async def reset(self, task_data: dict[str, Any], seed: int) -> list[dict[str, str]]:
         self.low, self.high, self.target = int(task_data["low"]), int(task_data["high"]), int(task_data["target"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.rollout_worker.environments.base import AgentAction, Environment, StepResult, VerifyResult
+from shared.environments import AgentAction, Environment, RowRejected, StepResult, VerifyResult
 
 
 def _normalize(text: str) -> str:
@@ -14,6 +14,16 @@ def _normalize(text: str) -> str:
 
 class QuestionAnswerEnv(Environment):
     name = "qa"
+
+    @classmethod
+    def task_from_row(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """``question`` (or ``prompt``) and ``answer``."""
+        question = data.get("question") or data.get("prompt")
+        if not isinstance(question, str) or not question.strip():
+            raise RowRejected("field 'question' (or 'prompt') must be a non-empty string")
+        if data.get("answer") in (None, ""):
+            raise RowRejected("field 'answer' is missing")
+        return {"question": question, "answer": str(data["answer"])}
 
     async def reset(self, task_data: dict[str, Any], seed: int) -> list[dict[str, str]]:
         self.answer = str(task_data["answer"])

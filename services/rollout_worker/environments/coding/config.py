@@ -1,8 +1,8 @@
 """The coding environment's settings, read from ``env_config``.
 
-``env_config`` is shared with the episode runner (``max_turns``, ``episode_timeout_s``, ...), so
-keys this model does not know are ignored; the ones it knows are validated (a bad value is an
-environment error naming the field, at ``CodingEnv(...)``).
+``CodingConfig`` extends ``shared.environments.EnvConfig`` (the runner's keys: ``max_turns``,
+``episode_timeout_s``, ...). Unknown keys are refused, and a bad value is an error naming the
+field, at intake and at ``CodingEnv(...)``.
 
 Invariant: every default is safe for an untrusted agent: the sandbox defaults of
 ``SandboxSpec`` (no network, non-root, bounded pids/memory/CPU, read-only root), bounded command
@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from shared.environments import EnvConfig
 
 # git-apply wildmatch patterns (``*`` also matches ``/``): files the agent may edit in its sandbox
 # but whose changes are dropped before the hidden tests run, because they could change how the
@@ -30,9 +32,7 @@ DEFAULT_PROTECTED_PATHS = (
 )
 
 
-class CodingConfig(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
+class CodingConfig(EnvConfig):
     image: str | None = None  # one image for every task (overrides images/task image)
     images: dict[str, str] = Field(default_factory=dict)  # language -> image tag
     build_missing_images: bool = True  # build a known language's base image (debootstrap) if absent

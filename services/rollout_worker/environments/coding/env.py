@@ -23,7 +23,7 @@ import time
 import uuid
 from typing import Any
 
-from services.rollout_worker.environments.base import (AgentAction, Environment, EnvironmentError_, StepResult,
+from shared.environments import (AgentAction, Environment, EnvironmentError_, StepResult,
                                                        VerifyResult)
 from services.rollout_worker.sandbox import (EpisodeTimeout, Limits, Sandbox, SandboxClosed, SandboxFileError,
                                              SandboxLabels, SandboxLost, SandboxSpec, Timeouts, provision_with_retry)
@@ -35,7 +35,7 @@ from .images import resolve_image
 from .prompts import system_prompt
 from .repo import Workspace, prepare_workspace
 from .snapshot import build_snapshot, populate_command
-from .task import CodingTask
+from .task import CodingTask, coding_task
 from .tools import ToolError, bash_observation, check_call, clip, replace_once
 from .verifier import run_hidden_tests
 
@@ -46,11 +46,24 @@ _STOPPED = (SandboxLost, EpisodeTimeout, SandboxClosed)
 
 class CodingEnv(Environment):
     name = "coding"
+    Config = CodingConfig
+    config: CodingConfig
 
-    def __init__(self, env_config: dict[str, Any] | None = None):
+    @classmethod
+    def task_from_row(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """SWE-bench and swe-agent-13k rows (``task.coding_task``)."""
+        return coding_task(data)
+
+    @classmethod
+    def check_task(cls, task_data: dict[str, Any], config: CodingConfig) -> dict[str, Any]:
+        """Rejects a row whose repository, commit or test patch cannot grade (fetches the repo)."""
+        from .gradable import check_gradable
+
+        return check_gradable(task_data, config)
+
+    def __init__(self, env_config: dict[str, Any] | CodingConfig | None = None):
         super().__init__(env_config)
-        self.config = CodingConfig.model_validate(self.env_config)
-        self.labels = SandboxLabels(run_id=str(self.env_config.get("run_id") or "unbound"), group_id="unbound",
+        self.labels = SandboxLabels(run_id="unbound", group_id="unbound",
                                     trajectory_id=f"coding-{uuid.uuid4().hex[:12]}")
         self.task: CodingTask | None = None
         self.workspace: Workspace | None = None

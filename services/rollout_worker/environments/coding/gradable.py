@@ -19,15 +19,14 @@ import tarfile
 import tempfile
 from typing import Any
 
-from services.intake.adapters import RowRejected
+from shared.environments import RowRejected
 
 from .config import CodingConfig
 from .repo import RepoError, prepare_workspace
 from .task import CodingTask
 
 
-def check_gradable(task_data: dict[str, Any], env_config: dict[str, Any]) -> dict[str, Any]:
-    config = CodingConfig.model_validate(env_config)
+def check_gradable(task_data: dict[str, Any], config: CodingConfig) -> dict[str, Any]:
     task = CodingTask.from_data(task_data)
     if not config.intake_checks or not task.has_tests:
         return task_data

@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from services.intake.adapters import RowRejected
+from shared.environments import RowRejected
 
 _COMMIT = re.compile(r"^[0-9a-fA-F]{7,40}$")
 LABEL_FIELDS = ("reward", "score", "resolved", "label")

@@ -20,7 +20,7 @@ import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from services.rollout_worker.environments.base import EnvironmentError_
+from shared.environments import EnvironmentError_
 from services.rollout_worker.sandbox import EpisodeTimeout, Sandbox, SandboxLost, files
 
 from . import grading

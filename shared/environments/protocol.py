@@ -1,0 +1,152 @@
+"""The one environment API, for text environments, sandboxed ones and third-party adapters.
+
+An environment is a class with:
+- ``name``: the name rows and settings use (``env_key``/``env_name``, ``intake.env_name``);
+- ``Config``: its settings model, a subclass of ``EnvConfig`` (``extra="forbid"``), validated
+  from ``env_config`` at intake and again on the worker;
+- ``task_from_row(data)``: a dataset row's fields -> ``task_data``, or ``RowRejected`` naming
+  the bad field; ``check_task(task_data, config)``: intake-time checks that need the
+  environment's settings (a repository fetch, an import), ``RowRejected`` too;
+- ``reset(task_data, seed)`` -> the initial chat messages; ``step(action)`` -> ``StepResult``;
+  ``verify()`` -> ``VerifyResult``; ``close()``. All async, so a container-backed environment
+  awaits its sandbox without blocking the worker's event loop.
+
+Invariants:
+- ``reset``'s seed is the group's task seed: every member of a GRPO group gets the same task
+  instance, and no two groups of a run share it (``shared.ids.task_seed``). Sampling seeds are
+  per trajectory and turn, elsewhere.
+- An environment never raises on bad model output: a malformed or missing tool call becomes an
+  error observation and the episode goes on. Raising means the environment itself broke
+  (``env_error``). ``EnvironmentUnavailable`` and ``EnvironmentConfigError`` mean the task can
+  never run on this deployment: failed at once, never retried as an infra error.
+- Per-environment settings (``env_config``) are separate from per-task data (``task_data``).
+  The keys every environment shares (turn and token budgets, the episode timeout, the
+  observation role) are ``EnvConfig``'s; the episode runner reads them from the validated model.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared.schemas import ToolCall
+
+
+class RowRejected(ValueError):
+    """A dataset row that cannot become a task; the message names the bad field."""
+
+
+class EnvironmentUnavailable(LookupError):
+    """No environment of that name is registered here (built-in, entry point or settings)."""
+
+
+class EnvironmentConfigError(ValueError):
+    """``env_config`` does not fit the environment's ``Config``; the message names the field."""
+
+
+class EnvironmentError_(Exception):
+    """The environment itself failed (not the agent): the trajectory ends with env_error."""
+
+
+class EnvConfig(BaseModel):
+    """Keys every environment accepts in ``env_config``. ``None`` means the rollout settings' value.
+
+    Subclasses add their own fields and keep ``extra="forbid"``: a misspelt key is an error at
+    intake, not a silently ignored setting."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_turns: int | None = Field(None, gt=0)
+    max_tokens_per_turn: int | None = Field(None, gt=0)
+    max_episode_tokens: int | None = Field(None, gt=0)  # sampled tokens across all turns
+    episode_timeout_s: float | None = Field(None, gt=0)
+    # each step takes this long, standing in for tool execution in benchmarks
+    step_latency_s: float = Field(0.0, ge=0)
+    # the chat role observations are rendered with; None: the environment's own default
+    observation_role: Literal["user", "tool"] | None = None
+
+
+@dataclass(frozen=True)
+class AgentAction:
+    text: str
+    tool_calls: list[ToolCall]
+    tool_call_error: str | None  # set when the text held a malformed tool call
+
+
+@dataclass(frozen=True)
+class StepResult:
+    observation: str
+    done: bool
+    reward: float = 0.0  # this turn's reward; kept on the turn (the verifier decides the final one)
+    info: dict[str, Any] = field(default_factory=dict)  # kept on the turn; must be JSON-serialisable
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    reward: float
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Environment(abc.ABC):
+    name: ClassVar[str]
+    Config: ClassVar[type[EnvConfig]] = EnvConfig
+    observation_role: ClassVar[str] = "user"  # default for ``EnvConfig.observation_role``
+
+    def __init__(self, env_config: dict[str, Any] | EnvConfig | None = None):
+        if isinstance(env_config, EnvConfig):
+            self.config = env_config
+        else:
+            self.config = validate_config(type(self), env_config or {})
+        self.env_config = self.config.model_dump(exclude_unset=True)
+
+    # --- intake side: rows -> task data -----------------------------------------------------
+    @classmethod
+    def task_from_row(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """The row's fields (``task_data``, or the row itself) -> task data; ``RowRejected``."""
+        return dict(data)
+
+    @classmethod
+    def check_task(cls, task_data: dict[str, Any], config: EnvConfig) -> dict[str, Any]:
+        """Checks that need the environment's settings; ``RowRejected``. Runs at intake only."""
+        return task_data
+
+    # --- worker side: one episode -----------------------------------------------------------
+    @abc.abstractmethod
+    async def reset(self, task_data: dict[str, Any], seed: int) -> list[dict[str, str]]: ...
+
+    @abc.abstractmethod
+    async def step(self, action: AgentAction) -> StepResult: ...
+
+    @abc.abstractmethod
+    async def verify(self) -> VerifyResult: ...
+
+    async def close(self) -> None:
+        return None
+
+    def role_of_observations(self) -> str:
+        return self.config.observation_role or self.observation_role
+
+    async def simulate_tool_latency(self) -> None:
+        """``env_config.step_latency_s`` (default 0): each step takes that long."""
+        if self.config.step_latency_s > 0:
+            await asyncio.sleep(self.config.step_latency_s)
+
+
+def validate_config(env_type: type[Environment], env_config: dict[str, Any]) -> EnvConfig:
+    """``env_config`` -> the environment's ``Config``, or ``EnvironmentConfigError`` naming the
+    environment and every bad field (at most three)."""
+    from pydantic import ValidationError
+
+    if not isinstance(env_config, dict):
+        raise EnvironmentConfigError(f"env_config of environment {env_type.name!r} must be an object, "
+                                     f"got {type(env_config).__name__}")
+    try:
+        return env_type.Config.model_validate(env_config)
+    except ValidationError as exc:
+        problems = "; ".join(f"env_config.{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']}"
+                             for e in exc.errors()[:3])
+        raise EnvironmentConfigError(f"environment {env_type.name!r} ({env_type.Config.__name__}): {problems}") from None

@@ -1,0 +1,1 @@
+"""A third-party game for Conveyor's plugin tests (installed by the tests with pip)."""
