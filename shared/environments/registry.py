@@ -37,6 +37,7 @@ BUILTIN: dict[str, str] = {
     "gym": "services.rollout_worker.environments.gym_text:GymTextEnv",
     "textarena": "services.rollout_worker.environments.textarena_env:TextArenaEnv",
     "skyrl_gym": "services.rollout_worker.environments.skyrl_gym_env:SkyRLGymEnv",
+    "mcp": "services.rollout_worker.environments.mcp_tools:McpToolEnv",
 }
 
 

@@ -111,6 +111,8 @@ def test_vllm_killed_and_restarted_while_workers_wait_for_it(base, inference, tm
         "CONVEYOR_INFERENCE__BASE_URL": inference.url, "CONVEYOR_ROLLOUT__GROUP_SIZE": str(GROUP_SIZE),
         "CONVEYOR_REWARDS__WEIGHTS": json.dumps(REWARD_WEIGHTS), "CONVEYOR_ROLLOUT__MAX_TURNS": "2",
         "CONVEYOR_ROLLOUT__MAX_TOKENS_PER_TURN": "16", "CONVEYOR_OUTAGE__LOG_EVERY_S": "10",
+        # episodes last a while (as tool use does), so some are running when vLLM dies, however fast the machine
+        "CONVEYOR_INTAKE__ENV_CONFIG": json.dumps({"step_latency_s": 0.5}),
     }
     first = run_stack(base, tmp_path / "riding", "riding", **env)
     second = run_stack(base, tmp_path / "waiting", "waiting", **env)
@@ -120,7 +122,8 @@ def test_vllm_killed_and_restarted_while_workers_wait_for_it(base, inference, tm
         first.start_scoring_worker()
         first.start_trainer()
         second.start_trainer()
-        assert first.run_conveyor("intake", "--dataset", str(write_demo_dataset(tmp_path / "a.jsonl", GROUPS, seed=4))).returncode == 0
+        # intake in the background: on a quiet machine the run could end before a blocking intake returns
+        intake_first = first.conveyor("intake", "intake", "--dataset", str(write_demo_dataset(tmp_path / "a.jsonl", GROUPS, seed=4)))
         poll("the first run never got going", 600, lambda: (
             sum(ledger.counts("riding")[s] for s in ("consumed", "failed")) >= KILL_AFTER_DONE and ledger.counts("riding")["running"]))
 
@@ -128,6 +131,8 @@ def test_vllm_killed_and_restarted_while_workers_wait_for_it(base, inference, tm
         killed_at = time.time()
         os.killpg(vllm.pid, signal.SIGKILL)
         inference.gone(inference.process, 60)  # `conveyor inference` stops with its server
+        assert intake_first.proc.wait(120) == 0, first.logs("intake")
+        first.processes.remove(intake_first)
         fresh = first.start_rollout_worker(name="fresh", concurrency=8)
         fresh_at = time.time()
         poll("the riding worker did not notice the outage", 60,

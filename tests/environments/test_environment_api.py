@@ -10,10 +10,13 @@ pipeline (vLLM, Celery, S3) runs these environments in ``test_third_party_pipeli
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +24,7 @@ from services.intake.adapters import RowRejected, adapt_row
 from services.intake.publisher import build_group
 from services.rollout_worker.episode import EpisodeLimits, _turn_budget, final_stop_reason
 from services.rollout_worker.environments.hosted import POOL
+from services.rollout_worker.environments.mcp_tools import McpToolEnv
 from services.rollout_worker.environments.skyrl_gym_env import SkyRLGymEnv
 from shared.environments import (AgentAction, EnvConfig, Environment, EnvironmentConfigError, EnvironmentRegistry,
                                  EnvironmentUnavailable, StepResult, VerifyResult, check_startup)
@@ -263,3 +267,88 @@ def test_env_config_keys_every_environment_shares_override_the_rollout_settings(
 
 def teardown_module() -> None:
     POOL.shutdown()
+
+
+# --- MCP tools ----------------------------------------------------------------------------------
+
+MCP_SERVER = str(Path(__file__).parent / "mcp_shop_server.py")
+
+
+def hermes(*calls: tuple[str, dict]) -> AgentAction:
+    from services.rollout_worker.tool_calls import parse_tool_calls
+
+    reply = "".join(f'<tool_call>{json.dumps({"name": n, "arguments": a})}</tool_call>' for n, a in calls)
+    parsed, error = parse_tool_calls(reply)
+    return AgentAction(reply, parsed, error)
+
+
+def _shop(env_config: dict, task: dict, actions: list[AgentAction]):
+    async def play():
+        env = EnvironmentRegistry(entry_points=False).make("mcp", env_config)
+        try:
+            messages = await env.reset(task, 0)
+            results = []
+            for action in actions:
+                results.append(await env.step(action))
+                if results[-1].done:
+                    break
+            return messages, results, await env.verify()
+        finally:
+            await env.close()
+    return asyncio.run(play())
+
+
+def test_an_mcp_server_over_stdio_lists_its_tools_runs_calls_and_grades_with_its_hidden_verifier():
+    config = {"command": [sys.executable, MCP_SERVER], "verifier_tool": "grade"}
+    task = McpToolEnv.task_from_row({"prompt": "Buy an apple and a pear.", "verifier_args": {"expected_total": 8}})
+    messages, results, verdict = _shop(config, task, [
+        hermes(("price", {"item": "apple"})),
+        hermes(("buy", {"item": "apple"}), ("buy", {"item": "pear"})),
+        hermes(("grade", {"expected_total": 0})),  # the grader's tool is not the agent's
+        hermes(("price", {"item": "kiwi"})),  # a tool error is an observation
+        AgentAction("I bought them. <done>", [], None),
+    ])
+    system = messages[0]["content"]
+    assert '"name": "price"' in system and '"name": "buy"' in system and '"grade"' not in system
+    assert results[0].observation == "price returned: 3"
+    assert results[1].observation == "buy returned: 3\nbuy returned: 8" and results[1].info["tool_calls"] == 2
+    assert results[2].observation.startswith("Error: no tool 'grade'")
+    assert results[3].observation.startswith("Error from price:") and "no such item: kiwi" in results[3].observation
+    assert results[4].done and verdict.reward == 1.0 and verdict.info["tool_calls"] == 4
+
+
+def test_an_mcp_server_over_streamable_http(tmp_path):
+    from services.cli.local_stack import free_port
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, MCP_SERVER, str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.2)
+        task = McpToolEnv.task_from_row({"prompt": "What does a fig cost?", "answer": "11"})
+        _, results, verdict = _shop({"url": f"http://127.0.0.1:{port}/mcp", "tools": ["price"]}, task, [
+            hermes(("buy", {"item": "fig"})),  # not in env_config.tools
+            hermes(("price", {"item": "fig"})),
+            AgentAction("A fig costs 11 coins.", [], None),
+        ])
+        assert results[0].observation.startswith("Error: no tool 'buy'") and results[1].observation == "price returned: 11"
+        assert verdict.reward == 1.0
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def test_an_unreachable_mcp_server_is_an_environment_error_and_a_bad_config_is_refused():
+    from shared.environments import EnvironmentError_
+
+    with pytest.raises(EnvironmentError_, match=r"MCP server .*no_such_server_xyz.* is unusable"):
+        _shop({"command": ["no_such_server_xyz"]}, {"prompt": "p", "answer": "a"}, [])
+    with pytest.raises(EnvironmentConfigError, match="give exactly one of url .* and command"):
+        EnvironmentRegistry(entry_points=False).config("mcp", {"url": "http://x/mcp", "command": ["srv"]})
+    with pytest.raises(RowRejected, match="nothing can score this row"):
+        adapt_row({"prompt": "p"}, "mcp", default_env_config={"url": "http://x/mcp"})
