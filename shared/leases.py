@@ -20,6 +20,11 @@ Invariants:
 - A re-dispatched trajectory is published again at once with the payload stored at its claim
   (rollout: the request; scoring: the task's arguments). The claim makes every other copy
   (the loser of a race, or the broker's own redelivery after its visibility timeout) a no-op.
+- A rollout task carries a group's members, and a worker claims them one by one. When a
+  member's lease expires, members of its group that still wait in ``queued`` with no lease
+  (received with it, never claimed before the worker died) are published again with it, so
+  none of them waits for the broker's visibility timeout. What the broker alone still covers
+  is a task whose worker died before claiming any member: milliseconds after delivery.
 """
 
 from __future__ import annotations
@@ -108,16 +113,39 @@ class Reaper:
         if mark != self._outage_seen:
             self._outage_seen = mark
             self.resend_unclaimed()
+        members_sent: set[str] = set()  # per sweep: a group's unclaimed members go out once
         for trajectory_id in self.ledger.expired_leases(stage=self.stage):
             result = self.ledger.expire(trajectory_id, self.max_attempts, stage=self.stage)
             if result == "requeued":
-                self.redispatch(trajectory_id, self.ledger.payload(trajectory_id, self.stage))
+                payload = self.ledger.payload(trajectory_id, self.stage)
+                self.redispatch(trajectory_id, payload)
+                members_sent.add(trajectory_id)
                 log.warning("%s lease of %s expired: re-dispatched", self.stage.name, trajectory_id)
             elif result == "failed":
                 log.warning("%s lease of %s expired %d times: failed", self.stage.name, trajectory_id, self.max_attempts)
             if result in outcome:
                 outcome[result] += 1
+            if result in ("requeued", "failed") and self.stage is ROLLOUT:
+                self._resend_group_members(trajectory_id, members_sent)
         return outcome
+
+    def _resend_group_members(self, trajectory_id: str, already_sent: set[str]) -> int:
+        """The message that carried an expired rollout lease carried its group's other members
+        too; the worker holding it is presumed dead. Members it never claimed still wait in
+        ``queued``, and only the broker's visibility timeout would bring their message back:
+        publish them again now (a copy beyond the first is a no-op at the claim)."""
+        try:
+            request = self.ledger.request(trajectory_id)
+        except KeyError:
+            return 0
+        members = {t: p for t, p in self.ledger.unclaimed_group_members(request).items() if t not in already_sent}
+        for member, payload in members.items():
+            self.redispatch(member, payload)
+            already_sent.add(member)
+        if members:
+            log.warning("group %s of run %s: %d member(s) left unclaimed by the worker that held %s sent again",
+                        request.group_id, request.run_id, len(members), trajectory_id)
+        return len(members)
 
     def resend_unclaimed(self) -> int:
         """Publish again every trajectory waiting for this stage with no lease on it; one reaper

@@ -34,7 +34,7 @@ from typing import Callable
 
 import redis
 
-from shared import ledger_lua
+from shared import ids, ledger_lua
 from shared.ids import parse_trajectory_id
 from shared.names import RedisKeys
 from shared.outage import redis_client
@@ -234,6 +234,22 @@ class Ledger:
         owners = set(self.redis.hkeys(stage.owners(run_id)))
         waiting = [t for t, state in self.states(run_id).items() if state == stage.claim_from.value and t not in owners]
         payloads = self.redis.hmget(stage.payloads(run_id), waiting) if waiting else []
+        return {t: p for t, p in zip(waiting, payloads) if p is not None}
+
+    def unclaimed_group_members(self, request: RolloutRequest) -> dict[str, str]:
+        """Trajectory id -> stored request of the members of ``request``'s group that still wait
+        in ``queued`` with no rollout lease (the request itself excluded). Reads only the group's
+        own fields: the member ids follow from the request (``shared.ids``)."""
+        task_seed = request.task_seed
+        members = [ids.trajectory_id(request.run_id, request.group_id, index, task_seed + index)
+                   for index in range(request.group_size) if index != request.episode_index]
+        if not members:
+            return {}
+        run = request.run_id
+        states = self.redis.hmget(RedisKeys.states(run), members)
+        owners = self.redis.hmget(ROLLOUT.owners(run), members)
+        waiting = [t for t, state, owner in zip(members, states, owners) if state == ROLLOUT.claim_from.value and owner is None]
+        payloads = self.redis.hmget(ROLLOUT.payloads(run), waiting) if waiting else []
         return {t: p for t, p in zip(waiting, payloads) if p is not None}
 
     def request(self, trajectory_id: str) -> RolloutRequest:

@@ -173,3 +173,25 @@ def test_lease_timing_that_would_let_the_broker_recover_work_is_refused(values, 
     with pytest.raises(SettingsError, match=message):
         check_lease_timing(LedgerSettings(**values))
     check_lease_timing(LedgerSettings())
+
+
+def test_members_a_dead_worker_never_claimed_are_sent_again_with_its_expired_ones(ledger, run_id):
+    """A rollout task carries a whole group; its worker died after claiming two of four members.
+    The two it never claimed wait in ``queued``: the reaper sends them with the expired ones,
+    instead of leaving them to the broker's visibility timeout (an hour)."""
+    group = requests_for(run_id, group_id=3, size=4)
+    other = requests_for(run_id, group_id=4, size=2)
+    ledger.register(group + other)
+    for req in group[:2]:
+        assert ledger.claim(req.trajectory_id, "dead-worker", 0.01)[0]
+    time.sleep(0.05)
+    sent: list[str] = []
+    reaper = Reaper(ledger, ROLLOUT, 3, 1.0, lambda tid, payload: sent.append(tid))
+    assert reaper.sweep() == {"requeued": 2, "failed": 0}
+    unclaimed = [r.trajectory_id for r in group[2:]]
+    expired = [r.trajectory_id for r in group[:2]]
+    assert sorted(sent) == sorted(expired + unclaimed)  # once each; group 4, not the dead worker's, is not sent
+    # each copy beyond the first is a no-op at the claim: one claim wins per member
+    winners = [tid for i, tid in enumerate(sent) if ledger.claim(tid, f"survivor-{i}", 30)[0]]
+    assert sorted(winners) == sorted(expired + unclaimed)
+    assert_counts_consistent(ledger, run_id, 6)
