@@ -28,7 +28,7 @@ from pipeline_support import REWARD_WEIGHTS, ServedModel, poll, stream_events, w
 from tcp_gate import TcpGate
 
 from services.cli.demo import write_demo_dataset
-from services.cli.local_stack import LocalStack
+from services.cli.local_stack import LocalStack, ManagedProcess
 from shared.celery_app import make_celery, publish_rollouts, publish_scoring
 from shared.ledger import SCORING, Ledger
 from shared.names import RedisKeys
@@ -68,6 +68,8 @@ def _run(served: ServedModel, root: Path, run_id: str) -> Run:
         "CONVEYOR_ROLLOUT__MAX_TURNS": "2", "CONVEYOR_ROLLOUT__MAX_TOKENS_PER_TURN": "16",
         "CONVEYOR_LEDGER__LEASE_TTL_S": str(LEASE_TTL_S), "CONVEYOR_LEDGER__HEARTBEAT_S": "1",
         "CONVEYOR_LEDGER__REAPER_INTERVAL_S": "1", "CONVEYOR_OUTAGE__LOG_EVERY_S": "10",
+        # each step takes a while, as tool use does: the run lasts long enough to be caught mid-way
+        "CONVEYOR_INTAKE__ENV_CONFIG": json.dumps({"step_latency_s": 0.5}),
     })
     stack.use_inference(served.base_url, served.model_dir, "tiny")
     whole = write_demo_dataset(root / "guess.jsonl", GROUPS, seed=3)
@@ -76,13 +78,21 @@ def _run(served: ServedModel, root: Path, run_id: str) -> Run:
     return Run(stack, run_id, whole, first)
 
 
-def _start_services(run: Run) -> None:
+def _start_services(run: Run) -> ManagedProcess:
+    """Workers, trainer and weight follower, and intake of the first groups in the background:
+    a blocking intake could return after a fast machine finished the run, leaving nothing to
+    catch mid-way (``_catch_mid_run``)."""
     run.stack.start_rollout_worker(concurrency=8)
     run.stack.start_scoring_worker()
     run.stack.start_trainer()
     run.stack.start_weight_follower()
-    intake = run.stack.run_conveyor("intake", "--dataset", str(run.first))
-    assert intake.returncode == 0, intake.stderr
+    return run.stack.conveyor("intake-first", "intake", "--dataset", str(run.first))
+
+
+def _catch_mid_run(run: Run, intake: ManagedProcess) -> None:
+    poll("the run was never caught mid-way", 300, lambda: _mid_run(run), every_s=0.05)
+    assert intake.proc.wait(120) == 0, run.stack.logs(intake.name)
+    run.stack.processes.remove(intake)
 
 
 def _consumed(run: Run) -> int:
@@ -116,8 +126,7 @@ def _ride_out(run: Run, outage: Outage) -> Recovery:
     """Start the run, cut the dependency once the trainer consumed some, start intake of the
     rest while it is down, restore it, and follow the run to its end, every process alive."""
     stack = run.stack
-    _start_services(run)
-    poll("the run was never caught mid-way", 300, lambda: _mid_run(run), every_s=0.05)
+    _catch_mid_run(run, _start_services(run))
     failed_before = run.ledger.counts(run.run_id)["failed"]
     outage.cut()
     down_at = time.time()
@@ -192,10 +201,10 @@ def test_redis_losing_its_data_mid_run_is_detected_and_nothing_goes_on(served_mo
     with run.stack as stack:
         stack.start_redis()
         stack.start_object_store()
-        _start_services(run)
+        first = _start_services(run)
         rest = stack.run_conveyor("intake", "--dataset", str(run.whole))  # all 25 groups dispatched
         assert rest.returncode == 0, rest.stderr
-        poll("the run was never caught mid-way", 300, lambda: _mid_run(run), every_s=0.05)
+        _catch_mid_run(run, first)
         ledger = run.ledger
         assert sum(ledger.counts(run.run_id).values()) == TOTAL
         consumed = next(t for t, state in ledger.states(run.run_id).items() if state == "consumed")

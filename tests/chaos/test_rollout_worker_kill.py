@@ -34,6 +34,8 @@ def test_rollout_worker_killed_mid_episode_loses_and_duplicates_nothing(base, tm
         CONVEYOR_ROLLOUT__GROUP_SIZE=str(GROUP_SIZE), CONVEYOR_REWARDS__WEIGHTS=json.dumps(REWARD_WEIGHTS),
         CONVEYOR_LEDGER__LEASE_TTL_S=str(LEASE_TTL_S), CONVEYOR_LEDGER__HEARTBEAT_S="1", CONVEYOR_LEDGER__REAPER_INTERVAL_S="1",
         CONVEYOR_ROLLOUT__MAX_TURNS="4", CONVEYOR_ROLLOUT__MAX_TOKENS_PER_TURN="32",
+        # each step takes a while, as tool use does: episodes are still running when the fault comes
+        CONVEYOR_INTAKE__ENV_CONFIG=json.dumps({"step_latency_s": 0.5}),
     )
     dataset = write_demo_dataset(tmp_path / "guess.jsonl", GROUPS, seed=1)
     with stack:
