@@ -410,6 +410,8 @@ class TrainingSample(BaseModel):
     reward: float
     oldest_policy_version: int
     stop_reason: StopReason
+    # per-token advantages aligned with token_ids (trainer.token_rewards); None: ``advantage`` on every token
+    token_advantages: list[float] | None = None
 
 
 class TrainingBatch(Message):

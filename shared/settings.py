@@ -217,6 +217,9 @@ class TrainerSettings(Section):
     # zero-variance groups: "drop" (no signal; their admission slot is refilled) or "keep"
     # (trained with advantage 0; their tokens count in token_mean, as TRL does)
     zero_variance_groups: Literal["drop", "keep"] = "drop"
+    # where a trajectory's reward sits among its tokens (services/trainer/token_rewards.py):
+    # terminal = plain GRPO; last_token / distributed place each turn's reward on its tokens
+    token_rewards: Literal["terminal", "last_token", "distributed"] = "terminal"
     # while dropping: how many dropped groups one step may wait for beyond groups_per_step;
     # past it the step trains on the groups it has. None: wait for groups_per_step groups.
     max_extra_groups_per_step: Int | None = Field(None, ge=0)

@@ -10,6 +10,9 @@ Invariants:
   ``truncated`` when the episode ended on a reply cut at the per-turn limit (the only case
   overlong masking drops); ``max_turns`` and ``done`` otherwise.
 - The environment's per-turn reward and info are kept on each ``Turn``.
+- With ``episodes_per_trial`` above 1, an episode the environment ends is verified, and the
+  next one of the trial starts in the same context (``trials``); the trajectory ends when the
+  trial does. Its reward is the trial's.
 - Bad model output never raises here (the environment answers it); an environment that raises
   ends the episode with ``env_error``, and a Trajectory comes back with the turns done so far.
   Infra errors are raised, not recorded: inference failing a request or unreachable past
@@ -41,6 +44,7 @@ from shared.environments import AgentAction, EnvConfig, Environment
 from services.rollout_worker.inference_client import InferenceClient
 from services.rollout_worker.sandbox.errors import SandboxInfraError
 from services.rollout_worker.tool_calls import parse_tool_calls
+from services.rollout_worker.trials import Trial
 from shared.schemas import EpisodeTimings, RolloutRequest, StopReason, Trajectory, Turn, TurnTimings
 from shared.settings import RolloutSettings
 
@@ -94,6 +98,7 @@ async def run_episode(
     if bind is not None:
         bind(run_id=request.run_id, group_id=request.group_id, trajectory_id=request.trajectory_id)
     stop, error, env_reward, env_info = StopReason.max_turns, None, None, {}
+    trial = Trial(env.config.episodes_per_trial, env.config.free_shots)
     outage_s = 0.0  # waited out for inference: not the episode's time
     try:
         with _environment("reset"):
@@ -128,6 +133,14 @@ async def run_episode(
             t1 = time.perf_counter()
             with _environment(f"step {index}"):
                 result = await env.step(AgentAction(text, calls, call_error))
+            observation = None if result.done else result.observation
+            if result.done and trial.episodes > 1:
+                with _environment(f"verify episode {len(trial.verdicts) + 1}"):
+                    trial.record(await env.verify())
+                if not trial.complete:  # the next episode of the trial: same task, fresh environment
+                    with _environment(f"reset episode {len(trial.verdicts) + 1}"):
+                        await env.close()
+                        observation = trial.opening(await env.reset(request.task.task_data, request.task_seed))
             env_step_s = time.perf_counter() - t1
             turns.append(
                 Turn(
@@ -140,22 +153,23 @@ async def run_episode(
                     completion_text=text,
                     tool_calls=calls,
                     tool_call_error=call_error,
-                    observation=None if result.done else result.observation,
+                    observation=observation,
                     reward=_finite(result.reward, index),
                     info=_json_values(result.info),
                     timings=TurnTimings(inference_s=inference_s, env_step_s=env_step_s),
                 )
             )
-            if result.done:
+            if observation is None:
                 stop = StopReason.done
                 break
             ended_with_eos = bool(completion.token_ids) and completion.token_ids[-1] == chat.eos_token_id
-            new_ids = chat.observation_ids(result.observation, ended_with_eos, role)
+            new_ids = chat.observation_ids(observation, ended_with_eos, role)
         if turns:
             stop = final_stop_reason(stop, turns[-1].finish_reason, last_bound)
-        with _environment("verify"):
-            verdict = await env.verify()
-            env_reward, env_info = verdict.reward, verdict.info
+        if not trial.complete:
+            with _environment("verify"):
+                trial.record(await env.verify())
+        env_reward, env_info = trial.result()
     except _EnvFailure as exc:
         stop, error = StopReason.env_error, str(exc)
     except asyncio.TimeoutError:

@@ -38,6 +38,7 @@ class PreparedSample:
     inference_logprobs: list[float]
     advantage: float
     policy_version: int = 0  # oldest policy version that produced the sample's tokens
+    token_advantages: list[float] | None = None  # per token (trainer.token_rewards), else ``advantage``
     truncated: bool = False
     overlong_masked: bool = False
 
@@ -87,6 +88,7 @@ def prepare_sample(sample: TrainingSample, max_seq_len: int, mask_overlong: bool
         inference_logprobs=list(sample.inference_logprobs[:keep]),
         advantage=sample.advantage,
         policy_version=sample.oldest_policy_version,
+        token_advantages=None if sample.token_advantages is None else list(sample.token_advantages[:keep]),
         truncated=keep < n,
         overlong_masked=overlong,
     )
@@ -124,7 +126,7 @@ class MicroBatch:
     attention_mask: torch.Tensor  # [B, T] long
     loss_mask: torch.Tensor  # [B, T] float32
     old_logprobs: torch.Tensor  # [B, T] float32, inference logprobs
-    advantages: torch.Tensor  # [B] float32
+    advantages: torch.Tensor  # [B] float32, or [B, T] when a sample carries per-token advantages
     policy_versions: torch.Tensor  # [B] long: the version each row was sampled by
 
     @property
@@ -146,7 +148,14 @@ def collate(samples: list[PreparedSample], pad_token_id: int) -> MicroBatch:
         attention[i, :n] = 1
         loss_mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
         old[i, :n] = torch.tensor(s.inference_logprobs, dtype=torch.float32)
-    advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    if any(s.token_advantages is not None for s in samples):  # [B, T]: per token where given
+        advantages = torch.zeros((rows, width), dtype=torch.float32)
+        for i, s in enumerate(samples):
+            n = len(s.token_ids)
+            advantages[i, :n] = torch.tensor(s.token_advantages, dtype=torch.float32) if s.token_advantages is not None \
+                else s.advantage
+    else:
+        advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     versions = torch.tensor([s.policy_version for s in samples], dtype=torch.long)
     return MicroBatch(input_ids, attention, loss_mask, old * loss_mask, advantages, versions)
 

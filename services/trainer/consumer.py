@@ -46,6 +46,8 @@ from typing import TYPE_CHECKING, Callable
 import redis
 
 from services.trainer.advantages import group_advantages
+from services.trainer.token_rewards import place_rewards
+from services.trainer.token_rewards import token_advantages as token_advantages_of
 from services.trainer.group_metrics import GroupMetricsLog
 from services.trainer.groups import GroupAssembler, PendingGroup
 from shared import outage
@@ -221,7 +223,10 @@ class TrainerConsumer:
             if adv.zero_variance and not keep:
                 status = "zero_variance"
             else:
-                batch = self._batch(group.group_id, scored, advantages)
+                # per-token advantages share GRPO's statistics: (G_t - mean) / scale (token_rewards)
+                scale = (adv.std + trainer.advantage_eps) if trainer.scale_advantage_by_std else 1.0
+                per_token = None if keep or trainer.token_rewards == "terminal" else (adv.mean, scale)
+                batch = self._batch(group.group_id, scored, advantages, per_token)
                 oldest = min(sample.oldest_policy_version for sample in batch.samples)
                 if self.budget is not None and self.budget.is_stale(oldest, self.budget.state().trainer_step):
                     status = "stale"
@@ -278,18 +283,24 @@ class TrainerConsumer:
             except redis.WatchError:
                 self.marker.check(_STOPS)
 
-    def _batch(self, group_id: int, scored: list[ScoredEvent], advantages: list[float]) -> TrainingBatch:
+    def _batch(self, group_id: int, scored: list[ScoredEvent], advantages: list[float],
+               per_token: tuple[float, float] | None = None) -> TrainingBatch:
+        """``per_token``: the group's (mean, scale) when rewards are placed per token."""
         samples = []
         for event, advantage in zip(scored, advantages):
             scored_traj = get_model(self.store, event.scored_key, ScoredTrajectory)
             trajectory = get_model(self.store, scored_traj.trajectory_key, Trajectory)
             flat = trajectory.flatten()
+            token_advantages = None
+            if per_token is not None:
+                placed = place_rewards(trajectory, event.reward, self.settings.trainer.token_rewards)
+                token_advantages = token_advantages_of(placed, flat.loss_mask, *per_token)
             samples.append(
                 TrainingSample(
                     trajectory_id=event.trajectory_id, token_ids=flat.token_ids, loss_mask=flat.loss_mask,
                     inference_logprobs=flat.inference_logprobs, advantage=advantage, reward=event.reward,
                     oldest_policy_version=min((t.policy_version for t in trajectory.turns), default=0),
-                    stop_reason=trajectory.stop_reason,
+                    stop_reason=trajectory.stop_reason, token_advantages=token_advantages,
                 )
             )
         return TrainingBatch(run_id=self.run_id, group_id=group_id, samples=samples)

@@ -31,7 +31,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.schemas import ToolCall
 
@@ -68,6 +68,17 @@ class EnvConfig(BaseModel):
     step_latency_s: float = Field(0.0, ge=0)
     # the chat role observations are rendered with; None: the environment's own default
     observation_role: Literal["user", "tool"] | None = None
+    # several episodes of the task in one trajectory; the first free_shots do not count
+    # (services/rollout_worker/trials.py)
+    episodes_per_trial: int = Field(1, ge=1)
+    free_shots: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _counted_episodes(self) -> "EnvConfig":
+        if self.free_shots >= self.episodes_per_trial:
+            raise ValueError(f"free_shots ({self.free_shots}) must be below episodes_per_trial "
+                             f"({self.episodes_per_trial}): some episode must count")
+        return self
 
 
 @dataclass(frozen=True)

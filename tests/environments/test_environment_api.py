@@ -352,3 +352,20 @@ def test_an_unreachable_mcp_server_is_an_environment_error_and_a_bad_config_is_r
         EnvironmentRegistry(entry_points=False).config("mcp", {"url": "http://x/mcp", "command": ["srv"]})
     with pytest.raises(RowRejected, match="nothing can score this row"):
         adapt_row({"prompt": "p"}, "mcp", default_env_config={"url": "http://x/mcp"})
+
+
+def test_a_trial_counts_the_episodes_after_its_free_shots():
+    from services.rollout_worker.trials import Trial
+
+    single = Trial()
+    single.record(VerifyResult(0.5, {"solved": False}))
+    assert single.complete and single.result() == (0.5, {"solved": False})  # one episode: unchanged
+    trial = Trial(episodes=3, free_shots=1)
+    trial.record(VerifyResult(1.0, {"n": 1}))
+    assert not trial.complete
+    assert trial.opening([{"role": "system", "content": "rules"}, {"role": "user", "content": "go"}]) == "Episode 2 of 3.\ngo"
+    trial.record(VerifyResult(0.5, {"n": 2}))  # the budget ran out before the third: it counts 0
+    reward, info = trial.result()
+    assert reward == pytest.approx(0.25) and info["episode_rewards"] == [1.0, 0.5] and info["last_episode"] == {"n": 2}
+    with pytest.raises(EnvironmentConfigError, match=r"free_shots \(2\) must be below episodes_per_trial \(2\)"):
+        EnvironmentRegistry(entry_points=False).config("qa", {"episodes_per_trial": 2, "free_shots": 2})

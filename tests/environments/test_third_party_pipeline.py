@@ -102,3 +102,18 @@ def test_an_mcp_tool_environment_runs_against_a_local_server(base, tmp_path):
         assert t.error is None and t.turns, (t.stop_reason, t.error)
         # the server's own grader scored each episode (the untrained model buys nothing: 0)
         assert t.env_reward == 0.0 and t.env_info["tool_calls"] >= 0
+
+
+def test_a_trial_of_two_episodes_with_a_free_shot(base, tmp_path, plugin_site):
+    """``episodes_per_trial: 2, free_shots: 1``: the game ends after 3 turns, the second episode
+    of the same game follows in the same context, and only the second episode's reward counts."""
+    python_path = os.pathsep.join(p for p in (str(plugin_site), os.environ.get("PYTHONPATH")) if p)
+    trajectories = _run(base, tmp_path, "trial", [{"task_data": {}}] * GROUPS, "secret_game",
+                        {"max_turns": 8, "episodes_per_trial": 2, "free_shots": 1}, PYTHONPATH=python_path)
+    for t in trajectories:
+        assert t.error is None and t.stop_reason.value in ("done", "truncated"), (t.stop_reason, t.error)
+        assert len(t.turns) == 6  # 3 turns per episode
+        assert t.turns[2].observation.startswith("Episode 2 of 2.\nsecret game ")
+        assert t.turns[0].prompt_token_ids != t.turns[3].prompt_token_ids  # the opening came as an observation
+        rewards = t.env_info["episode_rewards"]
+        assert len(rewards) == 2 and t.env_info["free_shots"] == 1 and t.env_reward == rewards[1]

@@ -62,7 +62,7 @@ def test_malformed_samples_are_dropped_with_a_reason() -> None:
 
 
 def test_overlong_samples_are_masked_and_counted() -> None:
-    samples = [_sample(3, 5, StopReason.max_tokens, "over"), _sample(3, 5, StopReason.done, "done"),
+    samples = [_sample(3, 5, StopReason.truncated, "over"), _sample(3, 5, StopReason.done, "done"),
                _sample(3, 5, StopReason.max_turns, "turns")]
     prepared = prepare_samples(samples, BatchingSettings(max_seq_len=16, micro_batch_tokens=64))
     by_id = {s.trajectory_id: s for s in prepared.samples}

@@ -74,7 +74,7 @@ def test_micro_batched_update_equals_full_batch_update(tiny_policy, make_batch, 
 
 def test_metrics_and_step_counter(tiny_policy, make_batch) -> None:
     model, tok = tiny_policy
-    stops = [StopReason.max_tokens, StopReason.done, StopReason.done, StopReason.done]
+    stops = [StopReason.truncated, StopReason.done, StopReason.done, StopReason.done]
     batch = make_batch(1, n=4, model=model, completion_len=(20, 30), stop_reasons=stops)
     trainer = PolicyTrainer(model, tok.pad_token_id, alarm=SYNTHETIC_LOGPROBS, optim=OptimSettings(lr=1e-4),
                             batching=BatchingSettings(max_seq_len=24, micro_batch_tokens=48))
@@ -90,7 +90,7 @@ def test_metrics_and_step_counter(tiny_policy, make_batch) -> None:
 def test_a_step_with_nothing_to_train_on_is_skipped(tiny_policy, make_batch) -> None:
     model, tok = tiny_policy
     before = [p.detach().clone() for p in model.parameters()]
-    batch = make_batch(2, n=2, model=model, stop_reasons=[StopReason.max_tokens] * 2)
+    batch = make_batch(2, n=2, model=model, stop_reasons=[StopReason.truncated] * 2)
     trainer = PolicyTrainer(model, tok.pad_token_id, alarm=SYNTHETIC_LOGPROBS)
     metrics = trainer.train_step([batch])
     assert METRICS <= metrics.keys()
@@ -123,3 +123,28 @@ def test_positive_advantage_raises_the_token_probability(tiny_policy) -> None:
         assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert logprob(good) > start_good + 1.0, (start_good, logprob(good))
     assert logprob(bad) < start_bad - 1.0, (start_bad, logprob(bad))
+
+
+def test_per_token_advantages_steer_each_token_by_its_own_sign(tiny_policy) -> None:
+    """One sequence, two sampled tokens, per-token advantages +1 and -1 (trainer.token_rewards):
+    the first token gains probability and the second loses it in the same sample."""
+    model, tok = tiny_policy
+    prompt, first, second = [1, 40, 41, 42, 43], 310, 311
+    trainer = PolicyTrainer(model, tok.pad_token_id, alarm=SYNTHETIC_LOGPROBS, optim=OptimSettings(lr=3e-3))
+
+    def logprobs() -> tuple[float, float]:
+        ids = torch.tensor([prompt + [first, second]])
+        with torch.no_grad():
+            row = sequence_logprobs(model, ids, torch.ones_like(ids))[0]
+        return row[-2].item(), row[-1].item()
+
+    start = logprobs()
+    for step in range(5):
+        now = logprobs()
+        sample = TrainingSample(trajectory_id=f"{step}", token_ids=prompt + [first, second], loss_mask=[0] * 5 + [1, 1],
+                                inference_logprobs=[0.0] * 5 + list(now), advantage=0.0, reward=0.0,
+                                oldest_policy_version=step, stop_reason=StopReason.done,
+                                token_advantages=[0.0] * 5 + [1.0, -1.0])
+        trainer.train_step([TrainingBatch(run_id="r", group_id=step, samples=[sample])])
+    end = logprobs()
+    assert end[0] > start[0] + 0.5 and end[1] < start[1] - 0.5, (start, end)
