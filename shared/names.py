@@ -132,6 +132,10 @@ class RedisKeys:
         return f"{_P}:{{{run_id}}}:rejected"
 
     @staticmethod
+    def dataset_versions(run_id: str) -> str:  # set of dataset versions intake published from
+        return f"{_P}:{{{run_id}}}:dataset_versions"
+
+    @staticmethod
     def intake_done(run_id: str) -> str:  # "1" once intake dispatched everything it will
         return f"{_P}:{{{run_id}}}:intake_done"
 

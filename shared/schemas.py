@@ -87,6 +87,7 @@ class TaskProfile(Message):
     task_data: dict[str, Any]
     env_config: dict[str, Any] = Field(default_factory=dict)
     source: str = ""  # where the row came from, e.g. "data/train.jsonl:17"
+    dataset_version: str = ""  # label@content-hash of the dataset intake read it from
 
 
 class RolloutRequest(Message):

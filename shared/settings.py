@@ -131,6 +131,8 @@ class IntakeSettings(Section):
     split: str = "train"
     env_name: str = "guess_number"
     env_config: dict[str, Any] = Field(default_factory=dict)  # e.g. {"reward_fn": "pkg.mod:fn"}
+    dataset_label: str = ""  # recorded with the content hash as the dataset version: label@hash
+    max_row_bytes: Int = Field(1 << 20, gt=0)  # a larger row is rejected, not read
     mode: Literal["sample", "traversal"] = "traversal"
     # sample mode: "replacement" draws each group's row from its seed; "shuffled_epochs" visits
     # every row once per epoch, in an order shuffled per epoch from base_seed

@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from services.cli import errors
+from services.cli.data import data_app
 from shared.settings import Settings, load_settings
 
 # no locals in a traceback: they would print the settings' secrets
@@ -30,6 +31,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Conveyor: event-driven rollouts for agentic RL.")
 worker_app = typer.Typer(no_args_is_help=True, help="Celery workers.")
 app.add_typer(worker_app, name="worker")
+app.add_typer(data_app, name="data")
 console = Console(stderr=True, soft_wrap=True)
 
 ConfigOption = typer.Option(None, "--config", "-c", help="YAML settings file (or set CONVEYOR_CONFIG)")
@@ -86,7 +88,8 @@ def intake(
     """Publish the dataset's groups of rollout tasks on queue 'rollouts'."""
     _logging()
     settings = _settings(config)
-    from services.intake.datasets import read_rows
+    from services.intake.datasets import read_dataset
+    from services.intake.limits import PromptLimit
     from services.intake.publisher import run_intake
     from shared.celery_app import make_celery, publish_rollouts
     from shared.ledger import Ledger
@@ -102,17 +105,21 @@ def intake(
     path = dataset or settings.intake.dataset
     if not path:
         raise errors.CommandError("no dataset: pass --dataset or set intake.dataset")
-    rows = read_rows(path, settings.intake.split)
+    data = read_dataset(path, settings.intake.split, settings.intake.dataset_label, settings.intake.max_row_bytes)
     celery = make_celery(settings)
     ledger = Ledger.from_url(settings.redis.url, settings.outage)  # waits out an outage of Redis
     store = open_store(settings.storage, settings.outage)  # keeps the run's marker (shared.run_marker)
-    report = run_intake(settings, rows, ledger, lambda reqs: publish_rollouts(celery, reqs), store=store)
+    report = run_intake(settings, data.rows, ledger, lambda reqs: publish_rollouts(celery, reqs), store=store,
+                        dataset_version=data.version, prompt_limit=PromptLimit.from_settings(settings))
     console.print(
-        f"intake {settings.run_id}: {report.groups} groups, {report.trajectories} trajectories published, "
-        f"{report.already_known} already known, {len(report.rejected)} rows rejected"
+        f"intake {settings.run_id}: dataset {data.version}: {report.groups} groups, {report.trajectories} trajectories "
+        f"published, {report.already_known} already known, {len(report.rejected)} rows rejected"
     )
     for rejection in report.rejected:
         console.print(f"  rejected {rejection['source']}: {rejection['reason']}")
+    if report.groups == 0 and report.already_known == 0:
+        raise errors.CommandError(f"intake published nothing from {path}: all {len(report.rejected)} rows were rejected "
+                                  "(conveyor data validate shows why, per field)")
 
 
 def _check_environments(settings: Settings) -> None:

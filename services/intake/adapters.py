@@ -66,3 +66,15 @@ def adapt_row(row: Any, default_env: str, source: str = "", default_env_config: 
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'row'}: {e['msg']}" for e in exc.errors()[:3])
         raise RowRejected(f"{exc.title}: {problems}") from None
+
+
+def admit_row(row: Any, source: str, env_name: str, env_config: dict[str, Any], registry: EnvironmentRegistry,
+              dataset_version: str = "", prompt_limit: Any = None) -> TaskProfile:
+    """What intake and ``conveyor data validate`` both do with a row: adapt it, stamp the dataset
+    version, and check its prompt against the context (``limits.PromptLimit``, if given)."""
+    task = adapt_row(row, env_name, source, env_config, registry)
+    if dataset_version:
+        task = task.model_copy(update={"dataset_version": dataset_version})
+    if prompt_limit is not None:
+        prompt_limit.check(task, registry.resolve(task.env_name).prompt_text(task.task_data))
+    return task

@@ -11,7 +11,10 @@ Invariants:
 - With a staleness bound configured, a group is published only once ``StalenessBudget``
   admits it: intake waits instead of running too far ahead of the trainer.
 - A bad row is rejected with its location and reason, recorded in Redis and counted;
-  intake goes on with the next row.
+  intake goes on with the next row. Rows pass the same admission ``conveyor data validate``
+  uses (``adapters.admit_row``).
+- Every task carries the dataset version it came from (``label@content-hash``), and the run
+  records the versions it published from; the trainer writes them into each checkpoint.
 - Intake opens the run (``shared.run_marker``) before it registers anything, and refuses with
   ``RedisDataLost`` a run the object store knows but Redis lost; every later registration
   requires the run's marker in the same Lua call, so a Redis that lost its data mid-intake
@@ -28,7 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from services.intake.adapters import RowRejected, adapt_row
+from services.intake.adapters import RowRejected, admit_row
+from services.intake.limits import PromptLimit
 from services.intake.datasets import BadRow, Row
 from shared import ids
 from shared.environments import check_startup, registry_for
@@ -96,8 +100,12 @@ def run_intake(
     publish: Callable[[list[RolloutRequest]], None],
     on_group: Callable[[int], None] | None = None,
     store: ObjectStore | None = None,
+    dataset_version: str = "",
+    prompt_limit: PromptLimit | None = None,
 ) -> IntakeReport:
-    """``store``: where the run's marker outlives Redis (None: Redis only)."""
+    """``store``: where the run's marker outlives Redis (None: Redis only). ``dataset_version``
+    is stamped on every task and recorded for the run; ``prompt_limit`` rejects prompts that
+    cannot fit the model's context."""
     report = IntakeReport()
     run = settings.run_id
     environments = registry_for(settings.environments)
@@ -108,11 +116,14 @@ def run_intake(
     if settings.trainer.max_off_policy_steps is not None:
         budget = StalenessBudget(ledger.redis, run, settings.trainer.max_off_policy_steps, settings.trainer.groups_per_step)
     groups, served = GroupRegistry(ledger.redis, run), PolicyVersion(ledger.redis, run)
+    if dataset_version:
+        ledger.redis.sadd(RedisKeys.dataset_versions(run), dataset_version)
     for group_id, row in select_rows(settings, rows):
         try:
             if isinstance(row, BadRow):
                 raise RowRejected(row.reason)
-            task = adapt_row(row.value, settings.intake.env_name, row.source, settings.intake.env_config, environments)
+            task = admit_row(row.value, row.source, settings.intake.env_name, settings.intake.env_config, environments,
+                             dataset_version, prompt_limit)
         except (RowRejected, ValueError) as exc:  # ValueError: the row broke a schema
             rejection = {"source": row.source, "reason": str(exc)}
             report.rejected.append(rejection)

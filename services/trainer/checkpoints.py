@@ -67,8 +67,10 @@ def save_checkpoint(
     tokenizer: PreTrainedTokenizerBase,
     optimizer: torch.optim.Optimizer,
     step: int,
+    dataset_versions: list[str] | None = None,
 ) -> str:
-    """Upload the checkpoint of ``version`` and commit it; returns its key prefix."""
+    """Upload the checkpoint of ``version`` and commit it; returns its key prefix. The manifest
+    records the dataset versions the run's intake published from (``dataset_versions``)."""
     prefix = checkpoint_prefix(run_id, version)
     if _is_committed(store, prefix):
         raise CheckpointError(f"checkpoint {prefix} is already committed; versions are never overwritten")
@@ -84,7 +86,8 @@ def save_checkpoint(
             data = (local / name).read_bytes()
             store.put_bytes(prefix + name, data)
             files[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    manifest = {"run_id": run_id, "version": version, "step": step, "saved_at": time.time(), "files": files}
+    manifest = {"run_id": run_id, "version": version, "step": step, "saved_at": time.time(),
+                "dataset_versions": list(dataset_versions or []), "files": files}
     store.put_bytes(prefix + COMMITTED, json.dumps(manifest, indent=1).encode())
     return prefix
 

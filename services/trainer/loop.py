@@ -168,7 +168,9 @@ class TrainingLoop:
             self.counters.add(TrainerCounter.alarm_skipped_steps)
         version = self.version + 1
         t0 = time.perf_counter()
-        save_checkpoint(self.store, self.run_id, version, self.trainer.model, self.tokenizer, self.trainer.optimizer, self.trainer.step)
+        datasets = sorted(self.redis.smembers(RedisKeys.dataset_versions(self.run_id)))
+        save_checkpoint(self.store, self.run_id, version, self.trainer.model, self.tokenizer, self.trainer.optimizer,
+                        self.trainer.step, dataset_versions=[d.decode() if isinstance(d, bytes) else d for d in datasets])
         checkpoint_s = time.perf_counter() - t0
         self._announce(version)
         self.version = version

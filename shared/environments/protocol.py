@@ -121,6 +121,17 @@ class Environment(abc.ABC):
         return dict(data)
 
     @classmethod
+    def prompt_text(cls, task_data: dict[str, Any]) -> str | None:
+        """The task's prompt as text, for intake's context-length check (None: not known)."""
+        for key in ("prompt", "question", "problem_statement"):
+            value = task_data.get(key)
+            if isinstance(value, str):
+                return value
+            if isinstance(value, list):  # chat messages
+                return "\n".join(str(m.get("content", "")) for m in value if isinstance(m, dict))
+        return None
+
+    @classmethod
     def check_task(cls, task_data: dict[str, Any], config: EnvConfig) -> dict[str, Any]:
         """Checks that need the environment's settings; ``RowRejected``. Runs at intake only."""
         return task_data

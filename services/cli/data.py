@@ -1,0 +1,54 @@
+"""``conveyor data ...``: look at a dataset before a run uses it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from services.cli import errors
+from shared.settings import load_settings
+
+data_app = typer.Typer(no_args_is_help=True, help="Datasets: validate before publishing.")
+console = Console(stderr=True)
+
+
+@data_app.command("validate")
+def validate_dataset(
+    dataset: str = typer.Argument(..., help="JSONL file or saved Hugging Face dataset directory"),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="settings YAML (else CONVEYOR_CONFIG)"),
+    as_json: bool = typer.Option(False, "--json", help="the report as JSON on stdout"),
+) -> None:
+    """Check every row with its environment's own adapter and the intake limits; publish nothing.
+    Exit code 0 when every row is valid, 1 when some are rejected."""
+    from services.intake.datasets import read_dataset
+    from services.intake.limits import PromptLimit
+    from services.intake.validation import validate
+    from shared.environments import check_startup, registry_for
+
+    settings = load_settings(config)
+    errors.state.settings = settings
+    registry = registry_for(settings.environments)
+    check_startup(registry, settings.intake.env_name, settings.intake.env_config, settings.environments)
+    data = read_dataset(dataset, settings.intake.split, settings.intake.dataset_label, settings.intake.max_row_bytes)
+    report = validate(data, settings.intake.env_name, settings.intake.env_config, registry,
+                      PromptLimit.from_settings(settings))
+    if as_json:
+        print(json.dumps(report.as_json(), indent=1))
+    else:
+        console.print(f"dataset {dataset}, version {report.version}: {report.rows} rows, {report.valid} valid, "
+                      f"{report.rejected} rejected")
+        for env_name, count in sorted(report.by_environment.items()):
+            console.print(f"  {env_name}: {count} valid")
+        if report.errors:
+            table = Table(title="rejected rows, by field")
+            for column in ("field", "rows", "first errors"):
+                table.add_column(column)
+            for name, found in sorted(report.errors.items()):
+                table.add_row(name, str(found.count), "\n".join(f"{s}: {r}" for s, r in found.first))
+            console.print(table)
+    raise typer.Exit(0 if report.rejected == 0 else 1)
