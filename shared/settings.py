@@ -126,6 +126,16 @@ class OutageSettings(Section):
     log_every_s: Float = Field(30.0, gt=0)  # while it lasts, one "still waiting" line this often
 
 
+class SplitSettings(Section):
+    """Train/eval assignment of a dataset's tasks (services/intake/splits.py)."""
+
+    role: Literal["all", "train", "eval"] = "all"  # which split this intake publishes
+    eval_fraction: Float = Field(0.0, ge=0, le=1)  # per environment
+    holdout_envs: list[str] = Field(default_factory=list)  # environments that are eval only
+    eval_cap_per_env: Int | None = Field(None, ge=0)
+    salt: str = "conveyor"  # change it to draw a different, equally stable split
+
+
 class IntakeSettings(Section):
     dataset: str = ""  # a .jsonl file or a saved Hugging Face dataset directory
     split: str = "train"
@@ -133,6 +143,7 @@ class IntakeSettings(Section):
     env_config: dict[str, Any] = Field(default_factory=dict)  # e.g. {"reward_fn": "pkg.mod:fn"}
     dataset_label: str = ""  # recorded with the content hash as the dataset version: label@hash
     max_row_bytes: Int = Field(1 << 20, gt=0)  # a larger row is rejected, not read
+    splits: SplitSettings = SplitSettings()
     mode: Literal["sample", "traversal"] = "traversal"
     # sample mode: "replacement" draws each group's row from its seed; "shuffled_epochs" visits
     # every row once per epoch, in an order shuffled per epoch from base_seed

@@ -36,14 +36,16 @@ def validate_dataset(
     check_startup(registry, settings.intake.env_name, settings.intake.env_config, settings.environments)
     data = read_dataset(dataset, settings.intake.split, settings.intake.dataset_label, settings.intake.max_row_bytes)
     report = validate(data, settings.intake.env_name, settings.intake.env_config, registry,
-                      PromptLimit.from_settings(settings))
+                      PromptLimit.from_settings(settings), settings.intake.splits)
     if as_json:
         print(json.dumps(report.as_json(), indent=1))
     else:
         console.print(f"dataset {dataset}, version {report.version}: {report.rows} rows, {report.valid} valid, "
                       f"{report.rejected} rejected")
         for env_name, count in sorted(report.by_environment.items()):
-            console.print(f"  {env_name}: {count} valid")
+            split = report.splits.get(env_name)
+            shares = f" (train {split['train']}, eval {split['eval']}, in no split {split['none']})" if split else ""
+            console.print(f"  {env_name}: {count} valid{shares}")
         if report.errors:
             table = Table(title="rejected rows, by field")
             for column in ("field", "rows", "first errors"):

@@ -13,6 +13,9 @@ Invariants:
 - A bad row is rejected with its location and reason, recorded in Redis and counted;
   intake goes on with the next row. Rows pass the same admission ``conveyor data validate``
   uses (``adapters.admit_row``).
+- With ``intake.splits.role`` train or eval, only the rows of that split are published
+  (``splits``: hash-based, stratified by environment); group ids number the rows of the split.
+  Publish an eval split under a run id of its own.
 - Every task carries the dataset version it came from (``label@content-hash``), and the run
   records the versions it published from; the trainer writes them into each checkpoint.
 - Intake opens the run (``shared.run_marker``) before it registers anything, and refuses with
@@ -33,6 +36,7 @@ from typing import Callable, Iterable
 
 from services.intake.adapters import RowRejected, admit_row
 from services.intake.limits import PromptLimit
+from services.intake.splits import assign_splits
 from services.intake.datasets import BadRow, Row
 from shared import ids
 from shared.environments import check_startup, registry_for
@@ -42,7 +46,7 @@ from shared.names import RedisKeys
 from shared.policy_version import PolicyVersion
 from shared.run_marker import RunMarker
 from shared.schemas import GroupRegistration, RolloutRequest, TaskProfile
-from shared.settings import Settings
+from shared.settings import Settings, SplitSettings
 from shared.staleness import StalenessBudget
 from shared.storage import ObjectStore
 
@@ -71,6 +75,24 @@ def build_group(settings: Settings, group_id: int, task: TaskProfile, policy_ver
             )
         )
     return requests
+
+
+def rows_of_role(splits: SplitSettings, rows: list[Row | BadRow], admit: Callable[[Row], TaskProfile]) -> list[Row | BadRow]:
+    """The rows of the split this intake publishes (``intake.splits.role``), in dataset order;
+    rows that cannot be admitted stay, so the publishing pass rejects and records them once."""
+    if splits.role == "all":
+        return rows
+    admitted: list[tuple[int, TaskProfile]] = []
+    for position, row in enumerate(rows):
+        if isinstance(row, BadRow):
+            continue
+        try:
+            admitted.append((position, admit(row)))
+        except (RowRejected, ValueError):
+            continue
+    assigned = assign_splits([task for _, task in admitted], splits)
+    other = {position for (position, _), split in zip(admitted, assigned) if split != splits.role}
+    return [row for position, row in enumerate(rows) if position not in other]
 
 
 def select_rows(settings: Settings, rows: list[Row | BadRow]) -> Iterable[tuple[int, Row | BadRow]]:
@@ -118,12 +140,15 @@ def run_intake(
     groups, served = GroupRegistry(ledger.redis, run), PolicyVersion(ledger.redis, run)
     if dataset_version:
         ledger.redis.sadd(RedisKeys.dataset_versions(run), dataset_version)
-    for group_id, row in select_rows(settings, rows):
+    def admit(row: Row) -> TaskProfile:
+        return admit_row(row.value, row.source, settings.intake.env_name, settings.intake.env_config, environments,
+                         dataset_version, prompt_limit)
+
+    for group_id, row in select_rows(settings, rows_of_role(settings.intake.splits, rows, admit)):
         try:
             if isinstance(row, BadRow):
                 raise RowRejected(row.reason)
-            task = admit_row(row.value, row.source, settings.intake.env_name, settings.intake.env_config, environments,
-                             dataset_version, prompt_limit)
+            task = admit(row)
         except (RowRejected, ValueError) as exc:  # ValueError: the row broke a schema
             rejection = {"source": row.source, "reason": str(exc)}
             report.rejected.append(rejection)

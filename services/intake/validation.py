@@ -18,7 +18,10 @@ from dataclasses import dataclass, field
 from services.intake.adapters import RowRejected, admit_row
 from services.intake.datasets import BadRow, Dataset
 from services.intake.limits import PromptLimit
+from services.intake.splits import assign_splits
 from shared.environments import EnvironmentRegistry
+from shared.schemas import TaskProfile
+from shared.settings import SplitSettings
 
 FIRST_ERRORS = 3
 _FIELD = re.compile(r"(?:field|label field) '([^']+)'|(env_config\.[A-Za-z0-9_.]+)|'(env_key|env_name|task_data|env_config)'")
@@ -40,6 +43,7 @@ class ValidationReport:
     valid: int = 0
     by_environment: Counter = field(default_factory=Counter)
     errors: dict[str, FieldErrors] = field(default_factory=lambda: defaultdict(FieldErrors))
+    splits: dict[str, Counter] = field(default_factory=dict)  # env -> {train, eval, none}: counts
 
     @property
     def rejected(self) -> int:
@@ -54,6 +58,7 @@ class ValidationReport:
     def as_json(self) -> dict:
         return {"dataset_version": self.version, "rows": self.rows, "valid": self.valid, "rejected": self.rejected,
                 "by_environment": dict(self.by_environment),
+                "splits": {env: dict(counts) for env, counts in sorted(self.splits.items())},
                 "errors": {name: {"count": e.count, "first": [{"source": s, "reason": r} for s, r in e.first]}
                            for name, e in sorted(self.errors.items())}}
 
@@ -75,8 +80,10 @@ def field_of(reason: str) -> str:
 
 
 def validate(data: Dataset, env_name: str, env_config: dict, registry: EnvironmentRegistry,
-             prompt_limit: PromptLimit | None = None) -> ValidationReport:
+             prompt_limit: PromptLimit | None = None, splits: SplitSettings | None = None) -> ValidationReport:
+    """``splits``: also count each environment's valid tasks per split."""
     report = ValidationReport(version=data.version)
+    tasks: list[TaskProfile] = []
     for row in data.rows:
         report.rows += 1
         if isinstance(row, BadRow):
@@ -89,4 +96,8 @@ def validate(data: Dataset, env_name: str, env_config: dict, registry: Environme
             continue
         report.valid += 1
         report.by_environment[task.env_name] += 1
+        tasks.append(task)
+    if splits is not None and (splits.eval_fraction > 0 or splits.holdout_envs):
+        for task, split in zip(tasks, assign_splits(tasks, splits)):
+            report.splits.setdefault(task.env_name, Counter())[split] += 1
     return report
