@@ -175,6 +175,8 @@ class Trajectory(Message):
     request: RolloutRequest
     turns: list[Turn]
     stop_reason: StopReason
+    prompt_messages: list[dict[str, str]] = Field(default_factory=list)  # what reset gave, before tokenizing
+    observation_role: str = "user"  # the chat role the observations were rendered with
     error: str | None = None  # what went wrong, for env_error / infra_error
     env_reward: float | None = None  # the environment's verifier result, if it produced one
     env_info: dict[str, Any] = Field(default_factory=dict)

@@ -122,6 +122,24 @@ def intake(
                                   "(conveyor data validate shows why, per field)")
 
 
+@app.command()
+def export(
+    run_id: str = typer.Argument(..., help="the run whose consumed trajectories to export"),
+    out: Path = typer.Option(..., "--out", "-o", help="a .jsonl or .parquet file, or a directory (hf)"),
+    fmt: str = typer.Option("jsonl", "--format", help="jsonl, parquet or hf (a saved Hugging Face dataset)"),
+    form: str = typer.Option("chat", "--form", help="chat (messages) or tokens (ids, loss mask, logprobs)"),
+    min_reward: Optional[float] = typer.Option(None, help="only trajectories with at least this reward"),
+    max_reward: Optional[float] = typer.Option(None, help="only trajectories with at most this reward"),
+    config: Optional[Path] = ConfigOption,
+) -> None:
+    """Write a run's scored trajectories, with rewards and advantages, for SFT, DPO or analysis."""
+    if fmt not in ("jsonl", "parquet", "hf") or form not in ("chat", "tokens"):
+        raise errors.CommandError(f"--format must be jsonl, parquet or hf and --form chat or tokens; got {fmt!r}, {form!r}")
+    from services.cli.data import export_run
+
+    export_run(run_id, out, fmt, form, min_reward, max_reward, config)
+
+
 def _check_environments(settings: Settings) -> None:
     """Every plugin in settings resolves, and intake.env_config fits intake.env_name's Config:
     a deployment that cannot run its environment stops here, before it takes or sends work."""

@@ -54,3 +54,22 @@ def validate_dataset(
                 table.add_row(name, str(found.count), "\n".join(f"{s}: {r}" for s, r in found.first))
             console.print(table)
     raise typer.Exit(0 if report.rejected == 0 else 1)
+
+
+def export_run(run_id: str, out: Path, fmt: str, form: str, min_reward: Optional[float], max_reward: Optional[float],
+               config: Optional[Path]) -> int:
+    """``conveyor export``: the run's consumed trajectories to ``out``; returns how many."""
+    from services.trainer.export import export_records, write_records
+    from shared.outage import redis_client
+    from shared.storage import open_store
+
+    settings = load_settings(config)
+    errors.state.settings = settings
+    client = redis_client(settings.redis.url, settings.outage)
+    store = open_store(settings.storage, settings.outage)
+    records = list(export_records(client, store, run_id, form, min_reward, max_reward))  # type: ignore[arg-type]
+    if not records:
+        raise errors.CommandError(f"run {run_id}: no consumed trajectory to export (within the reward bounds)")
+    write_records(records, out, fmt)  # type: ignore[arg-type]
+    console.print(f"exported {len(records)} trajectories of run {run_id} to {out} ({fmt}, {form} form)")
+    return len(records)

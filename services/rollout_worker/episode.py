@@ -98,12 +98,14 @@ async def run_episode(
     if bind is not None:
         bind(run_id=request.run_id, group_id=request.group_id, trajectory_id=request.trajectory_id)
     stop, error, env_reward, env_info = StopReason.max_turns, None, None, {}
+    prompt_messages: list[dict[str, str]] = []
     trial = Trial(env.config.episodes_per_trial, env.config.free_shots)
     outage_s = 0.0  # waited out for inference: not the episode's time
     try:
         with _environment("reset"):
             messages = await env.reset(request.task.task_data, request.task_seed)
         new_ids = chat.initial_prompt(messages)
+        prompt_messages = [{"role": str(m.get("role", "")), "content": str(m.get("content", ""))} for m in messages]
         context: list[int] = []
         sampled_total = 0
         last_bound: StopReason | str = "turn"
@@ -189,6 +191,7 @@ async def run_episode(
     return Trajectory(
         request=request, turns=turns, stop_reason=stop, error=error, env_reward=env_reward,
         env_info=env_info, attempt=attempt, worker=worker, timings=timings,
+        prompt_messages=prompt_messages, observation_role=role,
     )
 
 
