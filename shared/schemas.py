@@ -307,7 +307,7 @@ class SkippedGroupEntry(Message):
     metrics, and the cap on the extra groups a step waits for)."""
 
     group_id: int
-    skip: Literal["zero_variance"]  # why it was dropped
+    skip: Literal["zero_variance", "filtered"]  # why it was dropped
     rewards: list[FiniteFloat]  # its members' rewards
 
 
@@ -386,8 +386,9 @@ class GroupRecord(Message):
     members: list[GroupMember]
     reward_mean: float | None
     reward_std: float | None
-    status: Literal["accepted", "zero_variance", "all_failed", "stale"]
+    status: Literal["accepted", "zero_variance", "all_failed", "stale", "filtered"]
     batch_key: str | None = None  # object key of the emitted training batch
+    filter_reason: str | None = None  # status "filtered": which filter of trainer.group_filters, and why
     completed_at: float
 
 

@@ -24,6 +24,7 @@ class TrainerCounter(str, enum.Enum):
     groups_zero_variance = "groups_zero_variance"
     groups_all_failed = "groups_all_failed"
     groups_stale = "groups_stale"  # ... or, later, by the step that found an accepted group stale
+    groups_filtered = "groups_filtered"  # dropped by a filter of trainer.group_filters
     groups_reopened = "groups_reopened"  # all_failed groups `conveyor retry` re-opened: decided (and counted) again later
     groups_zero_variance_kept = "groups_zero_variance_kept"  # accepted with all advantages 0 (zero_variance_groups: keep)
     groups_trained = "groups_trained"  # by the training loop, per step

@@ -9,10 +9,11 @@ Invariants:
   So a restart loses no group and trains no group twice.
 - A group is accepted for training only if at least two scored members disagree (or, with
   ``zero_variance_groups: keep``, with every advantage exactly 0) and, with a staleness
-  bound, its oldest turn is at most ``max_off_policy_steps`` behind the trainer;
-  zero-variance, all-failed and stale groups are dropped, counted, and free their admission
-  slot. Accepted groups' batch keys go on the run's append-only train queue in the same
-  transaction that marks the group done; a dropped zero-variance group goes there too, as a
+  bound, its oldest turn is at most ``max_off_policy_steps`` behind the trainer, and no filter
+  of ``trainer.group_filters`` objects (``group_filters``);
+  zero-variance, all-failed, filtered and stale groups are dropped, counted, and free their
+  admission slot. Accepted groups' batch keys go on the run's append-only train queue in the same
+  transaction that marks the group done; a dropped zero-variance or filtered group goes there too, as a
   ``skip`` entry with its rewards, so a step can count it (reward metrics, and the cap on
   extra groups a step waits for). Their members are still consumed: every
   trajectory reaches the trainer exactly once, trained on or not.
@@ -46,6 +47,7 @@ from typing import TYPE_CHECKING, Callable
 import redis
 
 from services.trainer.advantages import group_advantages
+from services.trainer.group_filters import build_filter, first_objection
 from services.trainer.token_rewards import place_rewards
 from services.trainer.token_rewards import token_advantages as token_advantages_of
 from services.trainer.group_metrics import GroupMetricsLog
@@ -101,6 +103,7 @@ class TrainerConsumer:
         self.dead_letters = DeadLetters(self.redis)
         self.assembler = GroupAssembler(self._expected_size, self.groups.is_done)
         trainer = self.settings.trainer
+        self.group_filters = [build_filter(spec) for spec in trainer.group_filters]
         self.budget = None
         if trainer.max_off_policy_steps is not None:
             self.budget = StalenessBudget(self.redis, self.run_id, trainer.max_off_policy_steps, trainer.groups_per_step)
@@ -207,7 +210,7 @@ class TrainerConsumer:
             GroupMember(trajectory_id=e.trajectory_id, reward=None, advantage=None, failure_reason=e.failure_reason)
             for e in group.failed
         ]
-        batch_object, oldest, keep = None, None, False
+        batch_object, oldest, keep, filter_reason = None, None, False, None
         if not scored:
             status, mean, std = "all_failed", None, None
         else:
@@ -228,7 +231,10 @@ class TrainerConsumer:
                 per_token = None if keep or trainer.token_rewards == "terminal" else (adv.mean, scale)
                 batch = self._batch(group.group_id, scored, advantages, per_token)
                 oldest = min(sample.oldest_policy_version for sample in batch.samples)
-                if self.budget is not None and self.budget.is_stale(oldest, self.budget.state().trainer_step):
+                filter_reason = first_objection(self.group_filters, batch)
+                if filter_reason is not None:
+                    status = "filtered"
+                elif self.budget is not None and self.budget.is_stale(oldest, self.budget.state().trainer_step):
                     status = "stale"
                 else:
                     status = "accepted"
@@ -237,7 +243,7 @@ class TrainerConsumer:
         record = GroupRecord(
             run_id=self.run_id, group_id=group.group_id, expected_size=registration.expected_size,
             members=sorted(members, key=lambda m: m.trajectory_id), reward_mean=mean, reward_std=std,
-            status=status, batch_key=batch_object, completed_at=time.time(),
+            status=status, batch_key=batch_object, completed_at=time.time(), filter_reason=filter_reason,
         )
         put_model(self.store, group_record_key(self.run_id, group.group_id), record)
         for e in scored:
@@ -252,7 +258,7 @@ class TrainerConsumer:
             if batch_object is not None:
                 entry = TrainBatchEntry(group_id=group.group_id, key=batch_object, oldest_policy_version=oldest)
             else:
-                if status == "zero_variance":
+                if status in ("zero_variance", "filtered"):
                     entry = SkippedGroupEntry(group_id=group.group_id, skip=status, rewards=rewards)
                 if self.budget is not None:
                     self.budget.filtered(1, transaction=tx)  # a dropped group frees its admission slot

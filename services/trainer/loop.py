@@ -73,7 +73,8 @@ class Selection:
     keys: list[str]  # batch objects of the groups it trains on
     cursor: int  # queue position after the last entry it passed
     stale: int = 0
-    dropped: int = 0  # zero-variance groups passed over
+    dropped: int = 0  # zero-variance and filtered groups passed over
+    dropped_filtered: int = 0  # of them, dropped by trainer.group_filters
     bad: int = 0  # entries that did not parse, passed over (logged once)
     dropped_rewards: list[float] = field(default_factory=list)
 
@@ -140,6 +141,7 @@ class TrainingLoop:
             if isinstance(entry, SkippedGroupEntry):
                 selection.dropped_rewards.extend(entry.rewards)
                 selection.dropped += 1
+                selection.dropped_filtered += entry.skip == "filtered"
             elif self.budget.is_stale(entry.oldest_policy_version, self.version):
                 selection.stale += 1
                 continue
@@ -211,13 +213,15 @@ class TrainingLoop:
             "reward_std": statistics.pstdev(rewards),
             "reward_mean_trained": statistics.fmean(trained_rewards) if trained_rewards else math.nan,
             "groups_trained": float(len(selection.keys)),
-            "groups_dropped_zero_variance": float(selection.dropped),
+            "groups_dropped_zero_variance": float(selection.dropped - selection.dropped_filtered),
+            "groups_dropped_filtered": float(selection.dropped_filtered),
             "pass_rate": sum(r >= self.settings.trainer.pass_threshold for r in rewards) / len(rewards),
             "response_tokens_mean": statistics.fmean(lengths),
             "response_tokens_max": float(max(lengths)),
             "filtered_zero_variance": float(counters.get(TrainerCounter.groups_zero_variance.value, 0)),
             "filtered_stale": float(counters.get(TrainerCounter.groups_stale.value, 0)),
             "filtered_all_failed": float(counters.get(TrainerCounter.groups_all_failed.value, 0)),
+            "filtered_by_filters": float(counters.get(TrainerCounter.groups_filtered.value, 0)),
             "weight_sync_s": sync["seconds"],
             "served_probe_max_abs_diff": sync["probe_max_abs_diff"],
             **{f"staleness_{lag}": float(n) for lag, n in sorted(staleness.items())},

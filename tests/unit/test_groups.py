@@ -476,3 +476,43 @@ def test_metrics_lines_of_other_runs_and_a_line_cut_short_do_not_confuse_the_res
     assert [(m["group_id"], m["status"]) for m in ours] == [(0, "accepted")]
     assert ours[0]["completed_by"] == redis_client.xrange(RedisKeys.trainer_stream(run_id))[-1][0]
     assert TrainerConsumer(settings, ledger, store).metrics.written == {(0, ours[0]["completed_by"])}
+
+
+def too_short(batch: TrainingBatch):
+    """A user's filter (``module:function``): drops groups whose replies are all short."""
+    return "every reply is short" if max(sum(s.loss_mask) for s in batch.samples) < 2 else None
+
+
+@pytest.mark.parametrize("filters, status, reason", [
+    ([{"score_range": [0.3, 0.9]}], "filtered", "score_range: mean reward 0.25 outside [0.3, 0.9]"),
+    ([{"score_range": [0.0, 1.0]}, {"stop_reasons": ["done"]}], "filtered", "stop_reasons: a member ended done"),
+    ([{"max_sampled_tokens": 1}], "filtered", "max_sampled_tokens: a member sampled"),
+    ([f"{__name__}:too_short"], "accepted", None),
+    ([{"score_range": [0.2, 0.3]}, {"max_sampled_tokens": 1000}], "accepted", None),
+])
+def test_group_filters_drop_count_and_record_why(settings, ledger, store, redis_client, run_id, filters, status, reason):
+    settings = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"group_filters": filters})})
+    groups = register_groups(settings, ledger, 1)
+    consumer = TrainerConsumer(settings, ledger, store)
+    for req, reward in zip(groups[0], [1, 0, 0, 0]):
+        deliver_scored(ledger, store, req, reward)
+    drain(consumer)
+    record = get_model(store, group_record_key(run_id, 0), GroupRecord)
+    assert record.status == status and (reason is None) == (record.filter_reason is None)
+    if reason:
+        assert record.filter_reason.startswith(reason) and record.batch_key is None
+        assert consumer.counters() == {"groups_filtered": 1}
+        assert {ledger.state(r.trajectory_id) for r in groups[0]} == {"consumed"}  # still reached the trainer once
+        queue = [parse_message(TrainQueueEntry, e) for e in redis_client.lrange(RedisKeys.train_queue(run_id), 0, -1)]
+        assert queue == [SkippedGroupEntry(skip="filtered", group_id=0, rewards=[1, 0, 0, 0])]
+
+
+def test_a_filter_that_names_nothing_is_refused_when_settings_load():
+    from shared.settings import SettingsError, load_settings
+
+    with pytest.raises(SettingsError, match="unknown group filter 'score'"):
+        load_settings(trainer={"group_filters": [{"score": [0, 1]}]})
+    with pytest.raises(SettingsError, match="group filter 'no_such_mod_xyz:f' cannot be imported"):
+        load_settings(trainer={"group_filters": ["no_such_mod_xyz:f"]})
+    with pytest.raises(SettingsError, match=r"score_range takes \[low, high\]"):
+        load_settings(trainer={"group_filters": [{"score_range": [1, 0]}]})
