@@ -69,7 +69,7 @@ def _run(served: ServedModel, root: Path, run_id: str) -> Run:
         "CONVEYOR_LEDGER__LEASE_TTL_S": str(LEASE_TTL_S), "CONVEYOR_LEDGER__HEARTBEAT_S": "1",
         "CONVEYOR_LEDGER__REAPER_INTERVAL_S": "1", "CONVEYOR_OUTAGE__LOG_EVERY_S": "10",
         # each step takes a while, as tool use does: the run lasts long enough to be caught mid-way
-        "CONVEYOR_INTAKE__ENV_CONFIG": json.dumps({"step_latency_s": 0.5}),
+        "CONVEYOR_INTAKE__ENV_CONFIG": json.dumps({"step_latency_s": 1.0}),
     })
     stack.use_inference(served.base_url, served.model_dir, "tiny")
     whole = write_demo_dataset(root / "guess.jsonl", GROUPS, seed=3)
@@ -202,9 +202,10 @@ def test_redis_losing_its_data_mid_run_is_detected_and_nothing_goes_on(served_mo
         stack.start_redis()
         stack.start_object_store()
         first = _start_services(run)
-        rest = stack.run_conveyor("intake", "--dataset", str(run.whole))  # all 25 groups dispatched
-        assert rest.returncode == 0, rest.stderr
+        rest = stack.conveyor("intake-rest", "intake", "--dataset", str(run.whole))  # all 25 groups dispatched
         _catch_mid_run(run, first)
+        assert rest.proc.wait(120) == 0, stack.logs(rest.name)
+        stack.processes.remove(rest)
         ledger = run.ledger
         assert sum(ledger.counts(run.run_id).values()) == TOTAL
         consumed = next(t for t, state in ledger.states(run.run_id).items() if state == "consumed")

@@ -63,7 +63,7 @@ def test_sigterm_to_every_service_mid_run_loses_and_repeats_nothing(base, tmp_pa
         CONVEYOR_ROLLOUT__MAX_TURNS="4", CONVEYOR_ROLLOUT__MAX_TOKENS_PER_TURN="32",
         CONVEYOR_ROLLOUT__SHUTDOWN_GRACE_S=str(GRACE_S),
         # each step takes a while, as tool use does: episodes are still running when the fault comes
-        CONVEYOR_INTAKE__ENV_CONFIG=json.dumps({"step_latency_s": 0.5}),
+        CONVEYOR_INTAKE__ENV_CONFIG=json.dumps({"step_latency_s": 1.0}),
     )
     dataset = write_demo_dataset(tmp_path / "guess.jsonl", GROUPS, seed=6)
     took: dict[str, float] = {}
