@@ -12,10 +12,13 @@ is a no-op. The settings below are chosen to agree with that:
   between delivery and the claim; past the claim, the lease covers it.
 - ``worker_prefetch_multiplier = 1``: a worker holds no more tasks than it has free slots, so
   no received task waits unclaimed behind a busy slot.
-- Redis' ``visibility_timeout`` is long (episodes run for minutes) and must exceed
+- Redis' ``visibility_timeout`` (``ledger.visibility_timeout_s``, 5 minutes) must exceed
   ``lease_ttl_s + reaper_interval_s`` (checked here): a broker redelivery then comes after
-  the lease's recovery, and finds the trajectory claimed or done. A shorter one would only
-  add no-op copies of long tasks, never a second execution (the claim stops them).
+  the lease's recovery, and finds the trajectory claimed or done. It bounds the one case the
+  leases do not cover: a worker that received a task and died before claiming any of its
+  members (a busy worker receives its slots' tasks at once, so this is not only a
+  millisecond window). A task still running when it expires gets a copy that is a no-op at
+  the claim, never a second execution.
 - ``task_acks_on_failure_or_timeout`` (Celery's default): a task that raised is acknowledged;
   the lease it left runs out and the reaper retries it, up to ``ledger.max_attempts``.
 - No result backend: results flow through the ledger, S3 and the trainer stream.

@@ -115,7 +115,9 @@ class LedgerSettings(Section):
     heartbeat_s: Float = Field(5.0, gt=0)
     reaper_interval_s: Float = Field(5.0, gt=0)
     max_attempts: Int = Field(3, gt=0)
-    visibility_timeout_s: Int = Field(3600, gt=0)  # Celery redelivery of unacked tasks (a backstop)
+    # Celery redelivers a message unacknowledged this long (a backstop for a worker that died before
+    # its first claim; a copy of a task still running is a no-op at the claim). Above lease_ttl_s + reaper_interval_s.
+    visibility_timeout_s: Int = Field(300, gt=0)
 
 
 class OutageSettings(Section):

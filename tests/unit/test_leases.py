@@ -178,7 +178,7 @@ def test_lease_timing_that_would_let_the_broker_recover_work_is_refused(values, 
 def test_members_a_dead_worker_never_claimed_are_sent_again_with_its_expired_ones(ledger, run_id):
     """A rollout task carries a whole group; its worker died after claiming two of four members.
     The two it never claimed wait in ``queued``: the reaper sends them with the expired ones,
-    instead of leaving them to the broker's visibility timeout (an hour)."""
+    instead of leaving them to the broker's visibility timeout."""
     group = requests_for(run_id, group_id=3, size=4)
     other = requests_for(run_id, group_id=4, size=2)
     ledger.register(group + other)
