@@ -100,33 +100,45 @@ def _seed_globals(seed: int) -> None:
         numpy.random.seed(seed % (1 << 32))
 
 
+class DriverSlot:
+    """One episode's driver and the calls the environment makes on it, the same in a host
+    process and a host thread. Only a process of its own extends ``sys.path`` with the
+    worker's and seeds the global random state: a thread shares the worker's."""
+
+    def __init__(self, own_process: bool):
+        self.own_process = own_process
+        self.driver: Any = None
+
+    def run(self, op: str, payload: Any) -> Any:
+        if op == "make":
+            path, options, parent_path = payload
+            if self.own_process:
+                sys.path.extend(entry for entry in parent_path if entry not in sys.path)  # the worker's imports
+            self.driver = import_callable(path, "driver")(**options)
+            return None
+        if op == "reset":
+            task_data, seed = payload
+            if self.own_process:
+                _seed_globals(seed)
+            return self.driver.reset(task_data, seed)
+        if op == "close":
+            driver, self.driver = self.driver, None
+            return driver.close() if driver is not None else None
+        return getattr(self.driver, op)(*payload)
+
+
 def _serve(conn: multiprocessing.connection.Connection) -> None:
     """A host process: builds drivers and runs their calls, one episode at a time."""
-    driver: Any = None
+    slot = DriverSlot(own_process=True)
     while True:
         try:
-            message = conn.recv()
+            op, payload = conn.recv()
         except EOFError:
             return
-        op, payload = message
+        if op == "exit":
+            return
         try:
-            if op == "exit":
-                return
-            if op == "make":
-                path, options, parent_path = payload
-                sys.path.extend(entry for entry in parent_path if entry not in sys.path)  # the worker's imports
-                driver = import_callable(path, "driver")(**options)
-                result = None
-            elif op == "reset":
-                task_data, seed = payload
-                _seed_globals(seed)
-                result = driver.reset(task_data, seed)
-            elif op == "close":
-                result = driver.close() if driver is not None else None
-                driver = None
-            else:
-                result = getattr(driver, op)(*payload)
-            conn.send(("ok", result))
+            conn.send(("ok", slot.run(op, payload)))
         except BaseException as exc:  # the package's failure goes back to the episode, named
             conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()[-4000:]))
 
@@ -215,21 +227,10 @@ class ThreadHost:
 
     def __init__(self) -> None:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conveyor-env")
-        self.driver: Any = None
-
-    def _run(self, op: str, payload: Any) -> Any:
-        if op == "make":
-            path, options, _ = payload
-            self.driver = import_callable(path, "driver")(**options)
-            return None
-        if op == "reset":
-            return self.driver.reset(*payload)
-        if op == "close":
-            return self.driver.close() if self.driver is not None else None
-        return getattr(self.driver, op)(*payload)
+        self.slot = DriverSlot(own_process=False)
 
     async def call(self, op: str, payload: Any, timeout_s: float) -> Any:
-        future = asyncio.get_running_loop().run_in_executor(self.executor, self._run, op, payload)
+        future = asyncio.get_running_loop().run_in_executor(self.executor, self.slot.run, op, payload)
         try:
             return await asyncio.wait_for(future, timeout_s)
         except asyncio.TimeoutError:
