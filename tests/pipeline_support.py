@@ -84,11 +84,22 @@ def stream_events(stack: LocalStack, run_id: str) -> list[TrainerEvent]:
     return [parse_message(TrainerEvent, fields["event"]) for _, fields in entries]
 
 
-def poll(what: str, timeout_s: float, check, every_s: float = 0.2):
-    """``check()``'s first truthy result; the test fails naming ``what`` after ``timeout_s``."""
+def poll(what: str, timeout_s: float, check, every_s: float = 0.2, stack: LocalStack | None = None, run_id: str = ""):
+    """``check()``'s first truthy result; the test fails naming ``what`` after ``timeout_s``.
+
+    Given the ``stack``, it fails at once when one of the stack's processes failed, and either
+    failure shows the run's ledger counts and the tails of the stack's logs."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         if result := check():
             return result
+        if stack is not None and (failed := [p.name for p in stack.processes if p.proc.poll() not in (None, 0)]):
+            pytest.fail(f"{what}: {', '.join(failed)} failed\n{_stack_state(stack, run_id)}")
         time.sleep(every_s)
-    pytest.fail(f"{what} within {timeout_s}s")
+    pytest.fail(f"{what} within {timeout_s}s" + (f"\n{_stack_state(stack, run_id)}" if stack is not None else ""))
+
+
+def _stack_state(stack: LocalStack, run_id: str) -> str:
+    counts = Ledger(stack.redis_client()).counts(run_id) if run_id else {}
+    logs = "\n".join(f"--- {p.name} ---\n{stack.logs(p.name, 30)}" for p in stack.processes)
+    return f"ledger {run_id}: {counts}\n{logs}"

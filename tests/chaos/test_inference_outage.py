@@ -41,7 +41,8 @@ pytestmark = pytest.mark.slow
 
 GROUPS, GROUP_SIZE = 25, 4
 TOTAL = GROUPS * GROUP_SIZE
-KILL_AFTER_DONE = 20  # vLLM is killed once this many trajectories of the first run are done
+KILL_AFTER_DONE = 20  # vLLM is killed once this many trajectories of the first run are rolled out
+ROLLED_OUT = ("uploaded", "scored", "consumed", "failed")
 HEAD_START_S = 60  # the fresh worker starts this long (plus vLLM's start) before vLLM is ready
 
 
@@ -124,8 +125,11 @@ def test_vllm_killed_and_restarted_while_workers_wait_for_it(base, inference, tm
         second.start_trainer()
         # intake in the background: on a quiet machine the run could end before a blocking intake returns
         intake_first = first.conveyor("intake", "intake", "--dataset", str(write_demo_dataset(tmp_path / "a.jsonl", GROUPS, seed=4)))
+        # counted past the rollout, not as consumed: a trainer slower than the rollouts (a loaded
+        # machine, a slow weight sync) would otherwise see every episode end before 20 are consumed
         poll("the first run never got going", 600, lambda: (
-            sum(ledger.counts("riding")[s] for s in ("consumed", "failed")) >= KILL_AFTER_DONE and ledger.counts("riding")["running"]))
+            sum(ledger.counts("riding")[s] for s in ROLLED_OUT) >= KILL_AFTER_DONE and ledger.counts("riding")["running"]),
+            stack=first, run_id="riding")
 
         vllm = inference.vllm()
         killed_at = time.time()
