@@ -9,6 +9,10 @@ Invariants:
   observation and next-turn header for later turns) and the ids vLLM sampled
   (``sampled_token_ids``), with one inference logprob per sampled id. Concatenating, turn by
   turn, prompt ids then sampled ids gives the exact context the model saw.
+- A turn with ``segment_start`` begins a new sequence: its prompt ids are a whole context, not
+  an extension (an agent behind the recording proxy rewrote its history: compaction, a cut
+  context). ``Trajectory.segments`` gives one sequence per segment; ``flatten`` is their
+  concatenation (the alignment per-token rewards use), a real sequence only for one segment.
 - The loss mask is 1 exactly on sampled tokens (``Trajectory.flatten``).
 - Every message between processes is one of these models, built by its producer and read by
   its consumer through ``parse_message``: rollout tasks (``RolloutRequest``), scoring tasks
@@ -140,6 +144,7 @@ class Turn(BaseModel):
     reward: float = 0.0  # the environment's reward for this turn (StepResult.reward)
     info: dict[str, Any] = Field(default_factory=dict)  # the environment's info for this turn (JSON values)
     timings: TurnTimings = Field(default_factory=TurnTimings)
+    segment_start: bool = False  # prompt_token_ids are a whole new context (see module doc)
 
     @model_validator(mode="after")
     def _one_logprob_per_sampled_token(self) -> "Turn":
@@ -171,6 +176,20 @@ class FlatSequence(BaseModel):
     inference_logprobs: list[float]  # 0.0 where loss_mask is 0
 
 
+def _flat(turns: list[Turn]) -> FlatSequence:
+    token_ids: list[int] = []
+    loss_mask: list[int] = []
+    logprobs: list[float] = []
+    for turn in turns:
+        token_ids += turn.prompt_token_ids
+        loss_mask += [0] * len(turn.prompt_token_ids)
+        logprobs += [0.0] * len(turn.prompt_token_ids)
+        token_ids += turn.sampled_token_ids
+        loss_mask += [1] * len(turn.sampled_token_ids)
+        logprobs += turn.logprobs
+    return FlatSequence(token_ids=token_ids, loss_mask=loss_mask, inference_logprobs=logprobs)
+
+
 class Trajectory(Message):
     request: RolloutRequest
     turns: list[Turn]
@@ -189,17 +208,15 @@ class Trajectory(Message):
         return self.request.trajectory_id
 
     def flatten(self) -> FlatSequence:
-        token_ids: list[int] = []
-        loss_mask: list[int] = []
-        logprobs: list[float] = []
-        for turn in self.turns:
-            token_ids += turn.prompt_token_ids
-            loss_mask += [0] * len(turn.prompt_token_ids)
-            logprobs += [0.0] * len(turn.prompt_token_ids)
-            token_ids += turn.sampled_token_ids
-            loss_mask += [1] * len(turn.sampled_token_ids)
-            logprobs += turn.logprobs
-        return FlatSequence(token_ids=token_ids, loss_mask=loss_mask, inference_logprobs=logprobs)
+        """Every turn's prompt ids then sampled ids, in order: the model's one context when the
+        trajectory has one segment, the segments back to back otherwise."""
+        return _flat(self.turns)
+
+    def segments(self) -> list[FlatSequence]:
+        """One training sequence per segment (a turn with ``segment_start`` opens the next);
+        their concatenation is ``flatten()``."""
+        cuts = [i for i, turn in enumerate(self.turns) if i == 0 or turn.segment_start]
+        return [_flat(self.turns[a:b]) for a, b in zip(cuts, cuts[1:] + [len(self.turns)])]
 
 
 class RewardBreakdown(BaseModel):
@@ -410,12 +427,13 @@ class TrainingSample(BaseModel):
     token_ids: list[int]
     loss_mask: list[int]
     inference_logprobs: list[float]
-    advantage: float
+    advantage: float  # the trajectory's: every segment of it gets the same one
     reward: float
     oldest_policy_version: int
     stop_reason: StopReason
     # per-token advantages aligned with token_ids (trainer.token_rewards); None: ``advantage`` on every token
     token_advantages: list[float] | None = None
+    segment: int = 0  # which segment of the trajectory (Trajectory.segments) this sample is
 
 
 class TrainingBatch(Message):

@@ -42,3 +42,8 @@ def parse_tool_calls(text: str) -> tuple[list[ToolCall], str | None]:
     if unclosed > 0:
         return calls, f"{unclosed} tool call(s) opened with {OPEN} but never closed with {CLOSE}"
     return calls, None
+
+
+def without_tool_calls(text: str) -> str:
+    """``text`` with every complete tool-call block taken out: what a chat API returns as content."""
+    return _BLOCK.sub("", text).strip()

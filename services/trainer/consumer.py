@@ -296,19 +296,23 @@ class TrainerConsumer:
         for event, advantage in zip(scored, advantages):
             scored_traj = get_model(self.store, event.scored_key, ScoredTrajectory)
             trajectory = get_model(self.store, scored_traj.trajectory_key, Trajectory)
-            flat = trajectory.flatten()
             token_advantages = None
             if per_token is not None:
                 placed = place_rewards(trajectory, event.reward, self.settings.trainer.token_rewards)
-                token_advantages = token_advantages_of(placed, flat.loss_mask, *per_token)
-            samples.append(
-                TrainingSample(
-                    trajectory_id=event.trajectory_id, token_ids=flat.token_ids, loss_mask=flat.loss_mask,
-                    inference_logprobs=flat.inference_logprobs, advantage=advantage, reward=event.reward,
-                    oldest_policy_version=min((t.policy_version for t in trajectory.turns), default=0),
-                    stop_reason=trajectory.stop_reason, token_advantages=token_advantages,
+                token_advantages = token_advantages_of(placed, trajectory.flatten().loss_mask, *per_token)
+            start = 0
+            for number, segment in enumerate(trajectory.segments()):  # one, unless an agent rewrote its history
+                end = start + len(segment.token_ids)
+                samples.append(
+                    TrainingSample(
+                        trajectory_id=event.trajectory_id, token_ids=segment.token_ids, loss_mask=segment.loss_mask,
+                        inference_logprobs=segment.inference_logprobs, advantage=advantage, reward=event.reward,
+                        oldest_policy_version=min((t.policy_version for t in trajectory.turns), default=0),
+                        stop_reason=trajectory.stop_reason, segment=number,
+                        token_advantages=None if token_advantages is None else token_advantages[start:end],
+                    )
                 )
-            )
+                start = end
         return TrainingBatch(run_id=self.run_id, group_id=group_id, samples=samples)
 
     # --- bookkeeping ------------------------------------------------------------------------

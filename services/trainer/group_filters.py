@@ -34,7 +34,8 @@ def _score_range(bounds: Any) -> GroupFilter:
     low, high = float(bounds[0]), float(bounds[1])
 
     def check(batch: TrainingBatch) -> str | None:
-        mean = sum(s.reward for s in batch.samples) / len(batch.samples)
+        members = [s for s in batch.samples if s.segment == 0]  # a trajectory's reward counts once
+        mean = sum(s.reward for s in members) / len(members)
         return None if low <= mean <= high else f"score_range: mean reward {mean:.3g} outside [{low:g}, {high:g}]"
     return check
 
@@ -44,7 +45,10 @@ def _max_sampled_tokens(limit: Any) -> GroupFilter:
         raise ValueError(f"max_sampled_tokens takes a positive integer, got {limit!r}")
 
     def check(batch: TrainingBatch) -> str | None:
-        longest = max(sum(s.loss_mask) for s in batch.samples)
+        sampled: dict[str, int] = {}
+        for s in batch.samples:  # a member's segments add up
+            sampled[s.trajectory_id] = sampled.get(s.trajectory_id, 0) + sum(s.loss_mask)
+        longest = max(sampled.values())
         return None if longest <= limit else f"max_sampled_tokens: a member sampled {longest} > {limit}"
     return check
 

@@ -202,7 +202,7 @@ class TrainingLoop:
 
     def _rollout_metrics(self, batches: list[TrainingBatch], selection: Selection, trained_at: int) -> dict[str, float]:
         samples = [s for b in batches for s in b.samples]
-        trained_rewards = [s.reward for s in samples]
+        trained_rewards = [s.reward for s in samples if s.segment == 0]  # a multi-segment trajectory counts once
         rewards = trained_rewards + selection.dropped_rewards  # every scored sample of the step's groups
         lengths = [sum(s.loss_mask) for s in samples] or [0]
         staleness = Counter(trained_at - s.oldest_policy_version for s in samples)

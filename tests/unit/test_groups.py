@@ -516,3 +516,27 @@ def test_a_filter_that_names_nothing_is_refused_when_settings_load():
         load_settings(trainer={"group_filters": ["no_such_mod_xyz:f"]})
     with pytest.raises(SettingsError, match=r"score_range takes \[low, high\]"):
         load_settings(trainer={"group_filters": [{"score_range": [1, 0]}]})
+
+
+def test_a_multi_segment_trajectory_trains_as_one_sample_per_segment_with_its_advantage(settings, ledger, store, run_id):
+    """An agent behind the recording proxy rewrote its history: turn 1 starts a new segment."""
+    reqs = register_groups(settings, ledger, 1)[0]
+    rewards = [0.0, 1.0, 1.0, 0.5]
+    for req, reward in zip(reqs, rewards):
+        deliver_scored(ledger, store, req, reward)
+    segmented = trajectory_for(reqs[1])
+    segmented = segmented.model_copy(update={"turns": [segmented.turns[0], segmented.turns[1].model_copy(update={"segment_start": True})]})
+    put_model(store, trajectory_key(run_id, 0, reqs[1].trajectory_id), segmented)
+    consumer = TrainerConsumer(settings, ledger, store)
+    assert drain(consumer) == GROUP_SIZE
+
+    batch = get_model(store, batch_key(run_id, 0), TrainingBatch)
+    expected = group_advantages(rewards, settings.trainer.advantage_eps).advantages  # one reward per trajectory
+    assert [(s.trajectory_id, s.segment) for s in batch.samples] == [
+        (reqs[0].trajectory_id, 0), (reqs[1].trajectory_id, 0), (reqs[1].trajectory_id, 1),
+        (reqs[2].trajectory_id, 0), (reqs[3].trajectory_id, 0)]
+    assert [s.advantage for s in batch.samples] == pytest.approx([expected[0], expected[1], expected[1], expected[2], expected[3]])
+    first, second = batch.samples[1], batch.samples[2]
+    assert first.token_ids == [1, 2, 3, 101, 101] and first.loss_mask == [0, 0, 0, 1, 1]
+    assert second.token_ids == [7, 7, 201] and second.loss_mask == [0, 0, 1]
+    assert ledger.counts(run_id)["consumed"] == GROUP_SIZE

@@ -1,0 +1,228 @@
+"""The proxy's HTTP side: ``/v1/chat/completions`` (streaming and tool calls) and ``/v1/models``,
+one session per trajectory, in the rollout worker's event loop.
+
+Invariants:
+- Every call is bound to exactly one session: the key comes from the path
+  (``/s/<key>/v1/...``) or the API key (``Authorization: Bearer <key>``). An unknown or closed
+  key gets 401 and nothing is recorded. Keys are 192 random bits, made per trajectory, dropped
+  when its episode ends.
+- A session opened with a socket also gets a Unix socket of its own (the one mounted into that
+  trajectory's sandbox). A call that arrives on it must carry that session's key: another
+  trajectory's key gets 403. So a sandbox cannot use another trajectory's session even if it
+  learns its key; the only session it can reach is its own.
+- Calls of one session run one at a time, in arrival order (the recording joins each call to
+  the previous one).
+- Inference goes through the worker's ``InferenceClient``: an outage is waited out as for the
+  worker's own episodes, a rejected prompt is a 400, a failed one a 503. Bad requests are 400s
+  that say what was wrong; the server never dies on one.
+- Streaming sends the answer once vLLM has produced all of it (role, content, tool calls, the
+  finish reason, usage if asked, ``[DONE]``): the proxy records exact ids and logprobs from one
+  token-in/token-out call, so there is no token-by-token stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from aiohttp import web
+
+from services.rollout_worker.agent_proxy.messages import BadChatRequest, check_tools, template_messages
+from services.rollout_worker.agent_proxy.recording import AgentRecording, BudgetExhausted, RecordingLimits, Reply
+from services.rollout_worker.chat_tokens import ChatTokens
+from services.rollout_worker.episode import turn_seed
+from services.rollout_worker.inference_client import InferenceClient, InferenceOutage, InferenceRejected, InferenceUnavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ProxySession:
+    trajectory_id: str
+    key: str
+    recording: AgentRecording
+    policy_version: Callable[[], int]
+    socket_path: Path | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    opened_at: float = field(default_factory=time.time)
+    first_call_at: float | None = None
+    refused: int = 0  # calls refused for a bad request or a used-up budget
+    _site: web.UnixSite | None = None
+
+    @property
+    def turns(self):
+        return self.recording.turns
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "code": code}}, status=status)
+
+
+class AgentProxy:
+    """Start it (``await start()``) inside the event loop that runs the episodes."""
+
+    def __init__(self, client: InferenceClient, chat: ChatTokens, model_name: str, temperature: float = 1.0,
+                 top_p: float = 1.0, host: str = "127.0.0.1", port: int = 0, socket_dir: Path | None = None):
+        self.client, self.chat, self.model_name = client, chat, model_name
+        self.temperature, self.top_p = temperature, top_p
+        self.host, self.port = host, port
+        self.socket_dir = socket_dir
+        self._by_key: dict[str, ProxySession] = {}
+        self._by_socket: dict[str, ProxySession] = {}
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        """The TCP base URL (``.../v1``), for agents on the worker's host."""
+        return f"http://{self.host}:{self.port}/v1"
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        for prefix in ("", "/s/{key}"):
+            app.router.add_get(f"{prefix}/v1/models", self._models)
+            app.router.add_post(f"{prefix}/v1/chat/completions", self._chat)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        for session in list(self._by_key.values()):
+            await self.close_session(session)
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def open_session(self, trajectory_id: str, limits: RecordingLimits, policy_version: Callable[[], int],
+                           with_socket: bool = False) -> ProxySession:
+        session = ProxySession(trajectory_id, secrets.token_urlsafe(24), AgentRecording(self.chat, limits), policy_version)
+        if with_socket:
+            if self.socket_dir is None:
+                raise ValueError("this proxy has no socket_dir: it cannot give a session a socket")
+            self.socket_dir.mkdir(parents=True, exist_ok=True)
+            session.socket_path = self.socket_dir / f"{secrets.token_hex(6)}.sock"
+            session._site = web.UnixSite(self._runner, str(session.socket_path))
+            await session._site.start()
+            session.socket_path.chmod(0o666)  # the sandbox's user is not the worker's
+            self._by_socket[str(session.socket_path)] = session
+        self._by_key[session.key] = session
+        return session
+
+    async def close_session(self, session: ProxySession) -> None:
+        """The key stops working at once; a call already running finishes and is recorded."""
+        self._by_key.pop(session.key, None)
+        if session.socket_path is not None:
+            self._by_socket.pop(str(session.socket_path), None)
+            if session._site is not None:
+                await session._site.stop()
+            session.socket_path.unlink(missing_ok=True)
+
+    # --- requests -------------------------------------------------------------------------
+    def _session_of(self, request: web.Request) -> ProxySession | web.Response:
+        key = request.match_info.get("key")
+        if key is None:
+            auth = request.headers.get("Authorization", "")
+            key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("api-key", "")
+        session = self._by_key.get(key)
+        if session is None:
+            return _error(401, "unknown or closed proxy session: the API key is the session key of a running trajectory",
+                          "authentication_error")
+        sockname = request.transport.get_extra_info("sockname") if request.transport else None
+        via = self._by_socket.get(sockname) if isinstance(sockname, str) and sockname else None
+        if isinstance(sockname, str) and sockname and via is not session:
+            return _error(403, "this socket serves another trajectory's session", "permission_error")
+        return session
+
+    async def _models(self, request: web.Request) -> web.Response:
+        session = self._session_of(request)
+        if isinstance(session, web.Response):
+            return session
+        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "conveyor"}]})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        session = self._session_of(request)
+        if isinstance(session, web.Response):
+            return session
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            session.refused += 1
+            return _error(400, f"the body is not JSON: {exc}")
+        try:
+            if not isinstance(body, dict):
+                raise BadChatRequest("the body must be a JSON object")
+            messages, tools = template_messages(body.get("messages")), check_tools(body.get("tools"))
+            if body.get("n", 1) != 1:
+                raise BadChatRequest("n must be 1: each call is one turn of one trajectory")
+            max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+            if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0):
+                raise BadChatRequest(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        except BadChatRequest as exc:
+            session.refused += 1
+            return _error(400, str(exc))
+        session.first_call_at = session.first_call_at or time.time()
+        async with session.lock:
+            try:
+                version = await asyncio.to_thread(session.policy_version)
+                call = session.recording.prepare(messages, tools, max_tokens, version)
+            except BudgetExhausted as exc:
+                session.refused += 1
+                return _error(400, str(exc), code="context_length_exceeded")
+            try:
+                completion = await self.client.complete(
+                    call.context, call.max_tokens, turn_seed(session.trajectory_id, len(session.turns)), self.temperature, self.top_p)
+            except InferenceRejected as exc:
+                return _error(400, str(exc))
+            except (InferenceUnavailable, InferenceOutage) as exc:
+                return _error(503, str(exc), "server_error")
+            reply = session.recording.record(call, completion, tools)
+        answer = _chat_completion(reply, self.model_name, session.trajectory_id, len(call.context))
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return await _stream(request, answer, include_usage)
+        return web.json_response(answer)
+
+
+def _chat_completion(reply: Reply, model: str, trajectory_id: str, prompt_tokens: int) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": reply.text if (reply.text or not reply.tool_calls) else None}
+    if reply.tool_calls:
+        message["tool_calls"] = [
+            {"id": f"call_{reply.turn.index}_{n}", "type": "function",
+             "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+            for n, call in enumerate(reply.tool_calls)
+        ]
+    sampled = len(reply.turn.sampled_token_ids)
+    return {
+        "id": f"chatcmpl-{trajectory_id}-{reply.turn.index}", "object": "chat.completion", "created": int(time.time()),
+        "model": model, "choices": [{"index": 0, "message": message, "finish_reason": reply.finish_reason, "logprobs": None}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": sampled, "total_tokens": prompt_tokens + sampled},
+    }
+
+
+async def _stream(request: web.Request, answer: dict[str, Any], include_usage: bool) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    message, choice = answer["choices"][0]["message"], answer["choices"][0]
+    base = {"id": answer["id"], "object": "chat.completion.chunk", "created": answer["created"], "model": answer["model"]}
+
+    async def send(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> None:
+        chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
+        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+    await send({"role": "assistant", "content": ""})
+    if message["content"]:
+        await send({"content": message["content"]})
+    for index, call in enumerate(message.get("tool_calls", [])):
+        await send({"tool_calls": [{"index": index, **call}]})
+    await send({}, choice["finish_reason"])
+    if include_usage:
+        await response.write(f"data: {json.dumps({**base, 'choices': [], 'usage': answer['usage']})}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
