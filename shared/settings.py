@@ -108,6 +108,10 @@ class RolloutSettings(Section):
     # queue (no attempt spent). Keep it below the orchestrator's kill timeout (compose: 10 s).
     shutdown_grace_s: Float = Field(5.0, ge=0)
     sampling: SamplingSettings = SamplingSettings()
+    # Agent-driven environments: each trajectory's proxy socket lives in a directory of its own
+    # under this one (per worker process), which that trajectory's sandbox mounts. Keep it short:
+    # a Unix socket path has at most 107 bytes. The Docker daemon must see it at the same path.
+    agent_socket_dir: Path = Path("/tmp/conveyor-agents")
 
 
 class LedgerSettings(Section):

@@ -102,7 +102,7 @@ async def run_episode(
     trial = Trial(env.config.episodes_per_trial, env.config.free_shots)
     outage_s = 0.0  # waited out for inference: not the episode's time
     try:
-        with _environment("reset"):
+        with environment_call("reset"):
             messages = await env.reset(request.task.task_data, request.task_seed)
         new_ids = chat.initial_prompt(messages)
         prompt_messages = [{"role": str(m.get("role", "")), "content": str(m.get("content", ""))} for m in messages]
@@ -133,14 +133,14 @@ async def run_episode(
             text = chat.decode(completion.token_ids)
             calls, call_error = parse_tool_calls(text)
             t1 = time.perf_counter()
-            with _environment(f"step {index}"):
+            with environment_call(f"step {index}"):
                 result = await env.step(AgentAction(text, calls, call_error))
             observation = None if result.done else result.observation
             if result.done and trial.episodes > 1:
-                with _environment(f"verify episode {len(trial.verdicts) + 1}"):
+                with environment_call(f"verify episode {len(trial.verdicts) + 1}"):
                     trial.record(await env.verify())
                 if not trial.complete:  # the next episode of the trial: same task, fresh environment
-                    with _environment(f"reset episode {len(trial.verdicts) + 1}"):
+                    with environment_call(f"reset episode {len(trial.verdicts) + 1}"):
                         await env.close()
                         observation = trial.opening(await env.reset(request.task.task_data, request.task_seed))
             env_step_s = time.perf_counter() - t1
@@ -169,10 +169,10 @@ async def run_episode(
         if turns:
             stop = final_stop_reason(stop, turns[-1].finish_reason, last_bound)
         if not trial.complete:
-            with _environment("verify"):
+            with environment_call("verify"):
                 trial.record(await env.verify())
         env_reward, env_info = trial.result()
-    except _EnvFailure as exc:
+    except EnvironmentFailure as exc:
         stop, error = StopReason.env_error, str(exc)
     except asyncio.TimeoutError:
         stop, error = StopReason.timeout, f"episode exceeded {limits.timeout_s}s"
@@ -218,7 +218,7 @@ def final_stop_reason(stop: StopReason, last_finish_reason: str, last_bound: Sto
 def _finite(reward: float, index: int) -> float:
     value = float(reward)
     if not math.isfinite(value):
-        raise _EnvFailure(f"step {index}: the environment returned a non-finite reward {value}")
+        raise EnvironmentFailure(f"step {index}: the environment returned a non-finite reward {value}")
     return value
 
 
@@ -227,12 +227,12 @@ def _json_values(info: dict) -> dict:
     return json.loads(json.dumps(dict(info or {}), default=str)) if info else {}
 
 
-class _EnvFailure(Exception):
+class EnvironmentFailure(Exception):
     pass
 
 
 @contextmanager
-def _environment(what: str) -> Iterator[None]:
+def environment_call(what: str) -> Iterator[None]:
     """An exception of the environment ends the episode with env_error, except the sandbox
     daemon failing: an infra error, raised for the runner to retry in a fresh sandbox."""
     try:
@@ -240,4 +240,4 @@ def _environment(what: str) -> Iterator[None]:
     except SandboxInfraError:
         raise
     except Exception as exc:  # the environment broke, not the agent
-        raise _EnvFailure(f"{what}: {type(exc).__name__}: {exc}") from exc
+        raise EnvironmentFailure(f"{what}: {type(exc).__name__}: {exc}") from exc

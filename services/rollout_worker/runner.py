@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ from typing import Callable
 import kombu.exceptions
 import redis
 
+from services.rollout_worker.agent_episode import is_agent_driven, run_agent_episode
+from services.rollout_worker.agent_proxy import AgentProxy
 from services.rollout_worker.chat_tokens import ChatTokens
 from services.rollout_worker.environments.coding.artifacts import write_artifacts
 from services.rollout_worker.episode import EpisodeLimits, run_episode
@@ -83,6 +86,8 @@ class RolloutContext:
     worker_name: str
     inference: InferenceClient  # shared by every episode of the process (one event loop)
     in_flight: InFlight = field(default_factory=InFlight)  # what a shutdown hands back
+    agent_proxy: AgentProxy | None = None  # started on the first agent-driven episode (agent_proxy_of)
+    _agent_proxy_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 async def run_requests(ctx: RolloutContext, requests: list[RolloutRequest]) -> dict[str, RolloutResult]:
@@ -136,11 +141,26 @@ async def _episode(ctx: RolloutContext, request: RolloutRequest, attempt: int) -
     env = registry_for(ctx.settings.environments).make(request.task.env_name, request.task.env_config)
     limits = EpisodeLimits.from_settings(ctx.settings.rollout, ctx.settings.inference.max_model_len, env.config)
     served = PolicyVersion(ctx.ledger.redis, request.run_id)
+    if is_agent_driven(env):
+        return await run_agent_episode(request, env, await agent_proxy_of(ctx), limits, policy_version=served.get,
+                                       attempt=attempt, worker=ctx.worker_name)
     return await run_episode(
         request, env, ctx.inference, ctx.chat, limits,
         policy_version=served.get,
         attempt=attempt, worker=ctx.worker_name,
     )
+
+
+async def agent_proxy_of(ctx: RolloutContext) -> AgentProxy:
+    """The process's recording proxy, started once, in the episodes' event loop."""
+    async with ctx._agent_proxy_lock:
+        if ctx.agent_proxy is None:
+            rollout = ctx.settings.rollout
+            proxy = AgentProxy(ctx.inference, ctx.chat, ctx.settings.inference.model, rollout.sampling.temperature,
+                               rollout.sampling.top_p, socket_dir=rollout.agent_socket_dir / f"w{os.getpid()}")
+            await proxy.start()
+            ctx.agent_proxy = proxy
+        return ctx.agent_proxy
 
 
 def _hand_on(ctx: RolloutContext, trajectory: Trajectory, token: str) -> RolloutResult:

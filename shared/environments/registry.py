@@ -34,6 +34,7 @@ BUILTIN: dict[str, str] = {
     "qa": "services.rollout_worker.environments.qa:QuestionAnswerEnv",
     "single_turn": "services.rollout_worker.environments.single_turn:SingleTurnEnv",
     "coding": "services.rollout_worker.environments.coding.env:CodingEnv",
+    "agent_coding": "services.rollout_worker.environments.agent_coding:AgentCodingEnv",
     "gym": "services.rollout_worker.environments.gym_text:GymTextEnv",
     "textarena": "services.rollout_worker.environments.textarena_env:TextArenaEnv",
     "skyrl_gym": "services.rollout_worker.environments.skyrl_gym_env:SkyRLGymEnv",

@@ -6,19 +6,14 @@ from __future__ import annotations
 
 import json
 import socket
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from vllm_support import running_vllm
+from agent_support import proxy_on_tiny_vllm
 
-from services.inference.tiny_model import generate_tiny_model
-from services.rollout_worker.agent_proxy import AgentProxy, RecordingLimits
-from services.rollout_worker.chat_tokens import load_chat_tokens
+from services.rollout_worker.agent_proxy import RecordingLimits
 from services.rollout_worker.episode import turn_seed
-from services.rollout_worker.event_loop import BackgroundLoop
-from services.rollout_worker.inference_client import InferenceClient
 
 pytestmark = pytest.mark.slow
 
@@ -27,31 +22,14 @@ LIMITS = RecordingLimits(max_tokens_per_turn=24, max_episode_tokens=400, max_mod
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return generate_tiny_model(tmp_path_factory.mktemp("proxy") / "tiny", end_of_turn_bias=4.0)
-
-
-@pytest.fixture(scope="module")
-def vllm(model_dir, tmp_path_factory):
-    with running_vllm(model_dir, SERVED, tmp_path_factory.mktemp("logs") / "vllm.log", max_model_len=1024) as server:
+def proxy(tmp_path_factory):
+    with proxy_on_tiny_vllm(tmp_path_factory.mktemp("proxy")) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
-def proxy(vllm, model_dir, tmp_path_factory):
-    loop = BackgroundLoop()
-    socket_dir = Path(tmp_path_factory.mktemp("sockets"))
-
-    async def start():
-        client = InferenceClient(vllm.base_url, SERVED)
-        server = AgentProxy(client, load_chat_tokens(model_dir), SERVED, socket_dir=socket_dir)
-        await server.start()
-        return server
-
-    server = loop.run(start())
-    server.loop = loop
-    yield server
-    loop.run(server.stop())
+def vllm(proxy):
+    return proxy.vllm
 
 
 def _open(proxy, trajectory_id, with_socket=False, version=7):

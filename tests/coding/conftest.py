@@ -110,3 +110,9 @@ def make_env(docker_client, python_image, tmp_path_factory, request):
 @pytest.fixture
 def swe_task(swe_bench_row) -> dict:
     return coding_task(swe_bench_row)
+
+
+@pytest.fixture
+def coding_run_id(docker_client) -> str:
+    """The run id to label containers with: the session's leak check covers it."""
+    return RUN_ID

@@ -6,8 +6,8 @@ Invariants:
   (``/s/<key>/v1/...``) or the API key (``Authorization: Bearer <key>``). An unknown or closed
   key gets 401 and nothing is recorded. Keys are 192 random bits, made per trajectory, dropped
   when its episode ends.
-- A session opened with a socket also gets a Unix socket of its own (the one mounted into that
-  trajectory's sandbox). A call that arrives on it must carry that session's key: another
+- A session opened with a socket also gets a Unix socket of its own, alone in a directory of
+  its own (``<socket_dir>/<random>/proxy.sock``: the directory that trajectory's sandbox mounts). A call that arrives on it must carry that session's key: another
   trajectory's key gets 403. So a sandbox cannot use another trajectory's session even if it
   learns its key; the only session it can reach is its own.
 - Calls of one session run one at a time, in arrival order (the recording joins each call to
@@ -105,8 +105,10 @@ class AgentProxy:
         if with_socket:
             if self.socket_dir is None:
                 raise ValueError("this proxy has no socket_dir: it cannot give a session a socket")
-            self.socket_dir.mkdir(parents=True, exist_ok=True)
-            session.socket_path = self.socket_dir / f"{secrets.token_hex(6)}.sock"
+            own_dir = self.socket_dir / secrets.token_hex(6)  # one session per directory: what a sandbox mounts
+            own_dir.mkdir(parents=True)
+            own_dir.chmod(0o755)
+            session.socket_path = own_dir / "proxy.sock"
             session._site = web.UnixSite(self._runner, str(session.socket_path))
             await session._site.start()
             session.socket_path.chmod(0o666)  # the sandbox's user is not the worker's
@@ -115,13 +117,18 @@ class AgentProxy:
         return session
 
     async def close_session(self, session: ProxySession) -> None:
-        """The key stops working at once; a call already running finishes and is recorded."""
+        """The key stops working at once; a call already running finishes and is recorded.
+        Closing a closed session does nothing."""
         self._by_key.pop(session.key, None)
-        if session.socket_path is not None:
+        site, session._site = session._site, None
+        if site is not None:
             self._by_socket.pop(str(session.socket_path), None)
-            if session._site is not None:
-                await session._site.stop()
+            await site.stop()
             session.socket_path.unlink(missing_ok=True)
+            try:
+                session.socket_path.parent.rmdir()
+            except OSError:  # a sandbox still has it mounted, or something else was put there
+                pass
 
     # --- requests -------------------------------------------------------------------------
     def _session_of(self, request: web.Request) -> ProxySession | web.Response:

@@ -5,8 +5,9 @@ Invariants:
   created_at, ttl), so it is removed by its owner in ``finally`` or, failing that, by the janitor.
 - Isolation is not optional: no network, all capabilities dropped, no-new-privileges, the
   ``seccomp`` profile, bounded pids/memory (no swap)/CPU, read-only root with size-bounded tmpfs
-  for the workspace and /tmp, no mounts from the host (so never the docker socket), no core
-  dumps, no log file on the host.
+  for the workspace and /tmp, no core dumps, no log file on the host. The one mount from the
+  host is ``agent_socket_dir``, when set: read-only, a directory holding one trajectory's
+  agent-proxy socket (never the docker socket, never a directory of several sessions).
 - PID 1 (the session shell) runs as root with only CAP_SETUID/SETGID/KILL and a root-only
   ``protocol.CONTROL_DIR``; every command runs as the spec's non-root user (``command_user``).
 - A failure or cancellation between create and return removes the container: inside the worker
@@ -29,7 +30,7 @@ from docker.types import LogConfig, Ulimit
 from .blocking import run_blocking, submit
 from .errors import SandboxConfigError
 from .limiter import ProvisionLimiter
-from .protocol import BIN_DIR, CONTROL_DIR, SESSION_CAPS, SESSION_COMMAND, SESSION_ENV, SESSION_USER, parse_user
+from .protocol import AGENT_DIR, BIN_DIR, CONTROL_DIR, SESSION_CAPS, SESSION_COMMAND, SESSION_ENV, SESSION_USER, parse_user
 from .seccomp import security_opt
 from .spec import SandboxSpec
 
@@ -97,6 +98,7 @@ def create_kwargs(api: APIClient, spec: SandboxSpec, *, name: str, now: float) -
         log_config=LogConfig(type=LogConfig.types.NONE),
         ipc_mode="private",
         storage_opt={"size": str(int(limits.disk))} if limits.disk is not None else None,
+        binds={spec.agent_socket_dir: {"bind": AGENT_DIR, "mode": "ro"}} if spec.agent_socket_dir else None,
     )
     return dict(
         image=spec.image,

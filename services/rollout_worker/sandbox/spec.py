@@ -81,6 +81,9 @@ class SandboxSpec(_Model):
     max_output_bytes: int = Field(64 << 10, gt=0)  # default cap on one command's kept output
     output_flood_bytes: int = Field(16 << 20, gt=0)  # a command that prints more is killed
     session: bool = True  # a persistent shell on an attached socket; False: one `docker exec` per command
+    # A host directory holding exactly one trajectory's agent-proxy socket, mounted read-only at
+    # protocol.AGENT_DIR: the one way out of a network-less sandbox (agent_proxy.server). None: no mount.
+    agent_socket_dir: str | None = None
     ttl_s: float | None = Field(None, gt=0)  # janitor deadline; default: provision + episode + 5 min
 
     @field_validator("workspace_dir")
@@ -91,6 +94,13 @@ class SandboxSpec(_Model):
             raise ValueError(f"workspace_dir must be an absolute path outside /, /tmp, /proc, /sys, /dev; "
                              f"got {value!r}")
         return norm
+
+    @field_validator("agent_socket_dir")
+    @classmethod
+    def _socket_dir_absolute(cls, value: str | None) -> str | None:
+        if value is not None and (not value.startswith("/") or posixpath.normpath(value) in ("/", "/var/run", "/run")):
+            raise ValueError(f"agent_socket_dir must be an absolute directory of its own, got {value!r}")
+        return value
 
     @property
     def effective_ttl_s(self) -> float:

@@ -1,0 +1,153 @@
+"""``agent_coding``: an agent of its own in the sandbox, its model calls through the recording
+proxy, graded by the hidden tests. Real Docker (the Python image), a real vLLM with the tiny
+model, the real proxy; the agent is a standard-library script run by the sandbox's python3.
+
+- The sandbox keeps no network: from inside, the trajectory's own proxy session is reachable
+  and nothing else is (not the proxy's TCP port, not vLLM, not the host), and another
+  trajectory's key is refused on this socket.
+- A scripted agent that calls the model and then fixes the bug itself gets 1.0 from the hidden
+  tests, and its two calls are the trajectory's turns, joined as one sequence.
+- An agent that never ends is stopped at its time limit; nothing is left running.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import textwrap
+from urllib.parse import urlparse
+
+import pytest
+from agent_support import proxy_on_tiny_vllm
+
+from services.rollout_worker.agent_episode import run_agent_episode
+from services.rollout_worker.agent_proxy import RecordingLimits
+from services.rollout_worker.environments.agent_coding import AgentCodingEnv
+from services.rollout_worker.episode import EpisodeLimits
+from shared.schemas import RolloutRequest, StopReason, TaskProfile
+
+pytestmark = pytest.mark.slow
+
+SERVED = "tiny"
+LIMITS = EpisodeLimits(max_turns=8, max_tokens_per_turn=16, max_episode_tokens=200, max_model_len=1024, timeout_s=300)
+
+# What an agent inside sees: each probe prints one JSON line.
+PROBE = textwrap.dedent('''
+    import json, os, socket, urllib.request, urllib.error
+    base, key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
+    def call(k):
+        body = json.dumps({"model": os.environ["OPENAI_MODEL"], "messages": [{"role": "user", "content": "hi"}]}).encode()
+        req = urllib.request.Request(base + "/chat/completions", body, {"Authorization": "Bearer " + k, "Content-Type": "application/json"})
+        try:
+            return urllib.request.urlopen(req, timeout=60).status
+        except urllib.error.HTTPError as e:
+            return e.code
+    def reach(host, port):
+        try:
+            socket.create_connection((host, port), timeout=2).close()
+            return "connected"
+        except OSError as e:
+            return type(e).__name__
+    out = {"own": call(key), "other": call(os.environ["OTHER_KEY"]),
+           "targets": {t: reach(t.rsplit(":", 1)[0], int(t.rsplit(":", 1)[1])) for t in os.environ["TARGETS"].split(",")},
+           "agent_dir": sorted(os.listdir("/run/conveyor-agent")), "interfaces": sorted(os.listdir("/sys/class/net"))}
+    try:
+        open("/run/conveyor-agent/x", "w").close(); out["write"] = "written"
+    except OSError as e:
+        out["write"] = type(e).__name__
+    print("PROBE " + json.dumps(out))
+''')
+
+# A scripted agent: asks the model twice (the second call extends the first with a tool result),
+# then fixes calc itself, as a real agent would after reading the code.
+SCRIPTED_AGENT = textwrap.dedent('''
+    import json, os, urllib.request
+    base, key, model = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"], os.environ["OPENAI_MODEL"]
+    def chat(messages):
+        body = json.dumps({"model": model, "messages": messages, "max_tokens": 12}).encode()
+        req = urllib.request.Request(base + "/chat/completions", body, {"Authorization": "Bearer " + key, "Content-Type": "application/json"})
+        return json.load(urllib.request.urlopen(req, timeout=120))["choices"][0]["message"]
+    messages = [{"role": "system", "content": "You fix bugs."}, {"role": "user", "content": open(os.environ["AGENT_TASK_FILE"]).read()}]
+    reply = chat(messages)
+    messages += [{"role": "assistant", "content": reply["content"]}, {"role": "user", "content": open("calc/__init__.py").read()}]
+    chat(messages)
+    source = open("calc/__init__.py").read()
+    source = source.replace("def add(a, b):\\n    return a - b", "def add(a, b):\\n    return a + b")
+    source = source.replace("def mul(a, b):\\n    return a + b", "def mul(a, b):\\n    return a * b")
+    open("calc/__init__.py", "w").write(source)
+    print("fixed")
+''')
+
+
+@pytest.fixture(scope="module")
+def proxy(tmp_path_factory):
+    with proxy_on_tiny_vllm(tmp_path_factory.mktemp("agent-coding")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def vllm(proxy):
+    return proxy.vllm
+
+
+@pytest.fixture
+def episode(proxy, python_image, swe_task, coding_run_id, docker_client, tmp_path_factory, request):
+    """``episode(agent_command, **config)``: one agent_coding trajectory, run to its end; afterwards
+    no container of it may be left."""
+    ran: list[str] = []
+
+    def run(agent_command: str, **config) -> object:
+        trajectory_id = f"{coding_run_id}-{request.node.name[:40]}-{len(ran)}"
+        ran.append(trajectory_id)
+        env = AgentCodingEnv({"image": python_image, "workspace_cache_dir": str(tmp_path_factory.getbasetemp() / "workspaces"),
+                              "test_timeout_s": 60, "agent_command": agent_command, **config})
+        task = TaskProfile(task_id="calc-1", env_name="agent_coding", task_data=swe_task, env_config={}, source="test")
+        req = RolloutRequest(run_id=coding_run_id, group_id=0, episode_index=0, episode_seed=1, trajectory_id=trajectory_id,
+                             group_size=1, task=task, policy_version=0, dispatched_at=0.0)
+        return proxy.loop.run(run_agent_episode(req, env, proxy, LIMITS, policy_version=lambda: 3))
+
+    yield run
+    for trajectory_id in ran:
+        left = docker_client.api.containers(all=True, filters={"label": f"conveyor.trajectory_id={trajectory_id}"})
+        assert not left, f"{trajectory_id} left containers: {[c['Names'] for c in left]}"
+
+
+def test_from_inside_the_sandbox_only_its_own_proxy_session_is_reachable(episode, proxy, vllm, docker_client):
+    other = proxy.loop.run(proxy.open_session("someone-else", RecordingLimits(16, 100, 1024, 4), lambda: 0, with_socket=True))
+    gateway = docker_client.networks.get("bridge").attrs["IPAM"]["Config"][0].get("Gateway", "172.17.0.1")
+    vllm_port = urlparse(vllm.base_url).port
+    targets = [f"127.0.0.1:{proxy.port}", f"127.0.0.1:{vllm_port}", f"{gateway}:{proxy.port}", f"{gateway}:{vllm_port}",
+               f"{gateway}:22", "10.0.0.1:80", "169.254.169.254:80", "1.1.1.1:443"]
+    trajectory = episode(f"python3 -c {shlex.quote(PROBE)}", agent_timeout_s=120,
+                         agent_env={"OTHER_KEY": other.key, "TARGETS": ",".join(targets)})
+    output = trajectory.env_info["agent"]["output"]
+    assert "\nPROBE " in "\n" + output, output
+    probe = json.loads(("\n" + output).rsplit("\nPROBE ", 1)[1].splitlines()[0])
+    print(f"\nfrom inside the sandbox: {probe}")
+    assert probe["own"] == 200 and probe["other"] == 403, probe
+    assert all(result != "connected" for result in probe["targets"].values()), probe["targets"]
+    assert probe["agent_dir"] == ["proxy.sock"] and probe["interfaces"] == ["lo"] and probe["write"] != "written", probe
+    assert len(trajectory.turns) == 1 and other.turns == []  # the refused call recorded nothing anywhere
+    proxy.loop.run(proxy.close_session(other))
+
+
+def test_a_scripted_agent_that_fixes_the_bug_scores_1_and_its_calls_are_the_trajectory(episode):
+    trajectory = episode(f"python3 -c {shlex.quote(SCRIPTED_AGENT)}", agent_timeout_s=180)
+    agent = trajectory.env_info["agent"]
+    assert agent["exit_code"] == 0 and "fixed" in agent["output"], agent
+    assert trajectory.env_reward == 1.0, trajectory.env_info.get("tests")
+    assert trajectory.stop_reason is StopReason.done and trajectory.error is None
+    assert len(trajectory.turns) == 2 and not trajectory.turns[1].segment_start
+    assert [t.policy_version for t in trajectory.turns] == [3, 3]
+    assert "def add" in trajectory.turns[0].observation  # the file the agent sent the model after the first reply
+    flat = trajectory.flatten()
+    assert sum(flat.loss_mask) == sum(len(t.sampled_token_ids) for t in trajectory.turns) > 0
+    assert "calc/__init__.py" in trajectory.env_info["diff"]
+    assert agent["first_call_s"] is not None and agent["calls"] == 2
+
+
+def test_an_agent_that_never_ends_is_stopped_and_graded(episode):
+    trajectory = episode("sleep 1000", agent_timeout_s=3)
+    assert trajectory.stop_reason is StopReason.timeout
+    assert trajectory.env_info["agent"]["timed_out"] is True and trajectory.turns == []
+    assert trajectory.env_reward == 0.0
