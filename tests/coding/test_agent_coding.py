@@ -21,6 +21,7 @@ import pytest
 from agent_support import proxy_on_tiny_vllm
 
 from services.rollout_worker.agent_episode import run_agent_episode
+from services.rollout_worker.agent_images import build_agent_image
 from services.rollout_worker.agent_proxy import RecordingLimits
 from services.rollout_worker.environments.agent_coding import AgentCodingEnv
 from services.rollout_worker.episode import EpisodeLimits
@@ -150,4 +151,44 @@ def test_an_agent_that_never_ends_is_stopped_and_graded(episode):
     trajectory = episode("sleep 1000", agent_timeout_s=3)
     assert trajectory.stop_reason is StopReason.timeout
     assert trajectory.env_info["agent"]["timed_out"] is True and trajectory.turns == []
+    assert trajectory.env_reward == 0.0
+
+
+@pytest.fixture(scope="module")
+def mini_swe_agent_image(python_image, docker_client) -> str:
+    """mini-swe-agent from PyPI on the Python image (built once, ~30 s; reused by its tag)."""
+    try:
+        return build_agent_image(docker_client, "mini-swe-agent", python_image)
+    except RuntimeError as exc:
+        if "pip could not install" in str(exc) and "Could not find a version" in str(exc):
+            pytest.skip(f"the package registry is not reachable: {exc}")
+        raise
+
+
+# mini-swe-agent's own prompts are longer than the tiny model's context: shorter ones, same agent
+MINI_SWE_AGENT = ("python3 -m minisweagent.run.mini -m openai/$OPENAI_MODEL --agent-class default -c mini.yaml "
+                  "-c agent.step_limit=3 -c 'agent.instance_template=Solve this issue: {{task}}' "
+                  "-c 'model.format_error_template=Call the bash tool.' "
+                  '-l 0 --exit-immediately -o /tmp/mini.traj.json -t "$(cat $AGENT_TASK_FILE)"')
+
+
+def test_mini_swe_agent_from_pypi_works_the_task_through_the_proxy(episode, proxy, mini_swe_agent_image):
+    """A real agent from a package registry, unchanged: its litellm client talks to the proxy with
+    tools, the tiny model's nonsense earns format errors until the step limit, and every call
+    it made is a recorded turn (the reward is 0: nothing was fixed)."""
+    trajectory = episode(MINI_SWE_AGENT, image=mini_swe_agent_image, agent_timeout_s=240)
+    agent = trajectory.env_info["agent"]
+    print(f"\nmini-swe-agent: exit {agent['exit_code']}, {agent['calls']} calls, first call after {agent['first_call_s']} s, "
+          f"{agent['duration_s']} s; output tail:\n{agent['output'][-1500:]}")
+    assert not agent["timed_out"] and agent["calls_refused"] == 0, agent
+    assert len(trajectory.turns) == 3, agent  # its step limit: every step is one call
+    # mini-swe-agent drops a reply with no tool call from its history and sends only its format
+    # error: that is a rewritten history, so the next call starts a segment; a reply with a tool
+    # call stays in the history, and the next call extends it
+    turns = trajectory.turns
+    assert [t.segment_start for t in turns[1:]] == [not before.tool_calls for before in turns[:-1]]
+    assert len(trajectory.segments()) == 1 + sum(t.segment_start for t in turns)
+    assert all(t.sampled_token_ids and len(t.logprobs) == len(t.sampled_token_ids) for t in trajectory.turns)
+    opening = trajectory.turns[0]
+    assert "bash" in proxy.chat.tokenizer.decode(opening.prompt_token_ids)  # its tool schema reached the model
     assert trajectory.env_reward == 0.0
