@@ -192,3 +192,25 @@ def test_mini_swe_agent_from_pypi_works_the_task_through_the_proxy(episode, prox
     opening = trajectory.turns[0]
     assert "bash" in proxy.chat.tokenizer.decode(opening.prompt_token_ids)  # its tool schema reached the model
     assert trajectory.env_reward == 0.0
+
+
+# An agent that never gives up: it calls the model again whatever the answer, refusals included.
+RELENTLESS_AGENT = textwrap.dedent('''
+    import json, os, time, urllib.request, urllib.error
+    base, key, model = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"], os.environ["OPENAI_MODEL"]
+    while True:
+        body = json.dumps({"model": model, "messages": [{"role": "user", "content": "again"}], "max_tokens": 4}).encode()
+        req = urllib.request.Request(base + "/chat/completions", body, {"Authorization": "Bearer " + key, "Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=60).read()
+        except urllib.error.HTTPError:
+            time.sleep(0.1)
+''')
+
+
+def test_an_agent_that_retries_past_its_budget_is_stopped_at_once(episode, proxy):
+    trajectory = episode(f"python3 -c {shlex.quote(RELENTLESS_AGENT)}", agent_timeout_s=240)
+    agent = trajectory.env_info["agent"]
+    assert trajectory.stop_reason is StopReason.max_turns and len(trajectory.turns) == LIMITS.max_turns, agent["output"][-3000:]
+    assert not agent["timed_out"] and agent["duration_s"] < 60 and agent["calls_refused"] >= 1, agent
+    assert "budget is used up (max_turns" in agent["output"], agent["output"][-2000:]

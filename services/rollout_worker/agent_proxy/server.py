@@ -10,6 +10,9 @@ Invariants:
   its own (``<socket_dir>/<random>/proxy.sock``: the directory that trajectory's sandbox mounts). A call that arrives on it must carry that session's key: another
   trajectory's key gets 403. So a sandbox cannot use another trajectory's session even if it
   learns its key; the only session it can reach is its own.
+- A call refused for the episode's budget (tokens, context, turns) also writes ``stop`` (the
+  reason) next to the session's socket: the sandbox sees it in its mounted directory, and the
+  agent's wrapper stops the agent there, so an agent that retries refusals cannot run on.
 - Calls of one session run one at a time, in arrival order (the recording joins each call to
   the previous one).
 - Inference goes through the worker's ``InferenceClient``: an outage is waited out as for the
@@ -40,6 +43,8 @@ from services.rollout_worker.episode import turn_seed
 from services.rollout_worker.inference_client import InferenceClient, InferenceOutage, InferenceRejected, InferenceUnavailable
 
 log = logging.getLogger(__name__)
+
+STOP_FILE = "stop"  # written next to a session's socket once its budget is used up
 
 
 @dataclass
@@ -125,6 +130,7 @@ class AgentProxy:
             self._by_socket.pop(str(session.socket_path), None)
             await site.stop()
             session.socket_path.unlink(missing_ok=True)
+            session.socket_path.with_name(STOP_FILE).unlink(missing_ok=True)
             try:
                 session.socket_path.parent.rmdir()
             except OSError:  # a sandbox still has it mounted, or something else was put there
@@ -180,6 +186,8 @@ class AgentProxy:
                 call = session.recording.prepare(messages, tools, max_tokens, version)
             except BudgetExhausted as exc:
                 session.refused += 1
+                if session.socket_path is not None:  # the sandbox's wrapper stops the agent (agent_coding)
+                    session.socket_path.with_name(STOP_FILE).write_text(f"{exc.reason.value}: {exc}\n")
                 return _error(400, str(exc), code="context_length_exceeded")
             try:
                 completion = await self.client.complete(

@@ -14,8 +14,10 @@ hidden tests' verdict on the final workspace, as for ``coding``.
 Invariants:
 - The sandbox keeps ``network_mode=none``: the agent's only way out is its own session's socket,
   mounted read-only; the verifier's sandbox gets no socket.
-- The agent runs as the sandbox's non-root user, under the sandbox's limits, and is stopped at
-  ``agent_timeout_s`` (the episode then ends ``timeout`` and is still graded).
+- The agent runs as the sandbox's non-root user, under the sandbox's limits, in a process group
+  of its own. It is stopped at ``agent_timeout_s`` (the episode then ends ``timeout`` and is
+  still graded), and as soon as its session's budget is used up (the proxy's ``stop`` file
+  appears in the mounted directory): SIGTERM to the group, SIGKILL 2 s later.
 - The image must have ``python3`` (the forwarder is a standard-library script).
 """
 
@@ -32,7 +34,8 @@ from services.rollout_worker.agent_proxy import forward
 from services.rollout_worker.environments.coding.config import CodingConfig
 from services.rollout_worker.environments.coding.env import CodingEnv
 from services.rollout_worker.sandbox import SandboxSpec
-from services.rollout_worker.sandbox.protocol import AGENT_SOCKET
+from services.rollout_worker.agent_proxy.server import STOP_FILE
+from services.rollout_worker.sandbox.protocol import AGENT_DIR, AGENT_SOCKET
 from shared.environments import EnvironmentError_
 
 FORWARDER_PATH = "/tmp/.conveyor-forward.py"
@@ -102,10 +105,19 @@ class AgentCodingEnv(CodingEnv):
         env = {"OPENAI_BASE_URL": url, "OPENAI_API_BASE": url, "OPENAI_API_KEY": self.endpoint.key,
                "OPENAI_MODEL": self.endpoint.model, "AGENT_TASK_FILE": TASK_PATH, **cfg.agent_env}
         exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+        stop = f"{AGENT_DIR}/{STOP_FILE}"
         script = (
             f"python3 {FORWARDER_PATH} {cfg.agent_port} {AGENT_SOCKET} > /tmp/.forward.log 2>&1 & fwd=$!\n"
             "for _ in $(seq 1 100); do grep -q ready /tmp/.forward.log 2>/dev/null && break; sleep 0.05; done\n"
-            f"env {exports} sh -c {shlex.quote(cfg.agent_command)}; code=$?\n"
+            f"setsid env {exports} sh -c {shlex.quote(cfg.agent_command)} & agent=$!\n"
+            "while kill -0 $agent 2>/dev/null; do\n"
+            f"  if [ -e {stop} ]; then\n"
+            f"    echo \"[conveyor] the agent's budget is used up ($(cat {stop})): stopping it\"\n"
+            "    kill -TERM -$agent 2>/dev/null; sleep 2; kill -KILL -$agent 2>/dev/null; break\n"
+            "  fi\n"
+            "  sleep 0.2\n"
+            "done\n"
+            "wait $agent; code=$?\n"
             "kill $fwd 2>/dev/null; exit $code\n"
         )
         result = await sandbox.exec(script, timeout_s=cfg.agent_timeout_s, max_output_bytes=cfg.agent_output_bytes)
