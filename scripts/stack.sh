@@ -27,12 +27,17 @@ images() { "$PY" -m services.cli.stack_images --env-file compose/images.env; }
 
 dc() { $COMPOSE -p "$PROJECT" --env-file compose/.stack.env -f compose/docker-compose.yml ${OVERRIDE:+-f "$OVERRIDE"} --profile "$PROFILE" "$@"; }
 
+# agent_coding: the rollout workers' proxy sockets, bind-mounted at the same path on both sides
+# (the daemon resolves the sandboxes' mounts on the host); sticky and writable by all, like /tmp
+agent_sockets() { install -d -m 1777 /tmp/conveyor-agents 2>/dev/null || true; }
+
 case "${1:-up}" in
   images) images ;;
   env) images; env_file; echo "compose/.stack.env" ;;
   up)
     images
     env_file
+    agent_sockets
     dc up -d
     echo "[stack] up; Flower: http://$(grep -E '^FLOWER_PUBLISH=' compose/.stack.env | cut -d= -f2 || echo 127.0.0.1:5555)"
     dc logs -f --no-color trainer &
@@ -49,6 +54,7 @@ case "${1:-up}" in
     : "${CONVEYOR_HEAD:?set CONVEYOR_HEAD to the address of the head host}"
     images
     env_file
+    agent_sockets
     [ "$PROJECT" != conveyor ] || PROJECT=conveyor-workers
     OVERRIDE=compose/worker-host.yml
     dc run --rm model-init
