@@ -27,13 +27,28 @@ class ChatTokens:
         # observation frame per role, found on first use
         self._frames: dict[str, tuple[str, str] | tuple[()]] = {}
 
-    def initial_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template renders a ``tools`` argument (else tools must go in a message)."""
+        return "tools" in (self.tokenizer.chat_template or "")
+
+    def initial_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """``tools``: passed to the template (only for one that ``renders_tools``)."""
+        extra = {"tools": tools} if tools else {}
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def observation_ids(self, observation: str, sampled_ended_with_eos: bool, role: str | None = None) -> list[int]:
         """``role``: the chat role of the observation (the environment's; default ``observation_role``)."""
-        delta = self._observation_text(observation, role or self.observation_role)
+        return self._ids_of_delta(self._observation_text(observation, role or self.observation_role), sampled_ended_with_eos)
+
+    def ids_after_assistant(self, messages: list[dict], sampled_ended_with_eos: bool, tools: list[dict] | None = None) -> list[int]:
+        """The ids that close the last assistant turn, carry ``messages`` and open the next
+        assistant turn: what a conversation that continues after a sampled reply appends."""
+        extra = {"tools": tools} if tools else {}
+        return self._ids_of_delta(self._text_after_assistant(messages, **extra), sampled_ended_with_eos)
+
+    def _ids_of_delta(self, delta: str, sampled_ended_with_eos: bool) -> list[int]:
         if sampled_ended_with_eos and self.eos_text and delta.startswith(self.eos_text):
             delta = delta[len(self.eos_text):]  # the model already sampled the end marker
         return list(self.tokenizer(delta, add_special_tokens=False)["input_ids"])
@@ -53,14 +68,12 @@ class ChatTokens:
         return self._render_delta(observation, role)
 
     def _render_delta(self, observation: str, role: str) -> str:
+        return self._text_after_assistant([{"role": role, "content": observation}])
+
+    def _text_after_assistant(self, messages: list[dict], **template_kwargs) -> str:
         rendered = self.tokenizer.apply_chat_template(
-            [
-                {"role": "user", "content": "x"},
-                {"role": "assistant", "content": _PLACEHOLDER},
-                {"role": role, "content": observation},
-            ],
-            add_generation_prompt=True,
-            tokenize=False,
+            [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PLACEHOLDER}, *messages],
+            add_generation_prompt=True, tokenize=False, **template_kwargs,
         )
         return rendered[rendered.index(_PLACEHOLDER) + len(_PLACEHOLDER):]
 

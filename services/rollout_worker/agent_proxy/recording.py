@@ -29,9 +29,6 @@ from services.rollout_worker.inference_client import Completion
 from services.rollout_worker.tool_calls import parse_tool_calls, without_tool_calls
 from shared.schemas import StopReason, ToolCall, Turn, TurnTimings
 
-_PLACEHOLDER = "\u2063PLACEHOLDER\u2063"
-
-
 class BudgetExhausted(RuntimeError):
     def __init__(self, reason: StopReason, detail: str):
         super().__init__(detail)
@@ -80,7 +77,6 @@ class AgentRecording:
         self._tools_key = ""
         self._ended_with_eos = False
         self._sampled_total = 0
-        self._renders_tools = "tools" in (chat.tokenizer.chat_template or "")
 
     # --- before the call -------------------------------------------------------------------
     def prepare(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], requested_max_tokens: int | None,
@@ -95,11 +91,12 @@ class AgentRecording:
         observation = ""
         if extends:
             delta = messages[len(self._keys):]
-            new_ids = list(self.chat.tokenizer(self._after_assistant(delta, tools), add_special_tokens=False)["input_ids"])
+            new_ids = self.chat.ids_after_assistant(delta, self._ended_with_eos, tools if self.chat.renders_tools else None)
             context = self._context + new_ids
             observation = "\n".join(str(m["content"]) for m in delta)
         else:
-            new_ids = self._whole(messages, tools)
+            new_ids = (self.chat.initial_prompt(messages, tools) if self.chat.renders_tools
+                       else self.chat.initial_prompt(with_tools_in_system(messages, tools)))
             context = new_ids
         budget, reason = self._budget(len(context), requested_max_tokens)
         if budget <= 0:
@@ -119,23 +116,6 @@ class AgentRecording:
     def _exhaust(self, reason: StopReason, detail: str) -> None:
         self.exhausted = reason
         raise BudgetExhausted(reason, detail)
-
-    def _whole(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
-        if self._renders_tools:
-            ids = self.chat.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=True)
-        else:
-            ids = self.chat.tokenizer.apply_chat_template(with_tools_in_system(messages, tools), add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-    def _after_assistant(self, delta: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
-        """The text that closes the last assistant turn, carries ``delta`` and opens the next one."""
-        conversation = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PLACEHOLDER}, *delta]
-        extra = {"tools": tools or None} if self._renders_tools else {}
-        rendered = self.chat.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False, **extra)
-        text = rendered[rendered.index(_PLACEHOLDER) + len(_PLACEHOLDER):]
-        if self._ended_with_eos and self.chat.eos_text and text.startswith(self.chat.eos_text):
-            text = text[len(self.chat.eos_text):]  # the model sampled the end marker itself
-        return text
 
     # --- after the call --------------------------------------------------------------------
     def record(self, call: PendingCall, completion: Completion, tools: list[dict[str, Any]]) -> Reply:
