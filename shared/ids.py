@@ -56,6 +56,17 @@ def sample_row_index(base_seed: int, group_id: int, num_rows: int) -> int:
     return random.Random(group_seed(base_seed, group_id)).randrange(num_rows)
 
 
+def weighted_row_index(base_seed: int, group_id: int, rows_by_env: dict[str, list[int]], weights: dict[str, float]) -> int:
+    """Sample mode with environment weights: the group's seed draws an environment by its
+    weight, then one of that environment's rows. Environments without weight are not drawn."""
+    envs = sorted(env for env in rows_by_env if weights.get(env, 0) > 0 and rows_by_env[env])
+    if not envs:
+        raise ValueError(f"no rows of a weighted environment: weights {weights}, rows of {sorted(rows_by_env)}")
+    rng = random.Random(group_seed(base_seed, group_id))
+    env = rng.choices(envs, weights=[weights[e] for e in envs])[0]
+    return rows_by_env[env][rng.randrange(len(rows_by_env[env]))]
+
+
 def epoch_permutation(base_seed: int, epoch: int, num_rows: int) -> list[int]:
     """The row order of one epoch in shuffled-epochs sample mode."""
     if num_rows <= 0:

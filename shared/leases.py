@@ -45,8 +45,12 @@ Redispatch = Callable[[str, str], None]  # (trajectory id, payload)
 
 
 class LeaseKeeper:
-    def __init__(self, ledger: Ledger, lease_ttl_s: float, heartbeat_s: float, stage: LeaseStage = ROLLOUT):
+    def __init__(self, ledger: Ledger, lease_ttl_s: float, heartbeat_s: float, stage: LeaseStage = ROLLOUT,
+                 on_lost: Callable[[list[str]], None] | None = None):
+        """``on_lost``: told, from the heartbeat thread, of held trajectories whose lease is no
+        longer this holder's (failed as superseded, or expired and claimed elsewhere)."""
         self.ledger, self.lease_ttl_s, self.heartbeat_s, self.stage = ledger, lease_ttl_s, heartbeat_s, stage
+        self.on_lost = on_lost
         self._held: dict[str, str] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -73,7 +77,12 @@ class LeaseKeeper:
     def beat(self) -> int:
         with self._lock:
             held = dict(self._held)
-        return self.ledger.heartbeat(held, self.lease_ttl_s, self.stage) if held else 0
+        if not held:
+            return 0
+        lost = self.ledger.renew(held, self.lease_ttl_s, self.stage)
+        if lost and self.on_lost is not None:
+            self.on_lost(lost)
+        return len(held) - len(lost)
 
     def start(self) -> None:
         if self._thread is None:

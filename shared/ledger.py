@@ -129,15 +129,20 @@ class Ledger:
 
     def heartbeat(self, leases: dict[str, str], lease_ttl_s: float, stage: LeaseStage = ROLLOUT) -> int:
         """Extend the leases still owned by these (trajectory id -> token); returns how many."""
+        return len(leases) - len(self.renew(leases, lease_ttl_s, stage))
+
+    def renew(self, leases: dict[str, str], lease_ttl_s: float, stage: LeaseStage = ROLLOUT) -> list[str]:
+        """Extend the leases still owned by these (trajectory id -> token); returns the ids that
+        are no longer theirs (failed meanwhile, e.g. superseded, or expired and claimed again)."""
         by_run: dict[str, list[str]] = {}
         for tid, token in leases.items():
             by_run.setdefault(parse_trajectory_id(tid).run_id, []).extend([tid, token])
-        renewed = 0
+        lost: list[str] = []
         deadline = time.time() + lease_ttl_s
         for run, pairs in by_run.items():
             keys = [RedisKeys.states(run), stage.owners(run), stage.leases]
-            renewed += int(self._heartbeat(keys=keys, args=[deadline, stage.held.value, *pairs]))
-        return renewed
+            lost += [_text(tid) for tid in self._heartbeat(keys=keys, args=[deadline, stage.held.value, *pairs])]
+        return lost
 
     def expired_leases(self, now: float | None = None, limit: int = 500, stage: LeaseStage = ROLLOUT) -> list[str]:
         now = time.time() if now is None else now
@@ -282,3 +287,7 @@ class Ledger:
 def _require_token(token: str) -> None:
     if not token:
         raise ValueError("a lease token is required: an empty one would skip the owner check")
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -62,16 +62,18 @@ redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
 return 1
 """
 
-# KEYS: states, owners, leases ; ARGV: deadline, held, then (tid, token) pairs -> renewed count
+# KEYS: states, owners, leases ; ARGV: deadline, held, then (tid, token) pairs -> the ids whose
+# lease is no longer theirs (another state, or another owner): their holders should stop
 HEARTBEAT = """
-local renewed = 0
+local lost = {}
 for i = 3, #ARGV, 2 do
   if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[2] and redis.call('HGET', KEYS[2], ARGV[i]) == ARGV[i + 1] then
     redis.call('ZADD', KEYS[3], 'XX', ARGV[1], ARGV[i])
-    renewed = renewed + 1
+  else
+    lost[#lost + 1] = ARGV[i]
   end
 end
-return renewed
+return lost
 """
 
 # Generic guarded transition. Leaving a state a lease stage holds ends that stage's lease; a

@@ -164,5 +164,13 @@ class RedisKeys:
         return f"{_P}:{{{run_id}}}:train_queue"
 
     @staticmethod
+    def eval_stream(run_id: str) -> str:  # stream of {"eval": EvalEnd JSON}: the end signal of each eval pass
+        return f"{_P}:{{{run_id}}}:eval"
+
+    @staticmethod
+    def eval_ends(run_id: str) -> str:  # hash: policy version -> EvalEnd JSON, written once per version
+        return f"{_P}:{{{run_id}}}:eval_ends"
+
+    @staticmethod
     def trainer_counters(run_id: str) -> str:  # hash: counter -> int (shared.trainer_counters)
         return f"{_P}:{{{run_id}}}:trainer"

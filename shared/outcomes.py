@@ -39,6 +39,7 @@ class FailureKind(str, enum.Enum):
     lease_expired = "lease_expired"  # the rollout worker died max_attempts times (shared.ledger)
     scoring_lease_expired = "scoring_lease_expired"
     scoring_error = "scoring_error"  # the reward function or the trajectory object failed
+    superseded = "superseded"  # group redundancy: the group had kept its first members; this one was cancelled
 
 
 def reason(kind: FailureKind, detail: str) -> str:

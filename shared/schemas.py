@@ -317,6 +317,7 @@ class TrainBatchEntry(Message):
     group_id: int
     key: str  # object key of the TrainingBatch
     oldest_policy_version: int  # of the group's oldest turn: staleness is checked when it is trained on
+    env_name: str = ""  # the group's environment, for the per-batch shares (trainer.min_env_share)
 
 
 class SkippedGroupEntry(Message):
@@ -409,6 +410,22 @@ class GroupRecord(Message):
     completed_at: float
 
 
+class EvalEnd(Message):
+    """The end signal of one eval pass (``services.trainer.evaluation``): every eval trajectory of
+    ``eval_run_id`` is accounted for (or ``timed_out``). One per version, on the run's eval stream."""
+
+    run_id: str  # the training run
+    eval_run_id: str
+    policy_version: int  # the version evaluated
+    served_version: int  # what vLLM served when the pass started
+    tasks: int
+    trajectories: int
+    scored: int
+    failed: int
+    timed_out: bool
+    metrics: dict[str, float]
+
+
 class GroupRegistration(Message):
     """Intake's record of a dispatched group, kept in Redis."""
 
@@ -418,6 +435,11 @@ class GroupRegistration(Message):
     task_id: str
     policy_version: int
     dispatched_at: float
+    env_name: str = ""  # the task's environment (per-environment eval metrics); "" in older records
+    # group redundancy (rollout.redundancy): the group is decided once ``keep`` members are
+    # scored; the others of ``members`` are then failed as superseded. 0: every member counts
+    keep: int = Field(0, ge=0)
+    members: list[str] = Field(default_factory=list)  # trajectory ids, with redundancy
 
 
 class TrainingSample(BaseModel):

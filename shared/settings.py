@@ -17,6 +17,7 @@ an import path that does not import (``intake.env_config.reward_fn``, a ``module
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -95,6 +96,9 @@ class SamplingSettings(Section):
 
 class RolloutSettings(Section):
     group_size: Int = Field(4, gt=0)
+    # group redundancy: dispatch group_size + redundancy members, keep the first group_size
+    # scored, cancel the rest (failed: superseded). Cuts the tail a slow sandbox adds to a group
+    redundancy: Int = Field(0, ge=0)
     max_turns: Int = Field(4, gt=0)
     max_tokens_per_turn: Int = Field(32, gt=0)
     max_episode_tokens: Int = Field(256, gt=0)  # sampled tokens across all turns
@@ -155,6 +159,9 @@ class IntakeSettings(Section):
     # every row once per epoch, in an order shuffled per epoch from base_seed
     sample_order: Literal["replacement", "shuffled_epochs"] = "replacement"
     num_groups: Int = Field(8, gt=0)  # groups to dispatch in sample mode
+    # sample mode, order replacement: draw each group's environment by these weights ({env: w}),
+    # then a row of it; only the environments named here are drawn. {}: rows uniformly
+    env_weights: dict[str, Float] = Field(default_factory=dict)
     base_seed: Int = 0
 
     @field_validator("env_config")
@@ -163,6 +170,16 @@ class IntakeSettings(Section):
         if "reward_fn" in env_config:
             import_callable(str(env_config["reward_fn"]), "reward_fn")
         return env_config
+
+    @model_validator(mode="after")
+    def _weights_draw_something(self) -> "IntakeSettings":
+        if not self.env_weights:
+            return self
+        if any(w < 0 for w in self.env_weights.values()) or not any(w > 0 for w in self.env_weights.values()):
+            raise ValueError(f"env_weights: weights are >= 0 and one at least is > 0, got {self.env_weights}")
+        if self.mode == "sample" and self.sample_order != "replacement":
+            raise ValueError("env_weights draws with replacement: set sample_order to 'replacement'")
+        return self
 
 
 class RewardSettings(Section):
@@ -253,7 +270,22 @@ class TrainerSettings(Section):
     # while dropping: how many dropped groups one step may wait for beyond groups_per_step;
     # past it the step trains on the groups it has. None: wait for groups_per_step groups.
     max_extra_groups_per_step: Int | None = Field(None, ge=0)
+    # mixing: the least share of each step's groups per environment ({env: share}); a group of an
+    # environment past its quota is deferred to a later step, at most mixing_window per step
+    min_env_share: dict[str, Float] = Field(default_factory=dict)
+    mixing_window: Int = Field(32, ge=0)
     logprob_alarm: LogprobAlarmSettings = LogprobAlarmSettings()
+
+    @model_validator(mode="after")
+    def _shares_fit_a_step(self) -> "TrainerSettings":
+        bad = {env: share for env, share in self.min_env_share.items() if not 0 <= share <= 1}
+        if bad:
+            raise ValueError(f"min_env_share: every share is between 0 and 1, got {bad}")
+        need = sum(math.ceil(share * self.groups_per_step) for share in self.min_env_share.values())
+        if need > self.groups_per_step:
+            raise ValueError(f"min_env_share asks for {need} groups of a step of {self.groups_per_step} (groups_per_step)")
+        return self
+
     consumer_name: str = "trainer-0"
     block_ms: Int = Field(1000, gt=0)
     metrics_path: Path = Path(".conveyor/metrics.jsonl")  # one line per completed group
@@ -268,6 +300,39 @@ class TrainerSettings(Section):
     loss: LossSettings = LossSettings()
     optim: OptimSettings = OptimSettings()
     batching: BatchingSettings = BatchingSettings()
+
+
+class EvaluationSettings(Section):
+    """Evaluation during training (``services.trainer.evaluation``): the policy the trainer has
+    just made is rolled out on the eval split, in traversal mode, under a run id of its own."""
+
+    every_steps: Int | None = Field(None, gt=0)  # evaluate after every N-th step; None: never during training
+    at_end: bool = True  # and after the last step (trainer.max_steps), when evaluation is on
+    # "" : the eval split of intake.dataset (intake.splits); else every row of this dataset is eval
+    dataset: str = ""
+    samples_per_task: Int = Field(4, gt=0)  # n rollouts per task: pass@k for every k in pass_k up to n
+    pass_k: list[Int] = Field(default_factory=lambda: [1])
+    sync_timeout_s: Float = Field(300.0, gt=0)  # wait this long for vLLM to serve the version evaluated
+    timeout_s: Float = Field(1800.0, gt=0)  # a pass not accounted for by then ends, marked timed out
+    metrics_path: Path = Path(".conveyor/eval.jsonl")  # one line per pass; Prometheus and W&B as training's
+
+    @field_validator("pass_k")
+    @classmethod
+    def _positive_k(cls, ks: list[int]) -> list[int]:
+        if any(k < 1 for k in ks):
+            raise ValueError(f"every k must be at least 1, got {ks}")
+        return sorted(set(ks))
+
+    @model_validator(mode="after")
+    def _k_within_samples(self) -> "EvaluationSettings":
+        if self.pass_k and self.pass_k[-1] > self.samples_per_task:
+            raise ValueError(f"pass@{self.pass_k[-1]} needs samples_per_task >= {self.pass_k[-1]}, "
+                             f"got {self.samples_per_task}")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_steps is not None or self.at_end and bool(self.dataset)
 
 
 class Settings(BaseSettings):
@@ -291,6 +356,21 @@ class Settings(BaseSettings):
     intake: IntakeSettings = IntakeSettings()
     rewards: RewardSettings = RewardSettings()
     trainer: TrainerSettings = TrainerSettings()
+    evaluation: EvaluationSettings = EvaluationSettings()
+
+    @model_validator(mode="after")
+    def _eval_split_not_trained_on(self) -> "Settings":
+        """Evaluating the training dataset's eval split needs one, and intake must publish only
+        the train split, else eval tasks would be trained on."""
+        evaluation, splits = self.evaluation, self.intake.splits
+        if evaluation.enabled and not evaluation.dataset:
+            if splits.eval_fraction == 0 and not splits.holdout_envs:
+                raise ValueError("evaluation: the eval split is empty; set intake.splits.eval_fraction or "
+                                 "holdout_envs, or evaluation.dataset")
+            if splits.role != "train":
+                raise ValueError(f"evaluation: intake.splits.role is {splits.role!r}, so intake would publish the "
+                                 "eval split for training too; set it to 'train'")
+        return self
 
     @classmethod
     def settings_customise_sources(

@@ -31,6 +31,7 @@ class TrainerCounter(str, enum.Enum):
     bad_events = "bad_events"  # trainer-stream entries that did not parse or named an unknown group
     duplicate_events = "duplicate_events"  # a second event for a trajectory of a pending group
     late_events = "late_events"  # an event for a group already done
+    superseded = "superseded"  # redundant members failed(superseded) once their group kept its first N
     bad_train_entries = "bad_train_entries"  # train-queue entries that did not parse (passed over)
     alarm_skipped_steps = "alarm_skipped_steps"  # steps the logprob alarm applied no update in
     alarm_failed_syncs = "alarm_failed_syncs"  # weight syncs that did not take, with action skip_step

@@ -4,6 +4,7 @@ shared wider, ``tiny_vllm``); each test starts its own workers and trainer on it
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -59,6 +60,16 @@ def run_stack(base: LocalStack, root: Path, run_id: str, **settings: str) -> Loc
     """A stack of its own for one run, on the base's Redis, S3 and vLLM."""
     env = {k: v for k, v in base.env.items() if k not in ("CONVEYOR_RUN_ID", "CONVEYOR_TRAINER__METRICS_PATH")}
     return LocalStack(root, run_id=run_id, env={**env, **settings})
+
+
+def start_and_publish(stack: LocalStack, dataset: Path, concurrency: int = 8) -> subprocess.CompletedProcess:
+    """A rollout worker, a scoring worker and the trainer, then intake of ``dataset`` (it must succeed)."""
+    stack.start_rollout_worker(concurrency=concurrency)
+    stack.start_scoring_worker()
+    stack.start_trainer()
+    intake = stack.run_conveyor("intake", "--dataset", str(dataset))
+    assert intake.returncode == 0, intake.stderr
+    return intake
 
 
 def wait_terminal(stack: LocalStack, run_id: str, expected: int, timeout_s: float) -> dict[str, int]:

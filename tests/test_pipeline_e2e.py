@@ -14,13 +14,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pipeline_support import REWARD_WEIGHTS, base_stack, run_stack, store_of, stream_events, wait_terminal
+from pipeline_support import (REWARD_WEIGHTS, base_stack, run_stack, start_and_publish, store_of, stream_events,
+                              wait_terminal)
 
 from services.cli.demo import write_demo_dataset
 from services.cli.local_stack import LocalStack
 from services.rollout_worker.episode import turn_seed
 from services.trainer.advantages import group_advantages
-from shared.names import RedisKeys
+from shared.ledger import Ledger
+from shared.names import RedisKeys, group_record_key
 from shared.schemas import GroupRecord, ScoredTrajectory, TrainingBatch, Trajectory
 from shared.storage import get_model
 
@@ -48,11 +50,7 @@ def test_pipeline_end_to_end(base, tmp_path):
     with dataset.open("a") as fh:  # one bad row: rejected with a reason, intake goes on
         fh.write('{"task_data": {"low": 1, "high": 5, "target": 99}}\n')
     with stack:
-        stack.start_rollout_worker(concurrency=8)
-        stack.start_scoring_worker()
-        stack.start_trainer()
-        intake = stack.run_conveyor("intake", "--dataset", str(dataset))
-        assert intake.returncode == 0, intake.stderr
+        intake = start_and_publish(stack, dataset)
         assert "1 rows rejected" in intake.stderr and "outside [1, 5]" in intake.stderr
         total = GROUPS * GROUP_SIZE
         wait_terminal(stack, run_id, total, timeout_s=600)
@@ -115,3 +113,57 @@ def test_pipeline_end_to_end(base, tmp_path):
     assert int(counters.get("groups_accepted", 0)) == trained
     assert int(counters.get("duplicate_events", 0)) == 0
 
+
+
+def test_process_mode_rolls_out_and_scores_with_no_trainer_and_writes_sft_and_dpo_data(base, tmp_path):
+    """``conveyor process``: intake, the running workers and the scorer, groups assembled with
+    their advantages, every trajectory accounted for; no step and no checkpoint; then the rollouts
+    as chat records, and the same run as DPO pairs."""
+    run_id = "offline"
+    stack = _run_stack(base, tmp_path, run_id, CONVEYOR_TRAINER__MAX_OFF_POLICY_STEPS="1")  # ignored: nothing trains
+    dataset = write_demo_dataset(tmp_path / "guess.jsonl", 4)
+    with stack:
+        stack.start_rollout_worker(concurrency=8)
+        stack.start_scoring_worker()
+        done = stack.run_conveyor("process", "--dataset", str(dataset), "--out", str(tmp_path / "sft.jsonl"), timeout_s=600)
+        assert done.returncode == 0, done.stderr
+        assert "no trainer runs" in done.stderr
+        counts = Ledger(stack.redis_client()).counts(run_id)
+        assert counts["consumed"] + counts["failed"] == 4 * GROUP_SIZE and sum(counts.values()) == 4 * GROUP_SIZE
+        records = [json.loads(line) for line in (tmp_path / "sft.jsonl").read_text().splitlines()]
+        assert len(records) == counts["consumed"] > 0
+        for record in records:
+            assert record["messages"][record["prompt_length"]]["role"] == "assistant"
+            assert record["env_name"] == "guess_number" and isinstance(record["reward"], float)
+        store = store_of(stack)
+        assert not store.list_keys(f"checkpoints/{run_id}/")
+        assert len(store.list_keys(f"groups/{run_id}/")) == 4  # every group decided, advantages computed
+        # the demo's rewards weigh brevity, so the members of a group score apart: pairs exist
+        pairs = stack.run_conveyor("export", run_id, "--out", str(tmp_path / "dpo.jsonl"), "--form", "pairs")
+        assert pairs.returncode == 0, pairs.stderr
+        lines = [json.loads(line) for line in (tmp_path / "dpo.jsonl").read_text().splitlines()]
+        assert 1 <= len(lines) <= 4 and all(p["chosen_reward"] > p["rejected_reward"] for p in lines)
+        assert all(p["prompt"] and p["chosen"][0]["role"] == "assistant" for p in lines)
+
+
+def test_group_redundancy_keeps_the_first_members_and_the_ledger_stays_exact(base, tmp_path):
+    """rollout.redundancy 2: each group goes out with 6 members, is decided on its first 4
+    scored, and the 2 others end failed(superseded): dispatched = consumed + failed."""
+    run_id = "redundant"
+    groups, extra = 4, 2
+    stack = _run_stack(base, tmp_path, run_id, CONVEYOR_ROLLOUT__REDUNDANCY=str(extra))
+    dataset = write_demo_dataset(tmp_path / "guess.jsonl", groups)
+    with stack:
+        start_and_publish(stack, dataset)
+        dispatched = groups * (GROUP_SIZE + extra)
+        counts = wait_terminal(stack, run_id, dispatched, timeout_s=600)
+        assert counts["consumed"] == groups * GROUP_SIZE and counts["failed"] == groups * extra, counts
+        reasons = stack.redis_client().hgetall(RedisKeys.failures(run_id)).values()
+        assert len(reasons) == groups * extra and all(r.startswith("superseded: ") for r in reasons)
+        store = store_of(stack)
+        for group_id in range(groups):
+            record = get_model(store, group_record_key(run_id, group_id), GroupRecord)
+            assert record.expected_size == GROUP_SIZE + extra
+            assert sum(m.reward is not None for m in record.members) == GROUP_SIZE
+            if record.batch_key:
+                assert len({s.trajectory_id for s in get_model(store, record.batch_key, TrainingBatch).samples}) == GROUP_SIZE

@@ -87,7 +87,12 @@ def intake(
 ) -> None:
     """Publish the dataset's groups of rollout tasks on queue 'rollouts'."""
     _logging()
-    settings = _settings(config)
+    _publish_dataset(_settings(config), dataset, demo_tasks)
+
+
+def _publish_dataset(settings: Settings, dataset: Optional[str], demo_tasks: Optional[int]) -> None:
+    """What ``conveyor intake`` does: the dataset's groups to queue 'rollouts', a summary line,
+    and a ``CommandError`` when every row was rejected."""
     from services.intake.datasets import read_dataset
     from services.intake.limits import PromptLimit
     from services.intake.publisher import run_intake
@@ -127,17 +132,50 @@ def export(
     run_id: str = typer.Argument(..., help="the run whose consumed trajectories to export"),
     out: Path = typer.Option(..., "--out", "-o", help="a .jsonl or .parquet file, or a directory (hf)"),
     fmt: str = typer.Option("jsonl", "--format", help="jsonl, parquet or hf (a saved Hugging Face dataset)"),
-    form: str = typer.Option("chat", "--form", help="chat (messages) or tokens (ids, loss mask, logprobs)"),
+    form: str = typer.Option("chat", "--form", help="chat (messages), tokens (ids, loss mask, logprobs) or pairs "
+                                                    "(DPO: each group's best against its worst)"),
     min_reward: Optional[float] = typer.Option(None, help="only trajectories with at least this reward"),
     max_reward: Optional[float] = typer.Option(None, help="only trajectories with at most this reward"),
+    min_margin: float = typer.Option(0.0, help="pairs: only groups whose best and worst rewards differ by more"),
     config: Optional[Path] = ConfigOption,
 ) -> None:
     """Write a run's scored trajectories, with rewards and advantages, for SFT, DPO or analysis."""
-    if fmt not in ("jsonl", "parquet", "hf") or form not in ("chat", "tokens"):
-        raise errors.CommandError(f"--format must be jsonl, parquet or hf and --form chat or tokens; got {fmt!r}, {form!r}")
-    from services.cli.data import export_run
+    from services.cli.data import check_export_options, export_run
 
-    export_run(run_id, out, fmt, form, min_reward, max_reward, config)
+    check_export_options(fmt, form)
+    export_run(run_id, out, fmt, form, min_reward, max_reward, config, min_margin)
+
+
+@app.command()
+def process(
+    out: Path = typer.Option(..., "--out", "-o", help="where the rollouts go: a .jsonl or .parquet file, or a directory (hf)"),
+    config: Optional[Path] = ConfigOption,
+    dataset: Optional[str] = typer.Option(None, help="JSONL file or saved HF dataset dir (overrides intake.dataset)"),
+    fmt: str = typer.Option("jsonl", "--format", help="jsonl, parquet or hf"),
+    form: str = typer.Option("chat", "--form", help="chat (SFT), tokens, or pairs (DPO)"),
+    min_reward: Optional[float] = typer.Option(None, help="only trajectories with at least this reward (rejection sampling)"),
+    max_reward: Optional[float] = typer.Option(None, help="only trajectories with at most this reward"),
+    min_margin: float = typer.Option(0.0, help="pairs: only groups whose best and worst rewards differ by more"),
+) -> None:
+    """Offline mode: roll the dataset out and score it with the running workers, no trainer, then
+    write the scored rollouts (for SFT, DPO or rejection sampling). Takes the trainer's place for the run."""
+    _logging()
+    settings = _settings(config)
+    from services.cli.data import check_export_options, export_run
+    from services.trainer.consumer import TrainerConsumer
+    from shared.ledger import Ledger
+    from shared.storage import open_store
+
+    check_export_options(fmt, form)
+    if settings.trainer.max_off_policy_steps is not None:  # nothing trains: intake must not wait for a trainer
+        console.print("process mode: trainer.max_off_policy_steps ignored, no trainer runs")
+        settings = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"max_off_policy_steps": None})})
+    _publish_dataset(settings, dataset, None)
+    consumer = TrainerConsumer(settings, Ledger.from_url(settings.redis.url, settings.outage), open_store(settings.storage, settings.outage))
+    consumer.run_forever(stop_when_idle=True)  # groups assembled, advantages computed, every trajectory terminal
+    counts = consumer.ledger.counts(settings.run_id)
+    console.print(f"process {settings.run_id}: {counts['consumed']} trajectories scored, {counts['failed']} failed")
+    export_run(settings.run_id, out, fmt, form, min_reward, max_reward, config, min_margin, settings=settings)
 
 
 def _check_environments(settings: Settings) -> None:
@@ -226,6 +264,25 @@ def worker_scoring(
     _celery_worker("services.scorer.tasks", "scoring", "threads", concurrency, name, level)
 
 
+def _evaluator(settings: Settings, ledger: "Ledger", store: "ObjectStore") -> "Evaluator | None":  # noqa: F821
+    """The trainer's evaluator when ``evaluation`` is on: the eval rows read once, at start."""
+    if not settings.evaluation.enabled:
+        return None
+    from services.intake.datasets import read_dataset
+    from services.intake.limits import PromptLimit
+    from services.trainer.evaluation import Evaluator
+    from shared.celery_app import make_celery, publish_rollouts
+
+    _check_environments(settings)
+    path = settings.evaluation.dataset or settings.intake.dataset
+    if not path:
+        raise errors.CommandError("evaluation is on but there is no dataset: set evaluation.dataset or intake.dataset")
+    data = read_dataset(path, settings.intake.split, settings.intake.dataset_label, settings.intake.max_row_bytes)
+    celery = make_celery(settings)
+    return Evaluator(settings, ledger, store, lambda requests: publish_rollouts(celery, requests), data.rows,
+                     dataset_version=data.version, prompt_limit=PromptLimit.from_settings(settings))
+
+
 @app.command()
 def trainer(
     config: Optional[Path] = ConfigOption,
@@ -253,7 +310,7 @@ def trainer(
 
         t = settings.trainer
         sink = MetricsSink(t.step_metrics_path, t.prometheus_port or settings.metrics_port, t.wandb_project, settings.run_id)
-        loop = TrainingLoop(settings, store, consumer.budget, sink)
+        loop = TrainingLoop(settings, store, consumer.budget, sink, evaluator=_evaluator(settings, consumer.ledger, store))
     from services.trainer.alarm import LogprobAlarm
     from shared.processes import on_sigterm
 

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from services.cli import errors
-from shared.settings import load_settings
+from shared.settings import Settings, load_settings
 
 data_app = typer.Typer(no_args_is_help=True, help="Datasets: validate before publishing.")
 console = Console(stderr=True)
@@ -56,20 +56,27 @@ def validate_dataset(
     raise typer.Exit(0 if report.rejected == 0 else 1)
 
 
+def check_export_options(fmt: str, form: str) -> None:
+    if fmt not in ("jsonl", "parquet", "hf") or form not in ("chat", "tokens", "pairs"):
+        raise errors.CommandError(f"--format must be jsonl, parquet or hf and --form chat, tokens or pairs; got {fmt!r}, {form!r}")
+
+
 def export_run(run_id: str, out: Path, fmt: str, form: str, min_reward: Optional[float], max_reward: Optional[float],
-               config: Optional[Path]) -> int:
-    """``conveyor export``: the run's consumed trajectories to ``out``; returns how many."""
+               config: Optional[Path], min_margin: float = 0.0, settings: "Settings | None" = None) -> int:
+    """``conveyor export``: the run's consumed trajectories (or pairs of them) to ``out``; returns how many."""
     from services.trainer.export import export_records, write_records
     from shared.outage import redis_client
     from shared.storage import open_store
 
-    settings = load_settings(config)
+    settings = settings or load_settings(config)
     errors.state.settings = settings
     client = redis_client(settings.redis.url, settings.outage)
     store = open_store(settings.storage, settings.outage)
-    records = list(export_records(client, store, run_id, form, min_reward, max_reward))  # type: ignore[arg-type]
+    records = list(export_records(client, store, run_id, form, min_reward, max_reward, min_margin))  # type: ignore[arg-type]
     if not records:
-        raise errors.CommandError(f"run {run_id}: no consumed trajectory to export (within the reward bounds)")
+        what = "group with a pair" if form == "pairs" else "consumed trajectory"
+        raise errors.CommandError(f"run {run_id}: no {what} to export (within the reward bounds)")
     write_records(records, out, fmt)  # type: ignore[arg-type]
-    console.print(f"exported {len(records)} trajectories of run {run_id} to {out} ({fmt}, {form} form)")
+    unit = "pairs" if form == "pairs" else "trajectories"
+    console.print(f"exported {len(records)} {unit} of run {run_id} to {out} ({fmt}, {form} form)")
     return len(records)

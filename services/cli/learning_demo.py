@@ -13,6 +13,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from services.cli.local_stack import LocalStack, free_port
 from services.trainer.metrics import read_steps
@@ -63,7 +64,9 @@ def write_prompts(path: Path, n: int = 16) -> Path:
 def run_learning(
     workdir: Path, steps: int, max_off_policy_steps: int, overrides: dict[str, str] | None = None,
     timeout_s: float = 1500, task_config: dict | None = None, layout: str = "llama", worker_extension: bool = True,
+    inspect: Callable[[LocalStack], None] | None = None,
 ) -> LearningRun:
+    """``inspect``: called with the stack, still up, once the trainer has exited cleanly."""
     from services.inference.server import VllmServer
     from services.inference.tiny_model import generate_tiny_model
 
@@ -71,12 +74,14 @@ def run_learning(
     settings = {**LEARNING_SETTINGS, **(overrides or {})}
     if task_config:
         settings["CONVEYOR_INTAKE__ENV_CONFIG"] = json.dumps({"reward_fn": TOY_REWARD_FN, **task_config})
+    prompts = write_prompts(workdir / "prompts.jsonl")  # intake.dataset: the trainer reads it too, to evaluate
     groups = 4 * steps * int(settings["CONVEYOR_TRAINER__GROUPS_PER_STEP"])  # room for filtered groups
     stack = LocalStack(workdir / "stack", run_id=f"learn-k{max_off_policy_steps}", env={
         **settings,
         "CONVEYOR_TRAINER__MAX_OFF_POLICY_STEPS": str(max_off_policy_steps),
         "CONVEYOR_TRAINER__MAX_STEPS": str(steps),
         "CONVEYOR_INTAKE__NUM_GROUPS": str(groups),
+        "CONVEYOR_INTAKE__DATASET": str(prompts),
         "CONVEYOR_TRAINER__STEP_METRICS_PATH": str(workdir / "train_steps.jsonl"),
         "CONVEYOR_TRAINER__REWARD_CURVE_PATH": str(workdir / "reward_curve.png"),
     })
@@ -96,7 +101,7 @@ def run_learning(
         trainer = stack.start_trainer(exit_when_done=True)
         time.sleep(5)  # let the workers import and connect before the clock starts
         started = time.time()
-        intake = stack.conveyor("intake", "intake", "--dataset", str(write_prompts(workdir / "prompts.jsonl")))
+        intake = stack.conveyor("intake", "intake")
         deadline = started + timeout_s
         while trainer.alive():
             if time.time() > deadline:
@@ -110,6 +115,8 @@ def run_learning(
             time.sleep(0.2)
         if trainer.proc.returncode != 0:
             raise RuntimeError(f"trainer failed:\n{stack.logs('trainer')}")
+        if inspect is not None:
+            inspect(stack)
         history = read_steps(workdir / "train_steps.jsonl")
         last = max((h.get("time", 0) for h in history), default=0) or time.time()
         return LearningRun(workdir, history, wall_s=min(last, time.time()) - started)

@@ -6,6 +6,8 @@ Invariants:
   Either way, running intake twice over the same data yields the same ids, and the ledger
   ``groups_published`` set makes the second run publish nothing already published (and
   publish what a crash left registered but unpublished).
+- With ``rollout.redundancy = k`` a group goes out with ``group_size + k`` members and its
+  registration says to keep the first ``group_size`` scored (``keep``, ``members``).
 - A group is registered (Redis) and its trajectories recorded as queued in the ledger before
   its rollout task is published, so a worker never sees a trajectory the ledger does not know.
 - With a staleness bound configured, a group is published only once ``StalenessBudget``
@@ -13,6 +15,9 @@ Invariants:
 - A bad row is rejected with its location and reason, recorded in Redis and counted;
   intake goes on with the next row. Rows pass the same admission ``conveyor data validate``
   uses (``adapters.admit_row``).
+- Sample mode with ``intake.env_weights`` draws each group's environment by weight from its
+  seed, then a row of it (``shared.ids.weighted_row_index``): the mix is a pure function of
+  the seed too. Rows that cannot be admitted are never drawn.
 - With ``intake.splits.role`` train or eval, only the rows of that split are published
   (``splits``: hash-based, stratified by environment); group ids number the rows of the split.
   Publish an eval split under a run id of its own.
@@ -63,7 +68,7 @@ class IntakeReport:
 
 def build_group(settings: Settings, group_id: int, task: TaskProfile, policy_version: int = 0) -> list[RolloutRequest]:
     now = time.time()
-    size = settings.rollout.group_size
+    size = settings.rollout.group_size + settings.rollout.redundancy
     requests = []
     for index in range(size):
         seed = ids.episode_seed(settings.intake.base_seed, group_id, index)
@@ -75,6 +80,13 @@ def build_group(settings: Settings, group_id: int, task: TaskProfile, policy_ver
             )
         )
     return requests
+
+
+def _redundancy(settings: Settings, requests: list[RolloutRequest]) -> dict:
+    """Registration fields of a redundant group: keep the first group_size scored of these members."""
+    if not settings.rollout.redundancy:
+        return {}
+    return {"keep": settings.rollout.group_size, "members": [r.trajectory_id for r in requests]}
 
 
 def rows_of_role(splits: SplitSettings, rows: list[Row | BadRow], admit: Callable[[Row], TaskProfile]) -> list[Row | BadRow]:
@@ -95,14 +107,35 @@ def rows_of_role(splits: SplitSettings, rows: list[Row | BadRow], admit: Callabl
     return [row for position, row in enumerate(rows) if position not in other]
 
 
-def select_rows(settings: Settings, rows: list[Row | BadRow]) -> Iterable[tuple[int, Row | BadRow]]:
-    """(group id, row) pairs for the configured mode."""
+def _env_of(row: Row | BadRow, admit: Callable[[Row], TaskProfile]) -> str | None:
+    if isinstance(row, BadRow):
+        return None
+    try:
+        return admit(row).env_name
+    except (RowRejected, ValueError):
+        return None
+
+
+def select_rows(settings: Settings, rows: list[Row | BadRow],
+                row_envs: list[str | None] | None = None) -> Iterable[tuple[int, Row | BadRow]]:
+    """(group id, row) pairs for the configured mode. ``row_envs``: each row's environment
+    (None: not admissible), needed by sample mode with ``intake.env_weights``."""
     if settings.intake.mode == "traversal":
         yield from enumerate(rows)
         return
     seed, n = settings.intake.base_seed, len(rows)
     if n == 0:
         raise ValueError("cannot sample from an empty dataset")
+    if settings.intake.env_weights:
+        if row_envs is None:
+            raise ValueError("intake.env_weights needs each row's environment")
+        rows_by_env: dict[str, list[int]] = {}
+        for position, env in enumerate(row_envs):
+            if env is not None:
+                rows_by_env.setdefault(env, []).append(position)
+        for group_id in range(settings.intake.num_groups):
+            yield group_id, rows[ids.weighted_row_index(seed, group_id, rows_by_env, settings.intake.env_weights)]
+        return
     if settings.intake.sample_order == "shuffled_epochs":
         order: list[int] = []
         for group_id in range(settings.intake.num_groups):
@@ -144,7 +177,9 @@ def run_intake(
         return admit_row(row.value, row.source, settings.intake.env_name, settings.intake.env_config, environments,
                          dataset_version, prompt_limit)
 
-    for group_id, row in select_rows(settings, rows_of_role(settings.intake.splits, rows, admit)):
+    rows = rows_of_role(settings.intake.splits, rows, admit)
+    row_envs = [_env_of(row, admit) for row in rows] if settings.intake.env_weights and settings.intake.mode == "sample" else None
+    for group_id, row in select_rows(settings, rows, row_envs):
         try:
             if isinstance(row, BadRow):
                 raise RowRejected(row.reason)
@@ -164,7 +199,8 @@ def run_intake(
         requests = build_group(settings, group_id, task, policy_version)
         registration = GroupRegistration(
             run_id=run, group_id=group_id, expected_size=len(requests), task_id=task.task_id,
-            policy_version=policy_version, dispatched_at=requests[0].dispatched_at,
+            policy_version=policy_version, dispatched_at=requests[0].dispatched_at, env_name=task.env_name,
+            **_redundancy(settings, requests),
         )
         groups.register(registration)  # the first registration stays: a re-run keeps it
         ledger.register(requests, require_marker=True)  # idempotent: a group left unpublished by a crash goes out now

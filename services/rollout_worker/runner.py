@@ -46,7 +46,7 @@ from services.rollout_worker.agent_proxy import AgentProxy
 from services.rollout_worker.chat_tokens import ChatTokens
 from services.rollout_worker.environments.coding.artifacts import write_artifacts
 from services.rollout_worker.episode import EpisodeLimits, run_episode
-from services.rollout_worker.in_flight import HandBack, InFlight
+from services.rollout_worker.in_flight import HandBack, InFlight, LeaseLost
 from services.rollout_worker.inference_client import InferenceClient, InferenceOutage, InferenceRejected, InferenceUnavailable
 from services.rollout_worker.sandbox.errors import SandboxInfraError
 from shared.environments import EnvironmentConfigError, EnvironmentUnavailable, registry_for
@@ -116,10 +116,13 @@ async def _run_one(ctx: RolloutContext, request: RolloutRequest) -> RolloutResul
 async def _roll_out(ctx: RolloutContext, request: RolloutRequest, token: str, attempt: int) -> RolloutResult:
     tid = request.trajectory_id
     try:
-        trajectory = await ctx.in_flight.run(_episode(ctx, request, attempt))
+        trajectory = await ctx.in_flight.run(_episode(ctx, request, attempt), tid)
         return await asyncio.to_thread(_hand_on, ctx, trajectory, token)
     except HandBack:
         return await asyncio.to_thread(_hand_back, ctx, request, token)
+    except LeaseLost:  # superseded by its group's redundancy, or its lease expired: the ledger says so already
+        log.info("%s cancelled: its lease is no longer this worker's", tid)
+        return RolloutResult(RolloutOutcome.skipped, "lease_lost")
     except InferenceOutage as exc:
         log.error("%s failed: %s", tid, exc)
         return await asyncio.to_thread(_fail, ctx, tid, token, FailureKind.inference_outage, str(exc))

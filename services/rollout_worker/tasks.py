@@ -30,6 +30,7 @@ from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
 from services.rollout_worker.chat_tokens import load_chat_tokens
 from services.rollout_worker.event_loop import background_loop
+from services.rollout_worker.in_flight import InFlight
 from services.rollout_worker.inference_client import InferenceClient
 from services.rollout_worker.runner import RolloutContext, run_requests
 from services.rollout_worker.sandbox_janitor import SandboxJanitor
@@ -55,9 +56,16 @@ def _context() -> RolloutContext:
     with _ctx_lock:
         if _ctx is None:
             ledger = Ledger.from_url(settings.redis.url, settings.outage)  # waits out an outage of Redis
-            leases = LeaseKeeper(ledger, settings.ledger.lease_ttl_s, settings.ledger.heartbeat_s)
+            in_flight = InFlight()
+            loop = background_loop().loop
+
+            def cancel_lost(trajectory_ids: list[str]) -> None:  # heartbeat thread -> the episodes' loop
+                loop.call_soon_threadsafe(in_flight.cancel, trajectory_ids)
+
+            leases = LeaseKeeper(ledger, settings.ledger.lease_ttl_s, settings.ledger.heartbeat_s, on_lost=cancel_lost)
             leases.start()
             _ctx = RolloutContext(
+                in_flight=in_flight,
                 settings=settings,
                 ledger=ledger,
                 store=open_store(settings.storage, settings.outage),

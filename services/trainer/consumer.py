@@ -17,6 +17,10 @@ Invariants:
   ``skip`` entry with its rewards, so a step can count it (reward metrics, and the cap on
   extra groups a step waits for). Their members are still consumed: every
   trajectory reaches the trainer exactly once, trained on or not.
+- With redundancy (a registration with ``keep``), a group is decided once ``keep`` members are
+  scored; its other members are failed as ``superseded`` (``_supersede``) before the group is
+  marked done, so the ledger stays exact: dispatched = consumed + failed. Their own events,
+  arriving after, are late.
 - A group's metrics line (``trainer.metrics_path``) is written exactly once: before the
   transaction that marks the group done, idempotently by (group, the entry that completed it)
   (``services.trainer.group_metrics``), so a replay after a crash finds it written.
@@ -54,6 +58,7 @@ from services.trainer.group_metrics import GroupMetricsLog
 from services.trainer.groups import GroupAssembler, PendingGroup
 from shared import outage
 from shared.ledger import Ledger
+from shared.outcomes import FailureKind, reason
 from shared.names import RedisKeys, batch_key, group_record_key
 from shared.run_marker import RunMarker
 from shared.dead_letters import DeadLetters
@@ -101,7 +106,7 @@ class TrainerConsumer:
         self.groups = GroupRegistry(self.redis, self.run_id)
         self.trainer_counters = TrainerCounters(self.redis, self.run_id)
         self.dead_letters = DeadLetters(self.redis)
-        self.assembler = GroupAssembler(self._expected_size, self.groups.is_done)
+        self.assembler = GroupAssembler(self._expected_size, self.groups.is_done, lambda g: self._registration(g).keep)
         trainer = self.settings.trainer
         self.group_filters = [build_filter(spec) for spec in trainer.group_filters]
         self.budget = None
@@ -248,15 +253,19 @@ class TrainerConsumer:
         put_model(self.store, group_record_key(self.run_id, group.group_id), record)
         for e in scored:
             self.ledger.mark_consumed(e.trajectory_id)
+        superseded = self._supersede(registration, group)
         self._log_metrics(record, registration, group.entry_ids[-1], assembly_s=time.perf_counter() - started)
         def fill(tx: redis.client.Pipeline) -> None:  # done, counted, queued and acked together
             self.groups.mark_done(group.group_id, tx)
             self.trainer_counters.add(TrainerCounter.for_group_status(status), transaction=tx)
+            if superseded:
+                self.trainer_counters.add(TrainerCounter.superseded, superseded, transaction=tx)
             if keep and batch_object is not None:
                 self.trainer_counters.add(TrainerCounter.groups_zero_variance_kept, transaction=tx)
             entry: TrainBatchEntry | SkippedGroupEntry | None = None
             if batch_object is not None:
-                entry = TrainBatchEntry(group_id=group.group_id, key=batch_object, oldest_policy_version=oldest)
+                entry = TrainBatchEntry(group_id=group.group_id, key=batch_object, oldest_policy_version=oldest,
+                                        env_name=registration.env_name)
             else:
                 if status in ("zero_variance", "filtered"):
                     entry = SkippedGroupEntry(group_id=group.group_id, skip=status, rewards=rewards)
@@ -267,6 +276,19 @@ class TrainerConsumer:
             tx.xack(self.stream, CONSUMER_GROUP, *group.entry_ids)
 
         self._commit(group.group_id, fill)
+
+    def _supersede(self, registration: GroupRegistration, group: PendingGroup) -> int:
+        """Redundancy: fail the members the decided group does not keep (``superseded``); their
+        workers cancel them at the next heartbeat. Idempotent (a failed member stays failed), so
+        a replay after a crash fails none twice. Returns how many this call failed."""
+        kept = {e.trajectory_id for e in group.scored}
+        failed = 0
+        for trajectory_id in registration.members:
+            if trajectory_id in kept or trajectory_id in group.events and group.events[trajectory_id].kind == "failed":
+                continue
+            detail = f"group {group.group_id} kept its first {registration.keep} scored members"
+            failed += self.ledger.fail(trajectory_id, reason(FailureKind.superseded, detail)).ok
+        return failed
 
     def _commit(self, group_id: int, fill: Callable[[redis.client.Pipeline], None]) -> None:
         """Run a group's final transaction exactly once, and never into a Redis that lost the run:

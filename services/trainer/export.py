@@ -11,6 +11,10 @@ Invariants:
   inference logprobs, exactly as the trainer's sample would hold them. Both carry the reward,
   the advantage (None while the group is not decided, or when it was dropped), the stop reason,
   the environment, the task id and the dataset version.
+- ``pairs`` form, for DPO: one record per group whose best and worst scored members differ in
+  reward by more than ``min_margin``: the shared prompt messages, then ``chosen`` (the best
+  member's replies and observations) and ``rejected`` (the worst's), with both rewards. Ties
+  go to the lower trajectory id, so the pairs are the same in every export.
 - Formats: JSONL, Parquet, or a saved Hugging Face dataset (``datasets.load_from_disk``).
 """
 
@@ -27,7 +31,7 @@ from shared.names import RedisKeys
 from shared.schemas import GroupRecord, ScoredEvent, ScoredTrajectory, TrainerEvent, Trajectory, parse_message
 from shared.storage import ObjectStore, get_model
 
-Form = Literal["chat", "tokens"]
+Form = Literal["chat", "tokens", "pairs"]
 Format = Literal["jsonl", "parquet", "hf"]
 
 
@@ -49,7 +53,11 @@ def _chat(trajectory: Trajectory) -> list[dict[str, str]]:
 
 
 def export_records(client: redis.Redis, store: ObjectStore, run_id: str, form: Form = "chat",
-                   min_reward: float | None = None, max_reward: float | None = None) -> Iterator[dict[str, Any]]:
+                   min_reward: float | None = None, max_reward: float | None = None,
+                   min_margin: float = 0.0) -> Iterator[dict[str, Any]]:
+    if form == "pairs":
+        yield from preference_pairs(export_records(client, store, run_id, "chat", min_reward, max_reward), min_margin)
+        return
     advantages = _advantages(store, run_id)
     for _, fields in client.xrange(RedisKeys.trainer_stream(run_id)):
         event = parse_message(TrainerEvent, fields[b"event"] if b"event" in fields else fields["event"])
@@ -67,10 +75,31 @@ def export_records(client: redis.Redis, store: ObjectStore, run_id: str, form: F
         }
         if form == "chat":
             record["messages"] = _chat(trajectory)
+            record["prompt_length"] = len(trajectory.prompt_messages)
         else:
             flat = trajectory.flatten()
             record |= {"token_ids": flat.token_ids, "loss_mask": flat.loss_mask, "logprobs": flat.inference_logprobs}
         yield record
+
+
+def preference_pairs(chat_records: Iterator[dict[str, Any]], min_margin: float = 0.0) -> Iterator[dict[str, Any]]:
+    """Best against worst member of each group (see the module docstring), in group order."""
+    groups: dict[int, list[dict[str, Any]]] = {}
+    for record in chat_records:
+        groups.setdefault(record["group_id"], []).append(record)
+    for group_id, members in sorted(groups.items()):
+        best = min(members, key=lambda r: (-r["reward"], r["trajectory_id"]))
+        worst = min(members, key=lambda r: (r["reward"], r["trajectory_id"]))
+        if best["reward"] - worst["reward"] <= min_margin:
+            continue
+        cut = best["prompt_length"]
+        yield {
+            "group_id": group_id, "task_id": best["task_id"], "env_name": best["env_name"],
+            "dataset_version": best["dataset_version"], "prompt": best["messages"][:cut],
+            "chosen": best["messages"][cut:], "rejected": worst["messages"][cut:],
+            "chosen_reward": best["reward"], "rejected_reward": worst["reward"],
+            "chosen_id": best["trajectory_id"], "rejected_id": worst["trajectory_id"],
+        }
 
 
 def write_records(records: list[dict[str, Any]], out: Path, fmt: Format) -> Path:

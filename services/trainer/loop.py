@@ -13,6 +13,9 @@ Invariants:
   the stale groups counted) in one atomic step before training, and it is a pure function of
   the queue and ``v``, so a restarted trainer re-selects the same groups: none skipped,
   none repeated, none counted twice.
+- Mixing (``trainer.min_env_share``) may defer a fresh group to a later step, never drop it
+  (``services.trainer.selection``): the deferred entries are appended to the queue again in
+  the same atomic commit as the selection.
 - A train-queue entry that does not fit ``TrainQueueEntry`` (only a bug or a hand edit makes
   one) is logged once and passed over, and counted (``bad_train_entries``) with the selection.
 - A step is announced (a ``CheckpointAnnouncement`` on the checkpoints stream) only after its checkpoint is committed, and the
@@ -21,6 +24,9 @@ Invariants:
 - A step with no trainable token (all masks zero), or one the logprob alarm skipped, still
   counts as a step: the version moves on with unchanged weights, so the queue position stays
   a function of the version.
+- With evaluation on (``settings.evaluation``), a version that is due is evaluated right after
+  its step, before the next one (``services.trainer.evaluation``); a trainer restarted before
+  the pass of its version ended runs it at start.
 - The logprob alarm (``services.trainer.alarm``) is checked before every step and whenever
   the consumer polls, so a failed weight sync stops the run even while no group arrives.
 """
@@ -32,17 +38,19 @@ import math
 import statistics
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from services.trainer.alarm import ServedWeightsAlarm
 from services.trainer.checkpoints import resume, save_checkpoint
-from services.trainer.metrics import MetricsSink, plot_reward_curve
+from services.trainer.evaluation import Evaluator
+from services.trainer.metrics import MetricsSink, metric_name, plot_reward_curve
 from services.trainer.policy import load_policy
+from services.trainer.selection import Selection, select
 from services.trainer.step import PolicyTrainer
 from shared.names import RedisKeys, checkpoint_prefix
-from shared.schemas import BadMessage, CheckpointAnnouncement, SkippedGroupEntry, TrainingBatch, TrainQueueEntry, parse_message
+from shared.schemas import CheckpointAnnouncement, TrainingBatch
 from shared.settings import Settings
 from shared.staleness import StalenessBudget
 from shared.storage import ObjectStore, get_model
@@ -53,30 +61,19 @@ log = logging.getLogger(__name__)
 
 # KEYS: train cursor hash, staleness hash, trainer counters ; ARGV: next version, cursor,
 # stale groups skipped, groups trained, bad entries passed over, then the field names (from
-# their owners): staleness 'filtered', counters stale, trained, bad entries. Applied once per
-# version (HSETNX), so a replayed selection after a restart counts nothing twice.
+# their owners): staleness 'filtered', counters stale, trained, bad entries; then the entries
+# deferred by mixing, appended to the train queue (KEYS[4]) again. Applied once per version
+# (HSETNX), so a replayed selection after a restart counts and appends nothing twice.
 _COMMIT_SELECTION = """
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
   redis.call('HINCRBY', KEYS[2], ARGV[6], ARGV[3])
   redis.call('HINCRBY', KEYS[3], ARGV[7], ARGV[3])
   redis.call('HINCRBY', KEYS[3], ARGV[8], ARGV[4])
   if tonumber(ARGV[5]) > 0 then redis.call('HINCRBY', KEYS[3], ARGV[9], ARGV[5]) end
+  for i = 10, #ARGV do redis.call('RPUSH', KEYS[4], ARGV[i]) end
 end
 return 1
 """
-
-
-@dataclass
-class Selection:
-    """What step ``v + 1`` takes from the train queue: a pure function of the queue and ``v``."""
-
-    keys: list[str]  # batch objects of the groups it trains on
-    cursor: int  # queue position after the last entry it passed
-    stale: int = 0
-    dropped: int = 0  # zero-variance and filtered groups passed over
-    dropped_filtered: int = 0  # of them, dropped by trainer.group_filters
-    bad: int = 0  # entries that did not parse, passed over (logged once)
-    dropped_rewards: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -85,6 +82,7 @@ class TrainingLoop:
     store: ObjectStore
     budget: StalenessBudget
     metrics: MetricsSink
+    evaluator: Evaluator | None = None  # evaluation during training (settings.evaluation)
 
     def __post_init__(self) -> None:
         self.run_id = self.settings.run_id
@@ -111,6 +109,14 @@ class TrainingLoop:
         if self.version > 0:
             self._announce(self.version)
         log.info("training loop at version %d (step %d)", self.version, step)
+        self.evaluate_if_due()  # a trainer restarted in the middle of a pass finishes it
+
+    def evaluate_if_due(self) -> None:
+        """Evaluate the current version if it is due and not yet ended; training waits for it."""
+        if self.evaluator is None or not self.evaluator.due(self.version) or self.evaluator.ended(self.version):
+            return
+        end = self.evaluator.evaluate(self.version)
+        self.metrics.log(self.version, end.metrics, jsonl_path=self.settings.evaluation.metrics_path)
 
     def done(self) -> bool:
         max_steps = self.settings.trainer.max_steps
@@ -125,33 +131,16 @@ class TrainingLoop:
 
     def _select(self) -> Selection | None:
         """The next step's groups, or None while the queue does not hold them yet."""
+        trainer = self.settings.trainer
         cursor = int(self.redis.hget(RedisKeys.train_cursor(self.run_id), str(self.version)) or 0)
-        cap = self.settings.trainer.max_extra_groups_per_step
-        selection = Selection(keys=[], cursor=cursor)
-        for raw in self.redis.lrange(RedisKeys.train_queue(self.run_id), cursor, -1):
-            selection.cursor += 1
-            try:
-                entry = parse_message(TrainQueueEntry, raw)
-            except BadMessage as exc:
-                if selection.cursor not in self._reported_bad:
-                    self._reported_bad.add(selection.cursor)
-                    log.error("train queue entry %d passed over: %s", selection.cursor - 1, exc)
-                selection.bad += 1
-                continue
-            if isinstance(entry, SkippedGroupEntry):
-                selection.dropped_rewards.extend(entry.rewards)
-                selection.dropped += 1
-                selection.dropped_filtered += entry.skip == "filtered"
-            elif self.budget.is_stale(entry.oldest_policy_version, self.version):
-                selection.stale += 1
-                continue
-            else:
-                selection.keys.append(entry.key)
-            if len(selection.keys) == self.groups_per_step:
-                return selection
-            if cap is not None and len(selection.keys) + selection.dropped >= self.groups_per_step + cap:
-                return selection
-        return None
+        selection = select(self.redis.lrange(RedisKeys.train_queue(self.run_id), cursor, -1), cursor, self.version,
+                           self.groups_per_step, self.budget.is_stale, trainer.max_extra_groups_per_step,
+                           trainer.min_env_share, trainer.mixing_window)
+        for position, reason in selection.bad.items():
+            if position not in self._reported_bad:  # logged once; counted with the selection
+                self._reported_bad.add(position)
+                log.error("train queue entry %d passed over: %s", position, reason)
+        return selection if selection.complete else None
 
     def train_once(self) -> dict[str, float]:
         """Train one step on the next G fresh accepted groups, checkpoint, announce."""
@@ -186,14 +175,15 @@ class TrainingLoop:
         log.info("step %d: reward %.3f loss %.4f | train %.2fs, %.0f tokens/s | %.1fs since the last step, %.1f trajectories/s",
                  version, metrics["reward_mean"], metrics["loss"], metrics["step_time_s"], metrics["tokens_per_s"],
                  wall, metrics["sequences"] / wall if wall == wall and wall > 0 else math.nan)
+        self.evaluate_if_due()
         return metrics
 
     def _record_selection(self, selection: Selection) -> None:
         self._commit_selection(
-            keys=[RedisKeys.train_cursor(self.run_id), self.budget.key, self.counters.key],
-            args=[self.version + 1, selection.cursor, selection.stale, len(selection.keys), selection.bad,
+            keys=[RedisKeys.train_cursor(self.run_id), self.budget.key, self.counters.key, RedisKeys.train_queue(self.run_id)],
+            args=[self.version + 1, selection.cursor, selection.stale, len(selection.keys), len(selection.bad),
                   StalenessBudget.FILTERED, TrainerCounter.groups_stale.value, TrainerCounter.groups_trained.value,
-                  TrainerCounter.bad_train_entries.value],
+                  TrainerCounter.bad_train_entries.value, *selection.deferred],
         )
 
     def _announce(self, version: int) -> None:
@@ -215,6 +205,9 @@ class TrainingLoop:
             "groups_trained": float(len(selection.keys)),
             "groups_dropped_zero_variance": float(selection.dropped - selection.dropped_filtered),
             "groups_dropped_filtered": float(selection.dropped_filtered),
+            "groups_deferred": float(len(selection.deferred)),
+            "mixing_quota_short": float(selection.quota_short),
+            **{f"groups_env_{metric_name(env or 'unknown')}": float(n) for env, n in sorted(Counter(selection.envs).items())},
             "pass_rate": sum(r >= self.settings.trainer.pass_threshold for r in rewards) / len(rewards),
             "response_tokens_mean": statistics.fmean(lengths),
             "response_tokens_max": float(max(lengths)),

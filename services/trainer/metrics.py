@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -39,9 +40,12 @@ class MetricsSink:
             except Exception as exc:  # W&B is optional; training goes on without it
                 log.error("W&B logging disabled: %s", exc)
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float], jsonl_path: Path | None = None) -> None:
+        """``jsonl_path``: another file for this line (eval passes), the other sinks alike."""
         line = json.dumps({"step": step, "time": time.time(), **{k: _finite_or_none(v) for k, v in metrics.items()}}, allow_nan=False)
-        with self.jsonl_path.open("a") as fh:
+        path = Path(jsonl_path or self.jsonl_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as fh:
             fh.write(line + "\n")
         if self._prometheus:
             from prometheus_client import Gauge
@@ -53,6 +57,11 @@ class MetricsSink:
                 gauge.set(value)
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
+
+
+def metric_name(text: str) -> str:
+    """``text`` as a part of a metric's name (Prometheus allows letters, digits and ``_``)."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", text)
 
 
 def _finite_or_none(value: Any) -> Any:

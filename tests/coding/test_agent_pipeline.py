@@ -9,7 +9,7 @@ import shlex
 import tempfile
 
 import pytest
-from pipeline_support import base_stack, run_stack, store_of, wait_terminal
+from pipeline_support import base_stack, run_stack, start_and_publish, store_of, wait_terminal
 from test_agent_coding import SCRIPTED_AGENT
 
 from shared.names import batch_key, trajectory_key
@@ -34,11 +34,7 @@ def test_agent_trajectories_reach_the_trainer_with_their_recorded_tokens_and_mas
                           CONVEYOR_REWARDS__WEIGHTS=json.dumps({"verifier": 1.0}), CONVEYOR_TRAINER__GROUPS_PER_STEP="1",
                           CONVEYOR_TRAINER__ZERO_VARIANCE_GROUPS="keep", CONVEYOR_ROLLOUT__AGENT_SOCKET_DIR=sockets)
         with stack:
-            stack.start_rollout_worker(concurrency=2)
-            stack.start_scoring_worker()
-            stack.start_trainer()
-            intake = stack.run_conveyor("intake", "--dataset", str(dataset))
-            assert intake.returncode == 0, intake.stderr
+            start_and_publish(stack, dataset, concurrency=2)
             counts = wait_terminal(stack, run_id, GROUP_SIZE, timeout_s=600)
             assert counts["consumed"] == GROUP_SIZE, (counts, stack.logs("worker-rollout"))
             store = store_of(stack)

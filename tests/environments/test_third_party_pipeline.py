@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline_support import base_stack, run_stack, store_of, wait_terminal
+from pipeline_support import base_stack, run_stack, start_and_publish, store_of, wait_terminal
 
 from shared.names import RedisKeys
 from shared.schemas import Trajectory
@@ -46,11 +46,7 @@ def _run(base, root: Path, run_id: str, rows: list[dict], env_name: str, env_con
         CONVEYOR_INTAKE__ENV_NAME=env_name, CONVEYOR_INTAKE__ENV_CONFIG=json.dumps(env_config), **extra_env,
     )
     with stack:
-        stack.start_rollout_worker(concurrency=4)
-        stack.start_scoring_worker()
-        stack.start_trainer()
-        intake = stack.run_conveyor("intake", "--dataset", str(dataset))
-        assert intake.returncode == 0, intake.stderr
+        start_and_publish(stack, dataset, concurrency=4)
         counts = wait_terminal(stack, run_id, TOTAL, timeout_s=600)
         failures = stack.redis_client().hgetall(RedisKeys.failures(run_id))
     assert counts["consumed"] == TOTAL, (counts, failures)

@@ -11,7 +11,7 @@ from services.trainer.metrics import MetricsSink, read_steps
 from shared.names import RedisKeys
 from shared.settings import Settings
 from shared.staleness import StalenessBudget
-from shared.schemas import CheckpointAnnouncement, SkippedGroupEntry, TrainBatchEntry, TrainingBatch, parse_message
+from shared.schemas import CheckpointAnnouncement, SkippedGroupEntry, TrainBatchEntry, TrainingBatch, TrainQueueEntry, parse_message
 from shared.storage import LocalStore, get_model, put_model
 
 
@@ -32,12 +32,12 @@ def setup(tiny_dir, tmp_path, redis_client, redis_url, run_id):
     return settings, store, budget, make_loop
 
 
-def queue_group(redis_client, store, make_batch, run_id, group_id, oldest_version):
+def queue_group(redis_client, store, make_batch, run_id, group_id, oldest_version, env=""):
     batch = make_batch(seed=group_id, group_id=group_id)
     batch = batch.model_copy(update={"samples": [s.model_copy(update={"oldest_policy_version": oldest_version}) for s in batch.samples]})
     key = f"batches/{run_id}/{group_id:06d}.json.gz"
     put_model(store, key, batch)
-    entry = TrainBatchEntry(key=key, oldest_policy_version=oldest_version, group_id=group_id)
+    entry = TrainBatchEntry(key=key, oldest_policy_version=oldest_version, group_id=group_id, env_name=env)
     redis_client.rpush(RedisKeys.train_queue(run_id), entry.model_dump_json())
 
 
@@ -129,3 +129,30 @@ def test_dropped_groups_and_the_cap_on_extra_groups_a_step_waits_for(setup, redi
     trained_rewards = [s.reward for k in selection.keys for s in get_model(store, k, TrainingBatch).samples]
     dropped_rewards = [1.0] * 4 + [0.0] * 4 if passed - len(trained) == 2 else [1.0] * 4 * (passed - len(trained))
     assert metrics["reward_mean"] == pytest.approx(sum(trained_rewards + dropped_rewards) / len(trained_rewards + dropped_rewards))
+
+
+def test_mixing_defers_surplus_groups_to_the_queue_tail_once_and_a_restart_selects_the_same(setup, redis_client, make_batch, run_id):
+    """G = 2 with at least half of each step from env b: of a, a, b the step trains on a and b;
+    the second a goes back on the queue's tail in the selection's commit, once, and trains later."""
+    settings, store, budget, _ = setup
+    settings = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"min_env_share": {"b": 0.5}})})
+
+    def make_loop() -> TrainingLoop:
+        return TrainingLoop(settings, store, budget, MetricsSink(store.root.parent / "mix.jsonl"))
+
+    for group_id, env in enumerate(["a", "a", "b"]):
+        queue_group(redis_client, store, make_batch, run_id, group_id, 0, env=env)
+    first = make_loop()
+    selection = first._select()
+    assert selection.envs == ["a", "b"] and len(selection.deferred) == 1
+    first._record_selection(selection)
+    del first  # dies before its checkpoint
+    second = make_loop()
+    assert second._select() == selection
+    metrics = second.train_once()
+    assert metrics["groups_env_a"] == 1 and metrics["groups_env_b"] == 1 and metrics["groups_deferred"] == 1
+    queue = [parse_message(TrainQueueEntry, raw) for raw in redis_client.lrange(RedisKeys.train_queue(run_id), 0, -1)]
+    assert [(e.group_id, e.env_name) for e in queue] == [(0, "a"), (1, "a"), (2, "b"), (1, "a")]  # appended once
+    queue_group(redis_client, store, make_batch, run_id, 3, 1, env="b")
+    trained = second._select()
+    assert trained.keys == [queue[1].key, f"batches/{run_id}/000003.json.gz"]  # the deferred group, then the new b

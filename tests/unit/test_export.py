@@ -95,3 +95,16 @@ def test_conveyor_export_writes_the_dataset_and_refuses_an_empty_run(tmp_path, r
     assert datasets.load_from_disk(str(tmp_path / "ds")).num_rows == 2
     empty = export(run_id + "x", "--out", str(tmp_path / "none.jsonl"))
     assert empty.returncode == 2 and f"run {run_id}x: no consumed trajectory to export" in empty.stderr
+
+
+def test_pairs_form_puts_a_groups_best_against_its_worst_for_dpo(tmp_path, redis_client, run_id):
+    store = LocalStore(tmp_path / "objects")
+    ids = _stage_run(store, redis_client, run_id)
+    (pair,) = export_records(redis_client, store, run_id, "pairs")
+    assert pair["prompt"] == [{"role": "user", "content": "2+2?"}]
+    assert pair["chosen"][0] == {"role": "assistant", "content": "It is 4."} and pair["chosen_reward"] == 1.0
+    assert pair["rejected"][0] == {"role": "assistant", "content": "Five."} and pair["rejected_reward"] == 0.0
+    assert (pair["chosen_id"], pair["rejected_id"], pair["task_id"]) == (ids[0], ids[1], "t0")
+    assert not list(export_records(redis_client, store, run_id, "pairs", min_margin=1.0))  # a margin it does not pass
+    loaded = datasets.load_from_disk(str(write_records([pair], tmp_path / "pairs", "hf")))
+    assert loaded[0]["chosen"][0]["content"] == "It is 4."

@@ -278,7 +278,7 @@ def test_zero_variance_group_is_dropped_and_counted(settings, ledger, store, red
     # the dropped group is on the train queue as a skip entry, so a step can count it
     queue = [parse_message(TrainQueueEntry, e) for e in redis_client.lrange(RedisKeys.train_queue(run_id), 0, -1)]
     assert SkippedGroupEntry(skip="zero_variance", group_id=0, rewards=[0.5] * GROUP_SIZE) in queue
-    assert TrainBatchEntry(key=batch_key(run_id, 1), oldest_policy_version=2, group_id=1) in queue
+    assert TrainBatchEntry(key=batch_key(run_id, 1), oldest_policy_version=2, group_id=1, env_name="guess_number") in queue
 
 
 def test_zero_variance_group_is_kept_with_zero_advantages_when_configured(settings, ledger, store, redis_client, run_id):
@@ -540,3 +540,52 @@ def test_a_multi_segment_trajectory_trains_as_one_sample_per_segment_with_its_ad
     assert first.token_ids == [1, 2, 3, 101, 101] and first.loss_mask == [0, 0, 0, 1, 1]
     assert second.token_ids == [7, 7, 201] and second.loss_mask == [0, 0, 1]
     assert ledger.counts(run_id)["consumed"] == GROUP_SIZE
+
+
+# --- group redundancy (issue 13, item 4) -----------------------------------------------------
+
+
+def test_a_redundant_group_completes_with_its_first_keep_scored_members():
+    done = Done()
+    asm = GroupAssembler(lambda g: 5, done, keep=lambda g: 2)
+    assert asm.add(ev(0, 3, reward=0.0), "1-0") == ("added", None)
+    assert asm.add(ev(0, 1, "failed"), "2-0") == ("added", None)  # a failure does not count toward keep
+    outcome, group = asm.add(ev(0, 0, reward=1.0), "3-0")
+    assert outcome == "added" and group is not None
+    assert [e.trajectory_id for e in group.scored] == ["r_0_0_0", "r_0_3_3"] and len(group.failed) == 1
+    done.ids.add(0)
+    assert asm.add(ev(0, 2), "4-0") == ("late", None)
+
+
+def test_redundancy_keeps_the_first_n_scored_and_supersedes_the_rest_keeping_the_ledger_exact(
+        settings, ledger, store, redis_client, run_id):
+    """group_size 4 + redundancy 2: six members go out; once four are scored the group is decided
+    on those four, the two others are failed(superseded) (one still running, one scored whose
+    event comes after the decision), and dispatched = consumed + failed."""
+    settings = settings.model_copy(update={"rollout": settings.rollout.model_copy(update={"redundancy": 2})})
+    reqs = register_groups(settings, ledger, 1)[0]
+    assert len(reqs) == GROUP_SIZE + 2
+    consumer = TrainerConsumer(settings, ledger, store)
+    for req, reward in zip(reqs[:3], [1.0, 0.0, 0.5]):
+        deliver_scored(ledger, store, req, reward)
+    drain(consumer)
+    assert ledger.claim(reqs[4].trajectory_id, "slow-worker", 30)[0]  # a slow member, still running
+    deliver_scored(ledger, store, reqs[3], 0.25)  # the fourth scored: the group is decided
+    deliver_scored(ledger, store, reqs[5], 1.0)  # scored too, but after the fourth
+    drain(consumer)
+
+    batch = get_model(store, batch_key(run_id, 0), TrainingBatch)
+    assert [s.trajectory_id for s in batch.samples] == [r.trajectory_id for r in reqs[:4]]
+    assert [s.advantage for s in batch.samples] == pytest.approx(group_advantages([1.0, 0.0, 0.5, 0.25]).advantages)
+    failures = redis_client.hgetall(RedisKeys.failures(run_id))
+    assert sorted(failures) == sorted([reqs[4].trajectory_id, reqs[5].trajectory_id])
+    assert all(reason.startswith("superseded: group 0 kept its first 4 scored members") for reason in failures.values())
+    counts = ledger.counts(run_id)
+    assert counts["consumed"] == 4 and counts["failed"] == 2 and sum(counts.values()) == len(reqs)
+    counters = consumer.counters()
+    assert counters["groups_accepted"] == 1 and counters["superseded"] == 2
+    # after the decision: the sixth member's scored event, then both superseded members' failures
+    assert counters["late_events"] == 3
+    assert pending_count(redis_client, run_id) == 0
+    # the slow worker's lease is lost: its heartbeat names it, so the worker cancels the episode
+    assert ledger.renew({reqs[4].trajectory_id: "slow-worker"}, 30) == [reqs[4].trajectory_id]

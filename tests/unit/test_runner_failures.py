@@ -24,6 +24,7 @@ from services.rollout_worker.runner import RolloutContext, retry_delay_s, run_re
 from services.rollout_worker.sandbox.errors import SandboxInfraError
 from shared import ids
 from shared.leases import LeaseKeeper
+from shared.names import RedisKeys
 from shared.outcomes import FailureKind, RolloutOutcome, kind_of
 from shared.schemas import RolloutRequest, TaskProfile
 from shared.settings import RolloutSettings, load_settings
@@ -232,3 +233,30 @@ def test_only_the_lease_owner_hands_a_trajectory_back(harness, ledger):
     assert ledger.hand_back(tid, "owner").state == "queued"  # once
     assert (ledger.state(tid), ledger.attempts(tid), ledger.counts(harness.run_id)["queued"]) == ("queued", 0, 1)
     assert ledger.claim(tid, "next", 30) == (True, "1")  # the next claim is attempt 1 again
+
+
+def test_a_superseded_episode_is_cancelled_at_the_next_heartbeat_and_writes_nothing(harness, ledger):
+    """Group redundancy: the trainer fails a late member as superseded while its episode runs;
+    the worker's lease heartbeat finds the lease gone and cancels the episode, which closes its
+    environment and leaves the ledger as the trainer wrote it."""
+    request = harness.request(Hangs.name)
+    tid = request.trajectory_id
+    Hangs.closed = 0
+
+    async def go():
+        ctx = await harness.context()
+        loop = asyncio.get_running_loop()
+        ctx.leases.on_lost = lambda ids: loop.call_soon_threadsafe(ctx.in_flight.cancel, ids)  # as tasks.py wires it
+        task = asyncio.ensure_future(run_requests(ctx, [request]))
+        while ledger.state(tid) != "running":
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        assert ledger.fail(tid, "superseded: group 0 kept its first 4 scored members").ok
+        assert await asyncio.to_thread(ctx.leases.beat) == 0  # what the heartbeat thread does every heartbeat_s
+        return await asyncio.wait_for(task, 10)
+
+    results = asyncio.run(go())
+    assert str(results[tid]) == "skipped:lease_lost" and Hangs.closed == 1
+    assert ledger.state(tid) == "failed"
+    assert ledger.redis.hget(RedisKeys.failures(harness.run_id), tid).startswith("superseded")
+    assert harness.scoring == [] and harness.redispatched == []

@@ -4,12 +4,10 @@ rows of its role only (real Redis)."""
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
 
-from services.intake.datasets import read_rows
 from services.intake.publisher import run_intake
 from services.intake.splits import assign_splits
 from shared.ledger import Ledger
@@ -51,22 +49,13 @@ def test_held_out_environments_are_eval_only_and_caps_bound_eval():
     assert gym.count("eval") == 4 and gym.count("none") == 6 and "train" not in gym  # never trained on
 
 
-@pytest.fixture
-def dataset(tmp_path):
-    path = tmp_path / "rows.jsonl"
-    rows = [{"id": f"g{i}", "low": 1, "high": 9, "target": 1 + i % 9} for i in range(30)]
-    rows += [{"id": f"q{i}", "env_key": "qa", "question": f"{i}+{i}?", "answer": str(2 * i)} for i in range(10)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return read_rows(path)
-
-
-def test_intake_publishes_the_rows_of_its_role_and_the_roles_partition_the_dataset(dataset, redis_client, run_id):
+def test_intake_publishes_the_rows_of_its_role_and_the_roles_partition_the_dataset(two_env_rows, redis_client, run_id):
     published: dict[str, set[str]] = {}
     for role in ("train", "eval"):
         settings = load_settings(run_id=f"{run_id}-{role}", rollout={"group_size": 1},
                                  intake={"splits": {"role": role, "eval_fraction": 0.2}})
         sent: list[str] = []
-        run_intake(settings, dataset, Ledger(redis_client), lambda reqs: sent.extend(r.task.task_id for r in reqs))
+        run_intake(settings, two_env_rows, Ledger(redis_client), lambda reqs: sent.extend(r.task.task_id for r in reqs))
         published[role] = set(sent)
     assert not published["train"] & published["eval"]
     assert len(published["train"] | published["eval"]) == 40
