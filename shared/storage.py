@@ -80,8 +80,11 @@ class LocalStore:
 
     def list_keys(self, prefix: str) -> list[str]:
         base = self.root
+        start = base / prefix.rsplit("/", 1)[0] if "/" in prefix else base  # only the prefix's folder is walked
+        if not start.is_dir():
+            return []
         return sorted(
-            str(p.relative_to(base)) for p in base.rglob("*") if p.is_file() and str(p.relative_to(base)).startswith(prefix)
+            str(p.relative_to(base)) for p in start.rglob("*") if p.is_file() and str(p.relative_to(base)).startswith(prefix)
         )
 
 

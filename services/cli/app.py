@@ -24,6 +24,7 @@ from rich.table import Table
 
 from services.cli import errors
 from services.cli.data import data_app
+from services.cli.trajectories import inspect_command, replay_command
 from shared.settings import Settings, load_settings
 
 # no locals in a traceback: they would print the settings' secrets
@@ -32,6 +33,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 worker_app = typer.Typer(no_args_is_help=True, help="Celery workers.")
 app.add_typer(worker_app, name="worker")
 app.add_typer(data_app, name="data")
+app.command("inspect")(inspect_command)
+app.command("replay")(replay_command)
 console = Console(stderr=True, soft_wrap=True)
 
 ConfigOption = typer.Option(None, "--config", "-c", help="YAML settings file (or set CONVEYOR_CONFIG)")

@@ -1,0 +1,75 @@
+"""Finding one trajectory's objects by its id, for ``conveyor inspect``, ``conveyor replay`` and
+the viewer: no scan of a run, only the trajectory's own key prefixes.
+
+Invariants:
+- A trajectory id names its run and group (``shared.ids``), so its uploads are under one
+  prefix of ``trajectory_key`` (one object per rollout attempt) and its scores under one
+  prefix of ``scored_key`` (one per scoring attempt).
+- The attempt shown is the one the scorer was given (the ledger's scoring task), else the
+  latest upload. Its score is the latest scoring of that object.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from shared.ids import parse_trajectory_id
+from shared.names import RedisKeys, scored_key, trajectory_key
+from shared.schemas import ScoredTrajectory, Trajectory
+from shared.storage import ObjectStore, get_model
+
+_ATTEMPT = re.compile(r"\.a(\d+)-[0-9a-f]+\.json\.gz$")
+_SCORING = re.compile(r"\.s(\d+)\.json\.gz$")
+
+
+class TrajectoryNotFound(LookupError):
+    pass
+
+
+@dataclass
+class FoundTrajectory:
+    key: str
+    trajectory: Trajectory
+    scored: ScoredTrajectory | None
+    state: str | None  # the ledger's, when Redis was given
+    failure: str | None
+
+
+def _attempt_of(key: str) -> int:
+    match = _ATTEMPT.search(key)
+    return int(match.group(1)) if match else 0
+
+
+def _objects_of(store: ObjectStore, key: str, trajectory_id: str) -> list[str]:
+    """The objects next to ``key`` that belong to this trajectory (not to one whose id it prefixes)."""
+    return [k for k in store.list_keys(key.removesuffix(".json.gz")) if k.rsplit("/", 1)[-1].startswith(f"{trajectory_id}.")]
+
+
+def find_trajectory(store: ObjectStore, trajectory_id: str, redis: Any = None) -> FoundTrajectory:
+    try:
+        ids = parse_trajectory_id(trajectory_id)
+    except ValueError as exc:
+        raise TrajectoryNotFound(str(exc)) from None
+    plain = trajectory_key(ids.run_id, ids.group_id, trajectory_id)
+    uploads = [k for k in _objects_of(store, plain, trajectory_id) if k == plain or _ATTEMPT.search(k)]
+    state = failure = given = None
+    if redis is not None:
+        state, failure, task = redis.hmget(RedisKeys.states(ids.run_id), trajectory_id), \
+            redis.hget(RedisKeys.failures(ids.run_id), trajectory_id), redis.hget(RedisKeys.scoring_tasks(ids.run_id), trajectory_id)
+        state = state[0]
+        given = json.loads(task)["trajectory_key"] if task else None
+    if not uploads:
+        where = f"; the ledger says {state}" + (f" ({failure})" if failure else "") if state else ""
+        raise TrajectoryNotFound(f"no uploaded trajectory {trajectory_id} under {plain.rsplit('/', 1)[0]}/{where}")
+    key = given if given in uploads else max(uploads, key=_attempt_of)
+    scores = _objects_of(store, scored_key(ids.run_id, ids.group_id, trajectory_id), trajectory_id)
+    scored = None
+    for score_key in sorted(scores, key=lambda k: int(m.group(1)) if (m := _SCORING.search(k)) else 1, reverse=True):
+        candidate = get_model(store, score_key, ScoredTrajectory)
+        if candidate.trajectory_key == key:
+            scored = candidate
+            break
+    return FoundTrajectory(key, get_model(store, key, Trajectory), scored, state, failure)
