@@ -164,6 +164,10 @@ class RedisKeys:
         return f"{_P}:{{{run_id}}}:train_queue"
 
     @staticmethod
+    def step_metrics(run_id: str) -> str:  # stream of {"metrics": JSON} per optimizer step, capped (the viewer's curves)
+        return f"{_P}:{{{run_id}}}:steps"
+
+    @staticmethod
     def eval_stream(run_id: str) -> str:  # stream of {"eval": EvalEnd JSON}: the end signal of each eval pass
         return f"{_P}:{{{run_id}}}:eval"
 

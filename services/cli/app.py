@@ -150,6 +150,27 @@ def export(
 
 
 @app.command()
+def viewer(
+    config: Optional[Path] = ConfigOption,
+    host: str = typer.Option("127.0.0.1", help="the interface to listen on (0.0.0.0 in a container)"),
+    port: int = typer.Option(8090, help="the port to listen on"),
+) -> None:
+    """A web viewer of runs, groups, trajectories (turn by turn, with a token view) and failures."""
+    _logging()
+    settings = _settings(config)
+    from aiohttp import web
+
+    from services.viewer.app import make_app, tokenizer_decode
+    from services.viewer.data import ViewerData
+    from shared.outage import redact_url, redis_client
+    from shared.storage import open_store
+
+    data = ViewerData(redis_client(settings.redis.url, settings.outage), open_store(settings.storage, settings.outage))
+    console.print(f"viewer on http://{host}:{port}/ (Redis {redact_url(settings.redis.url)})")
+    web.run_app(make_app(data, tokenizer_decode(str(settings.inference.model_path))), host=host, port=port, print=None)
+
+
+@app.command()
 def process(
     out: Path = typer.Option(..., "--out", "-o", help="where the rollouts go: a .jsonl or .parquet file, or a directory (hf)"),
     config: Optional[Path] = ConfigOption,

@@ -33,6 +33,7 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import statistics
@@ -45,7 +46,7 @@ import torch
 from services.trainer.alarm import ServedWeightsAlarm
 from services.trainer.checkpoints import resume, save_checkpoint
 from services.trainer.evaluation import Evaluator
-from services.trainer.metrics import MetricsSink, metric_name, plot_reward_curve
+from services.trainer.metrics import MetricsSink, finite_or_none, metric_name, plot_reward_curve
 from services.trainer.policy import load_policy
 from services.trainer.selection import Selection, select
 from services.trainer.step import PolicyTrainer
@@ -58,6 +59,7 @@ from shared.trainer_counters import TrainerCounter, TrainerCounters
 from shared.weight_sync_record import WeightSyncRecord
 
 log = logging.getLogger(__name__)
+STEPS_KEPT = 100_000  # step-metric entries a run's steps stream keeps (about the newest)
 
 # KEYS: train cursor hash, staleness hash, trainer counters ; ARGV: next version, cursor,
 # stale groups skipped, groups trained, bad entries passed over, then the field names (from
@@ -168,6 +170,7 @@ class TrainingLoop:
         self.budget.advance_step(version)
         metrics |= self._rollout_metrics(batches, selection, trained_at=version - 1) | {"checkpoint_s": checkpoint_s}
         self.metrics.log(version, metrics)
+        self._record_step(version, metrics)
         plot_reward_curve(self.metrics.jsonl_path, self.settings.trainer.reward_curve_path, f"{self.run_id}: mean reward per step")
         now = time.time()
         wall = now - self._last_step_at if self._last_step_at else math.nan
@@ -177,6 +180,11 @@ class TrainingLoop:
                  wall, metrics["sequences"] / wall if wall == wall and wall > 0 else math.nan)
         self.evaluate_if_due()
         return metrics
+
+    def _record_step(self, version: int, metrics: dict[str, float]) -> None:
+        """The step's metrics on the run's capped steps stream, for the viewer (strict JSON)."""
+        line = {"step": version, "time": time.time(), **{k: finite_or_none(v) for k, v in metrics.items()}}
+        self.redis.xadd(RedisKeys.step_metrics(self.run_id), {"metrics": json.dumps(line)}, maxlen=STEPS_KEPT, approximate=True)
 
     def _record_selection(self, selection: Selection) -> None:
         self._commit_selection(

@@ -42,7 +42,7 @@ class MetricsSink:
 
     def log(self, step: int, metrics: dict[str, float], jsonl_path: Path | None = None) -> None:
         """``jsonl_path``: another file for this line (eval passes), the other sinks alike."""
-        line = json.dumps({"step": step, "time": time.time(), **{k: _finite_or_none(v) for k, v in metrics.items()}}, allow_nan=False)
+        line = json.dumps({"step": step, "time": time.time(), **{k: finite_or_none(v) for k, v in metrics.items()}}, allow_nan=False)
         path = Path(jsonl_path or self.jsonl_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as fh:
@@ -64,7 +64,7 @@ def metric_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", text)
 
 
-def _finite_or_none(value: Any) -> Any:
+def finite_or_none(value: Any) -> Any:
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 

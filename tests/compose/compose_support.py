@@ -109,6 +109,7 @@ def stack_env(images: StackImages, ports: dict[str, int], **overrides: str) -> d
         "DOCKER_GID": str(os.stat("/var/run/docker.sock").st_gid),
         "REDIS_PUBLISH": f"{HEAD_ADDRESS}:{ports['redis']}", "S3_PUBLISH": f"{HEAD_ADDRESS}:{ports['s3']}",
         "INFERENCE_PUBLISH": f"{HEAD_ADDRESS}:{ports['inference']}", "FLOWER_PUBLISH": f"127.0.0.1:{ports['flower']}",
+        **({"VIEWER_PUBLISH": f"127.0.0.1:{ports['viewer']}"} if "viewer" in ports else {}),
         **overrides,
     }
 

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.docker]
 @pytest.fixture(scope="module")
 def stack(images: StackImages, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     compose = compose_command()
-    ports = {name: free_port() for name in ("redis", "s3", "inference", "flower")}
+    ports = {name: free_port() for name in ("redis", "s3", "inference", "flower", "viewer")}
     env = stack_env(images, ports, CONVEYOR_MAX_STEPS="3", CONVEYOR_DEMO_TASKS="6")  # traversal: 6 groups of 4
     env_file = write_env(tmp_path_factory.mktemp("compose") / "stack.env", env)
     stack = Stack(f"conveyortest{uuid.uuid4().hex[:6]}", env_file, ports, compose)
@@ -63,6 +63,10 @@ def test_the_demo_experiment_runs_end_to_end(stack: Stack) -> None:
     assert counts == {"queued": 0, "running": 0, "uploaded": 0, "scored": 0, "consumed": 24, "failed": 0}
     # weight sync reached the inference container: it serves a trained version
     assert "serving version 1" in stack.logs("inference")
+    # the viewer, from the compose stack, shows the run and its trained steps
+    viewer = f"http://127.0.0.1:{stack.ports['viewer']}"
+    run_page = httpx.get(f"{viewer}/runs/demo", timeout=30).text
+    assert ">24<" in run_page and "class='plot'" in run_page, run_page[-2000:]
 
 
 def test_flower_shows_workers_and_queues_behind_basic_auth(stack: Stack) -> None:

@@ -1,0 +1,191 @@
+"""What the viewer shows, read from Redis and S3 through the services' own key and storage modules.
+
+Invariants:
+- Every read is bounded by a page: group pages GET at most ``page_size`` group records by
+  their ids; trajectory and failure lists walk the run's stream or hash from a cursor, at most
+  ``scan_budget`` entries per request, and hand back the cursor to go on from. No request
+  lists or reads a whole run, so a run of 100,000 trajectories pages as fast as one of 100.
+- Nothing here writes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.group_registry import GroupRegistry
+from shared.ids import parse_trajectory_id
+from shared.ledger import Ledger
+from shared.names import RedisKeys, group_record_key
+from shared.outcomes import kind_of
+from shared.schemas import (BadMessage, EvalEnd, GroupRecord, GroupRegistration, ScoredEvent, ScoredTrajectory,
+                            TrainerEvent, parse_message)
+from shared.storage import ObjectStore, StorageError, get_model
+from shared.trajectory_lookup import FoundTrajectory, find_trajectory
+
+
+@dataclass
+class TrajectoryFilter:
+    min_reward: float | None = None
+    max_reward: float | None = None
+    stop_reason: str = ""  # needs each candidate's scored object: one GET per candidate
+    env_name: str = ""
+    kind: str = ""  # "scored", "failed" or "" for both
+    failure_class: str = ""  # a failure reason's first word (shared.outcomes.FailureKind)
+
+    def active(self) -> bool:
+        return any(v not in (None, "") for v in vars(self).values())
+
+
+@dataclass
+class TrajectoryRow:
+    trajectory_id: str
+    group_id: int
+    env_name: str
+    kind: str
+    reward: float | None
+    failure: str | None
+    stop_reason: str | None = None
+
+
+@dataclass
+class Page:
+    rows: list[Any]
+    next_cursor: str | None  # None: nothing after this page
+    scanned: int = 0
+
+
+@dataclass
+class ViewerData:
+    redis: Any  # a client with decode_responses=True
+    store: ObjectStore
+    page_size: int = 50
+    scan_budget: int = 2000
+    _registrations: dict[tuple[str, int], GroupRegistration | None] = field(default_factory=dict)
+
+    # --- runs -----------------------------------------------------------------------------
+    def runs(self) -> list[dict[str, Any]]:
+        ledger = Ledger(self.redis)
+        return [{"run_id": run, "counts": ledger.counts(run)} for run in ledger.runs()]
+
+    def counts(self, run_id: str) -> dict[str, int]:
+        return Ledger(self.redis).counts(run_id)
+
+    def steps(self, run_id: str, limit: int = 2000) -> list[dict[str, Any]]:
+        """The newest ``limit`` step-metric lines, oldest first."""
+        entries = self.redis.xrevrange(RedisKeys.step_metrics(run_id), count=limit)
+        return [json.loads(fields["metrics"]) for _, fields in reversed(entries)]
+
+    def evals(self, run_id: str) -> list[EvalEnd]:
+        ends = self.redis.hgetall(RedisKeys.eval_ends(run_id))
+        return sorted((parse_message(EvalEnd, raw) for raw in ends.values()), key=lambda e: e.policy_version)
+
+    def trainer_counters(self, run_id: str) -> dict[str, int]:
+        return {k: int(v) for k, v in self.redis.hgetall(RedisKeys.trainer_counters(run_id)).items()}
+
+    # --- groups ---------------------------------------------------------------------------
+    def registration(self, run_id: str, group_id: int) -> GroupRegistration | None:
+        key = (run_id, group_id)
+        if key not in self._registrations:
+            try:
+                self._registrations[key] = GroupRegistry(self.redis, run_id).get(group_id)
+            except (KeyError, BadMessage):
+                self._registrations[key] = None
+        return self._registrations[key]
+
+    def group(self, run_id: str, group_id: int) -> GroupRecord | None:
+        """The group's record once the trainer decided it; None before."""
+        try:
+            return get_model(self.store, group_record_key(run_id, group_id), GroupRecord)
+        except StorageError as exc:
+            if "NoSuchKey" in str(exc) or "not found" in str(exc):
+                return None
+            raise
+
+    def groups_page(self, run_id: str, page: int) -> list[tuple[int, GroupRegistration | None, GroupRecord | None]]:
+        """Groups ``page * page_size`` onwards, by id: their registration and, once decided, record."""
+        first = page * self.page_size
+        registered = self.redis.hmget(RedisKeys.groups(run_id), [str(g) for g in range(first, first + self.page_size)])
+        rows = []
+        for offset, raw in enumerate(registered):
+            if raw is None:
+                continue
+            group_id = first + offset
+            rows.append((group_id, parse_message(GroupRegistration, raw), self.group(run_id, group_id)))
+        return rows
+
+    # --- trajectories ---------------------------------------------------------------------
+    def trajectory(self, trajectory_id: str) -> FoundTrajectory:
+        return find_trajectory(self.store, trajectory_id, self.redis)
+
+    def trajectories_page(self, run_id: str, flt: TrajectoryFilter, cursor: str = "-") -> Page:
+        """Trajectories in the order the trainer received them (its stream), filtered, from
+        ``cursor`` (a stream id, exclusive; "-" for the start)."""
+        rows: list[TrajectoryRow] = []
+        scanned, last = 0, cursor
+        start = cursor if cursor == "-" else f"({cursor}"
+        while len(rows) < self.page_size and scanned < self.scan_budget:
+            entries = self.redis.xrange(RedisKeys.trainer_stream(run_id), min=start, count=min(200, self.scan_budget - scanned))
+            if not entries:
+                return Page(rows, None, scanned)
+            for entry_id, fields in entries:
+                scanned += 1
+                last = entry_id
+                row = self._row(run_id, fields, flt)
+                if row is not None:
+                    rows.append(row)
+                    if len(rows) == self.page_size:
+                        break
+            start = f"({last}"
+        more = bool(self.redis.xrange(RedisKeys.trainer_stream(run_id), min=f"({last}", count=1))
+        return Page(rows, last if more else None, scanned)
+
+    def _row(self, run_id: str, fields: dict[str, str], flt: TrajectoryFilter) -> TrajectoryRow | None:
+        try:
+            event = parse_message(TrainerEvent, fields.get("event", ""))
+        except BadMessage:
+            return None
+        registration = self.registration(run_id, event.group_id)
+        env_name = registration.env_name if registration else ""
+        scored = isinstance(event, ScoredEvent)
+        checks: list[Callable[[], bool]] = [
+            lambda: not flt.kind or flt.kind == event.kind,
+            lambda: not flt.env_name or flt.env_name == env_name,
+            lambda: flt.min_reward is None or (scored and event.reward >= flt.min_reward),
+            lambda: flt.max_reward is None or (scored and event.reward <= flt.max_reward),
+            lambda: not flt.failure_class or (not scored and kind_of(event.failure_reason) == flt.failure_class),
+        ]
+        if not all(check() for check in checks):
+            return None
+        row = TrajectoryRow(event.trajectory_id, event.group_id, env_name, event.kind,
+                            event.reward if scored else None, None if scored else event.failure_reason)
+        if flt.stop_reason:
+            if not scored:
+                return None
+            row.stop_reason = get_model(self.store, event.scored_key, ScoredTrajectory).stop_reason.value
+            if row.stop_reason != flt.stop_reason:
+                return None
+        return row
+
+    def failures_page(self, run_id: str, failure_class: str = "", cursor: int = 0) -> Page:
+        """Failed trajectories with their reasons and attempts (HSCAN from ``cursor``)."""
+        rows: list[dict[str, Any]] = []
+        scanned = 0
+        while True:
+            cursor, batch = self.redis.hscan(RedisKeys.failures(run_id), cursor=cursor, count=self.page_size)
+            attempts = self.redis.hmget(RedisKeys.attempts(run_id), list(batch)) if batch else []
+            for (trajectory_id, reason), tries in zip(batch.items(), attempts):
+                scanned += 1
+                if failure_class and kind_of(reason) != failure_class:
+                    continue
+                rows.append({"trajectory_id": trajectory_id, "group_id": parse_trajectory_id(trajectory_id).group_id,
+                             "class": kind_of(reason), "reason": reason, "attempts": int(tries or 0)})
+            if cursor == 0 or len(rows) >= self.page_size or scanned >= self.scan_budget:
+                return Page(rows, None if cursor == 0 else str(cursor), scanned)
+
+    def rejected_rows(self, run_id: str, page: int) -> list[dict[str, str]]:
+        first = page * self.page_size
+        raw = self.redis.lrange(RedisKeys.rejected_rows(run_id), first, first + self.page_size - 1)
+        return [json.loads(r) for r in raw]
