@@ -52,6 +52,7 @@ def test_pipeline_end_to_end(base, tmp_path):
     with stack:
         intake = start_and_publish(stack, dataset)
         assert "1 rows rejected" in intake.stderr and "outside [1, 5]" in intake.stderr
+        assert f"intake {run_id}: publishing groups: {GROUPS} done in" in intake.stderr  # its progress, then the total
         total = GROUPS * GROUP_SIZE
         wait_terminal(stack, run_id, total, timeout_s=600)
 

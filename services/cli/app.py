@@ -24,6 +24,7 @@ from rich.table import Table
 
 from services.cli import errors
 from services.cli.data import data_app
+from services.cli.progress import progress
 from services.cli.trajectories import inspect_command, replay_command
 from shared.settings import Settings, load_settings
 
@@ -117,8 +118,11 @@ def _publish_dataset(settings: Settings, dataset: Optional[str], demo_tasks: Opt
     celery = make_celery(settings)
     ledger = Ledger.from_url(settings.redis.url, settings.outage)  # waits out an outage of Redis
     store = open_store(settings.storage, settings.outage)  # keeps the run's marker (shared.run_marker)
-    report = run_intake(settings, data.rows, ledger, lambda reqs: publish_rollouts(celery, reqs), store=store,
-                        dataset_version=data.version, prompt_limit=PromptLimit.from_settings(settings))
+    groups = settings.intake.num_groups if settings.intake.mode == "sample" else len(data.rows)
+    with progress(f"intake {settings.run_id}: publishing groups", total=groups) as advance:
+        report = run_intake(settings, data.rows, ledger, lambda reqs: publish_rollouts(celery, reqs), store=store,
+                            dataset_version=data.version, prompt_limit=PromptLimit.from_settings(settings),
+                            on_group=lambda _group_id: advance(1))
     console.print(
         f"intake {settings.run_id}: dataset {data.version}: {report.groups} groups, {report.trajectories} trajectories "
         f"published, {report.already_known} already known, {len(report.rejected)} rows rejected"
@@ -409,7 +413,7 @@ def inference(
     server = VllmServer.from_settings(settings.inference)
     server.start()
     try:
-        server.wait_ready(settings.inference.startup_timeout_s)
+        server.wait_ready(settings.inference.startup_timeout_s, report_every_s=15)
         console.print(f"vLLM ready: {json.dumps(server.health())}")
         with WeightFollower.from_settings(settings, base_urls=[server.base_url]) as follower:
             thread = threading.Thread(target=follower.run, args=(stop,), name="weight-follower", daemon=True)

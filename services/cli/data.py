@@ -11,6 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 from services.cli import errors
+from services.cli.progress import progress
+from shared.names import RedisKeys
 from shared.settings import Settings, load_settings
 
 data_app = typer.Typer(no_args_is_help=True, help="Datasets: validate before publishing.")
@@ -72,7 +74,11 @@ def export_run(run_id: str, out: Path, fmt: str, form: str, min_reward: Optional
     errors.state.settings = settings
     client = redis_client(settings.redis.url, settings.outage)
     store = open_store(settings.storage, settings.outage)
-    records = list(export_records(client, store, run_id, form, min_reward, max_reward, min_margin))  # type: ignore[arg-type]
+    with progress(f"export {run_id}: reading trajectories", total=client.xlen(RedisKeys.trainer_stream(run_id))) as advance:
+        records = []
+        for record in export_records(client, store, run_id, form, min_reward, max_reward, min_margin):  # type: ignore[arg-type]
+            records.append(record)
+            advance(1)
     if not records:
         what = "group with a pair" if form == "pairs" else "consumed trajectory"
         raise errors.CommandError(f"run {run_id}: no {what} to export (within the reward bounds)")

@@ -62,7 +62,7 @@ def run_demo(config: Path | None, tasks: int, workdir: Path, timeout_s: float = 
         vllm = VllmServer(model_dir, "tiny", port=port, log_path=workdir / "logs" / "vllm.log")
         with console.status("starting vLLM on CPU (about a minute)"):
             vllm.start()
-            ready_s = vllm.wait_ready(600)
+            ready_s = vllm.wait_ready(600, report_every_s=15)
         console.print(f"vLLM ready in {ready_s:.0f}s at {vllm.base_url}")
         stack.use_inference(vllm.base_url, model_dir, "tiny")
         stack.start_rollout_worker()

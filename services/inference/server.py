@@ -25,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import shutil
 import signal
@@ -39,6 +40,8 @@ import httpx
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
 from shared.processes import release_group, start_group_leader
+
+log = logging.getLogger(__name__)
 
 # vLLM 0.32's entry point; the older module path is a deprecated shim that calls it.
 SERVER_MODULES = ("vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoints.openai.api_server")
@@ -209,19 +212,25 @@ class VllmServer:
         self.stop()
         return InferenceServerError(f"vLLM server {why}; log {self.log_path}, last lines:\n{tail}")
 
-    def wait_ready(self, timeout: float | None = None) -> float:
-        """Block until the server serves its model; returns the seconds waited."""
+    def wait_ready(self, timeout: float | None = None, report_every_s: float | None = None) -> float:
+        """Block until the server serves its model; returns the seconds waited. With
+        ``report_every_s``, log that often how long it has waited and vLLM's last log line."""
         if self.process is None:
             raise InferenceServerError("vLLM server not started")
         timeout = self.startup_timeout if timeout is None else timeout
-        t0 = time.monotonic()
+        t0 = last_report = time.monotonic()
 
         def probe() -> None:
+            nonlocal last_report
             code = self.process.poll()
             if code is not None:
                 raise self._fail(f"exited with code {code} before becoming ready")
             status = check_inference(self.base_url, timeout=2.0)
             if not status["ok"] or status["model"] != self.served_model_name:
+                if report_every_s is not None and time.monotonic() - last_report >= report_every_s:
+                    last_report = time.monotonic()
+                    log.info("waiting for vLLM to start: %.0fs of at most %.0fs; its log: %s", last_report - t0, timeout,
+                             self._last_log_line())
                 raise _NotReady(status["detail"])
 
         try:
@@ -232,6 +241,15 @@ class VllmServer:
         except _NotReady as e:
             raise self._fail(f"not ready after {timeout:.0f}s ({e})") from None
         return time.monotonic() - t0
+
+    def _last_log_line(self) -> str:
+        try:
+            with self.log_path.open("rb") as fh:
+                fh.seek(max(0, self.log_path.stat().st_size - 4096))
+                lines = [line for line in fh.read().decode(errors="replace").splitlines() if line.strip()]
+        except OSError:
+            return "(no log yet)"
+        return lines[-1][-300:] if lines else "(no log yet)"
 
     def health(self) -> dict[str, Any]:
         """``{"ok", "model", "detail"}``: the process is alive and the API serves a model."""

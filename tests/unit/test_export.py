@@ -93,6 +93,7 @@ def test_conveyor_export_writes_the_dataset_and_refuses_an_empty_run(tmp_path, r
     done = export(run_id, "--out", str(tmp_path / "ds"), "--format", "hf", "--form", "tokens")
     assert done.returncode == 0, done.stderr
     assert datasets.load_from_disk(str(tmp_path / "ds")).num_rows == 2
+    assert f"export {run_id}: reading trajectories: 2 done in" in done.stderr  # progress goes to stderr
     empty = export(run_id + "x", "--out", str(tmp_path / "none.jsonl"))
     assert empty.returncode == 2 and f"run {run_id}x: no consumed trajectory to export" in empty.stderr
 
