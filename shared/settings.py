@@ -231,18 +231,27 @@ class BatchingSettings(Section):
         return self
 
 
+ALARM_MAD_BY_DTYPE = {"fp32": 1e-3, "bf16": 5e-2}  # the logprob alarm's default threshold per trainer.dtype
+
+
 class LogprobAlarmSettings(Section):
     """When the trainer and the inference service disagree on the policy (services.trainer.alarm)."""
 
     # mean |trainer logprob - inference logprob| over tokens sampled by exactly the trainer's
-    # weights; fp32 agrees to ~2e-7, a stale output head reached 0.15
-    max_on_policy_mad: Float = Field(1e-3, gt=0)
+    # weights; fp32 agrees to ~2e-7, a stale output head reached 0.15. None: scaled to the
+    # trainer's precision (trainer.dtype): 1e-3 in fp32, 5e-2 in bf16
+    max_on_policy_mad: Float | None = Field(None, gt=0)
     # stop: the trainer exits with the cause; skip_step: no update is applied, an error is
     # logged and counted (alarm_skipped_steps), and training goes on
     action: Literal["stop", "skip_step"] = "stop"
 
 
 class TrainerSettings(Section):
+    # where and in what precision the trainer computes: auto = cuda when torch sees a GPU;
+    # bf16 = autocast forward and backward with float32 master weights and optimizer state
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    activation_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
     # Staleness bound (shared.staleness). None: no training loop, rollouts are not throttled.
     max_off_policy_steps: Int | None = Field(None, ge=0)
     groups_per_step: Int = Field(4, gt=0)
@@ -275,6 +284,13 @@ class TrainerSettings(Section):
     min_env_share: dict[str, Float] = Field(default_factory=dict)
     mixing_window: Int = Field(32, ge=0)
     logprob_alarm: LogprobAlarmSettings = LogprobAlarmSettings()
+
+    @model_validator(mode="after")
+    def _alarm_scaled_to_precision(self) -> "TrainerSettings":
+        if self.logprob_alarm.max_on_policy_mad is None:
+            scaled = ALARM_MAD_BY_DTYPE[self.dtype]
+            self.logprob_alarm = self.logprob_alarm.model_copy(update={"max_on_policy_mad": scaled})
+        return self
 
     @model_validator(mode="after")
     def _shares_fit_a_step(self) -> "TrainerSettings":

@@ -134,6 +134,10 @@ class MicroBatch:
         """Real (non-padding) tokens."""
         return int(self.attention_mask.sum())
 
+    def to(self, device: torch.device) -> "MicroBatch":
+        return MicroBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.loss_mask, self.old_logprobs,
+                                                    self.advantages, self.policy_versions)))
+
 
 def collate(samples: list[PreparedSample], pad_token_id: int) -> MicroBatch:
     width = max(len(s.token_ids) for s in samples)

@@ -45,6 +45,7 @@ import torch
 
 from services.trainer.alarm import ServedWeightsAlarm
 from services.trainer.checkpoints import resume, save_checkpoint
+from services.trainer.device import resolve_device
 from services.trainer.evaluation import Evaluator
 from services.trainer.metrics import MetricsSink, finite_or_none, metric_name, plot_reward_curve
 from services.trainer.policy import load_policy
@@ -92,12 +93,14 @@ class TrainingLoop:
         self.groups_per_step = self.settings.trainer.groups_per_step
         if self.settings.trainer.torch_threads:
             torch.set_num_threads(self.settings.trainer.torch_threads)
-        model, self.tokenizer = load_policy(self.settings.inference.model_path)
         trainer = self.settings.trainer
+        model, self.tokenizer = load_policy(self.settings.inference.model_path, resolve_device(trainer.device))
+        if trainer.activation_checkpointing:
+            model.gradient_checkpointing_enable()
         self.trainer = PolicyTrainer(
             model, pad_token_id=self.tokenizer.pad_token_id or 0, optim=trainer.optim, loss=trainer.loss,
             batching=trainer.batching, temperature=self.settings.rollout.sampling.temperature or 1.0,
-            alarm=trainer.logprob_alarm,
+            alarm=trainer.logprob_alarm, dtype=trainer.dtype,
         )
         self.served_alarm = ServedWeightsAlarm(self.redis, self.run_id, trainer.logprob_alarm)
         self.counters = TrainerCounters(self.redis, self.run_id)

@@ -25,11 +25,12 @@ import torch
 from transformers import PreTrainedModel
 
 from services.trainer.alarm import LogprobAlarm, on_policy_message
+from services.trainer.device import compute_precision
 from services.trainer.batching import micro_batches, prepare_samples
 from services.trainer.loss import loss_denominator, policy_loss
 from services.trainer.policy import frozen_reference, sequence_logprobs
 from shared.schemas import TrainingBatch
-from shared.settings import BatchingSettings, LogprobAlarmSettings, LossSettings, OptimSettings
+from shared.settings import ALARM_MAD_BY_DTYPE, BatchingSettings, LogprobAlarmSettings, LossSettings, OptimSettings
 
 
 def build_optimizer(model: torch.nn.Module, optim: OptimSettings) -> torch.optim.AdamW:
@@ -48,9 +49,16 @@ class PolicyTrainer:
         reference: PreTrainedModel | None = None,
         temperature: float = 1.0,
         alarm: LogprobAlarmSettings | None = None,
+        dtype: str = "fp32",
     ):
+        """``dtype`` bf16: mixed precision, the model's own float32 weights as the master copy
+        (``services.trainer.device``). The model's device is where the step computes."""
         self.model = model
+        self.dtype = dtype
+        self.device = next(model.parameters()).device
         self.alarm = alarm or LogprobAlarmSettings()
+        if self.alarm.max_on_policy_mad is None:  # scaled to the precision, as settings do
+            self.alarm = self.alarm.model_copy(update={"max_on_policy_mad": ALARM_MAD_BY_DTYPE[dtype]})
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 to train on sampled tokens, got {temperature}")
         self.pad_token_id = pad_token_id
@@ -88,7 +96,9 @@ class PolicyTrainer:
         total_loss, tokens, loss_tokens = 0.0, 0, 0.0
         on_policy_abs, on_policy_tokens = 0.0, 0.0
         for mb in mbs:
-            logprobs = sequence_logprobs(self.model, mb.input_ids, mb.attention_mask, self.temperature)
+            mb = mb.to(self.device)
+            with compute_precision(self.device, self.dtype):
+                logprobs = sequence_logprobs(self.model, mb.input_ids, mb.attention_mask, self.temperature)
             # the correctness alarm: on rows sampled by exactly these weights, trainer and
             # inference logprobs must agree (off-policy rows differ by design)
             same = mb.loss_mask * (mb.policy_versions == self.step).unsqueeze(-1)
@@ -96,7 +106,7 @@ class PolicyTrainer:
             on_policy_tokens += float(same.sum())
             ref = None
             if self.reference is not None:
-                with torch.no_grad():
+                with torch.no_grad(), compute_precision(self.device, self.dtype):
                     ref = sequence_logprobs(self.reference, mb.input_ids, mb.attention_mask, self.temperature)
             loss, stats = policy_loss(
                 logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
