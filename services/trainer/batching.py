@@ -139,6 +139,12 @@ class MicroBatch:
                                                     self.advantages, self.policy_versions)))
 
 
+def masked_copy(mb: MicroBatch) -> MicroBatch:
+    """``mb`` with no token in the loss: a pass that adds nothing (sharding pads ranks with it)."""
+    return MicroBatch(mb.input_ids, mb.attention_mask, torch.zeros_like(mb.loss_mask), mb.old_logprobs, mb.advantages,
+                      mb.policy_versions)
+
+
 def collate(samples: list[PreparedSample], pad_token_id: int) -> MicroBatch:
     width = max(len(s.token_ids) for s in samples)
     rows = len(samples)

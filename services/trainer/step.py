@@ -26,7 +26,8 @@ from transformers import PreTrainedModel
 
 from services.trainer.alarm import LogprobAlarm, on_policy_message
 from services.trainer.device import compute_precision
-from services.trainer.batching import micro_batches, prepare_samples
+from services.trainer.sharding import all_sum, rank_share, world
+from services.trainer.batching import masked_copy, micro_batches, prepare_samples
 from services.trainer.loss import loss_denominator, policy_loss
 from services.trainer.policy import frozen_reference, sequence_logprobs
 from shared.schemas import TrainingBatch
@@ -95,7 +96,8 @@ class PolicyTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         total_loss, tokens, loss_tokens = 0.0, 0, 0.0
         on_policy_abs, on_policy_tokens = 0.0, 0.0
-        for mb in mbs:
+        rank, world_size = world()
+        for mb, real in rank_share(mbs, rank, world_size, masked_copy) if world_size > 1 else [(mb, True) for mb in mbs]:
             mb = mb.to(self.device)
             with compute_precision(self.device, self.dtype):
                 logprobs = sequence_logprobs(self.model, mb.input_ids, mb.attention_mask, self.temperature)
@@ -113,15 +115,21 @@ class PolicyTrainer:
                 clip_eps=self.loss.clip_eps, clip_eps_high=self.loss.clip_eps_high,
                 kl_coef=self.loss.kl_coef, ref_logprobs=ref, aggregation=agg, denominator=denominator,
             )
-            loss.backward()
+            (loss * world_size).backward()  # FSDP averages gradients over ranks (services.trainer.sharding)
             total_loss += float(loss.detach())
-            tokens += mb.tokens
+            tokens += mb.tokens if real else 0
             loss_tokens += stats["loss_tokens"]
             for key in weighted:
                 weighted[key] += stats[key] * stats["loss_tokens"]
 
+        if world_size > 1:  # every rank reports the whole step
+            total_loss, tokens, loss_tokens, on_policy_abs, on_policy_tokens, *sums = all_sum(
+                [total_loss, tokens, loss_tokens, on_policy_abs, on_policy_tokens, *weighted.values()], self.device)
+            weighted = dict(zip(weighted, sums))
         max_norm = self.optim.max_grad_norm if self.optim.max_grad_norm is not None else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
+            grad_norm = grad_norm.full_tensor()
         mad = on_policy_abs / on_policy_tokens if on_policy_tokens else math.nan
         alarm = mad > self.alarm.max_on_policy_mad  # NaN (no on-policy token) never fires
         if alarm and self.alarm.action == "stop":

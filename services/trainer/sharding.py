@@ -1,0 +1,82 @@
+"""Sharded data parallel training with torch's FSDP2 (``fully_shard``): one trainer process per
+device, launched with torchrun (``torch.distributed`` already initialised: NCCL on GPUs, gloo
+on CPUs).
+
+Invariants:
+- Every decoder layer is its own FSDP unit, then the whole model: each rank holds a shard of
+  every parameter and of its optimizer state; forward all-gathers a layer's weights, backward
+  reduce-scatters its gradients.
+- Every rank reads the step's whole batch; micro-batch ``i`` runs on rank ``i mod world``. The
+  loss is normalised by the whole step's denominator, so summed over ranks it is the
+  unsharded step's loss; FSDP averages gradients over ranks, so each rank scales its loss by
+  the world size: the update equals the unsharded step's (token-budget micro-batches and
+  accumulation are unchanged). A rank with fewer micro-batches runs masked copies (loss 0), so
+  every rank joins every collective.
+- Sharded checkpoints are written and read with ``torch.distributed.checkpoint`` (each rank its
+  shard, no gather); ``full_state_dict`` gathers the whole model on every rank for the
+  Hugging Face checkpoint vLLM loads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.fsdp import fully_shard
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) when not distributed."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def shard_policy(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2 over a Hugging Face causal LM: each decoder layer, then the root. In place."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no model.layers to shard")
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def rank_share(micro_batches: list[Any], rank: int, world_size: int, masked_copy) -> list[tuple[Any, bool]]:  # noqa: ANN001
+    """This rank's micro-batches (``i mod world == rank``) as (micro-batch, real), padded with
+    ``masked_copy`` (real False) to the most any rank has, so every rank runs as many passes."""
+    mine = [(mb, True) for mb in micro_batches[rank::world_size]]
+    most = -(-len(micro_batches) // world_size)
+    return mine + [(masked_copy(micro_batches[0]), False)] * (most - len(mine))
+
+
+def all_sum(values: list[float], device: torch.device) -> list[float]:
+    """The sum over ranks of each value (itself when not distributed)."""
+    if world()[1] == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))
+
+
+def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(directory))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's weights on every rank (for the Hugging Face checkpoint vLLM serves)."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
