@@ -1,0 +1,189 @@
+"""Orchestration capacity (issue 15): how many trajectories per second Conveyor itself moves when
+the policy costs nothing.
+
+A replay policy stands in for vLLM (benchmarks only; tests use real vLLM): an aiohttp server
+that answers ``/v1/completions`` at once with recorded token ids and logprobs. Episodes are
+single-turn tasks with a trivial reward. Everything else is real: redis-server, Celery rollout
+and scoring workers, S3 writes (the moto server, or local files with ``--storage local``), the
+ledger, the scorer and the trainer consumer (assembling groups, no training).
+
+It reports, per configuration (rollout worker processes x group size):
+- end-to-end trajectories/s, intake start to the last trajectory consumed;
+- group latency p50/p99 (dispatch to the trainer's decision: the trainer side of it is what
+  follows the scorer's event), from the trainer's own metrics lines;
+- Redis commands per trajectory (``INFO stats`` total_commands_processed, before and after);
+- object-store bytes per trajectory (every object the run wrote);
+- worker RSS per concurrent episode (the rollout workers' resident memory over their slots).
+
+    .venv/bin/python bench/capacity.py [--trajectories 2000] [--workers 1 4] [--group-sizes 4 16 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from aiohttp import web  # noqa: E402
+
+from bench.local_runs import BenchRun  # noqa: E402
+from services.cli.local_stack import LocalStack, free_port  # noqa: E402
+from services.inference.tiny_model import generate_tiny_model  # noqa: E402
+from services.intake.publisher import build_group  # noqa: E402
+from shared.celery_app import publish_rollouts  # noqa: E402
+from shared.group_registry import GroupRegistry  # noqa: E402
+from shared.schemas import GroupRegistration, TaskProfile  # noqa: E402
+
+REWARD_FN = "services.rollout_worker.environments.toy_rewards:digit_share"
+
+
+class ReplayPolicy:
+    """Answers every completion at once with the tokens of "42" and the end of turn, fixed logprobs."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.reply_ids = tokenizer.encode("42", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        self.port = free_port()
+        self.requests = 0
+        self._ready = threading.Event()
+        threading.Thread(target=self._serve, daemon=True, name="replay-policy").start()
+        self._ready.wait(10)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _serve(self) -> None:
+        async def completions(request: web.Request) -> web.Response:
+            body = await request.json()
+            self.requests += 1
+            ids = self.reply_ids[: body.get("max_tokens", len(self.reply_ids))]
+            return web.json_response({"choices": [{"token_ids": ids, "logprobs": {"token_logprobs": [-0.1] * len(ids)},
+                                                   "finish_reason": "stop", "text": "42"}]})
+
+        async def models(_: web.Request) -> web.Response:
+            return web.json_response({"data": [{"id": "tiny"}]})
+
+        async def health(_: web.Request) -> web.Response:
+            return web.Response(text="ok")
+
+        app = web.Application()
+        app.add_routes([web.post("/v1/completions", completions), web.get("/v1/models", models), web.get("/health", health)])
+        loop = asyncio.new_event_loop()
+        runner = web.AppRunner(app, access_log=None)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+        self._ready.set()
+        loop.run_forever()
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of a process and its children (a Celery worker's pool), in MB."""
+    total = 0
+    pids = [pid]
+    try:
+        pids += [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        pass
+    for p in pids:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return total / 1024
+
+
+def run_config(base: LocalStack, root: Path, workers: int, group_size: int, trajectories: int, slots: int) -> dict:
+    run_id = f"cap-w{workers}-g{group_size}"
+    run = BenchRun.open(base, root, run_id, {
+        "CONVEYOR_ROLLOUT__GROUP_SIZE": str(group_size), "CONVEYOR_ROLLOUT__MAX_TURNS": "1",
+        "CONVEYOR_ROLLOUT__MAX_TOKENS_PER_TURN": "4", "CONVEYOR_TRAINER__BLOCK_MS": "20",
+        "CONVEYOR_REWARDS__WEIGHTS": json.dumps({"verifier": 1.0}),
+    })
+    groups = max(1, trajectories // group_size)
+    with run.stack:
+        procs = [run.stack.start_rollout_worker(name=f"rollout{i}", concurrency=slots) for i in range(workers)]
+        run.stack.start_scoring_worker()
+        run.stack.start_trainer()
+        time.sleep(10)  # workers import and connect
+        client = run.ledger.redis
+        commands0 = int(client.info("stats")["total_commands_processed"])
+        started = time.time()
+        for group_id in range(groups):
+            task = TaskProfile(task_id=f"c{group_id}", env_name="single_turn",
+                               task_data={"prompt": "Say a number.", "row": {"id": group_id}}, env_config={"reward_fn": REWARD_FN})
+            requests = build_group(run.settings, group_id, task)
+            GroupRegistry(client, run.run_id).register(GroupRegistration(
+                run_id=run.run_id, group_id=group_id, expected_size=len(requests), task_id=task.task_id,
+                policy_version=0, dispatched_at=requests[0].dispatched_at, env_name="single_turn"))
+            run.ledger.register(requests)
+            publish_rollouts(run.celery, requests)
+        total = groups * group_size
+        rss_samples: list[float] = []
+        run.wait_until_consumed(total, timeout_s=3600, what=run_id,
+                                each_poll=lambda: rss_samples.append(sum(rss_mb(p.proc.pid) for p in procs)))
+        wall = time.time() - started
+        commands = int(client.info("stats")["total_commands_processed"]) - commands0
+        counts = run.ledger.counts(run.run_id)
+        latencies = [m["group_latency_s"] for m in run.trainer_metrics()]
+        stored = sum(len(run.store.get_bytes(k)) for prefix in ("trajectories", "scored", "groups", "batches")
+                     for k in run.store.list_keys(f"{prefix}/{run.run_id}/"))
+    return {
+        "workers": workers, "group_size": group_size, "trajectories": total, "failed": counts["failed"],
+        "traj_per_s": total / wall, "group_latency_p50_ms": 1000 * pct(latencies, 0.5),
+        "group_latency_p99_ms": 1000 * pct(latencies, 0.99), "redis_commands_per_traj": commands / total,
+        "stored_bytes_per_traj": stored / total,
+        "rss_mb_per_episode_slot": statistics.fmean(rss_samples) / (workers * slots) if rss_samples else float("nan"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trajectories", type=int, default=2000)
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--group-sizes", type=int, nargs="+", default=[4, 16, 64])
+    parser.add_argument("--slots", type=int, default=16, help="Celery thread slots per rollout worker")
+    parser.add_argument("--storage", choices=["s3", "local"], default="s3")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="conveyor-capacity-") as tmp:
+        root = Path(tmp)
+        model_dir = generate_tiny_model(root / "tiny")  # the workers' tokenizer; the replay policy speaks it
+        policy = ReplayPolicy(model_dir)
+        base = LocalStack(root / "base")
+        try:
+            base.start_redis()
+            if args.storage == "s3":
+                base.start_s3()
+            else:
+                base.env.update({"CONVEYOR_STORAGE__BACKEND": "local", "CONVEYOR_STORAGE__LOCAL_ROOT": str(root / "objects")})
+            base.use_inference(policy.base_url, model_dir, "tiny")
+            results = []
+            for workers in args.workers:
+                for group_size in args.group_sizes:
+                    result = run_config(base, root, workers, group_size, args.trajectories, args.slots)
+                    results.append(result)
+                    print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}), flush=True)
+        finally:
+            base.stop()
+        print(f"replay policy answered {policy.requests} completions")
+
+
+if __name__ == "__main__":
+    main()
