@@ -82,6 +82,8 @@ class InferenceSettings(Section):
     max_retries: Int = Field(3, ge=0)
     startup_timeout_s: Float = Field(300.0, gt=0)
     kv_cache_space_gib: Int = Field(1, gt=0)  # VLLM_CPU_KVCACHE_SPACE on CPU hosts
+    gpu_memory_utilization: Float = Field(0.85, gt=0, le=1)  # GPU hosts: vLLM's share of each GPU's memory
+    tensor_parallel_size: Int = Field(1, gt=0)  # GPU hosts: GPUs one vLLM server shards the model over
     # After every weight sync, each replica must reproduce the trainer's logprobs of a fixed
     # sequence (shared.logprob_probe) within the tolerance, or the sync fails and the served
     # version does not move. None: 1e-4 for float32, 5e-2 for lower precisions.

