@@ -5,11 +5,13 @@ Invariants:
   the same object store. It writes nothing.
 - A bad request (an unknown run or trajectory, a filter that is not a number) gets a 404 or 400
   page that says what was wrong; one request failing never stops the server.
-- Every request is bounded by a page (see ``services.viewer.data``).
+- Every request is bounded by a page (see ``services.viewer.data``), and its blocking reads
+  run in a worker thread, so one slow read never holds up other requests.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -54,17 +56,17 @@ def _known_run(data: ViewerData, run_id: str) -> None:
                                content_type="text/html")
 
 
-async def runs(request: web.Request) -> web.Response:
+def runs(request: web.Request) -> web.Response:
     return _html(pages.runs_page(request.app[DATA].runs()))
 
 
-async def run(request: web.Request) -> web.Response:
+def run(request: web.Request) -> web.Response:
     data, run_id = request.app[DATA], request.match_info["run"]
     _known_run(data, run_id)
     return _html(pages.run_page(run_id, data.counts(run_id), data.steps(run_id), data.evals(run_id), data.trainer_counters(run_id)))
 
 
-async def groups(request: web.Request) -> web.Response:
+def groups(request: web.Request) -> web.Response:
     data, run_id = request.app[DATA], request.match_info["run"]
     _known_run(data, run_id)
     page_no = _int(request.query, "page")
@@ -73,13 +75,13 @@ async def groups(request: web.Request) -> web.Response:
     return _html(pages.groups_page(run_id, rows, page_no, has_next))
 
 
-async def group(request: web.Request) -> web.Response:
+def group(request: web.Request) -> web.Response:
     data, run_id = request.app[DATA], request.match_info["run"]
     group_id = int(request.match_info["group"])
     return _html(pages.group_page(run_id, group_id, data.registration(run_id, group_id), data.group(run_id, group_id)))
 
 
-async def trajectories(request: web.Request) -> web.Response:
+def trajectories(request: web.Request) -> web.Response:
     data, run_id, q = request.app[DATA], request.match_info["run"], request.query
     _known_run(data, run_id)
     flt = TrajectoryFilter(min_reward=_float(q, "min_reward"), max_reward=_float(q, "max_reward"),
@@ -90,7 +92,7 @@ async def trajectories(request: web.Request) -> web.Response:
     return _html(pages.trajectories_page(run_id, found.rows, query, found.next_cursor, found.scanned))
 
 
-async def failures(request: web.Request) -> web.Response:
+def failures(request: web.Request) -> web.Response:
     data, run_id, q = request.app[DATA], request.match_info["run"], request.query
     _known_run(data, run_id)
     found = data.failures_page(run_id, q.get("class", "").strip(), _int(q, "cursor"))
@@ -98,7 +100,7 @@ async def failures(request: web.Request) -> web.Response:
                                      data.rejected_rows(run_id, _int(q, "rejected_page"))))
 
 
-async def trajectory(request: web.Request) -> web.Response:
+def trajectory(request: web.Request) -> web.Response:
     try:
         found = request.app[DATA].trajectory(request.match_info["tid"])
     except TrajectoryNotFound as exc:
@@ -117,14 +119,20 @@ async def errors_as_pages(request: web.Request, handler: Callable) -> web.Stream
         return _html(pages.page("Error", f"<p>{pages.esc(type(exc).__name__)}: {pages.esc(exc)}</p>"), status=500)
 
 
+def threaded(page: Callable[[web.Request], web.Response]) -> Callable:
+    """Run a page's blocking Redis and S3 reads in a worker thread, off the server's event loop."""
+    async def handler(request: web.Request) -> web.Response:
+        return await asyncio.to_thread(page, request)
+
+    return handler
+
+
 def make_app(data: ViewerData, decode: Callable[[int], str] | None = None) -> web.Application:
     app = web.Application(middlewares=[errors_as_pages])
     app[DATA], app[DECODE] = data, decode
-    app.add_routes([
-        web.get("/", runs), web.get("/runs/{run}", run), web.get("/runs/{run}/groups", groups),
-        web.get("/runs/{run}/groups/{group:\\d+}", group), web.get("/runs/{run}/trajectories", trajectories),
-        web.get("/runs/{run}/failures", failures), web.get("/t/{tid}", trajectory),
-    ])
+    routes = {"/": runs, "/runs/{run}": run, "/runs/{run}/groups": groups, "/runs/{run}/groups/{group:\\d+}": group,
+              "/runs/{run}/trajectories": trajectories, "/runs/{run}/failures": failures, "/t/{tid}": trajectory}
+    app.add_routes([web.get(path, threaded(page)) for path, page in routes.items()])
     return app
 
 

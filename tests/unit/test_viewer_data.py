@@ -89,3 +89,32 @@ def test_groups_page_by_id_and_model_output_is_escaped(redis_client, store, run_
     assert [g for g, _, _ in data.groups_page(run_id, 1)] == [2, 3] and data.groups_page(run_id, 3) == []
     html = pages.token_spans([5, 6], [0, 1], [0.0, -3.2], lambda i: "<script>" if i == 6 else "a")
     assert "&lt;script&gt;" in html and "<script>" not in html and "lp-low" in html
+
+
+def test_the_app_serves_pages_and_says_what_was_wrong_with_a_bad_request(redis_client, store, run_id):
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from services.viewer.app import make_app
+
+    stage(redis_client, store, run_id)
+
+    async def visit() -> dict[str, tuple[int, str]]:
+        async with TestClient(TestServer(make_app(ViewerData(redis_client, store)))) as client:
+            pages_seen = {}
+            for path in ("/", f"/runs/{run_id}", f"/runs/{run_id}/trajectories?kind=failed", f"/runs/{run_id}/failures",
+                         "/runs/nope", f"/runs/{run_id}/trajectories?min_reward=x", f"/t/{run_id}_0_9_9"):
+                response = await client.get(path)
+                pages_seen[path] = (response.status, await response.text())
+            return pages_seen
+
+    seen = asyncio.run(visit())
+    assert seen["/"][0] == 200 and run_id in seen["/"][1]
+    assert seen[f"/runs/{run_id}"][0] == 200 and "Trajectories by state" in seen[f"/runs/{run_id}"][1]
+    failed = seen[f"/runs/{run_id}/trajectories?kind=failed"]
+    assert failed[0] == 200 and failed[1].count("pill failed") == 5
+    assert seen[f"/runs/{run_id}/failures"][1].count("infra_error") >= 2
+    assert seen["/runs/nope"][0] == 404 and "no run nope" in seen["/runs/nope"][1]
+    assert seen[f"/runs/{run_id}/trajectories?min_reward=x"][0] == 400
+    assert seen[f"/t/{run_id}_0_9_9"][0] == 404 and "no uploaded trajectory" in seen[f"/t/{run_id}_0_9_9"][1]
