@@ -93,11 +93,12 @@ def vllm(proxy):
 
 @pytest.fixture
 def episode(proxy, python_image, swe_task, coding_run_id, docker_client, tmp_path_factory, request):
-    """``episode(agent_command, **config)``: one agent_coding trajectory, run to its end; afterwards
-    no container of it may be left."""
+    """``episode(agent_command, store=None, limits=LIMITS, **config)``: one agent_coding trajectory,
+    run to its end (agent artifacts uploaded to ``store``, if given); afterwards no container of it
+    may be left."""
     ran: list[str] = []
 
-    def run(agent_command: str, **config) -> object:
+    def run(agent_command: str, store=None, limits: EpisodeLimits = LIMITS, **config) -> object:
         trajectory_id = f"{coding_run_id}-{request.node.name[:40]}-{len(ran)}"
         ran.append(trajectory_id)
         env = AgentCodingEnv({"image": python_image, "workspace_cache_dir": str(tmp_path_factory.getbasetemp() / "workspaces"),
@@ -105,7 +106,7 @@ def episode(proxy, python_image, swe_task, coding_run_id, docker_client, tmp_pat
         task = TaskProfile(task_id="calc-1", env_name="agent_coding", task_data=swe_task, env_config={}, source="test")
         req = RolloutRequest(run_id=coding_run_id, group_id=0, episode_index=0, episode_seed=1, trajectory_id=trajectory_id,
                              group_size=1, task=task, policy_version=0, dispatched_at=0.0)
-        return proxy.loop.run(run_agent_episode(req, env, proxy, LIMITS, policy_version=lambda: 3))
+        return proxy.loop.run(run_agent_episode(req, env, proxy, limits, policy_version=lambda: 3, store=store))
 
     yield run
     for trajectory_id in ran:
