@@ -1,0 +1,92 @@
+"""Cline through the whole pipeline, scoring 1.0: intake, a real Celery rollout worker (its proxy,
+Cline and its driver in real sandboxes), the scorer and the trainer.
+
+The policy is the one thing stood in for: a scripted server answers vLLM's token API
+(``scripted_completions``) with a known-good conversation, encoded with the tiny model's
+tokenizer: Cline writes the fixed ``calc/__init__.py`` with ``<write_to_file>``, then ends with
+``<attempt_completion>``. The hidden tests give 1.0, and the trainer's batch holds exactly the
+recorded tokens, masks and logprobs.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+
+import pytest
+from agent_support import long_context_tiny_model
+from coding_helpers import CALC
+from pipeline_support import ServedModel, base_stack, run_stack, store_of, wait_terminal
+from scripted_completions import scripted_completions
+
+from shared.names import batch_key, trajectory_key
+from shared.schemas import StopReason, TrainingBatch, Trajectory
+from shared.storage import get_model
+
+pytestmark = pytest.mark.slow
+
+GROUP_SIZE = 2
+CONTEXT = 40960  # Cline's system prompt is about 33,000 of the tiny model's tokens
+FIXED_CALC = CALC.replace("def add(a, b):\n    return a - b", "def add(a, b):\n    return a + b").replace(
+    "def mul(a, b):\n    return a + b", "def mul(a, b):\n    return a * b")
+REPLIES = [
+    f"I will fix add and mul.\n\n<write_to_file>\n<path>calc/__init__.py</path>\n<content>\n{FIXED_CALC}</content>\n"
+    "</write_to_file>",
+    "<attempt_completion>\n<result>add and mul now add and multiply.</result>\n</attempt_completion>",
+]
+
+
+def test_cline_fixes_the_bug_through_the_pipeline_and_scores_1(tmp_path, swe_bench_row, cline_image, coding_run_id):
+    dataset = tmp_path / "swe.jsonl"
+    dataset.write_text(json.dumps(swe_bench_row) + "\n")
+    env_config = {"image": cline_image, "workspace_cache_dir": str(tmp_path / "workspaces"), "test_timeout_s": 60,
+                  "agent_timeout_s": 300, "agent_command": "python3 -m agent_drivers.cline",
+                  "agent_artifacts_dir": "/tmp/agent-artifacts"}
+    model_dir = long_context_tiny_model(tmp_path / "tiny", CONTEXT)
+    run_id = coding_run_id
+    with scripted_completions(model_dir, "tiny", REPLIES) as policy, \
+            base_stack(tmp_path, ServedModel(policy.base_url, model_dir)) as base, \
+            tempfile.TemporaryDirectory(prefix="ag-", dir="/tmp") as sockets:
+        stack = run_stack(base, tmp_path / "run", run_id, CONVEYOR_INTAKE__ENV_NAME="agent_coding",
+                          CONVEYOR_INTAKE__ENV_CONFIG=json.dumps(env_config), CONVEYOR_ROLLOUT__GROUP_SIZE=str(GROUP_SIZE),
+                          CONVEYOR_REWARDS__WEIGHTS=json.dumps({"verifier": 1.0}), CONVEYOR_TRAINER__GROUPS_PER_STEP="1",
+                          CONVEYOR_TRAINER__ZERO_VARIANCE_GROUPS="keep", CONVEYOR_ROLLOUT__AGENT_SOCKET_DIR=sockets,
+                          CONVEYOR_INFERENCE__MAX_MODEL_LEN=str(CONTEXT), CONVEYOR_ROLLOUT__MAX_TOKENS_PER_TURN="512",
+                          CONVEYOR_ROLLOUT__MAX_EPISODE_TOKENS="2048", CONVEYOR_ROLLOUT__MAX_TURNS="6",
+                          CONVEYOR_TRAINER__BATCHING__MAX_SEQ_LEN=str(CONTEXT),
+                          CONVEYOR_TRAINER__BATCHING__MICRO_BATCH_TOKENS=str(CONTEXT),
+                          # the stand-in's logprobs are made up, not the tiny model's: no alarm on them
+                          CONVEYOR_TRAINER__LOGPROB_ALARM__MAX_ON_POLICY_MAD="1000",
+                          CONVEYOR_TRAINER__TORCH_THREADS="1")
+        with stack:
+            stack.start_rollout_worker(concurrency=2)
+            stack.start_scoring_worker()
+            stack.start_trainer()
+            intake = stack.run_conveyor("intake", "--dataset", str(dataset))
+            assert intake.returncode == 0, intake.stderr
+            counts = wait_terminal(stack, run_id, GROUP_SIZE, timeout_s=900)
+            assert counts["consumed"] == GROUP_SIZE, (counts, stack.logs("worker-rollout"))
+            store = store_of(stack)
+            batch = get_model(store, batch_key(run_id, 0), TrainingBatch)
+            assert len(batch.samples) == GROUP_SIZE
+            for sample in batch.samples:
+                stem = trajectory_key(run_id, 0, sample.trajectory_id).removesuffix(".json.gz")
+                [key] = [k for k in store.list_keys(stem) if k.startswith(stem + ".a")]  # one attempt's object
+                trajectory = get_model(store, key, Trajectory)
+                agent = trajectory.env_info["agent"]
+                print(f"\n{sample.trajectory_id}: {json.dumps(agent['metrics'])}; first call after {agent['first_call_s']} s")
+                assert agent["metrics"]["outcome"] == "completed", agent
+                assert trajectory.stop_reason is StopReason.done and trajectory.env_reward == 1.0, trajectory.env_info.get("tests")
+                assert len(trajectory.turns) == 2 and not trajectory.turns[1].segment_start
+                assert [t.completion_text for t in trajectory.turns] == REPLIES
+                assert sample.reward == pytest.approx(1.0)
+                flat = trajectory.flatten()
+                assert (sample.token_ids, sample.loss_mask, sample.inference_logprobs) == (
+                    flat.token_ids, flat.loss_mask, flat.inference_logprobs)
+                assert sum(sample.loss_mask) == sum(len(t.sampled_token_ids) for t in trajectory.turns) > 0
+                history = json.loads(store.get_bytes(agent["artifacts"]["api_conversation_history.json"]))
+                # Cline records a reply when the next request goes out: the closing one is not there
+                assert [m["role"] for m in history] == ["user", "assistant", "user"] and "<write_to_file>" in json.dumps(history)
+            assert len(policy.requests) == 2 * GROUP_SIZE
+            worker_log = stack.logs("worker-rollout", 100_000)
+            assert "Traceback" not in worker_log, worker_log[-4000:]
