@@ -16,12 +16,10 @@ import tempfile
 import pytest
 from agent_support import long_context_tiny_model
 from coding_helpers import CALC
-from pipeline_support import ServedModel, base_stack, run_stack, store_of, wait_terminal
+from pipeline_support import ServedModel, base_stack, run_stack, trained_trajectories
 from scripted_completions import scripted_completions
 
-from shared.names import batch_key, trajectory_key
-from shared.schemas import StopReason, TrainingBatch, Trajectory
-from shared.storage import get_model
+from shared.schemas import StopReason
 
 pytestmark = pytest.mark.slow
 
@@ -59,20 +57,8 @@ def test_cline_fixes_the_bug_through_the_pipeline_and_scores_1(tmp_path, swe_ben
                           CONVEYOR_TRAINER__LOGPROB_ALARM__MAX_ON_POLICY_MAD="1000",
                           CONVEYOR_TRAINER__TORCH_THREADS="1")
         with stack:
-            stack.start_rollout_worker(concurrency=2)
-            stack.start_scoring_worker()
-            stack.start_trainer()
-            intake = stack.run_conveyor("intake", "--dataset", str(dataset))
-            assert intake.returncode == 0, intake.stderr
-            counts = wait_terminal(stack, run_id, GROUP_SIZE, timeout_s=900)
-            assert counts["consumed"] == GROUP_SIZE, (counts, stack.logs("worker-rollout"))
-            store = store_of(stack)
-            batch = get_model(store, batch_key(run_id, 0), TrainingBatch)
-            assert len(batch.samples) == GROUP_SIZE
-            for sample in batch.samples:
-                stem = trajectory_key(run_id, 0, sample.trajectory_id).removesuffix(".json.gz")
-                [key] = [k for k in store.list_keys(stem) if k.startswith(stem + ".a")]  # one attempt's object
-                trajectory = get_model(store, key, Trajectory)
+            store, pairs = trained_trajectories(stack, run_id, dataset, GROUP_SIZE, timeout_s=900)
+            for sample, trajectory in pairs:
                 agent = trajectory.env_info["agent"]
                 print(f"\n{sample.trajectory_id}: {json.dumps(agent['metrics'])}; first call after {agent['first_call_s']} s")
                 assert agent["metrics"]["outcome"] == "completed", agent
@@ -80,13 +66,7 @@ def test_cline_fixes_the_bug_through_the_pipeline_and_scores_1(tmp_path, swe_ben
                 assert len(trajectory.turns) == 2 and not trajectory.turns[1].segment_start
                 assert [t.completion_text for t in trajectory.turns] == REPLIES
                 assert sample.reward == pytest.approx(1.0)
-                flat = trajectory.flatten()
-                assert (sample.token_ids, sample.loss_mask, sample.inference_logprobs) == (
-                    flat.token_ids, flat.loss_mask, flat.inference_logprobs)
-                assert sum(sample.loss_mask) == sum(len(t.sampled_token_ids) for t in trajectory.turns) > 0
                 history = json.loads(store.get_bytes(agent["artifacts"]["api_conversation_history.json"]))
                 # Cline records a reply when the next request goes out: the closing one is not there
                 assert [m["role"] for m in history] == ["user", "assistant", "user"] and "<write_to_file>" in json.dumps(history)
             assert len(policy.requests) == 2 * GROUP_SIZE
-            worker_log = stack.logs("worker-rollout", 100_000)
-            assert "Traceback" not in worker_log, worker_log[-4000:]
