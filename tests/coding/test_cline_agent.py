@@ -105,3 +105,16 @@ def test_cline_past_the_episode_limit_is_killed_with_its_sandbox(episode, cline_
     trajectory = episode(f"{CLINE} --timeout 600 --max-mistakes 50", limits=LIMITS, image=cline_image, agent_timeout_s=12)
     assert trajectory.stop_reason is StopReason.timeout and trajectory.env_info["agent"]["timed_out"] is True
     assert trajectory.env_reward == 0.0
+
+
+def test_cline_whose_budget_is_used_up_is_stopped_and_its_files_kept(episode, cline_image, store):  # noqa: F811
+    """One call allowed: the proxy refuses the second and writes ``stop``; the wrapper's SIGTERM
+    reaches the driver, which saves Cline's files and its metrics before stopping Cline."""
+    one_call = EpisodeLimits(max_turns=1, max_tokens_per_turn=16, max_episode_tokens=200, max_model_len=CONTEXT, timeout_s=300)
+    trajectory = episode(f"{CLINE} --max-mistakes 50", store=store, limits=one_call, image=cline_image,
+                         agent_timeout_s=120, agent_artifacts_dir=ARTIFACTS_DIR)
+    agent = trajectory.env_info["agent"]
+    assert trajectory.stop_reason is StopReason.max_turns and len(trajectory.turns) == 1, agent["output"][-2000:]
+    assert "budget is used up" in agent["output"] and not agent["timed_out"], agent["output"][-2000:]
+    assert agent["metrics"]["outcome"] == "stopped" and agent["metrics"]["task_id"], agent["metrics"]
+    assert set(agent["artifacts"]) == CLINE_FILES, agent

@@ -80,9 +80,8 @@ def main() -> int:
     except Stopped:
         metrics.update(run.metrics(), outcome="stopped")
     except Exception as exc:  # the metrics say what went wrong; the episode is graded anyway
-        metrics.update(run.metrics() if run.task_id else {}, error=f"{type(exc).__name__}: {exc}")
-        if metrics["boot_ok"]:
-            metrics["outcome"] = "failed"
+        metrics.update(run.metrics(), error=f"{type(exc).__name__}: {exc}")
+        metrics["outcome"] = run.outcome or ("failed" if metrics["boot_ok"] else "boot_failed")
         print(f"cline driver: {metrics['error']}", file=sys.stderr)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # finish saving; the wrapper's SIGKILL still ends us

@@ -105,7 +105,7 @@ def task_end(message: dict | None) -> tuple[str, str] | None:
 @dataclass
 class TaskRun:
     task_id: str = ""
-    outcome: str = "timeout"
+    outcome: str = ""  # set when the task ends, or "timeout" at the deadline
     detail: str = ""
     started_at: float = 0.0
     first_message_s: float | None = None  # newTask -> the first streamed message of the task
@@ -115,7 +115,8 @@ class TaskRun:
     def metrics(self) -> dict:
         says = [m.get("say") for m in self.messages]
         return {"task_id": self.task_id, "outcome": self.outcome, "detail": self.detail,
-                "task_s": round(time.monotonic() - self.started_at, 3), "first_message_s": self.first_message_s,
+                "task_s": round(time.monotonic() - self.started_at, 3) if self.started_at else None,
+                "first_message_s": self.first_message_s,
                 "api_requests": says.count("api_req_started"), "messages": len(self.messages), "approvals": self.approvals}
 
 
@@ -132,7 +133,8 @@ def run_task(bus: ProtoBus, text: str, deadline: float, run: TaskRun) -> None:
         run.started_at = time.monotonic()
         run.task_id = bus.call("cline.TaskService", "newTask", text=text).value
         _follow(bus, events, deadline, run)
-        if run.outcome == "timeout":
+        if not run.outcome:
+            run.outcome = "timeout"
             bus.call("cline.TaskService", "cancelTask", timeout_s=10)
     finally:
         for stream in streams:
