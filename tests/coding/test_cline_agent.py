@@ -73,6 +73,13 @@ def test_cline_works_a_task_against_the_tiny_model_through_the_proxy(episode, pr
     assert metrics["boot_ok"] and metrics["task_id"] and metrics["first_message_s"] is not None, agent["output"][-3000:]
     assert metrics["outcome"] in ("failed", "completed", "unanswerable_ask", "stopped"), metrics
     assert metrics["left_running"] == 0 and metrics["api_requests"] >= 1, metrics
+    # offline: telemetry off, nothing waiting to be dismissed; ACT mode, yolo, edits and commands auto-approved
+    settings = metrics["settings"]
+    assert {k: settings[k] for k in ("mode", "telemetrySetting", "yoloModeToggled", "welcomeViewCompleted",
+                                     "shouldShowAnnouncement")} == {"mode": "act", "telemetrySetting": "disabled",
+                                                                     "yoloModeToggled": True, "welcomeViewCompleted": True,
+                                                                     "shouldShowAnnouncement": False}, settings
+    assert {"editFiles", "executeAllCommands", "readFiles"} <= set(settings["autoApproved"]), settings
     # Cline's calls are the trajectory, recorded exactly as vLLM sampled them
     assert len(trajectory.turns) >= 1 and agent["calls"] == len(trajectory.turns)
     assert "<task>" in proxy.chat.tokenizer.decode(trajectory.turns[0].prompt_token_ids)

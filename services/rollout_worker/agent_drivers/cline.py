@@ -7,6 +7,8 @@ leaves in ``$AGENT_ARTIFACTS_DIR`` (default ``/tmp/agent-artifacts``):
 
 - ``api_conversation_history.json`` and ``ui_messages.json``: Cline's own record of the task;
 - ``metrics.json``: ``prepare_s`` (driver start to Cline configured), ``boot_ok``, ``boot_s``,
+  ``settings`` (what Cline reports in force after configuration: mode, telemetry, yolo, welcome
+  and announcement seen, auto-approved actions),
   ``outcome`` (``completed``, ``failed``, ``timeout``, ``unanswerable_ask``, ``boot_failed``,
   ``stopped``), the task's figures and how the processes ended (``left_running`` must be 0).
 
@@ -71,8 +73,9 @@ def main() -> int:
         bus = _boot(processes, started + BOOT_TIMEOUT_S)
         metrics.update(boot_ok=True, boot_s=round(time.monotonic() - started, 3),
                        core_port=processes.core_port, host_port=processes.host_port)
-        configure(bus, ProviderSettings(os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"], os.environ["OPENAI_MODEL"],
-                                        args.max_tokens, args.context_window, args.max_mistakes))
+        metrics["settings"] = configure(bus, ProviderSettings(
+            os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"], os.environ["OPENAI_MODEL"],
+            args.max_tokens, args.context_window, args.max_mistakes))
         metrics["prepare_s"] = round(time.monotonic() - started, 3)
         task = Path(os.environ["AGENT_TASK_FILE"]).read_text()
         run_task(bus, task, time.monotonic() + args.timeout, run)

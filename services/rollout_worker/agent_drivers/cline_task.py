@@ -5,6 +5,8 @@ Invariants:
   plan and act mode; the mode is ACT; telemetry is ``disabled``; checkpoints, MCP marketplace and
   remote config are off; yolo mode and auto-approval of reads, edits and commands are on; tools
   are Cline's XML format (native tool calling off), whatever the model id.
+- The welcome view is marked completed and the current announcement shown, so nothing waits to
+  be dismissed.
 - Auto-approval settings only take when their ``version`` exceeds the stored one: it is read back
   and increased.
 - The task's messages are the merge, by timestamp, of ``subscribeToState`` (only states whose
@@ -29,6 +31,7 @@ import grpc
 
 from .protobus import ProtoBus
 
+CHECKED_SETTINGS = ("mode", "telemetrySetting", "yoloModeToggled", "welcomeViewCompleted", "shouldShowAnnouncement")
 APPROVAL_ASKS = {"tool", "command", "command_output", "browser_action_launch", "use_mcp_server"}
 FAILURE_ASKS = {"api_req_failed", "mistake_limit_reached"}
 IGNORED_ASKS = {"resume_task", "resume_completed_task"}  # what a cancelled or reopened task shows
@@ -44,7 +47,9 @@ class ProviderSettings:
     max_consecutive_mistakes: int = 3
 
 
-def configure(bus: ProtoBus, provider: ProviderSettings) -> None:
+def configure(bus: ProtoBus, provider: ProviderSettings) -> dict:
+    """Configure Cline; return the settings it reports afterwards (``CHECKED_SETTINGS`` and the
+    auto-approved actions), so the run's metrics show what was in force."""
     openai = bus.enum_value("cline.ApiProvider", "OPENAI")
     info = bus.message("cline.OpenAiCompatibleModelInfo", max_tokens=provider.max_tokens,
                        context_window=provider.context_window, supports_images=False, supports_prompt_cache=False,
@@ -60,12 +65,18 @@ def configure(bus: ProtoBus, provider: ProviderSettings) -> None:
              mode=bus.enum_value("cline.PlanActMode", "ACT"), enable_checkpoints_setting=False, yolo_mode_toggled=True,
              native_tool_call_enabled=False, mcp_marketplace_enabled=False, opt_out_of_remote_config=True,
              max_consecutive_mistakes=provider.max_consecutive_mistakes)
+    bus.call("cline.StateService", "setWelcomeViewCompleted", value=True)
+    bus.call("cline.UiService", "onDidShowAnnouncement")
     stored = json.loads(bus.call("cline.StateService", "getLatestState").state_json).get("autoApprovalSettings") or {}
     actions = bus.message("cline.AutoApprovalActions", read_files=True, read_files_externally=False, edit_files=True,
                           edit_files_externally=False, execute_safe_commands=True, execute_all_commands=True,
                           use_browser=False, use_mcp=False)
     bus.call("cline.StateService", "updateAutoApprovalSettings", version=int(stored.get("version", 1)) + 1,
              actions=actions, enable_notifications=False)
+    state = json.loads(bus.call("cline.StateService", "getLatestState").state_json)
+    approved = (state.get("autoApprovalSettings") or {}).get("actions") or {}
+    return {**{key: state.get(key) for key in CHECKED_SETTINGS},
+            "autoApproved": sorted(action for action, on in approved.items() if on)}
 
 
 def message_from_proto(bus: ProtoBus, proto: Any) -> dict:
