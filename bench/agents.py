@@ -9,8 +9,12 @@ median of paired differences (each proxy call next to a direct call of the same 
    ``--episodes`` ``agent_coding`` episodes of a minimal agent (python3, one model call) on a
    generated one-file repository: episode start to the first model call (the container is
    provisioned, the workspace copied in, the forwarder and the agent started) and wall time.
+3. Cline in the sandbox (``--cline N``, default 0; builds or reuses ``conveyor/agent-cline`` on
+   the Python image): the same figures, plus the driver's boot time (cline-host and cline-core
+   up) and preparation time (configured over gRPC). Its own vLLM, with a 40,960-token context:
+   Cline's system prompt is about 33,000 of the tiny model's tokens.
 
-    .venv/bin/python bench/agents.py [--calls 60] [--max-tokens 1] [--episodes 3]
+    .venv/bin/python bench/agents.py [--calls 60] [--max-tokens 1] [--episodes 3] [--cline 3]
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from agent_support import proxy_on_tiny_vllm  # noqa: E402
 
 from services.rollout_worker.agent_proxy import RecordingLimits  # noqa: E402
 
+CLINE_CONTEXT = 40960
 MESSAGES = [{"role": "system", "content": "You fix bugs in the repository."},
             {"role": "user", "content": "calc.add(2, 3) returns -1. Fix it."}]
 MINIMAL_AGENT = (
@@ -87,15 +92,19 @@ def _repo(root: Path) -> dict:
             "conversations": [{"from": "system", "value": "x"}, {"from": "human", "value": "calc.add is wrong. Fix it."}]}
 
 
-def agents_in_sandboxes(proxy, episodes: int, root: Path) -> None:
+def _python_image():
     try:
         import docker
 
         client = docker.from_env()
-        image = next(t for i in client.images.list("conveyor/python") for t in i.tags)
+        return client, next(t for i in client.images.list("conveyor/python") for t in i.tags)
     except Exception as exc:  # no daemon or no image: say so
         print(f"agents in sandboxes: skipped ({type(exc).__name__}: {exc}; build images/python first)")
-        return
+        return None, None
+
+
+def _episodes(proxy, image: str, agent_command: str, episodes: int, root: Path, max_model_len: int = 1024, **config) -> list:
+    """``episodes`` agent_coding trajectories of ``agent_command`` on the generated repository."""
     from services.rollout_worker.agent_episode import run_agent_episode
     from services.rollout_worker.environments.agent_coding import AgentCodingEnv
     from services.rollout_worker.environments.coding import coding_task
@@ -103,23 +112,54 @@ def agents_in_sandboxes(proxy, episodes: int, root: Path) -> None:
     from shared.schemas import RolloutRequest, TaskProfile
 
     task_data = coding_task(_repo(root))
-    limits = EpisodeLimits(max_turns=4, max_tokens_per_turn=8, max_episode_tokens=64, max_model_len=1024, timeout_s=300)
-    first_call, wall = [], []
+    limits = EpisodeLimits(max_turns=4, max_tokens_per_turn=8, max_episode_tokens=64, max_model_len=max_model_len, timeout_s=300)
+    trajectories = []
     for n in range(episodes):
         env = AgentCodingEnv({"image": image, "workspace_cache_dir": str(root / "ws"), "agent_timeout_s": 120,
-                              "agent_command": f"python3 -c {shlex.quote(MINIMAL_AGENT)}"})
+                              "agent_command": agent_command, **config})
         request = RolloutRequest(run_id="bench-agents", group_id=0, episode_index=n, episode_seed=n, trajectory_id=f"bench-agents-{n}",
                                  group_size=1, task=TaskProfile(task_id="calc", env_name="agent_coding", task_data=task_data,
                                                                 env_config={}, source="bench"),
                                  policy_version=0, dispatched_at=time.time())
-        trajectory = proxy.loop.run(run_agent_episode(request, env, proxy, limits, policy_version=lambda: 0))
-        agent = trajectory.env_info.get("agent", {})
-        assert agent.get("calls") == 1, (trajectory.error, agent)
-        first_call.append(agent["first_call_s"])
-        wall.append(trajectory.timings.episode_s)
-    print(f"agents in sandboxes, {episodes} episodes of a minimal agent ({image}):")
+        trajectories.append(proxy.loop.run(run_agent_episode(request, env, proxy, limits, policy_version=lambda: 0)))
+    return trajectories
+
+
+def _first_call_and_wall(trajectories: list) -> None:
+    first_call = [t.env_info["agent"]["first_call_s"] for t in trajectories]
+    wall = [t.timings.episode_s for t in trajectories]
     print(f"  episode start -> first model call: median {statistics.median(first_call):.2f} s (min {min(first_call):.2f}, max {max(first_call):.2f})")
     print(f"  episode wall time (sandbox, agent, teardown): median {statistics.median(wall):.2f} s")
+
+
+def agents_in_sandboxes(proxy, episodes: int, root: Path) -> None:
+    _, image = _python_image()
+    if image is None:
+        return
+    trajectories = _episodes(proxy, image, f"python3 -c {shlex.quote(MINIMAL_AGENT)}", episodes, root)
+    for trajectory in trajectories:
+        assert trajectory.env_info.get("agent", {}).get("calls") == 1, (trajectory.error, trajectory.env_info.get("agent"))
+    print(f"agents in sandboxes, {episodes} episodes of a minimal agent ({image}):")
+    _first_call_and_wall(trajectories)
+
+
+def cline_in_sandboxes(episodes: int, root: Path) -> None:
+    client, image = _python_image()
+    if image is None:
+        return
+    from services.rollout_worker.agent_images import build_agent_image
+
+    started = time.monotonic()
+    cline = build_agent_image(client, "cline", image)
+    print(f"Cline in sandboxes ({cline}, ready in {time.monotonic() - started:.1f} s), {episodes} episodes against the tiny model:")
+    with proxy_on_tiny_vllm(root / "long", max_model_len=CLINE_CONTEXT) as proxy:
+        trajectories = _episodes(proxy, cline, "python3 -m agent_drivers.cline", episodes, root, CLINE_CONTEXT,
+                                 agent_artifacts_dir="/tmp/agent-artifacts")
+    metrics = [t.env_info["agent"]["metrics"] for t in trajectories]
+    assert all(m["boot_ok"] for m in metrics), metrics
+    print(f"  driver start -> Cline booted: median {statistics.median(m['boot_s'] for m in metrics):.2f} s; "
+          f"-> configured: median {statistics.median(m['prepare_s'] for m in metrics):.2f} s")
+    _first_call_and_wall(trajectories)
 
 
 def main() -> None:
@@ -127,11 +167,15 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=60)
     parser.add_argument("--max-tokens", type=int, default=1)
     parser.add_argument("--episodes", type=int, default=3)
+    parser.add_argument("--cline", type=int, default=0, help="Cline episodes (its own long-context vLLM)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-agents-", dir="/tmp") as tmp, proxy_on_tiny_vllm(Path(tmp)) as proxy:
         proxy_overhead(proxy, args.calls, args.max_tokens)
         if args.episodes > 0:
             agents_in_sandboxes(proxy, args.episodes, Path(tmp))
+    if args.cline > 0:
+        with tempfile.TemporaryDirectory(prefix="bench-cline-", dir="/tmp") as tmp:
+            cline_in_sandboxes(args.cline, Path(tmp))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,11 @@ def scored_key(run_id: str, group_id: int, trajectory_id: str, attempt: int = 1)
     return f"scored/{run_id}/{group_id:06d}/{trajectory_id}{suffix}.json.gz"
 
 
+def agent_artifact_key(run_id: str, trajectory_id: str, name: str) -> str:
+    """A file an agent left in its artifacts directory (``agent_coding``), next to the coding artifacts."""
+    return f"artifacts/{run_id}/{trajectory_id}/agent/{name}"
+
+
 def batch_key(run_id: str, group_id: int) -> str:
     return f"batches/{run_id}/{group_id:06d}.json.gz"
 

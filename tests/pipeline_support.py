@@ -114,3 +114,33 @@ def _stack_state(stack: LocalStack, run_id: str) -> str:
     counts = Ledger(stack.redis_client()).counts(run_id) if run_id else {}
     logs = "\n".join(f"--- {p.name} ---\n{stack.logs(p.name, 30)}" for p in stack.processes)
     return f"ledger {run_id}: {counts}\n{logs}"
+
+
+def trained_trajectories(stack: LocalStack, run_id: str, dataset: Path, group_size: int, timeout_s: float = 600):
+    """Run one group of ``dataset`` through a rollout worker (concurrency 2), the scorer and the
+    trainer; return ``(store, [(sample, trajectory)])`` for group 0's batch, each sample with the
+    attempt's stored trajectory. The batch must hold exactly the trajectories' tokens, loss masks
+    and logprobs, and the rollout worker's log no traceback."""
+    from shared.names import batch_key, trajectory_key
+    from shared.schemas import TrainingBatch, Trajectory
+    from shared.storage import get_model
+
+    start_and_publish(stack, dataset, concurrency=2)
+    counts = wait_terminal(stack, run_id, group_size, timeout_s=timeout_s)
+    assert counts["consumed"] == group_size, (counts, stack.logs("worker-rollout"))
+    store = store_of(stack)
+    batch = get_model(store, batch_key(run_id, 0), TrainingBatch)
+    assert len(batch.samples) == group_size
+    pairs = []
+    for sample in batch.samples:
+        stem = trajectory_key(run_id, 0, sample.trajectory_id).removesuffix(".json.gz")
+        [key] = [k for k in store.list_keys(stem) if k.startswith(stem + ".a")]  # one attempt's object
+        trajectory = get_model(store, key, Trajectory)
+        flat = trajectory.flatten()
+        assert (sample.token_ids, sample.loss_mask, sample.inference_logprobs) == (
+            flat.token_ids, flat.loss_mask, flat.inference_logprobs)
+        assert sum(sample.loss_mask) == sum(len(t.sampled_token_ids) for t in trajectory.turns) > 0
+        pairs.append((sample, trajectory))
+    worker_log = stack.logs("worker-rollout", 100_000)
+    assert "Traceback" not in worker_log, worker_log[-4000:]
+    return store, pairs

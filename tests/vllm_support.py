@@ -15,8 +15,10 @@ from services.inference.server import VllmServer
 
 
 @contextmanager
-def running_vllm(model_dir: Path, served_name: str, log_path: Path, max_model_len: int) -> Iterator[VllmServer]:
-    srv = VllmServer(model_dir, served_name, port=free_port(), log_path=log_path, max_model_len=max_model_len)
+def running_vllm(model_dir: Path, served_name: str, log_path: Path, max_model_len: int,
+                 extra_args: tuple[str, ...] = ()) -> Iterator[VllmServer]:
+    srv = VllmServer(model_dir, served_name, port=free_port(), log_path=log_path, max_model_len=max_model_len,
+                     extra_args=extra_args)
     srv.start()
     pgid = srv.process.pid
     try:

@@ -13,19 +13,25 @@ Invariants:
   (``max_tokens``, ``context_exhausted``, ``max_turns``) when a call was refused for its budget,
   ``done`` otherwise. An environment that raises is ``env_error``, as in the turn loop.
 - ``env_info`` keeps the agent's outcome under ``agent``: exit code, duration, time from the
-  episode start to the first model call, calls refused, and the tail of its output.
+  episode start to the first model call, calls refused, and the tail of its output; and, when
+  the environment collected agent artifacts, ``metrics`` (the agent's ``metrics.json``),
+  ``artifacts`` (name -> object-store key; uploaded only when a ``store`` is given) and
+  ``artifacts_skipped`` (name -> why).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Callable
 
+from services.rollout_worker import agent_artifacts
 from services.rollout_worker.agent_proxy import AgentProxy, RecordingLimits
 from services.rollout_worker.environments.agent_coding import AgentEndpoint
 from services.rollout_worker.episode import EnvironmentFailure, EpisodeLimits, environment_call
 from shared.environments import Environment
 from shared.schemas import EpisodeTimings, RolloutRequest, StopReason, Trajectory
+from shared.storage import ObjectStore
 
 
 def is_agent_driven(env: Environment) -> bool:
@@ -33,7 +39,8 @@ def is_agent_driven(env: Environment) -> bool:
 
 
 async def run_agent_episode(request: RolloutRequest, env: Environment, proxy: AgentProxy, limits: EpisodeLimits,
-                            policy_version: Callable[[], int], attempt: int = 1, worker: str = "") -> Trajectory:
+                            policy_version: Callable[[], int], attempt: int = 1, worker: str = "",
+                            store: ObjectStore | None = None) -> Trajectory:
     started = time.time()
     env.bind_trajectory(run_id=request.run_id, group_id=request.group_id, trajectory_id=request.trajectory_id)
     recording_limits = RecordingLimits(limits.max_tokens_per_turn, limits.max_episode_tokens, limits.max_model_len, limits.max_turns)
@@ -51,6 +58,11 @@ async def run_agent_episode(request: RolloutRequest, env: Environment, proxy: Ag
         agent_info = {"exit_code": run.exit_code, "timed_out": run.timed_out, "duration_s": round(run.duration_s, 3),
                       "first_call_s": None if session.first_call_at is None else round(session.first_call_at - started, 3),
                       "calls": len(session.turns), "calls_refused": session.refused, "output": run.output}
+        found = run.artifacts
+        if found.files or found.skipped:
+            keys = {} if store is None else await asyncio.to_thread(
+                agent_artifacts.upload, store, request.run_id, request.trajectory_id, found.files)
+            agent_info.update(metrics=found.metrics(), artifacts=keys, artifacts_skipped=found.skipped)
         if run.timed_out:
             stop = StopReason.timeout
         elif session.recording.exhausted is not None:

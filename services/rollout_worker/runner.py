@@ -146,7 +146,7 @@ async def _episode(ctx: RolloutContext, request: RolloutRequest, attempt: int) -
     served = PolicyVersion(ctx.ledger.redis, request.run_id)
     if is_agent_driven(env):
         return await run_agent_episode(request, env, await agent_proxy_of(ctx), limits, policy_version=served.get,
-                                       attempt=attempt, worker=ctx.worker_name)
+                                       attempt=attempt, worker=ctx.worker_name, store=ctx.store)
     return await run_episode(
         request, env, ctx.inference, ctx.chat, limits,
         policy_version=served.get,

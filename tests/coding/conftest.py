@@ -116,3 +116,19 @@ def swe_task(swe_bench_row) -> dict:
 def coding_run_id(docker_client) -> str:
     """The run id to label containers with: the session's leak check covers it."""
     return RUN_ID
+
+
+@pytest.fixture(scope="session")
+def cline_image(python_image, docker_client) -> str:
+    """Cline from the npm registry, with its driver, on the Python image (built once, ~2 min; reused by its tag)."""
+    from services.rollout_worker.agent_images import build_agent_image
+
+    try:
+        started = time.monotonic()
+        tag = build_agent_image(docker_client, "cline", python_image)
+        print(f"\n{tag} ready in {time.monotonic() - started:.1f} s")
+        return tag
+    except RuntimeError as exc:
+        if "could not install" in str(exc) and ("ENOTFOUND" in str(exc) or "EAI_AGAIN" in str(exc)):
+            pytest.skip(f"the npm registry is not reachable: {exc}")
+        raise

@@ -8,6 +8,8 @@ model, the real proxy; the agent is a standard-library script run by the sandbox
 - A scripted agent that calls the model and then fixes the bug itself gets 1.0 from the hidden
   tests, and its two calls are the trajectory's turns, joined as one sequence.
 - An agent that never ends is stopped at its time limit; nothing is left running.
+- The files an agent leaves in its artifacts directory are stored next to the trajectory, each
+  within its size limit, and its ``metrics.json`` lands in the trajectory's info.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from services.rollout_worker.agent_images import build_agent_image
 from services.rollout_worker.agent_proxy import RecordingLimits
 from services.rollout_worker.environments.agent_coding import AgentCodingEnv
 from services.rollout_worker.episode import EpisodeLimits
+from shared.names import agent_artifact_key
 from shared.schemas import RolloutRequest, StopReason, TaskProfile
+from shared.storage import LocalStore
 
 pytestmark = pytest.mark.slow
 
@@ -93,11 +97,12 @@ def vllm(proxy):
 
 @pytest.fixture
 def episode(proxy, python_image, swe_task, coding_run_id, docker_client, tmp_path_factory, request):
-    """``episode(agent_command, **config)``: one agent_coding trajectory, run to its end; afterwards
-    no container of it may be left."""
+    """``episode(agent_command, store=None, limits=LIMITS, **config)``: one agent_coding trajectory,
+    run to its end (agent artifacts uploaded to ``store``, if given); afterwards no container of it
+    may be left."""
     ran: list[str] = []
 
-    def run(agent_command: str, **config) -> object:
+    def run(agent_command: str, store=None, limits: EpisodeLimits = LIMITS, **config) -> object:
         trajectory_id = f"{coding_run_id}-{request.node.name[:40]}-{len(ran)}"
         ran.append(trajectory_id)
         env = AgentCodingEnv({"image": python_image, "workspace_cache_dir": str(tmp_path_factory.getbasetemp() / "workspaces"),
@@ -105,7 +110,7 @@ def episode(proxy, python_image, swe_task, coding_run_id, docker_client, tmp_pat
         task = TaskProfile(task_id="calc-1", env_name="agent_coding", task_data=swe_task, env_config={}, source="test")
         req = RolloutRequest(run_id=coding_run_id, group_id=0, episode_index=0, episode_seed=1, trajectory_id=trajectory_id,
                              group_size=1, task=task, policy_version=0, dispatched_at=0.0)
-        return proxy.loop.run(run_agent_episode(req, env, proxy, LIMITS, policy_version=lambda: 3))
+        return proxy.loop.run(run_agent_episode(req, env, proxy, limits, policy_version=lambda: 3, store=store))
 
     yield run
     for trajectory_id in ran:
@@ -152,6 +157,21 @@ def test_an_agent_that_never_ends_is_stopped_and_graded(episode):
     assert trajectory.stop_reason is StopReason.timeout
     assert trajectory.env_info["agent"]["timed_out"] is True and trajectory.turns == []
     assert trajectory.env_reward == 0.0
+
+
+def test_an_agents_artifacts_are_stored_within_their_limits(episode, tmp_path):
+    store = LocalStore(tmp_path / "objects")
+    leave = ('mkdir -p "$AGENT_ARTIFACTS_DIR" && cd "$AGENT_ARTIFACTS_DIR" && echo "{\\"steps\\": 3, \\"budget\\": $AGENT_TIMEOUT_S}" > metrics.json'
+             ' && echo notes > notes.txt && head -c 5000 /dev/zero > big.bin && mkdir sub && echo x > sub/nested.txt')
+    trajectory = episode(leave, store=store,
+                         agent_timeout_s=30, agent_artifacts_dir="/tmp/out", agent_artifact_bytes=1000)
+    agent, request = trajectory.env_info["agent"], trajectory.request
+    assert agent["exit_code"] == 0, agent["output"]
+    assert agent["metrics"] == {"steps": 3, "budget": 30}
+    assert agent["artifacts"] == {name: agent_artifact_key(request.run_id, request.trajectory_id, name)
+                                  for name in ("metrics.json", "notes.txt")}
+    assert list(agent["artifacts_skipped"]) == ["big.bin"] and "5000 bytes" in agent["artifacts_skipped"]["big.bin"]
+    assert store.get_bytes(agent["artifacts"]["notes.txt"]) == b"notes\n"
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,10 @@ import shlex
 import tempfile
 
 import pytest
-from pipeline_support import base_stack, run_stack, start_and_publish, store_of, wait_terminal
+from pipeline_support import base_stack, run_stack, trained_trajectories
 from test_agent_coding import SCRIPTED_AGENT
 
-from shared.names import batch_key, trajectory_key
-from shared.schemas import StopReason, TrainingBatch, Trajectory
-from shared.storage import get_model
+from shared.schemas import StopReason
 
 pytestmark = pytest.mark.slow
 
@@ -34,21 +32,7 @@ def test_agent_trajectories_reach_the_trainer_with_their_recorded_tokens_and_mas
                           CONVEYOR_REWARDS__WEIGHTS=json.dumps({"verifier": 1.0}), CONVEYOR_TRAINER__GROUPS_PER_STEP="1",
                           CONVEYOR_TRAINER__ZERO_VARIANCE_GROUPS="keep", CONVEYOR_ROLLOUT__AGENT_SOCKET_DIR=sockets)
         with stack:
-            start_and_publish(stack, dataset, concurrency=2)
-            counts = wait_terminal(stack, run_id, GROUP_SIZE, timeout_s=600)
-            assert counts["consumed"] == GROUP_SIZE, (counts, stack.logs("worker-rollout"))
-            store = store_of(stack)
-            batch = get_model(store, batch_key(run_id, 0), TrainingBatch)
-            assert len(batch.samples) == GROUP_SIZE
-            for sample in batch.samples:
-                stem = trajectory_key(run_id, 0, sample.trajectory_id).removesuffix(".json.gz")
-                [key] = [k for k in store.list_keys(stem) if k.startswith(stem + ".a")]  # one attempt's object
-                trajectory = get_model(store, key, Trajectory)
+            _, pairs = trained_trajectories(stack, run_id, dataset, GROUP_SIZE)
+            for sample, trajectory in pairs:
                 assert trajectory.stop_reason is StopReason.done and trajectory.env_reward == 1.0, trajectory.env_info.get("agent")
                 assert len(trajectory.turns) == 2 and sample.reward == pytest.approx(1.0)
-                flat = trajectory.flatten()
-                assert (sample.token_ids, sample.loss_mask, sample.inference_logprobs) == (
-                    flat.token_ids, flat.loss_mask, flat.inference_logprobs)
-                assert sum(sample.loss_mask) == sum(len(t.sampled_token_ids) for t in trajectory.turns) > 0
-            worker_log = stack.logs("worker-rollout", 100_000)
-            assert "Traceback" not in worker_log, worker_log[-4000:]

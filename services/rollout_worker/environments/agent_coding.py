@@ -6,7 +6,10 @@ agent: ``run_agent`` runs ``agent_command`` in the trajectory's sandbox with
 - ``OPENAI_BASE_URL`` / ``OPENAI_API_BASE``: ``http://127.0.0.1:<agent_port>/v1``, a forwarder on
   the container's loopback to the trajectory's proxy socket (``agent_proxy.forward``);
 - ``OPENAI_API_KEY``: the trajectory's proxy session key; ``OPENAI_MODEL``: the served model;
-- ``AGENT_TASK_FILE``: the problem statement, also in the workspace's parent as ``task.md``.
+- ``AGENT_TASK_FILE``: the problem statement, also in the workspace's parent as ``task.md``;
+- ``AGENT_TIMEOUT_S``: ``agent_timeout_s``, so an agent can end cleanly before it is killed;
+- ``AGENT_ARTIFACTS_DIR``: ``agent_artifacts_dir``, when set: the files the agent leaves there
+  are read back after it ends (``agent_artifacts.collect``) and kept with the trajectory.
 
 The model calls the agent makes are the trajectory (``agent_episode``); the reward is the
 hidden tests' verdict on the final workspace, as for ``coding``.
@@ -19,17 +22,21 @@ Invariants:
   still graded), and as soon as its session's budget is used up (the proxy's ``stop`` file
   appears in the mounted directory): SIGTERM to the group, SIGKILL 2 s later.
 - The image must have ``python3`` (the forwarder is a standard-library script).
+- Artifacts are read after the agent has ended or been stopped, each file bounded by
+  ``agent_artifact_bytes``; reading them never fails the episode.
 """
 
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field
 
+from services.rollout_worker import agent_artifacts
+from services.rollout_worker.agent_artifacts import AgentArtifacts
 from services.rollout_worker.agent_proxy import forward
 from services.rollout_worker.environments.coding.config import CodingConfig
 from services.rollout_worker.environments.coding.env import CodingEnv
@@ -48,6 +55,9 @@ class AgentCodingConfig(CodingConfig):
     agent_port: int = Field(4000, ge=1024, le=65535)  # the forwarder's port on the container's loopback
     agent_env: dict[str, str] = Field(default_factory=dict)  # more environment for the agent
     agent_output_bytes: int = Field(16384, gt=0)  # the agent's output kept in env_info
+    agent_artifacts_dir: str | None = None  # absolute, in the sandbox (e.g. under /tmp): kept files
+    agent_artifact_files: int = Field(16, gt=0)
+    agent_artifact_bytes: int = Field(4 << 20, gt=0)  # per file; a larger one is skipped
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,7 @@ class AgentRun:
     timed_out: bool
     duration_s: float
     output: str  # the tail, at most agent_output_bytes
+    artifacts: AgentArtifacts = field(default_factory=AgentArtifacts)
 
 
 class AgentCodingEnv(CodingEnv):
@@ -103,7 +114,8 @@ class AgentCodingEnv(CodingEnv):
         await sandbox.write_file(TASK_PATH, self.task.problem_statement)
         url = f"http://127.0.0.1:{cfg.agent_port}/v1"
         env = {"OPENAI_BASE_URL": url, "OPENAI_API_BASE": url, "OPENAI_API_KEY": self.endpoint.key,
-               "OPENAI_MODEL": self.endpoint.model, "AGENT_TASK_FILE": TASK_PATH, **cfg.agent_env}
+               "OPENAI_MODEL": self.endpoint.model, "AGENT_TASK_FILE": TASK_PATH, "AGENT_TIMEOUT_S": f"{cfg.agent_timeout_s:g}",
+               **({"AGENT_ARTIFACTS_DIR": cfg.agent_artifacts_dir} if cfg.agent_artifacts_dir else {}), **cfg.agent_env}
         exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
         stop = f"{AGENT_DIR}/{STOP_FILE}"
         script = (
@@ -121,4 +133,8 @@ class AgentCodingEnv(CodingEnv):
             "kill $fwd 2>/dev/null; exit $code\n"
         )
         result = await sandbox.exec(script, timeout_s=cfg.agent_timeout_s, max_output_bytes=cfg.agent_output_bytes)
-        return AgentRun(result.exit_code, result.timed_out, result.duration_s, result.output)
+        found = AgentArtifacts()
+        if cfg.agent_artifacts_dir:
+            found = await agent_artifacts.collect(sandbox, cfg.agent_artifacts_dir, cfg.agent_artifact_files,
+                                                  cfg.agent_artifact_bytes)
+        return AgentRun(result.exit_code, result.timed_out, result.duration_s, result.output, found)
