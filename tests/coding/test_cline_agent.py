@@ -108,8 +108,11 @@ def test_cline_cancelled_at_its_deadline_leaves_nothing_running(episode, cline_i
 
 
 def test_cline_past_the_episode_limit_is_killed_with_its_sandbox(episode, cline_image):  # noqa: F811
-    """The episode's hard limit comes before the driver's: the sandbox kills everything."""
-    trajectory = episode(f"{CLINE} --timeout 600 --max-mistakes 50", limits=LIMITS, image=cline_image, agent_timeout_s=12)
+    """The episode's hard limit comes before the driver's: the sandbox kills everything. The limit
+    is short (6 s: Cline boots in about 3 s and makes its first call at about 4 s), so nothing
+    else can end the episode first: each of Cline's calls carries its ~33k-token prompt again,
+    and a dozen seconds of them can fill the tiny model's 40k context (context_exhausted)."""
+    trajectory = episode(f"{CLINE} --timeout 600 --max-mistakes 50", limits=LIMITS, image=cline_image, agent_timeout_s=6)
     assert trajectory.stop_reason is StopReason.timeout and trajectory.env_info["agent"]["timed_out"] is True
     assert trajectory.env_reward == 0.0
 
