@@ -51,7 +51,7 @@ from services.rollout_worker.inference_client import InferenceClient, InferenceO
 from services.rollout_worker.sandbox.errors import SandboxInfraError
 from shared.environments import EnvironmentConfigError, EnvironmentUnavailable, registry_for
 from shared.leases import LeaseKeeper
-from shared.ledger import Ledger
+from shared.ledger import Ledger, TransitionResult
 from shared.names import trajectory_key
 from shared.outage import OutageTooLong
 from shared.policy_version import PolicyVersion
@@ -179,6 +179,11 @@ def _hand_on(ctx: RolloutContext, trajectory: Trajectory, token: str) -> Rollout
         write_artifacts(ctx.store, request.run_id, request.trajectory_id, trajectory.env_info)
     upload_s = time.perf_counter() - t0
     moved = ctx.ledger.mark_uploaded(request.trajectory_id, token)
+    if not moved.ok and moved.state == "uploaded" and ctx.ledger.attempts(request.trajectory_id) == trajectory.attempt:
+        # Redis went away with the reply of a move that took: no later attempt was claimed, so
+        # the upload is this attempt's own, and its scoring must still be sent
+        log.warning("%s: the ledger's reply to the upload was lost; the move was this attempt's", request.trajectory_id)
+        moved = TransitionResult(True, "running")
     if not moved.ok and moved.state == "unknown" and refuse_lost_run(ctx.ledger.redis, request.run_id):
         return RolloutResult(RolloutOutcome.refused, "redis_data_lost")
     if not moved.ok:
