@@ -118,9 +118,10 @@ def _stack_state(stack: LocalStack, run_id: str) -> str:
 
 def trained_trajectories(stack: LocalStack, run_id: str, dataset: Path, group_size: int, timeout_s: float = 600):
     """Run one group of ``dataset`` through a rollout worker (concurrency 2), the scorer and the
-    trainer; return ``(store, [(sample, trajectory)])`` for group 0's batch, each sample with the
-    attempt's stored trajectory. The batch must hold exactly the trajectories' tokens, loss masks
-    and logprobs, and the rollout worker's log no traceback."""
+    trainer; return ``(store, [(first sample, trajectory)])`` for group 0's batch, one pair per
+    trajectory with the attempt's stored trajectory. The batch must hold exactly each
+    trajectory's segments (tokens, loss masks and logprobs), one sample each, and the rollout
+    worker's log no traceback."""
     from shared.names import batch_key, trajectory_key
     from shared.schemas import TrainingBatch, Trajectory
     from shared.storage import get_model
@@ -130,17 +131,23 @@ def trained_trajectories(stack: LocalStack, run_id: str, dataset: Path, group_si
     assert counts["consumed"] == group_size, (counts, stack.logs("worker-rollout"))
     store = store_of(stack)
     batch = get_model(store, batch_key(run_id, 0), TrainingBatch)
-    assert len(batch.samples) == group_size
+    by_trajectory: dict[str, list] = {}
+    for sample in batch.samples:  # one sample per segment: an agent that rewrote its history has several
+        by_trajectory.setdefault(sample.trajectory_id, []).append(sample)
+    assert len(by_trajectory) == group_size, sorted(by_trajectory)
     pairs = []
-    for sample in batch.samples:
-        stem = trajectory_key(run_id, 0, sample.trajectory_id).removesuffix(".json.gz")
+    for trajectory_id, samples in sorted(by_trajectory.items()):
+        stem = trajectory_key(run_id, 0, trajectory_id).removesuffix(".json.gz")
         [key] = [k for k in store.list_keys(stem) if k.startswith(stem + ".a")]  # one attempt's object
         trajectory = get_model(store, key, Trajectory)
-        flat = trajectory.flatten()
-        assert (sample.token_ids, sample.loss_mask, sample.inference_logprobs) == (
-            flat.token_ids, flat.loss_mask, flat.inference_logprobs)
-        assert sum(sample.loss_mask) == sum(len(t.sampled_token_ids) for t in trajectory.turns) > 0
-        pairs.append((sample, trajectory))
+        samples.sort(key=lambda sample: sample.segment)
+        segments = trajectory.segments()
+        assert len(samples) == len(segments), (len(samples), len(segments))
+        for sample, flat in zip(samples, segments):
+            assert (sample.token_ids, sample.loss_mask, sample.inference_logprobs) == (
+                flat.token_ids, flat.loss_mask, flat.inference_logprobs)
+        assert sum(sum(sample.loss_mask) for sample in samples) == sum(len(t.sampled_token_ids) for t in trajectory.turns) > 0
+        pairs.append((samples[0], trajectory))
     worker_log = stack.logs("worker-rollout", 100_000)
     assert "Traceback" not in worker_log, worker_log[-4000:]
     return store, pairs
