@@ -108,14 +108,13 @@ def render(found: FoundTrajectory, decode=None) -> Group:  # noqa: ANN001
 
 
 def _decoder(settings: Settings):  # noqa: ANN202
-    try:
-        from transformers import AutoTokenizer
+    from services.viewer.app import tokenizer_decode
 
-        tokenizer = AutoTokenizer.from_pretrained(str(settings.inference.model_path))
-    except Exception as exc:  # noqa: BLE001 (any failure: the token view is optional)
+    decode = tokenizer_decode(str(settings.inference.model_path))
+    if decode is None:
         raise errors.CommandError(f"--tokens needs the policy's tokenizer at inference.model_path "
-                                  f"({settings.inference.model_path}): {exc}") from None
-    return lambda token_id: tokenizer.decode([token_id])
+                                  f"({settings.inference.model_path})")
+    return decode
 
 
 def inspect_command(

@@ -51,7 +51,7 @@ def _int(query: Any, name: str, default: int = 0) -> int:
 
 
 def _known_run(data: ViewerData, run_id: str) -> None:
-    if run_id not in {r["run_id"] for r in data.runs()}:
+    if not data.has_run(run_id):
         raise web.HTTPNotFound(text=pages.page("Unknown run", f"<p>no run {pages.esc(run_id)} in this Redis</p>"),
                                content_type="text/html")
 

@@ -35,9 +35,6 @@ class TrajectoryFilter:
     kind: str = ""  # "scored", "failed" or "" for both
     failure_class: str = ""  # a failure reason's first word (shared.outcomes.FailureKind)
 
-    def active(self) -> bool:
-        return any(v not in (None, "") for v in vars(self).values())
-
 
 @dataclass
 class TrajectoryRow:
@@ -69,6 +66,9 @@ class ViewerData:
     def runs(self) -> list[dict[str, Any]]:
         ledger = Ledger(self.redis)
         return [{"run_id": run, "counts": ledger.counts(run)} for run in ledger.runs()]
+
+    def has_run(self, run_id: str) -> bool:
+        return bool(self.redis.sismember(RedisKeys.runs, run_id))
 
     def counts(self, run_id: str) -> dict[str, int]:
         return Ledger(self.redis).counts(run_id)
