@@ -110,6 +110,11 @@ def rss_mb(pid: int) -> float:
     return total / 1024
 
 
+def command_calls(client) -> dict[str, int]:
+    """Calls per Redis command so far (``INFO commandstats``; commands run by Lua scripts count too)."""
+    return {name.removeprefix("cmdstat_"): int(stats["calls"]) for name, stats in client.info("commandstats").items()}
+
+
 def run_config(base: LocalStack, root: Path, workers: int, group_size: int, trajectories: int, slots: int) -> dict:
     run_id = f"cap-w{workers}-g{group_size}"
     run = BenchRun.open(base, root, run_id, {
@@ -125,6 +130,7 @@ def run_config(base: LocalStack, root: Path, workers: int, group_size: int, traj
         time.sleep(10)  # workers import and connect
         client = run.ledger.redis
         commands0 = int(client.info("stats")["total_commands_processed"])
+        by_command0 = command_calls(client)
         started = time.time()
         for group_id in range(groups):
             task = TaskProfile(task_id=f"c{group_id}", env_name="single_turn",
@@ -141,6 +147,7 @@ def run_config(base: LocalStack, root: Path, workers: int, group_size: int, traj
                                 each_poll=lambda: rss_samples.append(sum(rss_mb(p.proc.pid) for p in procs)))
         wall = time.time() - started
         commands = int(client.info("stats")["total_commands_processed"]) - commands0
+        by_command = {name: calls - by_command0.get(name, 0) for name, calls in command_calls(client).items()}
         counts = run.ledger.counts(run.run_id)
         latencies = [m["group_latency_s"] for m in run.trainer_metrics()]
         stored = sum(len(run.store.get_bytes(k)) for prefix in ("trajectories", "scored", "groups", "batches")
@@ -150,6 +157,8 @@ def run_config(base: LocalStack, root: Path, workers: int, group_size: int, traj
         "traj_per_s": total / wall, "group_latency_p50_ms": 1000 * pct(latencies, 0.5),
         "group_latency_p99_ms": 1000 * pct(latencies, 0.99), "redis_commands_per_traj": commands / total,
         "stored_bytes_per_traj": stored / total,
+        "top_redis_commands_per_traj": {name: round(calls / total, 2) for name, calls in
+                                        sorted(by_command.items(), key=lambda kv: -kv[1])[:12]},
         "rss_mb_per_episode_slot": statistics.fmean(rss_samples) / (workers * slots) if rss_samples else float("nan"),
     }
 

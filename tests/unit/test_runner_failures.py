@@ -190,7 +190,7 @@ def test_inference_unreachable_longer_than_the_limit_fails_naming_the_outage(led
     for request in requests:
         failure = ledger.failure_reasons(run_id)[request.trajectory_id]
         assert failure.startswith(f"inference_outage: inference at http://127.0.0.1:{harness.port} has been unreachable for ")
-        assert "longer than outage.limit_s (1.5s)" in failure and "ConnectError" in failure
+        assert "longer than outage.limit_s (1.5s)" in failure and "Cannot connect to host" in failure
         assert ledger.attempts(request.trajectory_id) == 1
     assert harness.outage_changes == [False]  # the worker stopped taking tasks once; inference never came back
 
