@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from aiohttp import web  # noqa: E402
 
-from bench.local_runs import BenchRun  # noqa: E402
+from bench.local_runs import BenchRun, pct, rss_mb  # noqa: E402
 from services.cli.local_stack import LocalStack, free_port  # noqa: E402
 from services.inference.tiny_model import generate_tiny_model  # noqa: E402
 from services.intake.publisher import build_group  # noqa: E402
@@ -85,29 +85,6 @@ class ReplayPolicy:
         loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
         self._ready.set()
         loop.run_forever()
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
-def rss_mb(pid: int) -> float:
-    """Resident memory of a process and its children (a Celery worker's pool), in MB."""
-    total = 0
-    pids = [pid]
-    try:
-        pids += [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        pass
-    for p in pids:
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            continue
-    return total / 1024
 
 
 def run_config(base: LocalStack, root: Path, workers: int, group_size: int, trajectories: int, slots: int) -> dict:
