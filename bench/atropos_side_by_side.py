@@ -26,7 +26,7 @@ the server loses every group pushed and not yet delivered, and a group is delive
 
     bench/atropos_venv.sh
     .venv/bin/python bench/atropos_side_by_side.py [--trajectories 1024] [--group-sizes 4 16]
-        [--producers 1] [--prompt-tokens 21 --completion-tokens 2]
+        [--producers 1] [--prompt-tokens 14 --completion-tokens 3]
 """
 
 from __future__ import annotations
@@ -204,8 +204,8 @@ def main() -> None:
     parser.add_argument("--producers", type=int, nargs="+", default=[1])
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight per producer")
     parser.add_argument("--batch-groups", type=int, default=1, help="groups per /batch")
-    parser.add_argument("--prompt-tokens", type=int, default=21)
-    parser.add_argument("--completion-tokens", type=int, default=2)
+    parser.add_argument("--prompt-tokens", type=int, default=14, help="as capacity.py's trajectories")
+    parser.add_argument("--completion-tokens", type=int, default=3)
     parser.add_argument("--atropos-python", type=Path, default=DEFAULT_PYTHON)
     args = parser.parse_args()
     print(GUARANTEES)
