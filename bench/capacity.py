@@ -22,7 +22,7 @@ Atropos 0.4's API server, with as many producer processes as the configuration h
 workers (``bench/atropos_side_by_side.py``), and a table gives the ratio Conveyor / Atropos.
 
     .venv/bin/python bench/capacity.py [--trajectories 2000] [--workers 1 4] [--group-sizes 4 16 64]
-                                       [--atropos]   # after bench/atropos_venv.sh
+                                       [--scoring-batch-max 1 64] [--atropos]   # --atropos after bench/atropos_venv.sh
 """
 
 from __future__ import annotations
@@ -104,12 +104,13 @@ def command_calls(client) -> dict[str, int]:
 
 
 def run_config(base: LocalStack, root: Path, workers: int, group_size: int, trajectories: int,
-               slots: int) -> tuple[dict, list[ScoredGroup]]:
-    run_id = f"cap-w{workers}-g{group_size}"
+               slots: int, scoring_batch_max: int = 64) -> tuple[dict, list[ScoredGroup]]:
+    run_id = f"cap-w{workers}-g{group_size}-b{scoring_batch_max}"
     run = BenchRun.open(base, root, run_id, {
         "CONVEYOR_ROLLOUT__GROUP_SIZE": str(group_size), "CONVEYOR_ROLLOUT__MAX_TURNS": "1",
         "CONVEYOR_ROLLOUT__MAX_TOKENS_PER_TURN": "4", "CONVEYOR_TRAINER__BLOCK_MS": "20",
         "CONVEYOR_REWARDS__WEIGHTS": json.dumps({"verifier": 1.0}),
+        "CONVEYOR_ROLLOUT__SCORING_BATCH_MAX": str(scoring_batch_max),
     })
     groups = max(1, trajectories // group_size)
     with run.stack:
@@ -144,7 +145,8 @@ def run_config(base: LocalStack, root: Path, workers: int, group_size: int, traj
     written = WrittenRun.parse(objects)
     from_upload, from_scoring = written.trainer_side_latencies()
     result = {
-        "workers": workers, "group_size": group_size, "trajectories": total, "failed": counts["failed"],
+        "workers": workers, "group_size": group_size, "scoring_batch_max": scoring_batch_max,
+        "trajectories": total, "failed": counts["failed"],
         "traj_per_s": total / wall, "group_latency_p50_ms": 1000 * pct(latencies, 0.5),
         "group_latency_p99_ms": 1000 * pct(latencies, 0.99), "trainer_side_p50_ms": 1000 * pct(from_upload, 0.5),
         "trainer_side_p99_ms": 1000 * pct(from_upload, 0.99), "scored_to_decided_p50_ms": 1000 * pct(from_scoring, 0.5),
@@ -231,6 +233,8 @@ def main() -> None:
     parser.add_argument("--group-sizes", type=int, nargs="+", default=[4, 16, 64])
     parser.add_argument("--slots", type=int, default=16, help="Celery thread slots per rollout worker")
     parser.add_argument("--storage", choices=["s3", "local"], default="s3")
+    parser.add_argument("--scoring-batch-max", type=int, nargs="+", default=[64],
+                        help="rollout.scoring_batch_max per configuration; 1 sends one scoring message per trajectory")
     parser.add_argument("--atropos", action="store_true",
                         help="then feed each configuration's trajectories to Atropos' API server (bench/atropos_side_by_side.py)")
     parser.add_argument("--atropos-python", type=Path, default=DEFAULT_PYTHON)
@@ -250,10 +254,11 @@ def main() -> None:
             base.use_inference(policy.base_url, model_dir, "tiny")
             for workers in args.workers:
                 for group_size in args.group_sizes:
-                    result, groups = run_config(base, root, workers, group_size, args.trajectories, args.slots)
-                    results.append(result)
-                    written.append(groups)
-                    print(rounded(result), flush=True)
+                    for batch_max in args.scoring_batch_max:
+                        result, groups = run_config(base, root, workers, group_size, args.trajectories, args.slots, batch_max)
+                        results.append(result)
+                        written.append(groups)
+                        print(rounded(result), flush=True)
         finally:
             base.stop()
         print(f"replay policy answered {policy.requests} completions")
