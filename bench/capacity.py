@@ -14,7 +14,7 @@ It reports, per configuration (rollout worker processes x group size):
   trainer's decision, from the trajectories' stage timings and the group records;
 - Redis commands per trajectory (``INFO stats`` total_commands_processed, before and after);
 - object-store bytes per trajectory (every object the run wrote);
-- worker RSS per concurrent episode (the rollout workers' resident memory over their slots).
+- worker RSS per concurrent episode (the rollout workers' resident memory over slots x group size).
 
 With ``--atropos``, once Conveyor's stack is down, each configuration's trajectories (read back
 from the object store: the same token ids, masks, logprobs, rewards and group size) go through
@@ -154,7 +154,9 @@ def run_config(base: LocalStack, root: Path, workers: int, group_size: int, traj
         "stored_bytes_per_traj": sum(len(b) for b in objects.values()) / total,
         "top_redis_commands_per_traj": {name: round(calls / total, 2) for name, calls in
                                         sorted(by_command.items(), key=lambda kv: -kv[1])[:12]},
-        "rss_mb_per_episode_slot": statistics.fmean(rss_samples) / (workers * slots) if rss_samples else float("nan"),
+        # a slot runs one rollout task: a whole group's episodes at once
+        "rss_mb_per_concurrent_episode": (statistics.fmean(rss_samples) / (workers * slots * group_size)
+                                          if rss_samples else float("nan")),
     }
     return result, written.atropos_groups()
 

@@ -59,12 +59,19 @@ class LeaseKeeper:
     def claim(self, trajectory_id: str, payload: str = "") -> tuple[str | None, str]:
         """Claim the stage's lease under a fresh token and keep it renewed until ``release``.
         Returns (token, attempt) or (None, the state that blocked the claim)."""
-        token = uuid.uuid4().hex
-        claimed, detail = self.ledger.claim(trajectory_id, token, self.lease_ttl_s, self.stage, payload)
-        if not claimed:
-            return None, detail
-        self.hold(trajectory_id, token)
-        return token, detail
+        return self.claim_many([(trajectory_id, payload)])[0]
+
+    def claim_many(self, claims: list[tuple[str, str]]) -> list[tuple[str | None, str]]:
+        """``claim`` for each (trajectory id, payload), in one round trip to Redis."""
+        tokens = [uuid.uuid4().hex for _ in claims]
+        results = self.ledger.claim_many([(tid, token, payload) for (tid, payload), token in zip(claims, tokens)],
+                                         self.lease_ttl_s, self.stage)
+        out: list[tuple[str | None, str]] = []
+        for (tid, _payload), token, (claimed, detail) in zip(claims, tokens, results):
+            if claimed:
+                self.hold(tid, token)
+            out.append((token if claimed else None, detail))
+        return out
 
     def hold(self, trajectory_id: str, token: str) -> None:
         with self._lock:

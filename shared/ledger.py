@@ -126,11 +126,21 @@ class Ledger:
     ) -> tuple[bool, str]:
         """Take the stage's lease (``claim_from`` -> ``held``); ``payload``, if given, is what the
         reaper re-dispatches. Returns (claimed, attempt-or-blocking-state)."""
-        run = parse_trajectory_id(trajectory_id).run_id
-        keys = [RedisKeys.states(run), RedisKeys.counts(run), stage.owners(run), stage.leases, stage.attempts(run), stage.payloads(run)]
-        args = [trajectory_id, token, time.time() + lease_ttl_s, stage.claim_from.value, stage.held.value, payload]
-        status, detail = self._claim(keys=keys, args=args)
-        return status == "ok", detail
+        return self.claim_many([(trajectory_id, token, payload)], lease_ttl_s, stage)[0]
+
+    def claim_many(self, claims: list[tuple[str, str, str]], lease_ttl_s: float,
+                   stage: LeaseStage = ROLLOUT) -> list[tuple[bool, str]]:
+        """``claim`` for each (trajectory id, token, payload), pipelined: one round trip for a
+        whole group or scoring batch. Each claim is its own atomic call, as if made alone."""
+        deadline = time.time() + lease_ttl_s
+        pipe = self.redis.pipeline(transaction=False)
+        for trajectory_id, token, payload in claims:
+            run = parse_trajectory_id(trajectory_id).run_id
+            keys = [RedisKeys.states(run), RedisKeys.counts(run), stage.owners(run), stage.leases, stage.attempts(run),
+                    stage.payloads(run)]
+            self._claim(keys=keys, args=[trajectory_id, token, deadline, stage.claim_from.value, stage.held.value, payload],
+                        client=pipe)
+        return [(status == "ok", detail) for status, detail in pipe.execute()] if claims else []
 
     def heartbeat(self, leases: dict[str, str], lease_ttl_s: float, stage: LeaseStage = ROLLOUT) -> int:
         """Extend the leases still owned by these (trajectory id -> token); returns how many."""
@@ -204,7 +214,15 @@ class Ledger:
 
     def mark_scored(self, trajectory_id: str, event: ScoredEvent, token: str | None = None) -> TransitionResult:
         """uploaded -> scored, appending the event; with a token, only by the scoring lease's owner."""
-        return self._move(trajectory_id, TrajectoryState.scored, [TrajectoryState.uploaded], token=token, event=event)
+        return self.mark_scored_many([(trajectory_id, event, token)])[0]
+
+    def mark_scored_many(self, moves: list[tuple[str, ScoredEvent, str | None]]) -> list[TransitionResult]:
+        """``mark_scored`` for each (trajectory id, event, token), pipelined: one round trip for a
+        scoring batch; each move is its own atomic call."""
+        pipe = self.redis.pipeline(transaction=False)
+        for trajectory_id, event, token in moves:
+            self._move(trajectory_id, TrajectoryState.scored, [TrajectoryState.uploaded], token=token, event=event, client=pipe)
+        return [TransitionResult(status == "ok", detail) for status, detail in pipe.execute()] if moves else []
 
     def mark_consumed(self, trajectory_id: str) -> TransitionResult:
         return self._move(trajectory_id, TrajectoryState.consumed, [TrajectoryState.scored])
@@ -231,7 +249,10 @@ class Ledger:
         reason: str = "",
         next_payload: str = "",
         send_by: float = 0.0,
-    ) -> TransitionResult:
+        client: redis.client.Pipeline | None = None,
+    ) -> TransitionResult | None:
+        """The guarded transition; with a pipeline ``client`` it is queued there and its reply
+        comes from the pipeline's ``execute`` (None here)."""
         run = parse_trajectory_id(trajectory_id).run_id
         k = RedisKeys
         following = next((stage for stage in LEASE_STAGES if stage.claim_from is to), ROLLOUT)
@@ -241,6 +262,9 @@ class Ledger:
         args = [trajectory_id, to.value, token or "", reason, event.model_dump_json() if event else ""]
         args += [",".join(s.value for s in allowed_from), next_payload, repr(send_by)]
         args += [stage.held.value for stage in LEASE_STAGES]
+        if client is not None:
+            self._transition(keys=keys, args=args, client=client)
+            return None
         status, detail = self._transition(keys=keys, args=args)
         return TransitionResult(status == "ok", detail)
 

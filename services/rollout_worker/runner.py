@@ -95,14 +95,15 @@ class RolloutContext:
 
 async def run_requests(ctx: RolloutContext, requests: list[RolloutRequest]) -> dict[str, RolloutResult]:
     """Returns trajectory id -> what happened to it."""
-    outcomes = await asyncio.gather(*(_run_one(ctx, r) for r in requests))
+    claims = await asyncio.to_thread(ctx.leases.claim_many, [(r.trajectory_id, "") for r in requests])  # one round trip
+    outcomes = await asyncio.gather(*(_run_one(ctx, r, token, detail) for r, (token, detail) in zip(requests, claims)))
     await ctx.scoring.flush()  # the task's uploads go to scoring in one message
     return dict(zip((r.trajectory_id for r in requests), outcomes))
 
 
-async def _run_one(ctx: RolloutContext, request: RolloutRequest) -> RolloutResult:
+async def _run_one(ctx: RolloutContext, request: RolloutRequest, token: str | None, detail: str) -> RolloutResult:
+    """``token``, ``detail``: this worker's claim of the request (``LeaseKeeper.claim``)."""
     tid = request.trajectory_id
-    token, detail = await asyncio.to_thread(ctx.leases.claim, tid)
     if token is None:
         if detail == "unknown" and await asyncio.to_thread(refuse_lost_run, ctx.ledger.redis, request.run_id):
             return RolloutResult(RolloutOutcome.refused, "redis_data_lost")

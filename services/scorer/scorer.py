@@ -53,41 +53,51 @@ class Scorer:
         return self.score_batch([task])[0]
 
     def score_batch(self, tasks: list[ScoringTask]) -> list[str]:
-        """Claims every task of a message first, then scores them in order: a scorer that dies
-        mid-batch leaves a lease on each one it has not finished, and the reaper re-dispatches
-        each, as it would a message of one."""
-        claims = [self._claim(task) for task in tasks]
-        outcomes = []
-        for task, (token, detail) in zip(tasks, claims):
-            if token is None:
-                outcomes.append(detail)
-                continue
-            try:
+        """Claims every task of a message first (one round trip), then scores them, then hands
+        them all on (one round trip). A scorer that dies mid-batch leaves a lease on each one it
+        has not handed on, and the reaper re-dispatches each, as it would a message of one."""
+        outcomes: list[str] = [""] * len(tasks)
+        held: list[tuple[int, str, int]] = []  # (index, token, attempt)
+        claims = self.leases.claim_many([(task.trajectory_id, task.model_dump_json()) for task in tasks])
+        for index, (task, (token, detail)) in enumerate(zip(tasks, claims)):
+            if token is not None:
+                held.append((index, token, int(detail)))
+            elif detail == "unknown" and refuse_lost_run(self.leases.ledger.redis, parse_trajectory_id(task.trajectory_id).run_id):
+                outcomes[index] = "refused:redis_data_lost"
+            else:
+                log.info("skip scoring %s: it is %s", task.trajectory_id, detail)
+                outcomes[index] = f"skipped:{detail}"
+        try:
+            moves: list[tuple[int, tuple[str, ScoredEvent, str]]] = []
+            for index, token, attempt in held:
                 with SCORING_SECONDS.time():
-                    outcomes.append(self._score(task.trajectory_id, task.trajectory_key, task.upload_s, token, attempt=int(detail)))
-            finally:
-                self.leases.release(task.trajectory_id)
+                    event = self._score(tasks[index], token, attempt)
+                if isinstance(event, str):
+                    outcomes[index] = event
+                else:
+                    moves.append((index, (tasks[index].trajectory_id, event, token)))
+            moved = self.leases.ledger.mark_scored_many([move for _, move in moves])
+            for (index, (trajectory_id, _, _)), result in zip(moves, moved):
+                if result.ok:
+                    outcomes[index] = "scored"
+                else:
+                    log.warning("%s: lost the scoring lease before hand-off (%s); this attempt is dropped", trajectory_id, result.state)
+                    outcomes[index] = f"skipped:{result.state}"
+        finally:  # what was not handed on is no longer renewed: its lease runs out, the reaper re-dispatches it
+            for index, _, _ in held:
+                self.leases.release(tasks[index].trajectory_id)
         return outcomes
 
-    def _claim(self, task: ScoringTask) -> tuple[str | None, str]:
-        """(token, attempt) when this scorer now holds the task; (None, its outcome) when not."""
-        trajectory_id = task.trajectory_id
-        token, detail = self.leases.claim(trajectory_id, task.model_dump_json())
-        if token is None and detail == "unknown" and refuse_lost_run(self.leases.ledger.redis, parse_trajectory_id(trajectory_id).run_id):
-            return None, "refused:redis_data_lost"
-        if token is None:
-            log.info("skip scoring %s: it is %s", trajectory_id, detail)
-            return None, f"skipped:{detail}"
-        return token, detail
-
-    def _score(self, trajectory_id: str, key: str, upload_s: float, token: str, attempt: int) -> str:
+    def _score(self, task: ScoringTask, token: str, attempt: int) -> ScoredEvent | str:
+        """Reward the trajectory and write its ScoredTrajectory; the event to hand on, or the
+        outcome when the trajectory failed here."""
         started = time.perf_counter()
-        ledger = self.leases.ledger
+        trajectory_id, key = task.trajectory_id, task.trajectory_key
         try:
             trajectory = get_model(self.store, key, Trajectory)
             reward, components = self.combiner.score(trajectory)
         except (StorageError, RewardError, ValueError) as exc:
-            moved = ledger.fail(trajectory_id, f"scoring_error: {exc}", token=token)
+            moved = self.leases.ledger.fail(trajectory_id, f"scoring_error: {exc}", token=token)
             log.error("scoring %s failed: %s", trajectory_id, exc)
             return "failed" if moved.ok else f"skipped:{moved.state}"
         request, timings = trajectory.request, trajectory.timings
@@ -97,20 +107,15 @@ class Scorer:
             scored_at=time.time(),
             timings={
                 "queue_wait": timings.queue_wait_s, "episode": timings.episode_s, "inference": timings.inference_s,
-                "env": timings.env_s, "upload": upload_s, "scoring": time.perf_counter() - started,
+                "env": timings.env_s, "upload": task.upload_s, "scoring": time.perf_counter() - started,
             },
         )
         out_key = scored_key(request.run_id, request.group_id, trajectory_id, attempt)
         put_model(self.store, out_key, scored)
-        event = ScoredEvent(
+        return ScoredEvent(
             trajectory_id=trajectory_id, run_id=request.run_id, group_id=request.group_id,
             reward=reward, scored_key=out_key, at=time.time(),
         )
-        moved = ledger.mark_scored(trajectory_id, event, token=token)
-        if not moved.ok:
-            log.warning("%s: lost the scoring lease before hand-off (%s); this attempt is dropped", trajectory_id, moved.state)
-            return f"skipped:{moved.state}"
-        return "scored"
 
     def reject(self, error: BadMessage, trajectory_id: object = None) -> str:
         """A scoring message that is not a ``ScoringTask``: logged and dead-lettered; when it names
