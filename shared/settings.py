@@ -248,12 +248,48 @@ class LogprobAlarmSettings(Section):
     action: Literal["stop", "skip_step"] = "stop"
 
 
+LORA_ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+VLLM_MAX_LORA_RANK = 512  # the largest --max-lora-rank vLLM 0.32 accepts
+
+
+class LoraSettings(Section):
+    """Train low-rank adapters instead of every weight (``services.trainer.lora``)."""
+
+    enabled: bool = False
+    rank: Int = Field(8, gt=0)
+    alpha: Float = Field(16.0, gt=0)  # the adapters' deltas are scaled by alpha / rank
+    # the names of the linear layers that get an adapter (matched against module names by peft)
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_ATTENTION))
+    # what a checkpoint serves: merged = the full Hugging Face weights with the adapters added
+    # (the S3 weight path as without LoRA); adapter = only the adapter, which vLLM loads with its
+    # LoRA support (launched with --enable-lora) as a new adapter per version
+    sync: Literal["merged", "adapter"] = "merged"
+
+    @field_validator("target_modules")
+    @classmethod
+    def _named_modules(cls, names: list[str]) -> list[str]:
+        if not names:
+            raise ValueError("name at least one module to adapt, e.g. q_proj")
+        blank = [n for n in names if not n.strip()]
+        if blank or len(set(names)) != len(names):
+            raise ValueError(f"module names must be non-empty and distinct, got {names}")
+        return names
+
+    @model_validator(mode="after")
+    def _servable_rank(self) -> "LoraSettings":
+        if self.sync == "adapter" and self.rank > VLLM_MAX_LORA_RANK:
+            raise ValueError(f"rank {self.rank} is above the {VLLM_MAX_LORA_RANK} vLLM serves adapters of; "
+                             "use sync: merged for larger ranks")
+        return self
+
+
 class TrainerSettings(Section):
     # where and in what precision the trainer computes: auto = cuda when torch sees a GPU;
     # bf16 = autocast forward and backward with float32 master weights and optimizer state
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["fp32", "bf16"] = "fp32"
     activation_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
+    lora: LoraSettings = LoraSettings()
     # Staleness bound (shared.staleness). None: no training loop, rollouts are not throttled.
     max_off_policy_steps: Int | None = Field(None, ge=0)
     groups_per_step: Int = Field(4, gt=0)

@@ -18,6 +18,12 @@ Invariants:
   ``reload_weights(weights_path=...)`` load. The optimizer state is left out unless asked for.
 - ``resume`` restores weights, optimizer state and step of the highest committed version; with
   no checkpoint it changes nothing and returns ``(0, 0)``: version 0 is the initial policy.
+- A LoRA policy (a ``PeftModel``, ``services.trainer.lora``) is checkpointed as what vLLM
+  serves (``lora_sync``: the merged full weights, or the adapter alone in peft's layout) plus
+  the adapter's own weights in the trainer state; its resume loads the adapter and the
+  optimizer state, never the merged weights (the base stays the served base checkpoint). A
+  LoRA checkpoint resumed without LoRA, or the reverse, is a ``CheckpointError`` naming the
+  setting, before anything is loaded.
 """
 
 from __future__ import annotations
@@ -29,10 +35,12 @@ import time
 from pathlib import Path
 
 import torch
+from peft import PeftModel
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from shared.checkpoint_files import CheckpointError
 from shared.checkpoint_files import download_checkpoint as fetch_checkpoint
+from services.trainer.lora import adapter_state, load_adapter_state, lora_shape, save_served
 from services.trainer.policy import logprob_probe
 from shared.names import (
     CHECKPOINT_COMMITTED,
@@ -68,18 +76,26 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     step: int,
     dataset_versions: list[str] | None = None,
+    lora_sync: str = "merged",
 ) -> str:
     """Upload the checkpoint of ``version`` and commit it; returns its key prefix. The manifest
-    records the dataset versions the run's intake published from (``dataset_versions``)."""
+    records the dataset versions the run's intake published from (``dataset_versions``), and a
+    LoRA policy's adapter shape and ``lora_sync`` (what the checkpoint serves)."""
     prefix = checkpoint_prefix(run_id, version)
     if _is_committed(store, prefix):
         raise CheckpointError(f"checkpoint {prefix} is already committed; versions are never overwritten")
     with tempfile.TemporaryDirectory(prefix="conveyor-ckpt-") as tmp:
         local = Path(tmp)
-        model.save_pretrained(local, safe_serialization=True)
-        tokenizer.save_pretrained(local)
+        state = {"optimizer": optimizer.state_dict(), "step": step, "version": version}
+        if isinstance(model, PeftModel):
+            save_served(model, local, lora_sync)
+            state["adapter"] = adapter_state(model)
+        else:
+            model.save_pretrained(local, safe_serialization=True)
+        if not (isinstance(model, PeftModel) and lora_sync == "adapter"):  # vLLM takes an adapter's from the base
+            tokenizer.save_pretrained(local)
         (local / CHECKPOINT_PROBE).write_bytes(logprob_probe(model, version).to_json())
-        torch.save({"optimizer": optimizer.state_dict(), "step": step, "version": version}, local / TRAINER_STATE)
+        torch.save(state, local / TRAINER_STATE)
         names = sorted((p.name for p in local.iterdir() if p.is_file()), key=_upload_order)
         files = {}
         for name in names:
@@ -88,6 +104,8 @@ def save_checkpoint(
             files[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     manifest = {"run_id": run_id, "version": version, "step": step, "saved_at": time.time(),
                 "dataset_versions": list(dataset_versions or []), "files": files}
+    if isinstance(model, PeftModel):
+        manifest["lora"] = {**lora_shape(model), "sync": lora_sync}
     store.put_bytes(prefix + COMMITTED, json.dumps(manifest, indent=1).encode())
     return prefix
 
@@ -120,18 +138,25 @@ def download_checkpoint(store: ObjectStore, prefix: str, local_dir: str | Path, 
 
 
 def resume(store: ObjectStore, run_id: str, model: PreTrainedModel, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
-    """Load the latest committed checkpoint into ``model`` and ``optimizer``; (version, step)."""
+    """Load the latest committed checkpoint into ``model`` and ``optimizer``; (version, step).
+    A LoRA policy gets its adapter back, and its base is left as it is."""
     latest = latest_checkpoint(store, run_id)
     if latest is None:
         return 0, 0
     version, prefix = latest
     with tempfile.TemporaryDirectory(prefix="conveyor-resume-") as tmp:
         local = download_checkpoint(store, prefix, Path(tmp) / "checkpoint", with_trainer_state=True)
-        dtype = next(model.parameters()).dtype
-        saved = AutoModelForCausalLM.from_pretrained(str(local), dtype=dtype)
-        model.load_state_dict(saved.state_dict(), strict=True)
         state = torch.load(local / TRAINER_STATE, map_location="cpu", weights_only=True)
-    if state.get("version") != version:
-        raise CheckpointError(f"{prefix}{TRAINER_STATE} is for version {state.get('version')}, not {version}")
+        if state.get("version") != version:
+            raise CheckpointError(f"{prefix}{TRAINER_STATE} is for version {state.get('version')}, not {version}")
+        lora = isinstance(model, PeftModel)
+        if lora != ("adapter" in state):
+            raise CheckpointError(f"{prefix} is a checkpoint of a run {'with' if 'adapter' in state else 'without'} "
+                                  f"LoRA; set trainer.lora.enabled: {str('adapter' in state).lower()} to resume it")
+        if lora:
+            load_adapter_state(model, state["adapter"])
+        else:
+            saved = AutoModelForCausalLM.from_pretrained(str(local), dtype=next(model.parameters()).dtype)
+            model.load_state_dict(saved.state_dict(), strict=True)
     optimizer.load_state_dict(state["optimizer"])
     return version, int(state["step"])

@@ -27,6 +27,9 @@ Invariants:
 - With evaluation on (``settings.evaluation``), a version that is due is evaluated right after
   its step, before the next one (``services.trainer.evaluation``); a trainer restarted before
   the pass of its version ended runs it at start.
+- With ``trainer.lora.enabled`` the policy is the served base with peft adapters
+  (``services.trainer.lora``): only the adapters train, and each checkpoint serves the merged
+  weights or the adapter alone (``trainer.lora.sync``).
 - The logprob alarm (``services.trainer.alarm``) is checked before every step and whenever
   the consumer polls, so a failed weight sync stops the run even while no group arrives.
 """
@@ -47,6 +50,7 @@ from services.trainer.alarm import ServedWeightsAlarm
 from services.trainer.checkpoints import resume, save_checkpoint
 from services.trainer.device import resolve_device
 from services.trainer.evaluation import Evaluator
+from services.trainer.lora import with_lora
 from services.trainer.metrics import MetricsSink, finite_or_none, metric_name, plot_reward_curve
 from services.trainer.policy import load_policy
 from services.trainer.selection import Selection, select
@@ -97,6 +101,10 @@ class TrainingLoop:
         model, self.tokenizer = load_policy(self.settings.inference.model_path, resolve_device(trainer.device))
         if trainer.activation_checkpointing:
             model.gradient_checkpointing_enable()
+        if trainer.lora.enabled:
+            model = with_lora(model, trainer.lora)
+            if trainer.activation_checkpointing:  # the frozen embedding's output must carry grad into checkpointed layers
+                model.enable_input_require_grads()
         self.trainer = PolicyTrainer(
             model, pad_token_id=self.tokenizer.pad_token_id or 0, optim=trainer.optim, loss=trainer.loss,
             batching=trainer.batching, temperature=self.settings.rollout.sampling.temperature or 1.0,
@@ -166,7 +174,8 @@ class TrainingLoop:
         t0 = time.perf_counter()
         datasets = sorted(self.redis.smembers(RedisKeys.dataset_versions(self.run_id)))
         save_checkpoint(self.store, self.run_id, version, self.trainer.model, self.tokenizer, self.trainer.optimizer,
-                        self.trainer.step, dataset_versions=[d.decode() if isinstance(d, bytes) else d for d in datasets])
+                        self.trainer.step, dataset_versions=[d.decode() if isinstance(d, bytes) else d for d in datasets],
+                        lora_sync=self.settings.trainer.lora.sync)
         checkpoint_s = time.perf_counter() - t0
         self._announce(version)
         self.version = version

@@ -107,6 +107,12 @@ def test_bad_yaml_value_names_the_field(tmp_path):
         ({"storage": {"backend": "gcs"}}, "storage.backend"),
         ({"rollout": {"sampling": {"top_p": 1.5}}}, "rollout.sampling.top_p"),
         ({"inference": {"port": 70000}}, "inference.port"),
+        ({"trainer": {"lora": {"rank": 0}}}, "trainer.lora.rank"),
+        ({"trainer": {"lora": {"alpha": 0}}}, "trainer.lora.alpha"),
+        ({"trainer": {"lora": {"target_modules": []}}}, "trainer.lora.target_modules"),
+        ({"trainer": {"lora": {"target_modules": ["q_proj", "q_proj"]}}}, "trainer.lora.target_modules"),
+        ({"trainer": {"lora": {"sync": "delta"}}}, "trainer.lora.sync"),
+        ({"trainer": {"lora": {"sync": "adapter", "rank": 1024}}}, "trainer.lora"),
     ],
 )
 def test_bad_keyword_values_name_the_field(overrides, field):
