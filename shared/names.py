@@ -54,6 +54,19 @@ CHECKPOINT_TRAINER_STATE = "trainer_state.pt"  # optimizer state and step: the t
 CHECKPOINT_ADAPTER_CONFIG = "adapter_config.json"
 
 
+def lora_adapter_name(served_model: str, version: int) -> str:
+    """The name vLLM serves version ``version``'s LoRA adapter under (trainer.lora.sync: adapter);
+    version 0 is the base model, under its own name."""
+    return served_model if version == 0 else f"{served_model}-v{version}"
+
+
+def lora_adapter_version(served_model: str, name: str) -> int | None:
+    """The version ``lora_adapter_name(served_model, version)`` named, or None for another name."""
+    stem = f"{served_model}-v"
+    digits = name[len(stem):] if name.startswith(stem) else ""
+    return int(digits) if digits.isdigit() and digits == str(int(digits)) and int(digits) > 0 else None
+
+
 def run_marker_key(run_id: str) -> str:
     return f"runs/{run_id}/marker.json"
 

@@ -282,6 +282,11 @@ class LoraSettings(Section):
                              "use sync: merged for larger ranks")
         return self
 
+    @property
+    def served_rank(self) -> int | None:
+        """The adapter rank vLLM must be launched to serve, or None when it serves full weights."""
+        return self.rank if self.enabled and self.sync == "adapter" else None
+
 
 class TrainerSettings(Section):
     # where and in what precision the trainer computes: auto = cuda when torch sees a GPU;

@@ -410,7 +410,7 @@ def inference(
 
         generate_tiny_model(Path(settings.inference.model_path))
     _require_model(settings)
-    server = VllmServer.from_settings(settings.inference)
+    server = VllmServer.from_settings(settings.inference, lora_rank=settings.trainer.lora.served_rank)
     server.start()
     try:
         server.wait_ready(settings.inference.startup_timeout_s, report_every_s=15)

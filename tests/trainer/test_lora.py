@@ -7,7 +7,6 @@ the adapter and its optimizer state."""
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from services.trainer.metrics import MetricsSink
 from services.trainer.policy import load_policy, sequence_logprobs
 from services.trainer.step import PolicyTrainer
 from shared.logprob_probe import LogprobProbe
-from shared.names import CHECKPOINT_ADAPTER_CONFIG, CHECKPOINT_PROBE, checkpoint_prefix
+from shared.names import CHECKPOINT_ADAPTER_CONFIG, CHECKPOINT_PROBE, batch_key, checkpoint_prefix
 from shared.schemas import TrainingBatch
 from shared.settings import LogprobAlarmSettings, LoraSettings, OptimSettings, Settings
 from shared.staleness import StalenessBudget
@@ -137,7 +136,7 @@ def test_the_loop_trains_the_adapter_serves_merged_weights_and_resumes(
     for group in (4, 5):
         queue_group(redis_client, store, make_batch, run_id, group, 2)
     restarted.train_once()
-    loop.trainer.train_step([get_model(store, f"batches/{run_id}/{g:06d}.json.gz", TrainingBatch) for g in (4, 5)])
+    loop.trainer.train_step([get_model(store, batch_key(run_id, g), TrainingBatch) for g in (4, 5)])
     for (name, a), b in zip(model.named_parameters(), restarted.trainer.model.parameters()):
         torch.testing.assert_close(b, a, atol=1e-7, rtol=0, msg=name)
 
