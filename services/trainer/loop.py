@@ -101,10 +101,8 @@ class TrainingLoop:
         model, self.tokenizer = load_policy(self.settings.inference.model_path, resolve_device(trainer.device))
         if trainer.activation_checkpointing:
             model.gradient_checkpointing_enable()
-        if trainer.lora.enabled:
+        if trainer.lora.enabled:  # transformers' checkpointing (non-reentrant) carries grad past the frozen base
             model = with_lora(model, trainer.lora)
-            if trainer.activation_checkpointing:  # the frozen embedding's output must carry grad into checkpointed layers
-                model.enable_input_require_grads()
         self.trainer = PolicyTrainer(
             model, pad_token_id=self.tokenizer.pad_token_id or 0, optim=trainer.optim, loss=trainer.loss,
             batching=trainer.batching, temperature=self.settings.rollout.sampling.temperature or 1.0,

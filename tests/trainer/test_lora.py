@@ -84,12 +84,12 @@ def test_a_target_module_the_model_lacks_is_refused_by_name(tiny_dir):
 
 @pytest.fixture
 def lora_loop(tiny_dir, tmp_path, redis_client, redis_url, run_id, store):  # noqa: F811
-    def make(**lora) -> TrainingLoop:
+    def make(trainer: dict | None = None, **lora) -> TrainingLoop:
         settings = Settings(
             run_id=run_id, redis={"url": redis_url}, inference={"model_path": tiny_dir},
             trainer={"max_off_policy_steps": 1, "groups_per_step": 2, "optim": {"lr": 1e-2},
                      "logprob_alarm": {"max_on_policy_mad": 1e6}, "reward_curve_path": tmp_path / "curve.png",
-                     "lora": {"enabled": True, "rank": 4, "alpha": 8.0, **lora}},
+                     "lora": {"enabled": True, "rank": 4, "alpha": 8.0, **lora}, **(trainer or {})},
         )
         budget = StalenessBudget(redis_client, run_id, 1, 2)
         return TrainingLoop(settings, store, budget, MetricsSink(tmp_path / "steps.jsonl"))
@@ -170,3 +170,15 @@ def test_a_checkpoint_resumes_only_into_a_policy_of_its_kind(store, run_id, tiny
     save_checkpoint(store, run_id, 2, plain, tok, PolicyTrainer(plain, tok.pad_token_id).optimizer, 0)
     with pytest.raises(CheckpointError, match="run without LoRA; set trainer.lora.enabled: false"):
         resume(store, run_id, lora_model, trainer.optimizer)
+
+
+def test_activation_checkpointing_still_trains_the_adapters(lora_loop, redis_client, store, make_batch, run_id):  # noqa: F811
+    """The base is frozen: the checkpointed layers must still carry gradient to the adapters."""
+    loop = lora_loop(trainer={"activation_checkpointing": True})
+    before = {n: p.detach().clone() for n, p in loop.trainer.model.named_parameters() if p.requires_grad}
+    for group in (0, 1):
+        queue_group(redis_client, store, make_batch, run_id, group, 0)
+    metrics = loop.train_once()
+    assert metrics["grad_norm"] > 0
+    moved = [n for n, p in loop.trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert sorted(moved) == sorted(n for n in before if "lora_B" in n)  # A's gradient is 0 while B is (peft's init)
