@@ -18,12 +18,12 @@ from services.trainer.checkpoints import CheckpointError, download_checkpoint, r
 from services.trainer.lora import LoraShapeError, merged_state_dict, with_lora
 from services.trainer.loop import TrainingLoop
 from services.trainer.metrics import MetricsSink
-from services.trainer.policy import load_policy, sequence_logprobs
+from services.trainer.policy import frozen_reference, load_policy, sequence_logprobs
 from services.trainer.step import PolicyTrainer
 from shared.logprob_probe import LogprobProbe
 from shared.names import CHECKPOINT_ADAPTER_CONFIG, CHECKPOINT_PROBE, batch_key, checkpoint_prefix
 from shared.schemas import TrainingBatch
-from shared.settings import LogprobAlarmSettings, LoraSettings, OptimSettings, Settings
+from shared.settings import LogprobAlarmSettings, LoraSettings, LossSettings, OptimSettings, Settings
 from shared.staleness import StalenessBudget
 from shared.storage import get_model
 from test_trainer_checkpoints import _assert_same_optimizer_state, store  # noqa: F401 (the S3 fixture)
@@ -182,3 +182,19 @@ def test_activation_checkpointing_still_trains_the_adapters(lora_loop, redis_cli
     assert metrics["grad_norm"] > 0
     moved = [n for n, p in loop.trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert sorted(moved) == sorted(n for n in before if "lora_B" in n)  # A's gradient is 0 while B is (peft's init)
+
+
+def test_the_kl_reference_of_a_lora_policy_is_its_base_without_a_copy(tiny_dir, make_batch):
+    base, tok = load_policy(tiny_dir)
+    batches = [make_batch(seed, n=4, model=base, group_id=seed) for seed in range(2)]
+    trainers = []
+    for reference in (None, frozen_reference(base)):  # the base switched off inside, or a full frozen copy
+        torch.manual_seed(0)  # the same adapter initialisation for both
+        trainers.append(PolicyTrainer(with_lora(copy.deepcopy(base), LORA), tok.pad_token_id, reference=reference,
+                                      alarm=SYNTHETIC_LOGPROBS, optim=OptimSettings(lr=2e-2), loss=LossSettings(kl_coef=0.5)))
+    inside, copied = trainers
+    assert inside.reference is None and inside.base_is_reference
+    for step in range(3):
+        got, want = inside.train_step(batches), copied.train_step(batches)
+        assert got["kl"] == pytest.approx(want["kl"], abs=1e-7) and got["loss"] == pytest.approx(want["loss"], abs=1e-6)
+    assert want["kl"] > 1e-4  # the policy has left its reference
