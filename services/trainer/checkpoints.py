@@ -131,10 +131,12 @@ def latest_checkpoint(store: ObjectStore, run_id: str) -> tuple[int, str] | None
     return version, checkpoint_prefix(run_id, version)
 
 
-def download_checkpoint(store: ObjectStore, prefix: str, local_dir: str | Path, with_trainer_state: bool = False) -> Path:
-    """Fetch the committed checkpoint into ``local_dir`` (which must not exist yet) and return
-    it; the one reader in ``shared.checkpoint_files`` checks every file against the manifest."""
-    return fetch_checkpoint(store, prefix, Path(local_dir), with_trainer_state=with_trainer_state).local_dir
+def download_checkpoint(store: ObjectStore, prefix: str, local_dir: str | Path, with_trainer_state: bool = False,
+                        only: frozenset[str] | None = None) -> Path:
+    """Fetch the committed checkpoint (``only`` those files, if given) into ``local_dir`` (which
+    must not exist yet) and return it; the one reader in ``shared.checkpoint_files`` checks
+    every file against the manifest."""
+    return fetch_checkpoint(store, prefix, Path(local_dir), with_trainer_state=with_trainer_state, only=only).local_dir
 
 
 def resume(store: ObjectStore, run_id: str, model: PreTrainedModel, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
@@ -144,12 +146,13 @@ def resume(store: ObjectStore, run_id: str, model: PreTrainedModel, optimizer: t
     if latest is None:
         return 0, 0
     version, prefix = latest
+    lora = isinstance(model, PeftModel)
     with tempfile.TemporaryDirectory(prefix="conveyor-resume-") as tmp:
-        local = download_checkpoint(store, prefix, Path(tmp) / "checkpoint", with_trainer_state=True)
+        local = download_checkpoint(store, prefix, Path(tmp) / "checkpoint", with_trainer_state=True,
+                                    only=frozenset({TRAINER_STATE}) if lora else None)  # the adapter is in it
         state = torch.load(local / TRAINER_STATE, map_location="cpu", weights_only=True)
         if state.get("version") != version:
             raise CheckpointError(f"{prefix}{TRAINER_STATE} is for version {state.get('version')}, not {version}")
-        lora = isinstance(model, PeftModel)
         if lora != ("adapter" in state):
             raise CheckpointError(f"{prefix} is a checkpoint of a run {'with' if 'adapter' in state else 'without'} "
                                   f"LoRA; set trainer.lora.enabled: {str('adapter' in state).lower()} to resume it")

@@ -26,7 +26,7 @@ from shared.schemas import TrainingBatch
 from shared.settings import LogprobAlarmSettings, LoraSettings, LossSettings, OptimSettings, Settings
 from shared.staleness import StalenessBudget
 from shared.storage import get_model
-from test_trainer_checkpoints import _assert_same_optimizer_state, store  # noqa: F401 (the S3 fixture)
+from test_trainer_checkpoints import _assert_same_optimizer_state, _Recording, store  # noqa: F401 (the S3 fixture)
 from test_training_loop import queue_group
 
 SYNTHETIC_LOGPROBS = LogprobAlarmSettings(max_on_policy_mad=1e6)  # make_batch's logprobs are not the model's
@@ -166,6 +166,10 @@ def test_a_checkpoint_resumes_only_into_a_policy_of_its_kind(store, run_id, tiny
     other = with_lora(load_policy(tiny_dir)[0], LoraSettings(rank=8, alpha=8.0))
     with pytest.raises(LoraShapeError, match="the checkpoint's adapter is .*'rank': 4.*the trainer's is .*'rank': 8"):
         resume(store, run_id, other, PolicyTrainer(other, tok.pad_token_id).optimizer)
+
+    reading = _Recording(store)
+    assert resume(reading, run_id, with_lora(load_policy(tiny_dir)[0], LORA), trainer.optimizer) == (1, 0)
+    assert {k.rsplit("/", 1)[1] for k in reading.gets} == {"COMMITTED", "trainer_state.pt"}  # not the merged weights
 
     save_checkpoint(store, run_id, 2, plain, tok, PolicyTrainer(plain, tok.pad_token_id).optimizer, 0)
     with pytest.raises(CheckpointError, match="run without LoRA; set trainer.lora.enabled: false"):

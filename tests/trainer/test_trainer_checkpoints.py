@@ -41,17 +41,19 @@ def store(s3_endpoint: str) -> S3Store:
 
 
 class _Recording:
-    """The store, remembering the order of writes."""
+    """The store, remembering the order of writes, and the reads."""
 
     def __init__(self, inner: S3Store):
         self.inner = inner
         self.puts: list[str] = []
+        self.gets: list[str] = []
 
     def put_bytes(self, key: str, data: bytes) -> None:
         self.puts.append(key)
         self.inner.put_bytes(key, data)
 
     def get_bytes(self, key: str) -> bytes:
+        self.gets.append(key)
         return self.inner.get_bytes(key)
 
     def list_keys(self, prefix: str) -> list[str]:
