@@ -41,7 +41,14 @@ import httpx
 
 from services.inference.admin_http import admin_client, admin_request
 from services.inference.sync_probe import ProbeMismatch, SyncProbe, verify_replica
-from services.inference.weight_sync import SyncReport, WeightSyncError, _describe, _listing, _on_all, set_weight_version
+from services.inference.weight_sync import (
+    SyncReport,
+    WeightSyncError,
+    describe_failures,
+    failure_listing,
+    on_all,
+    set_weight_version,
+)
 from shared.names import CHECKPOINT_ADAPTER_CONFIG, lora_adapter_name, lora_adapter_version
 
 log = logging.getLogger(__name__)
@@ -91,23 +98,23 @@ def sync_adapter(
     extra: dict[str, float] = {}
     try:
         t = time.perf_counter()
-        failed = _on_all(urls, lambda url: load_adapter(http, url, name, adapter_dir))
+        failed = on_all(urls, lambda url: load_adapter(http, url, name, adapter_dir))
         load_s = time.perf_counter() - t
         if failed:
             _unload_everywhere(http, urls, name)
             raise WeightSyncError(f"adapter sync to version {version}: loading {adapter_dir} as {name} failed on "
-                                  + _listing(failed) + ". The served version does not move.",
-                                  version, _describe(failed), "reload")
+                                  + failure_listing(failed) + ". The served version does not move.",
+                                  version, describe_failures(failed), "reload")
         if probe is not None:
             t = time.perf_counter()
             _verify(http, urls, dataclasses.replace(probe, model=name), version, name, extra)
             extra["probe_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        failed = _on_all(urls, lambda url: set_weight_version(http, url, str(version)))
+        failed = on_all(urls, lambda url: set_weight_version(http, url, str(version)))
         version_s = time.perf_counter() - t
         if failed:
             raise WeightSyncError(f"adapter sync to version {version}: {name} loaded everywhere, but setting the "
-                                  "version label failed on " + _listing(failed), version, _describe(failed), "label")
+                                  "version label failed on " + failure_listing(failed), version, describe_failures(failed), "label")
         if on_served is not None:
             on_served()
         _unload_before(http, urls, served_model, keep_from)
@@ -129,19 +136,19 @@ def _verify(http: httpx.Client, urls: list[str], probe: SyncProbe, version: int,
     def verify(url: str) -> None:
         results[url] = verify_replica(http, url, probe)
 
-    failed = _on_all(urls, verify)
+    failed = on_all(urls, verify)
     diffs = [r.max_abs_diff for r in results.values()] + [
         exc.result.max_abs_diff for exc in failed.values() if isinstance(exc, ProbeMismatch)]
     if diffs:
         extra["probe_max_abs_diff"] = max(diffs)
     if failed:
         _unload_everywhere(http, urls, name)
-        raise WeightSyncError(f"adapter sync to version {version} did not take: {_listing(failed)}. The served "
-                              f"version does not move; {name} was unloaded again.", version, _describe(failed), "probe")
+        raise WeightSyncError(f"adapter sync to version {version} did not take: {failure_listing(failed)}. The served "
+                              f"version does not move; {name} was unloaded again.", version, describe_failures(failed), "probe")
 
 
 def _unload_everywhere(http: httpx.Client, urls: list[str], name: str) -> None:
-    failed = _on_all(urls, lambda url: unload_adapter(http, url, name))
+    failed = on_all(urls, lambda url: unload_adapter(http, url, name))
     for url, exc in failed.items():  # a replica where the load never took has nothing to unload
         log.info("unloading %s from %s: %s", name, url, exc)
 
@@ -152,5 +159,5 @@ def _unload_before(http: httpx.Client, urls: list[str], served_model: str, keep_
             if old < keep_from:
                 unload_adapter(http, url, lora_adapter_name(served_model, old))
 
-    for url, exc in _on_all(urls, unload_old).items():
+    for url, exc in on_all(urls, unload_old).items():
         log.warning("unloading old adapters from %s failed (they stay loaded): %s", url, exc)
