@@ -26,9 +26,11 @@ import hashlib
 import json
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.utils._pytree import tree_map
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from shared.checkpoint_files import CheckpointError
@@ -41,10 +43,14 @@ from shared.names import (
     checkpoint_prefix,
     checkpoints_of_run,
 )
+from shared.logprob_probe import LogprobProbe
 from shared.storage import ObjectStore, StorageError
 
 COMMITTED = CHECKPOINT_COMMITTED
 TRAINER_STATE = CHECKPOINT_TRAINER_STATE
+# Weight shards of at most this size (transformers' default is 50GB, one file for a 7B model):
+# each file is read whole for its upload and download, so this bounds that memory.
+CHECKPOINT_SHARD_SIZE = "1GB"
 
 
 
@@ -59,6 +65,29 @@ def _is_committed(store: ObjectStore, prefix: str) -> bool:
     return prefix + COMMITTED in store.list_keys(prefix)
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """A CPU copy of what a checkpoint holds, so it can be written while training goes on."""
+
+    version: int
+    weights: dict[str, torch.Tensor]
+    optimizer: dict
+    probe: LogprobProbe
+
+
+def _cpu_copy(value):
+    return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+
+
+def take_snapshot(model: PreTrainedModel, optimizer: torch.optim.Optimizer, version: int,
+                  probe: LogprobProbe | None = None) -> Snapshot:
+    """Copy the weights and optimizer state to CPU (host memory: once more the model and its
+    optimizer state) and compute the logprob probe unless given."""
+    weights = {k: _cpu_copy(v) for k, v in model.state_dict().items()}
+    state = tree_map(_cpu_copy, optimizer.state_dict())
+    return Snapshot(version, weights, state, probe if probe is not None else logprob_probe(model, version))
+
+
 def save_checkpoint(
     store: ObjectStore,
     run_id: str,
@@ -68,28 +97,46 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     step: int,
     dataset_versions: list[str] | None = None,
+    snapshot: Snapshot | None = None,
 ) -> str:
     """Upload the checkpoint of ``version`` and commit it; returns its key prefix. The manifest
-    records the dataset versions the run's intake published from (``dataset_versions``)."""
+    records the dataset versions the run's intake published from (``dataset_versions``).
+    With ``snapshot`` (of ``version``), the weights, optimizer state and probe come from it and
+    ``model`` only gives the config: the model may be training meanwhile."""
     prefix = checkpoint_prefix(run_id, version)
     if _is_committed(store, prefix):
         raise CheckpointError(f"checkpoint {prefix} is already committed; versions are never overwritten")
+    if snapshot is not None and snapshot.version != version:
+        raise ValueError(f"snapshot of version {snapshot.version} saved as version {version}")
     with tempfile.TemporaryDirectory(prefix="conveyor-ckpt-") as tmp:
         local = Path(tmp)
-        model.save_pretrained(local, safe_serialization=True)
+        model.save_pretrained(local, safe_serialization=True, max_shard_size=CHECKPOINT_SHARD_SIZE,
+                              **({"state_dict": snapshot.weights} if snapshot is not None else {}))
         tokenizer.save_pretrained(local)
-        (local / CHECKPOINT_PROBE).write_bytes(logprob_probe(model, version).to_json())
-        torch.save({"optimizer": optimizer.state_dict(), "step": step, "version": version}, local / TRAINER_STATE)
+        probe = snapshot.probe if snapshot is not None else logprob_probe(model, version)
+        (local / CHECKPOINT_PROBE).write_bytes(probe.to_json())
+        optimizer_state = snapshot.optimizer if snapshot is not None else optimizer.state_dict()
+        torch.save({"optimizer": optimizer_state, "step": step, "version": version}, local / TRAINER_STATE)
         names = sorted((p.name for p in local.iterdir() if p.is_file()), key=_upload_order)
-        files = {}
-        for name in names:
-            data = (local / name).read_bytes()
-            store.put_bytes(prefix + name, data)
-            files[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    manifest = {"run_id": run_id, "version": version, "step": step, "saved_at": time.time(),
-                "dataset_versions": list(dataset_versions or []), "files": files}
-    store.put_bytes(prefix + COMMITTED, json.dumps(manifest, indent=1).encode())
+        files = {name: upload_file(store, prefix, local / name) for name in names}
+    commit_checkpoint(store, prefix, {"run_id": run_id, "version": version, "step": step,
+                                      "dataset_versions": list(dataset_versions or [])}, files)
     return prefix
+
+
+def upload_file(store: ObjectStore, prefix: str, path: Path) -> dict[str, int | str]:
+    """Upload one checkpoint file as ``prefix + path.name``; its manifest entry (size, sha256).
+
+    The file is read whole: ``CHECKPOINT_SHARD_SIZE`` bounds what that costs in memory."""
+    data = path.read_bytes()
+    store.put_bytes(prefix + path.name, data)
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def commit_checkpoint(store: ObjectStore, prefix: str, fields: dict, files: dict[str, dict]) -> None:
+    """Write the ``COMMITTED`` manifest (``fields`` plus ``saved_at`` and ``files``): last, always."""
+    manifest = {**fields, "saved_at": time.time(), "files": files}
+    store.put_bytes(prefix + COMMITTED, json.dumps(manifest, indent=1).encode())
 
 
 def read_manifest(store: ObjectStore, prefix: str) -> dict:
