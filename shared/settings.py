@@ -89,6 +89,14 @@ class InferenceSettings(Section):
     # version does not move. None: 1e-4 for float32, 5e-2 for lower precisions.
     sync_probe: bool = True
     sync_probe_tolerance: Float | None = Field(None, gt=0)
+    # How new weights reach the replicas. s3: the trainer writes a checkpoint, the weight
+    # follower downloads and reloads it. nccl: the trainer broadcasts them GPU to GPU through a
+    # process group the replicas join (services.inference.weight_broadcast), and the S3
+    # checkpoint is written in the background as the durable record. nccl needs CUDA on the
+    # trainer and the replicas: the trainer refuses to start without it.
+    weight_sync: Literal["s3", "nccl"] = "s3"
+    weight_sync_host: str = "127.0.0.1"  # the trainer's address as the replicas reach it (its group's store)
+    weight_sync_port: Int = Field(29531, gt=0, lt=65536)
 
 
 class SamplingSettings(Section):

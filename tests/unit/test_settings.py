@@ -107,6 +107,7 @@ def test_bad_yaml_value_names_the_field(tmp_path):
         ({"storage": {"backend": "gcs"}}, "storage.backend"),
         ({"rollout": {"sampling": {"top_p": 1.5}}}, "rollout.sampling.top_p"),
         ({"inference": {"port": 70000}}, "inference.port"),
+        ({"inference": {"weight_sync": "rdma"}}, "inference.weight_sync"),
     ],
 )
 def test_bad_keyword_values_name_the_field(overrides, field):
