@@ -130,3 +130,48 @@ def test_nccl_broadcast_into_vllm_on_gpu(models: dict[str, Path], tmp_path: Path
             print(f"nccl sync of the tiny model: {report.as_dict()}")
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+def test_trainer_publishes_by_broadcast_then_commits_the_checkpoint(server: VllmServer, models: dict[str, Path],
+                                                                   hf: dict[str, Any], redis_client: Any,
+                                                                   s3_endpoint: str, run_id: str,
+                                                                   tmp_path: Path) -> None:
+    """The trainer's nccl-path publisher, over gloo: the version is served (and policy_version
+    moved) by the broadcast; the checkpoint is committed and announced afterwards, holding
+    the weights that were broadcast even though training changed them meanwhile."""
+    from services.trainer.checkpoints import download_checkpoint, latest_checkpoint
+    from services.trainer.weight_push import BroadcastPublisher
+    from shared.policy_version import PolicyVersion
+    from shared.settings import StorageSettings, load_settings
+    from shared.storage import S3Store
+
+    store = S3Store(StorageSettings(endpoint=s3_endpoint, access_key="testing", secret_key="testing"))
+    store.ensure_bucket()
+    settings = load_settings(run_id=run_id, inference={"weight_sync": "nccl", "base_url": server.base_url,
+                                                       "model": SERVED})
+    model, tokenizer = load_policy(models["B"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    announced: list[tuple[int, int]] = []
+    sender = WeightBroadcaster([server.base_url], backend="gloo", port=free_port(), timeout_s=120)
+    publisher = BroadcastPublisher(settings, redis_client, store, broadcaster=sender)
+    try:
+        timings = publisher.publish(7, model, tokenizer, optimizer, 7, ["d1"],
+                                    announce=lambda v: announced.append((v, PolicyVersion(redis_client, run_id).get())))
+        assert PolicyVersion(redis_client, run_id).get() == 7  # served before the checkpoint exists
+        with ws.admin_client() as admin:
+            assert ws.weight_version(admin, server.base_url) == "7"
+        assert _served_greedy(server, PROMPT) == _greedy(hf["B"], PROMPT)
+        assert timings["broadcast_s"] > 0
+        weights_v7 = {k: v.clone() for k, v in model.state_dict().items()}
+        with torch.no_grad():  # the next step trains while version 7 is being written
+            for p in model.parameters():
+                p.add_(1.0)
+        publisher.wait()
+    finally:
+        publisher.close()
+    assert announced == [(7, 7)]  # announced once committed, after the version was served
+    assert latest_checkpoint(store, run_id) == (7, f"checkpoints/{run_id}/000007/")
+    saved = load_policy(download_checkpoint(store, f"checkpoints/{run_id}/000007/", tmp_path / "v7"))[0]
+    for name, value in saved.state_dict().items():
+        assert torch.equal(value, weights_v7[name]), name
