@@ -89,6 +89,15 @@ class InferenceSettings(Section):
     # version does not move. None: 1e-4 for float32, 5e-2 for lower precisions.
     sync_probe: bool = True
     sync_probe_tolerance: Float | None = Field(None, gt=0)
+    # How new weights reach the replicas. s3: the trainer writes a checkpoint, the weight
+    # follower downloads and reloads it. nccl: the trainer broadcasts them GPU to GPU through a
+    # process group the replicas join (services.inference.weight_broadcast), and the S3
+    # checkpoint is written in the background as the durable record. nccl needs CUDA on the
+    # trainer and the replicas: the trainer refuses to start without it. nccl with trainer.lora
+    # is refused here (Settings): the broadcast carries full weights only.
+    weight_sync: Literal["s3", "nccl"] = "s3"
+    weight_sync_host: str = "127.0.0.1"  # the trainer's address as the replicas reach it (its group's store)
+    weight_sync_port: Int = Field(29531, gt=0, lt=65536)
 
 
 class SamplingSettings(Section):
@@ -429,6 +438,16 @@ class Settings(BaseSettings):
             if splits.role != "train":
                 raise ValueError(f"evaluation: intake.splits.role is {splits.role!r}, so intake would publish the "
                                  "eval split for training too; set it to 'train'")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_syncs_through_s3(self) -> "Settings":
+        """The nccl broadcast sends the model's own parameters and checkpoints a CPU snapshot of
+        its state dict; a LoRA policy serves merged weights or an adapter instead, which neither
+        path knows, so the combination is refused rather than served wrong."""
+        if self.trainer.lora.enabled and self.inference.weight_sync == "nccl":
+            raise ValueError("inference.weight_sync: nccl does not support trainer.lora (either sync mode); "
+                             "use weight_sync: s3 with LoRA")
         return self
 
     @classmethod

@@ -352,6 +352,9 @@ def trainer(
         logging.getLogger("conveyor.trainer").error("%s", exc)
         console.print(f"[red]trainer {settings.run_id} stopped: {exc}[/red]")
         raise typer.Exit(3) from None
+    finally:
+        if loop is not None:
+            loop.close()
     console.print(f"trainer {settings.run_id}: {consumer.counters()}")
 
 

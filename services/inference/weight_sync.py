@@ -6,6 +6,10 @@ the next phase starts):
     pause(mode=keep) -> conveyor_reload_weights(weights_path) + reset_prefix_cache
                      -> [resume -> probe] -> update_weight_version -> [on_served()] -> resume
 
+The load step is pluggable (``load_all``): the broadcast path
+(``services.inference.weight_broadcast``) replaces the reload from disk with the trainer's
+broadcast and keeps every other step and invariant below.
+
 Invariants:
 - A sync that does not take fails loudly and the served version does not move: with a
   ``probe`` (the trainer's logprobs of a fixed sequence, ``shared.logprob_probe``), every
@@ -213,7 +217,7 @@ def failure_listing(failures: dict[str, BaseException]) -> str:
 
 def sync_weights(
     base_urls: list[str],
-    weights_dir: Path,
+    weights_dir: Path | None,
     version: int,
     *,
     restore_dir: Path | None = None,
@@ -223,6 +227,8 @@ def sync_weights(
     reload_timeout_s: float = RELOAD_TIMEOUT_S,
     probe: SyncProbe | None = None,
     reload_method: str = EXTENSION_RELOAD,
+    load_all: Callable[[httpx.Client, list[str]], dict[str, BaseException]] | None = None,
+    source: str | None = None,
 ) -> SyncReport:
     """Serve ``weights_dir`` as ``version`` on every replica; see the module invariants.
 
@@ -231,14 +237,20 @@ def sync_weights(
     passed the probe and been labelled; if it raises, the sync fails (replicas are resumed
     and keep the new weights and label). ``probe``: the trainer's logprobs for this version,
     checked on every replica before the version moves. ``check_dir=False`` skips the local
-    pre-flight check.
+    pre-flight check. ``load_all(client, urls)``: loads the new weights into every (paused)
+    replica in place of the reload of ``weights_dir`` and returns the failures by replica
+    (the broadcast path, ``services.inference.weight_broadcast``); ``source`` names what it
+    loads, for errors.
     """
     urls = [u.rstrip("/") for u in base_urls]
     if not urls or len(set(urls)) != len(urls):
         raise ValueError(f"need distinct replica URLs, got {base_urls!r}")
-    weights_dir = Path(weights_dir).resolve()
+    if load_all is None and weights_dir is None:
+        raise ValueError("sync_weights needs weights_dir or load_all")
+    weights_dir = Path(weights_dir).resolve() if weights_dir is not None else None
+    source = source or str(weights_dir)
     restore_dir = Path(restore_dir).resolve() if restore_dir is not None else None
-    if check_dir:
+    if check_dir and load_all is None:
         check_weights_dir(weights_dir)
     own_client = client is None
     http = admin_client() if client is None else client
@@ -265,10 +277,10 @@ def sync_weights(
                                   describe_failures(failed), "pause")
 
         t = time.perf_counter()
-        failed = on_all(urls, reload_one)
+        failed = load_all(http, urls) if load_all is not None else on_all(urls, reload_one)
         timings["reload_s"] = time.perf_counter() - t
         if failed:
-            raise _reload_failure(http, urls, failed, version, weights_dir, restore_dir, reload_timeout_s)
+            raise _reload_failure(http, urls, failed, version, source, restore_dir, reload_timeout_s)
 
         if probe is not None:
             t = time.perf_counter()
@@ -350,9 +362,9 @@ def _reload_and_reset(http: httpx.Client, url: str, weights_dir: Path, reload_ti
 
 
 def _reload_failure(http: httpx.Client, urls: list[str], failed: dict[str, BaseException], version: int,
-                    weights_dir: Path, restore_dir: Path | None, reload_timeout_s: float) -> WeightSyncError:
+                    source: str, restore_dir: Path | None, reload_timeout_s: float) -> WeightSyncError:
     """Build the error for failed reloads, after reloading every replica from ``restore_dir`` if given."""
-    message = f"weight sync to version {version}: reload of {weights_dir} failed on {failure_listing(failed)}."
+    message = f"weight sync to version {version}: reload of {source} failed on {failure_listing(failed)}."
     if restore_dir is None:
         message += (" vLLM leaves a replica whose reload failed half-loaded: restart "
                     + ", ".join(failed) + " (no restore_dir was given).")

@@ -2,7 +2,8 @@
 
 Layout, one checkpoint per policy version:
 ``checkpoints/{run}/{version:06d}/`` holds what ``save_pretrained`` writes for the model
-(``*.safetensors``, ``config.json``, ``generation_config.json``) and the tokenizer, the
+(``*.safetensors`` in shards of at most ``CHECKPOINT_SHARD_SIZE`` with their index,
+``config.json``, ``generation_config.json``) and the tokenizer, the
 logprob probe (``logprob_probe.json``: what a replica serving these weights must answer,
 ``shared.logprob_probe``), then ``trainer_state.pt`` (optimizer state dict, step, version), then ``COMMITTED``: a JSON
 manifest naming every file with its size and sha256.
@@ -23,7 +24,9 @@ Invariants:
   the adapter's own weights in the trainer state; its resume loads the adapter and the
   optimizer state, never the merged weights (the base stays the served base checkpoint). A
   LoRA checkpoint resumed without LoRA, or the reverse, is a ``CheckpointError`` naming the
-  setting, before anything is loaded.
+  setting, before anything is loaded. A LoRA policy has no ``Snapshot`` (``take_snapshot``
+  and ``save_checkpoint(snapshot=...)`` refuse one): snapshots serve only the nccl weight
+  sync, which settings refuse with ``trainer.lora``.
 """
 
 from __future__ import annotations
@@ -32,10 +35,12 @@ import hashlib
 import json
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from peft import PeftModel
+from torch.utils._pytree import tree_map
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from shared.checkpoint_files import CheckpointError
@@ -49,10 +54,14 @@ from shared.names import (
     checkpoint_prefix,
     checkpoints_of_run,
 )
+from shared.logprob_probe import LogprobProbe
 from shared.storage import ObjectStore, StorageError
 
 COMMITTED = CHECKPOINT_COMMITTED
 TRAINER_STATE = CHECKPOINT_TRAINER_STATE
+# Weight shards of at most this size (transformers' default is 50GB, one file for a 7B model):
+# each file is read whole for its upload and download, so this bounds that memory.
+CHECKPOINT_SHARD_SIZE = "1GB"
 
 
 
@@ -67,6 +76,36 @@ def _is_committed(store: ObjectStore, prefix: str) -> bool:
     return prefix + COMMITTED in store.list_keys(prefix)
 
 
+_NO_LORA_SNAPSHOT = ("a snapshot of a LoRA policy is not supported (it is taken only for inference.weight_sync: "
+                     "nccl, which trainer.lora does not support); save its checkpoint without one")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A CPU copy of what a checkpoint holds, so it can be written while training goes on."""
+
+    version: int
+    weights: dict[str, torch.Tensor]
+    optimizer: dict
+    probe: LogprobProbe
+
+
+def _cpu_copy(value):
+    return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+
+
+def take_snapshot(model: PreTrainedModel, optimizer: torch.optim.Optimizer, version: int,
+                  probe: LogprobProbe | None = None) -> Snapshot:
+    """Copy the weights and optimizer state to CPU (host memory: once more the model and its
+    optimizer state) and compute the logprob probe unless given. A LoRA policy (``PeftModel``)
+    is refused: its checkpoint is the merged weights or the adapter, not its own state dict."""
+    if isinstance(model, PeftModel):
+        raise ValueError(_NO_LORA_SNAPSHOT)
+    weights = {k: _cpu_copy(v) for k, v in model.state_dict().items()}
+    state = tree_map(_cpu_copy, optimizer.state_dict())
+    return Snapshot(version, weights, state, probe if probe is not None else logprob_probe(model, version))
+
+
 def save_checkpoint(
     store: ObjectStore,
     run_id: str,
@@ -77,37 +116,60 @@ def save_checkpoint(
     step: int,
     dataset_versions: list[str] | None = None,
     lora_sync: str = "merged",
+    snapshot: Snapshot | None = None,
 ) -> str:
     """Upload the checkpoint of ``version`` and commit it; returns its key prefix. The manifest
     records the dataset versions the run's intake published from (``dataset_versions``), and a
-    LoRA policy's adapter shape and ``lora_sync`` (what the checkpoint serves)."""
+    LoRA policy's adapter shape and ``lora_sync`` (what the checkpoint serves).
+    With ``snapshot`` (of ``version``), the weights, optimizer state and probe come from it and
+    ``model`` only gives the config: the model may be training meanwhile. A snapshot of a LoRA
+    policy is not supported (``take_snapshot`` refuses one, and so does this)."""
     prefix = checkpoint_prefix(run_id, version)
     if _is_committed(store, prefix):
         raise CheckpointError(f"checkpoint {prefix} is already committed; versions are never overwritten")
+    lora = isinstance(model, PeftModel)
+    if snapshot is not None and lora:
+        raise ValueError(_NO_LORA_SNAPSHOT)
+    if snapshot is not None and snapshot.version != version:
+        raise ValueError(f"snapshot of version {snapshot.version} saved as version {version}")
     with tempfile.TemporaryDirectory(prefix="conveyor-ckpt-") as tmp:
         local = Path(tmp)
-        state = {"optimizer": optimizer.state_dict(), "step": step, "version": version}
-        if isinstance(model, PeftModel):
-            save_served(model, local, lora_sync)
-            state["adapter"] = adapter_state(model)
+        if lora:
+            save_served(model, local, lora_sync, max_shard_size=CHECKPOINT_SHARD_SIZE)
         else:
-            model.save_pretrained(local, safe_serialization=True)
-        if not (isinstance(model, PeftModel) and lora_sync == "adapter"):  # vLLM takes an adapter's from the base
+            model.save_pretrained(local, safe_serialization=True, max_shard_size=CHECKPOINT_SHARD_SIZE,
+                                  **({"state_dict": snapshot.weights} if snapshot is not None else {}))
+        if not (lora and lora_sync == "adapter"):  # vLLM takes an adapter's tokenizer from the base
             tokenizer.save_pretrained(local)
-        (local / CHECKPOINT_PROBE).write_bytes(logprob_probe(model, version).to_json())
+        probe = snapshot.probe if snapshot is not None else logprob_probe(model, version)
+        (local / CHECKPOINT_PROBE).write_bytes(probe.to_json())
+        optimizer_state = snapshot.optimizer if snapshot is not None else optimizer.state_dict()
+        state = {"optimizer": optimizer_state, "step": step, "version": version}
+        if lora:
+            state["adapter"] = adapter_state(model)
         torch.save(state, local / TRAINER_STATE)
         names = sorted((p.name for p in local.iterdir() if p.is_file()), key=_upload_order)
-        files = {}
-        for name in names:
-            data = (local / name).read_bytes()
-            store.put_bytes(prefix + name, data)
-            files[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    manifest = {"run_id": run_id, "version": version, "step": step, "saved_at": time.time(),
-                "dataset_versions": list(dataset_versions or []), "files": files}
-    if isinstance(model, PeftModel):
-        manifest["lora"] = {**lora_shape(model), "sync": lora_sync}
-    store.put_bytes(prefix + COMMITTED, json.dumps(manifest, indent=1).encode())
+        files = {name: upload_file(store, prefix, local / name) for name in names}
+    fields = {"run_id": run_id, "version": version, "step": step, "dataset_versions": list(dataset_versions or [])}
+    if lora:
+        fields["lora"] = {**lora_shape(model), "sync": lora_sync}
+    commit_checkpoint(store, prefix, fields, files)
     return prefix
+
+
+def upload_file(store: ObjectStore, prefix: str, path: Path) -> dict[str, int | str]:
+    """Upload one checkpoint file as ``prefix + path.name``; its manifest entry (size, sha256).
+
+    The file is read whole: ``CHECKPOINT_SHARD_SIZE`` bounds what that costs in memory."""
+    data = path.read_bytes()
+    store.put_bytes(prefix + path.name, data)
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def commit_checkpoint(store: ObjectStore, prefix: str, fields: dict, files: dict[str, dict]) -> None:
+    """Write the ``COMMITTED`` manifest (``fields`` plus ``saved_at`` and ``files``): last, always."""
+    manifest = {**fields, "saved_at": time.time(), "files": files}
+    store.put_bytes(prefix + COMMITTED, json.dumps(manifest, indent=1).encode())
 
 
 def read_manifest(store: ObjectStore, prefix: str) -> dict:

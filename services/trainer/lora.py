@@ -89,10 +89,12 @@ def merged_state_dict(model: PeftModel) -> dict[str, torch.Tensor]:
     return merged
 
 
-def save_served(model: PeftModel, out_dir: Path, sync: str) -> None:
-    """Write what vLLM will load: the merged full checkpoint, or the adapter alone."""
+def save_served(model: PeftModel, out_dir: Path, sync: str, *, max_shard_size: str | int) -> None:
+    """Write what vLLM will load: the merged full checkpoint (in weight files of at most
+    ``max_shard_size``), or the adapter alone."""
     if sync == "merged":
-        model.get_base_model().save_pretrained(out_dir, state_dict=merged_state_dict(model), safe_serialization=True)
+        model.get_base_model().save_pretrained(out_dir, state_dict=merged_state_dict(model), safe_serialization=True,
+                                               max_shard_size=max_shard_size)
     elif sync == "adapter":
         model.save_pretrained(out_dir, safe_serialization=True)
         (out_dir / "README.md").unlink(missing_ok=True)  # peft's model card: nothing a reader needs

@@ -14,7 +14,14 @@ from peft import PeftModel
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from services.trainer.checkpoints import CheckpointError, download_checkpoint, read_manifest, resume, save_checkpoint
+from services.trainer.checkpoints import (
+    CheckpointError,
+    download_checkpoint,
+    read_manifest,
+    resume,
+    save_checkpoint,
+    take_snapshot,
+)
 from services.trainer.lora import LoraShapeError, merged_state_dict, with_lora
 from services.trainer.loop import TrainingLoop
 from services.trainer.metrics import MetricsSink
@@ -174,6 +181,21 @@ def test_a_checkpoint_resumes_only_into_a_policy_of_its_kind(store, run_id, tiny
     save_checkpoint(store, run_id, 2, plain, tok, PolicyTrainer(plain, tok.pad_token_id).optimizer, 0)
     with pytest.raises(CheckpointError, match="run without LoRA; set trainer.lora.enabled: false"):
         resume(store, run_id, lora_model, trainer.optimizer)
+
+
+def test_a_lora_policy_has_no_snapshot(store, run_id, tiny_dir):  # noqa: F811
+    """Snapshots serve only the nccl weight sync, which settings refuse with LoRA: a snapshot of
+    a PeftModel (its own state dict, neither merged weights nor adapter) is refused, and nothing
+    is written."""
+    plain, tok = load_policy(tiny_dir)
+    snapshot = take_snapshot(plain, PolicyTrainer(plain, tok.pad_token_id).optimizer, 1)
+    lora_model = with_lora(load_policy(tiny_dir)[0], LORA)
+    optimizer = PolicyTrainer(lora_model, tok.pad_token_id, alarm=SYNTHETIC_LOGPROBS).optimizer
+    with pytest.raises(ValueError, match="snapshot of a LoRA policy is not supported"):
+        take_snapshot(lora_model, optimizer, 1)
+    with pytest.raises(ValueError, match="snapshot of a LoRA policy is not supported"):
+        save_checkpoint(store, run_id, 1, lora_model, tok, optimizer, 0, snapshot=snapshot)
+    assert store.list_keys(checkpoint_prefix(run_id, 1)) == []
 
 
 def test_activation_checkpointing_still_trains_the_adapters(lora_loop, redis_client, store, make_batch, run_id):  # noqa: F811
