@@ -9,38 +9,49 @@ ledger, the scorer and the trainer consumer (assembling groups, no training).
 
 It reports, per configuration (rollout worker processes x group size):
 - end-to-end trajectories/s, intake start to the last trajectory consumed;
-- group latency p50/p99 (dispatch to the trainer's decision: the trainer side of it is what
-  follows the scorer's event), from the trainer's own metrics lines;
+- group latency p50/p99 (dispatch to the trainer's decision), from the trainer's own metrics lines;
+- trainer-side latency p50/p99: the group's last upload done, and its last scoring done, to the
+  trainer's decision, from the trajectories' stage timings and the group records;
 - Redis commands per trajectory (``INFO stats`` total_commands_processed, before and after);
 - object-store bytes per trajectory (every object the run wrote);
 - worker RSS per concurrent episode (the rollout workers' resident memory over their slots).
 
+With ``--atropos``, once Conveyor's stack is down, each configuration's trajectories (read back
+from the object store: the same token ids, masks, logprobs, rewards and group size) go through
+Atropos 0.4's API server, with as many producer processes as the configuration had rollout
+workers (``bench/atropos_side_by_side.py``), and a table gives the ratio Conveyor / Atropos.
+
     .venv/bin/python bench/capacity.py [--trajectories 2000] [--workers 1 4] [--group-sizes 4 16 64]
+                                       [--scoring-batch-max 1 64] [--atropos]   # --atropos after bench/atropos_venv.sh
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import statistics
 import sys
 import tempfile
 import threading
 import time
+from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from aiohttp import web  # noqa: E402
 
-from bench.local_runs import BenchRun  # noqa: E402
+from bench.atropos_side_by_side import DEFAULT_PYTHON, GUARANTEES, ScoredGroup, run_atropos  # noqa: E402
+from bench.local_runs import BenchRun, pct, rss_mb  # noqa: E402
 from services.cli.local_stack import LocalStack, free_port  # noqa: E402
 from services.inference.tiny_model import generate_tiny_model  # noqa: E402
 from services.intake.publisher import build_group  # noqa: E402
 from shared.celery_app import publish_rollouts  # noqa: E402
 from shared.group_registry import GroupRegistry  # noqa: E402
-from shared.schemas import GroupRegistration, TaskProfile  # noqa: E402
+from shared.schemas import FlatSequence, GroupRecord, GroupRegistration, ScoredTrajectory, TaskProfile, Trajectory  # noqa: E402
 
 REWARD_FN = "services.rollout_worker.environments.toy_rewards:digit_share"
 
@@ -87,35 +98,19 @@ class ReplayPolicy:
         loop.run_forever()
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+def command_calls(client) -> dict[str, int]:
+    """Calls per Redis command so far (``INFO commandstats``; commands run by Lua scripts count too)."""
+    return {name.removeprefix("cmdstat_"): int(stats["calls"]) for name, stats in client.info("commandstats").items()}
 
 
-def rss_mb(pid: int) -> float:
-    """Resident memory of a process and its children (a Celery worker's pool), in MB."""
-    total = 0
-    pids = [pid]
-    try:
-        pids += [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        pass
-    for p in pids:
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            continue
-    return total / 1024
-
-
-def run_config(base: LocalStack, root: Path, workers: int, group_size: int, trajectories: int, slots: int) -> dict:
-    run_id = f"cap-w{workers}-g{group_size}"
+def run_config(base: LocalStack, root: Path, workers: int, group_size: int, trajectories: int,
+               slots: int, scoring_batch_max: int = 64) -> tuple[dict, list[ScoredGroup]]:
+    run_id = f"cap-w{workers}-g{group_size}-b{scoring_batch_max}"
     run = BenchRun.open(base, root, run_id, {
         "CONVEYOR_ROLLOUT__GROUP_SIZE": str(group_size), "CONVEYOR_ROLLOUT__MAX_TURNS": "1",
         "CONVEYOR_ROLLOUT__MAX_TOKENS_PER_TURN": "4", "CONVEYOR_TRAINER__BLOCK_MS": "20",
         "CONVEYOR_REWARDS__WEIGHTS": json.dumps({"verifier": 1.0}),
+        "CONVEYOR_ROLLOUT__SCORING_BATCH_MAX": str(scoring_batch_max),
     })
     groups = max(1, trajectories // group_size)
     with run.stack:
@@ -125,6 +120,7 @@ def run_config(base: LocalStack, root: Path, workers: int, group_size: int, traj
         time.sleep(10)  # workers import and connect
         client = run.ledger.redis
         commands0 = int(client.info("stats")["total_commands_processed"])
+        by_command0 = command_calls(client)
         started = time.time()
         for group_id in range(groups):
             task = TaskProfile(task_id=f"c{group_id}", env_name="single_turn",
@@ -141,17 +137,93 @@ def run_config(base: LocalStack, root: Path, workers: int, group_size: int, traj
                                 each_poll=lambda: rss_samples.append(sum(rss_mb(p.proc.pid) for p in procs)))
         wall = time.time() - started
         commands = int(client.info("stats")["total_commands_processed"]) - commands0
+        by_command = {name: calls - by_command0.get(name, 0) for name, calls in command_calls(client).items()}
         counts = run.ledger.counts(run.run_id)
         latencies = [m["group_latency_s"] for m in run.trainer_metrics()]
-        stored = sum(len(run.store.get_bytes(k)) for prefix in ("trajectories", "scored", "groups", "batches")
-                     for k in run.store.list_keys(f"{prefix}/{run.run_id}/"))
-    return {
-        "workers": workers, "group_size": group_size, "trajectories": total, "failed": counts["failed"],
+        objects = {k: run.store.get_bytes(k) for prefix in ("trajectories", "scored", "groups", "batches")
+                   for k in run.store.list_keys(f"{prefix}/{run.run_id}/")}
+    written = WrittenRun.parse(objects)
+    from_upload, from_scoring = written.trainer_side_latencies()
+    result = {
+        "workers": workers, "group_size": group_size, "scoring_batch_max": scoring_batch_max,
+        "trajectories": total, "failed": counts["failed"],
         "traj_per_s": total / wall, "group_latency_p50_ms": 1000 * pct(latencies, 0.5),
-        "group_latency_p99_ms": 1000 * pct(latencies, 0.99), "redis_commands_per_traj": commands / total,
-        "stored_bytes_per_traj": stored / total,
+        "group_latency_p99_ms": 1000 * pct(latencies, 0.99), "trainer_side_p50_ms": 1000 * pct(from_upload, 0.5),
+        "trainer_side_p99_ms": 1000 * pct(from_upload, 0.99), "scored_to_decided_p50_ms": 1000 * pct(from_scoring, 0.5),
+        "scored_to_decided_p99_ms": 1000 * pct(from_scoring, 0.99), "redis_commands_per_traj": commands / total,
+        "stored_bytes_per_traj": sum(len(b) for b in objects.values()) / total,
+        "top_redis_commands_per_traj": {name: round(calls / total, 2) for name, calls in
+                                        sorted(by_command.items(), key=lambda kv: -kv[1])[:12]},
         "rss_mb_per_episode_slot": statistics.fmean(rss_samples) / (workers * slots) if rss_samples else float("nan"),
     }
+    return result, written.atropos_groups()
+
+
+@dataclass
+class WrittenRun:
+    """What a run left in the object store: its trajectories, their scorings and the group records."""
+
+    trajectories: list[Trajectory]
+    scored: dict[str, ScoredTrajectory]  # by trajectory id
+    records: list[GroupRecord]
+
+    @classmethod
+    def parse(cls, objects: dict[str, bytes]) -> "WrittenRun":
+        def models(prefix: str, model_type: type) -> list:
+            return [model_type.model_validate_json(gzip.decompress(b)) for k, b in objects.items() if k.startswith(prefix)]
+
+        scored = {s.trajectory_id: s for s in models("scored/", ScoredTrajectory)}
+        return cls(models("trajectories/", Trajectory), scored, models("groups/", GroupRecord))
+
+    def trainer_side_latencies(self) -> tuple[list[float], list[float]]:
+        """Per group, from the last member's upload done, and from its last scoring, to the
+        trainer's decision. The upload's end is dispatch + queue wait + episode + upload, so the
+        worker's time between the episode and the upload counts on the trainer's side."""
+        uploaded: dict[int, float] = defaultdict(float)
+        scored: dict[int, float] = defaultdict(float)
+        for t in self.trajectories:
+            s = self.scored[t.trajectory_id]
+            done = t.request.dispatched_at + s.timings["queue_wait"] + s.timings["episode"] + s.timings["upload"]
+            uploaded[s.group_id] = max(done, uploaded[s.group_id])
+            scored[s.group_id] = max(s.scored_at, scored[s.group_id])
+        return ([r.completed_at - uploaded[r.group_id] for r in self.records],
+                [r.completed_at - scored[r.group_id] for r in self.records])
+
+    def atropos_groups(self) -> list[ScoredGroup]:
+        """The same trajectories as Atropos groups: each as the trainer flattens it, with its reward."""
+        members: dict[int, list[tuple[FlatSequence, float]]] = defaultdict(list)
+        for t in self.trajectories:
+            members[t.request.group_id].append((t.flatten(), self.scored[t.trajectory_id].reward))
+        return [ScoredGroup(tokens=[f.token_ids for f, _ in group],
+                            masks=[[tok if m else -100 for tok, m in zip(f.token_ids, f.loss_mask)] for f, _ in group],
+                            scores=[r for _, r in group], inference_logprobs=[f.inference_logprobs for f, _ in group])
+                for _, group in sorted(members.items())]
+
+
+def compare(conveyor: list[dict], atropos: list[dict]) -> None:
+    """Each configuration's figures side by side, and the ratio Conveyor / Atropos."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="Conveyor / Atropos, same trajectories (ratio > 1: Conveyor's figure is higher)")
+    for column in ("workers = producers", "group size", "traj/s C | A", "ratio", "p50 ms: C upload | A push", "ratio",
+                   "p50 ms: C scored | A push", "ratio", "p99 ms: C scored | A push", "ratio"):
+        table.add_column(column, justify="right")
+    for c, a in zip(conveyor, atropos):
+        row = [str(c["workers"]), str(c["group_size"])]
+        for ck, ak in (("traj_per_s", "traj_per_s"), ("trainer_side_p50_ms", "latency_p50_ms"),
+                       ("scored_to_decided_p50_ms", "latency_p50_ms"), ("scored_to_decided_p99_ms", "latency_p99_ms")):
+            row += [f"{c[ck]:.1f} | {a[ak]:.1f}", f"{c[ck] / a[ak]:.2f}x"]
+        table.add_row(*row)
+    console = Console(width=160)
+    console.print(table)
+    console.print("Latency: Conveyor from the group's last upload (or last scoring) to the trainer's decision; "
+                  "Atropos from the push of the scored group to its delivery by /batch.")
+    console.print(GUARANTEES)
+
+
+def rounded(result: dict) -> str:
+    return json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()})
 
 
 def main() -> None:
@@ -161,12 +233,18 @@ def main() -> None:
     parser.add_argument("--group-sizes", type=int, nargs="+", default=[4, 16, 64])
     parser.add_argument("--slots", type=int, default=16, help="Celery thread slots per rollout worker")
     parser.add_argument("--storage", choices=["s3", "local"], default="s3")
+    parser.add_argument("--scoring-batch-max", type=int, nargs="+", default=[64],
+                        help="rollout.scoring_batch_max per configuration; 1 sends one scoring message per trajectory")
+    parser.add_argument("--atropos", action="store_true",
+                        help="then feed each configuration's trajectories to Atropos' API server (bench/atropos_side_by_side.py)")
+    parser.add_argument("--atropos-python", type=Path, default=DEFAULT_PYTHON)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="conveyor-capacity-") as tmp:
         root = Path(tmp)
         model_dir = generate_tiny_model(root / "tiny")  # the workers' tokenizer; the replay policy speaks it
         policy = ReplayPolicy(model_dir)
         base = LocalStack(root / "base")
+        results, written = [], []
         try:
             base.start_redis()
             if args.storage == "s3":
@@ -174,15 +252,23 @@ def main() -> None:
             else:
                 base.env.update({"CONVEYOR_STORAGE__BACKEND": "local", "CONVEYOR_STORAGE__LOCAL_ROOT": str(root / "objects")})
             base.use_inference(policy.base_url, model_dir, "tiny")
-            results = []
             for workers in args.workers:
                 for group_size in args.group_sizes:
-                    result = run_config(base, root, workers, group_size, args.trajectories, args.slots)
-                    results.append(result)
-                    print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}), flush=True)
+                    for batch_max in args.scoring_batch_max:
+                        result, groups = run_config(base, root, workers, group_size, args.trajectories, args.slots, batch_max)
+                        results.append(result)
+                        written.append(groups)
+                        print(rounded(result), flush=True)
         finally:
             base.stop()
         print(f"replay policy answered {policy.requests} completions")
+        if args.atropos:  # after Conveyor's stack is down: the server has the machine to itself
+            atropos = []
+            for result, groups in zip(results, written):
+                atropos.append(run_atropos(groups, producers=result["workers"], concurrency=args.slots,
+                                           python=args.atropos_python, log_dir=root))
+                print(rounded(atropos[-1]), flush=True)
+            compare(results, atropos)
 
 
 if __name__ == "__main__":

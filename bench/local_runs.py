@@ -130,3 +130,27 @@ class BenchRun:
         """The trainer's metrics lines, one per completed group."""
         path = self.stack.root / "metrics.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def pct(values: list[float], q: float) -> float:
+    """The q-quantile of values (nearest rank below), NaN for none."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of a process and its children (a Celery worker's pool), in MB."""
+    total = 0
+    pids = [pid]
+    try:
+        pids += [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        pass
+    for p in pids:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return total / 1024

@@ -139,14 +139,30 @@ def publish_rollouts(app: Celery, requests: list) -> None:
     _publish(app, ROLLOUT_TASK, [[r.model_dump(mode="json") for r in requests]])
 
 
-def publish_scoring(app: Celery, task: ScoringTask) -> None:
-    """One scoring task: the ``ScoringTask`` as its only argument (``scoring_task_of`` reads it)."""
-    _publish(app, SCORING_TASK, [task.model_dump(mode="json")])
+def publish_scoring(app: Celery, tasks: ScoringTask | list[ScoringTask]) -> None:
+    """One scoring message: a ``ScoringTask``, or a list of them (a batch: the members of a
+    group, usually), as its only argument (``scoring_tasks_of`` reads either)."""
+    if isinstance(tasks, ScoringTask):
+        _publish(app, SCORING_TASK, [tasks.model_dump(mode="json")])
+    else:
+        _publish(app, SCORING_TASK, [[task.model_dump(mode="json") for task in tasks]])
 
 
-def scoring_task_of(args: tuple | list, kwargs: dict) -> ScoringTask:
-    """The ``ScoringTask`` a scoring message carries; ``BadMessage`` if it carries anything else."""
-    if len(args) != 1 or kwargs or not isinstance(args[0], dict):
-        raise BadMessage("scoring task", f"expected one ScoringTask object as the only argument, got "
+def scoring_tasks_of(args: tuple | list, kwargs: dict) -> list[ScoringTask | BadMessage]:
+    """The ``ScoringTask``s a scoring message carries, in order; an element that is not one is
+    its ``BadMessage`` (the others still score). A message that is neither one task object nor a
+    list of them raises ``BadMessage``."""
+    if len(args) != 1 or kwargs or not isinstance(args[0], (dict, list)):
+        raise BadMessage("scoring task", f"expected one ScoringTask object or a list of them as the only argument, got "
                          f"{len(args)} positional and {sorted(kwargs)} keyword arguments", list(args))
-    return parse_message(ScoringTask, args[0], "scoring task")
+    items = args[0] if isinstance(args[0], list) else [args[0]]
+    tasks: list[ScoringTask | BadMessage] = []
+    for index, item in enumerate(items):
+        what = "scoring task" if isinstance(args[0], dict) else f"scoring task {index} of {len(items)}"
+        try:
+            if not isinstance(item, dict):
+                raise BadMessage(what, "expected a ScoringTask object", item)
+            tasks.append(parse_message(ScoringTask, item, what))
+        except BadMessage as exc:
+            tasks.append(exc)
+    return tasks

@@ -20,6 +20,10 @@ Invariants, per run:
   fails it after ``max_attempts`` attempts of that stage. An owner that stops before its
   work is done (its worker shuts down) hands the trajectory back (``hand_back``): to the
   state its stage claims from, the lease ended and the attempt not counted, in one Lua call.
+- The upload stores the scoring task in the same Lua call, with a send-by entry in the scoring
+  lease zset (no owner): a scoring message its sender batched but never sent (it died) is sent
+  by the scoring reaper once that entry expires. So nothing waiting for scoring lives only in
+  a process's memory.
 - Registering a run's trajectories records the run's marker (``shared.run_marker``) in the
   same Lua call, so Redis never holds a run's trajectories without its marker.
 - Hand-off to the trainer is atomic with the state change: ``mark_scored`` and ``fail`` append
@@ -88,6 +92,7 @@ class Ledger:
         self._expire = client.register_script(ledger_lua.EXPIRE)
         self._set_payload = client.register_script(ledger_lua.SET_PAYLOAD)
         self._hand_back = client.register_script(ledger_lua.HAND_BACK)
+        self._sent = client.register_script(ledger_lua.SENT)
 
     @classmethod
     def from_url(cls, url: str, outage: OutageSettings | None = None) -> "Ledger":
@@ -162,9 +167,26 @@ class Ledger:
         return self._expire(keys=keys, args=args)
 
     # --- transitions ------------------------------------------------------------------------
-    def mark_uploaded(self, trajectory_id: str, token: str) -> TransitionResult:
+    def mark_uploaded(self, trajectory_id: str, token: str, scoring_payload: str = "",
+                      send_within_s: float = 0.0) -> TransitionResult:
+        """running -> uploaded by the rollout lease's owner. With ``scoring_payload``, the same
+        call stores the scoring task and a send-by entry ``send_within_s`` ahead in the scoring
+        lease zset: a scoring message not sent by then (the sender died; ``scoring_sent``
+        clears the entry) is sent by the scoring reaper from the stored payload."""
         _require_token(token)
-        return self._move(trajectory_id, TrajectoryState.uploaded, [TrajectoryState.running], token=token)
+        return self._move(trajectory_id, TrajectoryState.uploaded, [TrajectoryState.running], token=token,
+                          next_payload=scoring_payload, send_by=time.time() + send_within_s)
+
+    def scoring_sent(self, trajectory_ids: list[str]) -> int:
+        """The scoring messages of these trajectories are out: drop their send-by entries (one
+        call per run, pipelined; a scorer's lease that replaced an entry stays)."""
+        by_run: dict[str, list[str]] = {}
+        for tid in trajectory_ids:
+            by_run.setdefault(parse_trajectory_id(tid).run_id, []).append(tid)
+        pipe = self.redis.pipeline(transaction=False)
+        for run, tids in by_run.items():
+            self._sent(keys=[SCORING.owners(run), SCORING.leases], args=tids, client=pipe)
+        return sum(pipe.execute()) if by_run else 0
 
     def requeue(self, trajectory_id: str, token: str) -> TransitionResult:
         """running -> queued by the lease owner, for a fresh attempt after an infra error."""
@@ -207,14 +229,18 @@ class Ledger:
         token: str | None = None,
         event: ScoredEvent | FailedEvent | None = None,
         reason: str = "",
+        next_payload: str = "",
+        send_by: float = 0.0,
     ) -> TransitionResult:
         run = parse_trajectory_id(trajectory_id).run_id
         k = RedisKeys
-        keys = [k.states(run), k.counts(run), k.failures(run), k.trainer_stream(run)]
+        following = next((stage for stage in LEASE_STAGES if stage.claim_from is to), ROLLOUT)
+        keys = [k.states(run), k.counts(run), k.failures(run), k.trainer_stream(run), following.payloads(run), following.leases]
         for stage in LEASE_STAGES:
             keys += [stage.owners(run), stage.leases]
         args = [trajectory_id, to.value, token or "", reason, event.model_dump_json() if event else ""]
-        args += [",".join(s.value for s in allowed_from), *(stage.held.value for stage in LEASE_STAGES)]
+        args += [",".join(s.value for s in allowed_from), next_payload, repr(send_by)]
+        args += [stage.held.value for stage in LEASE_STAGES]
         status, detail = self._transition(keys=keys, args=args)
         return TransitionResult(status == "ok", detail)
 

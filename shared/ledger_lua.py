@@ -77,18 +77,23 @@ return lost
 """
 
 # Generic guarded transition. Leaving a state a lease stage holds ends that stage's lease; a
-# token, when given, must be the one holding it.
-# KEYS: states, counts, failures, stream, then (owners, leases) per lease stage
+# token, when given, must be the one holding it. Entering the state the next stage claims
+# from may store that stage's payload with a send-by deadline in the stage's lease zset, with
+# no owner: if the message is not sent (and the entry removed, ``SENT``) by then, the stage's
+# reaper finds it expired and sends the payload itself.
+# KEYS: states, counts, failures, stream, next stage's payloads, next stage's leases,
+#       then (owners, leases) per lease stage
 # ARGV: tid, to_state, token ('' = no owner check), failure_reason, event_json ('' = none),
-#       allowed from-states (comma-separated), then the held state per lease stage
+#       allowed from-states (comma-separated), next stage's payload ('' = none), its send-by
+#       deadline, then the held state per lease stage
 # -> {"ok", from_state} | {"skip", state or "not_owner"}
 TRANSITION = _SET_STATE + """
 local state = redis.call('HGET', KEYS[1], ARGV[1])
 if not state then return {'skip', 'unknown'} end
 if not string.find(',' .. ARGV[6] .. ',', ',' .. state .. ',', 1, true) then return {'skip', state} end
 local owners, leases = nil, nil
-for i = 7, #ARGV do
-  if ARGV[i] == state then owners, leases = KEYS[3 + 2 * (i - 6)], KEYS[4 + 2 * (i - 6)] end
+for i = 9, #ARGV do
+  if ARGV[i] == state then owners, leases = KEYS[5 + 2 * (i - 8)], KEYS[6 + 2 * (i - 8)] end
 end
 if ARGV[3] ~= '' and (not owners or redis.call('HGET', owners, ARGV[1]) ~= ARGV[3]) then
   return {'skip', 'not_owner'}
@@ -100,7 +105,22 @@ if owners then
 end
 if ARGV[4] ~= '' then redis.call('HSET', KEYS[3], ARGV[1], ARGV[4]) end
 if ARGV[5] ~= '' then redis.call('XADD', KEYS[4], '*', 'event', ARGV[5]) end
+if ARGV[7] ~= '' then
+  redis.call('HSET', KEYS[5], ARGV[1], ARGV[7])
+  redis.call('ZADD', KEYS[6], ARGV[8], ARGV[1])
+end
 return {'ok', state}
+"""
+
+# The messages of these trajectories were sent: their send-by entries (``TRANSITION``) leave the
+# stage's lease zset, unless a holder's lease already replaced them (it has an owner).
+# KEYS: owners, leases ; ARGV: trajectory ids -> entries removed
+SENT = """
+local removed = 0
+for i = 1, #ARGV do
+  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 then removed = removed + redis.call('ZREM', KEYS[2], ARGV[i]) end
+end
+return removed
 """
 
 # KEYS: states, counts, owners, leases, attempts, failures, stream

@@ -122,6 +122,12 @@ class RolloutSettings(Section):
     # on SIGTERM, running episodes get this long to finish; then they are handed back to the
     # queue (no attempt spent). Keep it below the orchestrator's kill timeout (compose: 10 s).
     shutdown_grace_s: Float = Field(5.0, ge=0)
+    # a worker sends its scoring messages in batches (services.rollout_worker.scoring_outbox): a
+    # batch goes out when its rollout task ends, at scoring_batch_max tasks, or this long after
+    # its first task. Should a worker die first, the scoring reaper sends them from the ledger
+    # ledger.lease_ttl_s + scoring_linger_s after their upload
+    scoring_linger_s: Float = Field(0.25, ge=0)
+    scoring_batch_max: Int = Field(64, gt=0)
     sampling: SamplingSettings = SamplingSettings()
     # Agent-driven environments: each trajectory's proxy socket lives in a directory of its own
     # under this one (per worker process), which that trajectory's sandbox mounts. Keep it short:

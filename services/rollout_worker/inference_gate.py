@@ -20,9 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from typing import Awaitable, Callable
 
-import httpx
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from shared.settings import OutageSettings
@@ -43,10 +42,11 @@ class _StillDown(Exception):
 
 
 class InferenceGate:
-    def __init__(self, base_url: str, http: httpx.AsyncClient, outage: OutageSettings,
+    def __init__(self, base_url: str, health_problem: Callable[[float], Awaitable[str | None]], outage: OutageSettings,
                  on_change: Callable[[bool], None] | None = None):
+        """``health_problem(timeout_s)``: None while the server's ``/health`` answers 200, else what is wrong."""
         self.base_url, self.outage = base_url, outage
-        self._http = http
+        self._health_problem = health_problem
         self.on_change = on_change or (lambda _up: None)
         self.down_since: float | None = None  # monotonic
         self.last_error = ""
@@ -107,13 +107,9 @@ class InferenceGate:
         self.on_change(True)
 
     async def _check(self) -> None:
-        try:
-            response = await self._http.get("/health", timeout=min(5.0, max(1.0, self.outage.backoff_max_s)))
-        except httpx.HTTPError as exc:
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            raise _StillDown from None
-        if response.status_code != 200:
-            self.last_error = f"/health returned {response.status_code}"
+        problem = await self._health_problem(min(5.0, max(1.0, self.outage.backoff_max_s)))
+        if problem is not None:
+            self.last_error = problem
             raise _StillDown
 
     def _log_still_down(self) -> None:

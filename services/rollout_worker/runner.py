@@ -7,7 +7,9 @@ Invariants, per trajectory:
 - The trajectory object is written before the ledger moves to ``uploaded``, under a key that
   carries the attempt and its lease token, so no other attempt (one presumed dead, or one from
   before a ``conveyor retry``) can ever overwrite the attempt that won.
-- Only the lease owner moves it on; then exactly one scoring task is published.
+- Only the lease owner moves it on, storing its scoring task in the same ledger call; the task
+  is then sent in a batch with the others of the process (``scoring_outbox``), and the scoring
+  reaper sends it should this process die first.
 - An outage of Redis or of the S3 server is waited out by the ledger and the store
   (``shared.outage``); an outage of inference by the inference client (``inference_gate``).
   Neither is an ``infra_error`` nor costs an attempt. Inference unreachable for longer than
@@ -49,6 +51,7 @@ from services.rollout_worker.episode import EpisodeLimits, run_episode
 from services.rollout_worker.in_flight import HandBack, InFlight, LeaseLost
 from services.rollout_worker.inference_client import InferenceClient, InferenceOutage, InferenceRejected, InferenceUnavailable
 from services.rollout_worker.sandbox.errors import SandboxInfraError
+from services.rollout_worker.scoring_outbox import ScoringOutbox
 from shared.environments import EnvironmentConfigError, EnvironmentUnavailable, registry_for
 from shared.leases import LeaseKeeper
 from shared.ledger import Ledger, TransitionResult
@@ -58,7 +61,7 @@ from shared.policy_version import PolicyVersion
 from shared.outcomes import FailureKind, RolloutOutcome, RolloutResult, reason
 from shared.prometheus import EPISODES_IN_FLIGHT
 from shared.run_marker import refuse_lost_run
-from shared.schemas import RolloutRequest, StopReason, Trajectory
+from shared.schemas import RolloutRequest, ScoringTask, StopReason, Trajectory
 from shared.settings import RolloutSettings, Settings
 from shared.storage import ObjectStore, StorageError, put_model
 
@@ -81,7 +84,7 @@ class RolloutContext:
     store: ObjectStore
     leases: LeaseKeeper
     chat: ChatTokens
-    enqueue_scoring: Callable[[str, str, float], None]  # (trajectory_id, object key, upload_s)
+    scoring: ScoringOutbox  # batches the scoring messages of the process's uploads
     redispatch: Callable[[RolloutRequest], None]
     worker_name: str
     inference: InferenceClient  # shared by every episode of the process (one event loop)
@@ -93,6 +96,7 @@ class RolloutContext:
 async def run_requests(ctx: RolloutContext, requests: list[RolloutRequest]) -> dict[str, RolloutResult]:
     """Returns trajectory id -> what happened to it."""
     outcomes = await asyncio.gather(*(_run_one(ctx, r) for r in requests))
+    await ctx.scoring.flush()  # the task's uploads go to scoring in one message
     return dict(zip((r.trajectory_id for r in requests), outcomes))
 
 
@@ -117,7 +121,10 @@ async def _roll_out(ctx: RolloutContext, request: RolloutRequest, token: str, at
     tid = request.trajectory_id
     try:
         trajectory = await ctx.in_flight.run(_episode(ctx, request, attempt), tid)
-        return await asyncio.to_thread(_hand_on, ctx, trajectory, token)
+        result, scoring = await asyncio.to_thread(_hand_on, ctx, trajectory, token)
+        if scoring is not None:
+            await ctx.scoring.add(scoring)
+        return result
     except HandBack:
         return await asyncio.to_thread(_hand_back, ctx, request, token)
     except LeaseLost:  # superseded by its group's redundancy, or its lease expired: the ledger says so already
@@ -166,10 +173,12 @@ async def agent_proxy_of(ctx: RolloutContext) -> AgentProxy:
         return ctx.agent_proxy
 
 
-def _hand_on(ctx: RolloutContext, trajectory: Trajectory, token: str) -> RolloutResult:
+def _hand_on(ctx: RolloutContext, trajectory: Trajectory, token: str) -> tuple[RolloutResult, ScoringTask | None]:
+    """Upload the trajectory and move it to ``uploaded`` with its scoring task stored; the task
+    comes back to be sent (batched) when the move was this attempt's."""
     request = trajectory.request
     if trajectory.stop_reason is StopReason.env_error:
-        return _fail(ctx, request.trajectory_id, token, FailureKind.env_error, trajectory.error or "")
+        return _fail(ctx, request.trajectory_id, token, FailureKind.env_error, trajectory.error or ""), None
     key = trajectory_key(request.run_id, request.group_id, request.trajectory_id).replace(
         ".json.gz", f".a{trajectory.attempt}-{token[:8]}.json.gz"
     )
@@ -177,20 +186,20 @@ def _hand_on(ctx: RolloutContext, trajectory: Trajectory, token: str) -> Rollout
     put_model(ctx.store, key, trajectory)
     if "diff" in trajectory.env_info:  # a sandboxed environment's diff, test output and command log
         write_artifacts(ctx.store, request.run_id, request.trajectory_id, trajectory.env_info)
-    upload_s = time.perf_counter() - t0
-    moved = ctx.ledger.mark_uploaded(request.trajectory_id, token)
+    scoring = ScoringTask(trajectory_id=request.trajectory_id, trajectory_key=key, upload_s=time.perf_counter() - t0)
+    moved = ctx.ledger.mark_uploaded(request.trajectory_id, token, scoring.model_dump_json(),
+                                     send_within_s=ctx.settings.ledger.lease_ttl_s + ctx.settings.rollout.scoring_linger_s)
     if not moved.ok and moved.state == "uploaded" and ctx.ledger.attempts(request.trajectory_id) == trajectory.attempt:
         # Redis went away with the reply of a move that took: no later attempt was claimed, so
         # the upload is this attempt's own, and its scoring must still be sent
         log.warning("%s: the ledger's reply to the upload was lost; the move was this attempt's", request.trajectory_id)
         moved = TransitionResult(True, "running")
     if not moved.ok and moved.state == "unknown" and refuse_lost_run(ctx.ledger.redis, request.run_id):
-        return RolloutResult(RolloutOutcome.refused, "redis_data_lost")
+        return RolloutResult(RolloutOutcome.refused, "redis_data_lost"), None
     if not moved.ok:
         log.warning("%s: lost the lease before upload (%s); this attempt's result is dropped", request.trajectory_id, moved.state)
-        return RolloutResult(RolloutOutcome.skipped, moved.state)
-    ctx.enqueue_scoring(request.trajectory_id, key, upload_s)
-    return RolloutResult(RolloutOutcome.uploaded)
+        return RolloutResult(RolloutOutcome.skipped, moved.state), None
+    return RolloutResult(RolloutOutcome.uploaded), scoring
 
 
 def _fail(ctx: RolloutContext, tid: str, token: str, kind: FailureKind, detail: str) -> RolloutResult:

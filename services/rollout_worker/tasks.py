@@ -34,6 +34,7 @@ from services.rollout_worker.in_flight import InFlight
 from services.rollout_worker.inference_client import InferenceClient
 from services.rollout_worker.runner import RolloutContext, run_requests
 from services.rollout_worker.sandbox_janitor import SandboxJanitor
+from services.rollout_worker.scoring_outbox import ScoringOutbox
 from shared.celery_app import make_celery, publish_rollouts, publish_scoring
 from shared.leases import LeaseKeeper, Reaper, settle_s
 from shared.ledger import ROLLOUT, SCORING, Ledger
@@ -71,8 +72,8 @@ def _context() -> RolloutContext:
                 store=open_store(settings.storage, settings.outage),
                 leases=leases,
                 chat=load_chat_tokens(settings.inference.model_path),
-                enqueue_scoring=lambda tid, key, upload_s: _enqueue_scoring(
-                    ledger, ScoringTask(trajectory_id=tid, trajectory_key=key, upload_s=upload_s)),
+                scoring=ScoringOutbox(lambda batch: _send_scoring(ledger, batch), settings.rollout.scoring_linger_s,
+                                      settings.rollout.scoring_batch_max),
                 redispatch=lambda request: publish_rollouts(app, [request]),
                 worker_name=f"{socket.gethostname()}:{os.getpid()}",
                 inference=background_loop().run(_make_inference_client()),
@@ -80,11 +81,10 @@ def _context() -> RolloutContext:
         return _ctx
 
 
-def _enqueue_scoring(ledger: Ledger, task: ScoringTask) -> None:
-    """The task is stored first, so that a message lost in an outage of Redis can be sent again
-    (``shared.leases.Reaper.resend_unclaimed``)."""
-    ledger.set_payload(task.trajectory_id, task.model_dump_json(), SCORING)
-    publish_scoring(app, task)
+def _send_scoring(ledger: Ledger, batch: list[ScoringTask]) -> None:
+    """One scoring message for the batch, then its send-by entries go (``scoring_outbox``)."""
+    publish_scoring(app, batch)
+    ledger.scoring_sent([task.trajectory_id for task in batch])
 
 
 async def _make_inference_client() -> InferenceClient:

@@ -1,11 +1,12 @@
-"""Scores one uploaded trajectory under a scoring lease and hands it to the trainer.
+"""Scores uploaded trajectories under scoring leases and hands them to the trainer.
 
 Invariants:
 - Scoring is idempotent by trajectory id: only an ``uploaded`` trajectory whose scoring lease
   is free is scored; a redelivered or re-dispatched task finds it ``scored`` (or later), or
   leased by a live scorer, and does nothing.
 - The scorer holds the trajectory under a lease (``shared.ledger.SCORING``) renewed by the
-  process's heartbeat. A scorer killed mid-task stops renewing it; the reaper re-dispatches
+  process's heartbeat; a message of many tasks has every one claimed before the first is
+  scored, so none of them waits on the broker should the scorer die. A scorer killed mid-task stops renewing it; the reaper re-dispatches
   the task with the arguments stored at the claim, so no trajectory waits on the broker.
 - Only the lease owner moves the trajectory on: ``mark_scored`` (which appends the trainer
   event atomically) and ``fail`` carry its token, so a scorer presumed dead never delivers a
@@ -33,6 +34,7 @@ from shared.ids import parse_trajectory_id
 from shared.leases import LeaseKeeper
 from shared.ledger import SCORING
 from shared.names import scored_key
+from shared.prometheus import SCORING_SECONDS
 from shared.run_marker import refuse_lost_run
 from shared.schemas import BadMessage, ScoredEvent, ScoredTrajectory, ScoringTask, Trajectory
 from shared.storage import ObjectStore, StorageError, get_model, put_model
@@ -48,17 +50,35 @@ class Scorer:
 
     def score(self, task: ScoringTask) -> str:
         """Returns "scored", "failed" or "skipped:<blocking state>"."""
-        trajectory_id, key, upload_s = task.trajectory_id, task.trajectory_key, task.upload_s
+        return self.score_batch([task])[0]
+
+    def score_batch(self, tasks: list[ScoringTask]) -> list[str]:
+        """Claims every task of a message first, then scores them in order: a scorer that dies
+        mid-batch leaves a lease on each one it has not finished, and the reaper re-dispatches
+        each, as it would a message of one."""
+        claims = [self._claim(task) for task in tasks]
+        outcomes = []
+        for task, (token, detail) in zip(tasks, claims):
+            if token is None:
+                outcomes.append(detail)
+                continue
+            try:
+                with SCORING_SECONDS.time():
+                    outcomes.append(self._score(task.trajectory_id, task.trajectory_key, task.upload_s, token, attempt=int(detail)))
+            finally:
+                self.leases.release(task.trajectory_id)
+        return outcomes
+
+    def _claim(self, task: ScoringTask) -> tuple[str | None, str]:
+        """(token, attempt) when this scorer now holds the task; (None, its outcome) when not."""
+        trajectory_id = task.trajectory_id
         token, detail = self.leases.claim(trajectory_id, task.model_dump_json())
         if token is None and detail == "unknown" and refuse_lost_run(self.leases.ledger.redis, parse_trajectory_id(trajectory_id).run_id):
-            return "refused:redis_data_lost"
+            return None, "refused:redis_data_lost"
         if token is None:
             log.info("skip scoring %s: it is %s", trajectory_id, detail)
-            return f"skipped:{detail}"
-        try:
-            return self._score(trajectory_id, key, upload_s, token, attempt=int(detail))
-        finally:
-            self.leases.release(trajectory_id)
+            return None, f"skipped:{detail}"
+        return token, detail
 
     def _score(self, trajectory_id: str, key: str, upload_s: float, token: str, attempt: int) -> str:
         started = time.perf_counter()

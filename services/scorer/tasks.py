@@ -7,10 +7,12 @@ scoring worker process renews the leases it holds and runs a scoring reaper: fro
 most ``lease_ttl_s + reaper_interval_s`` while any scoring worker is alive, never by the
 broker's visibility timeout.
 
-A scoring message carries one ``ScoringTask`` (``shared.celery_app.publish_scoring``). One that
-does not (a producer's bug, another version) never fails in Celery's argument check: the task
-takes anything and hands it to ``Scorer.reject``, which logs it, dead-letters it and fails the
-trajectory it names if nothing else would score it. Nothing waits for a message that will not come.
+A scoring message carries one ``ScoringTask`` or a list of them (a rollout worker batches its
+uploads, ``services.rollout_worker.scoring_outbox``; ``shared.celery_app.publish_scoring``).
+One that does not (a producer's bug, another version) never fails in Celery's argument check:
+the task takes anything and hands each bad part to ``Scorer.reject``, which logs it,
+dead-letters it and fails the trajectory it names if nothing else would score it; the good
+parts of a batch are scored. Nothing waits for a message that will not come.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ from celery.signals import worker_ready, worker_shutdown
 
 from services.scorer.rewards import RewardCombiner
 from services.scorer.scorer import Scorer
-from shared.celery_app import make_celery, publish_scoring, scoring_task_of
+from shared.celery_app import make_celery, publish_scoring, scoring_tasks_of
 from shared.leases import LeaseKeeper, Reaper, settle_s
 from shared.ledger import SCORING, Ledger
 from shared.names import SCORING_TASK
-from shared.prometheus import SCORING_SECONDS, serve_metrics
+from shared.prometheus import serve_metrics
 from shared.schemas import BadMessage, ScoringTask, parse_message
 from shared.settings import load_settings
 from shared.storage import open_store
@@ -71,17 +73,25 @@ def _redispatch(trajectory_id: str, task_json: str) -> None:
 
 
 @app.task(name=SCORING_TASK)
-def score_trajectory(*args: object, **kwargs: object) -> str:
-    """Takes anything, so that a malformed message reaches ``Scorer.reject`` instead of failing
-    in Celery's signature check with the trajectory left waiting."""
+def score_trajectories(*args: object, **kwargs: object) -> list[str]:
+    """Scores every ``ScoringTask`` of the message (``Scorer.score_batch``). Takes anything, so that a malformed
+    message (or element) reaches ``Scorer.reject`` instead of failing in Celery's signature
+    check with its trajectories left waiting; a bad element never stops the others."""
     try:
-        task = scoring_task_of(args, kwargs)
+        tasks = scoring_tasks_of(args, kwargs)
     except BadMessage as exc:
         first = args[0] if args else None
         outcome = _scorer.reject(exc, first.get("trajectory_id") if isinstance(first, dict) else first)
         log.info("scoring message %.200r: %s", args, outcome)
-        return outcome
-    with SCORING_SECONDS.time():
-        outcome = _scorer.score(task)
-    log.info("scoring %s: %s", task.trajectory_id, outcome)
-    return outcome
+        return [outcome]
+    items = args[0] if isinstance(args[0], list) else [args[0]]
+    outcomes = []
+    for bad, raw in ((t, raw) for t, raw in zip(tasks, items) if isinstance(t, BadMessage)):
+        outcome = _scorer.reject(bad, raw.get("trajectory_id") if isinstance(raw, dict) else raw)
+        log.info("scoring message element %.200r: %s", raw, outcome)
+        outcomes.append(outcome)
+    good = [t for t in tasks if isinstance(t, ScoringTask)]
+    scored = _scorer.score_batch(good)
+    for task, outcome in zip(good, scored):
+        log.info("scoring %s: %s", task.trajectory_id, outcome)
+    return outcomes + scored

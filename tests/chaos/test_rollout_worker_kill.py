@@ -6,8 +6,11 @@ What a user relies on: the dead worker's trajectories come back by their leases,
 its groups it never claimed come back with them (the reaper sends them), and tasks it received
 but had not begun to claim come back by the broker's visibility timeout (15 s here, 5 minutes
 by default); each is rolled out again by another worker, once; nothing is lost, nothing reaches
-the trainer twice, and no one steps in. The time from
-the kill to the last of them consumed is measured; it includes the new worker's start.
+the trainer twice, and no one steps in. The kill comes with a scoring batch in flight: members
+the victim had uploaded sit in its outbox, their message not yet sent (a long
+``rollout.scoring_linger_s`` keeps them there until their group's task ends); the scoring
+reaper sends them from the ledger, and they are not rolled out again. The time from the kill
+to the last of them consumed is measured; it includes the new worker's start.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import pytest
 from pipeline_support import REWARD_WEIGHTS, run_stack, stream_events, wait_terminal
 
 from services.cli.demo import write_demo_dataset
-from shared.ledger import Ledger
+from shared.ledger import SCORING, Ledger
 from shared.names import RedisKeys
 
 pytestmark = pytest.mark.slow
@@ -28,6 +31,15 @@ GROUPS, GROUP_SIZE = 25, 4
 TOTAL = GROUPS * GROUP_SIZE
 LEASE_TTL_S = 4
 VISIBILITY_S = 15  # > lease + reaper interval (checked at start)
+LINGER_S = 8  # the send-by entry: lease + linger = 12 s after the upload
+
+
+def in_unsent_batch(ledger: Ledger, run_id: str) -> list[str]:
+    """Uploaded, with the send-by entry its upload wrote and no scorer on it: its message is
+    still in its worker's outbox."""
+    return sorted(t for t, s in ledger.states(run_id).items()
+                  if s == "uploaded" and ledger.lease_owner(t, SCORING) is None
+                  and ledger.redis.zscore(SCORING.leases, t) is not None)
 
 
 def test_rollout_worker_killed_mid_episode_loses_and_duplicates_nothing(base, tmp_path):
@@ -41,6 +53,8 @@ def test_rollout_worker_killed_mid_episode_loses_and_duplicates_nothing(base, tm
         CONVEYOR_INTAKE__ENV_CONFIG=json.dumps({"step_latency_s": 0.5}),
         # tasks the victim received and had not begun to claim come back through the broker
         CONVEYOR_LEDGER__VISIBILITY_TIMEOUT_S=str(VISIBILITY_S),
+        # a group's early finishers wait in the outbox for the rest of their group
+        CONVEYOR_ROLLOUT__SCORING_LINGER_S=str(LINGER_S),
     )
     dataset = write_demo_dataset(tmp_path / "guess.jsonl", GROUPS, seed=1)
     with stack:
@@ -50,17 +64,19 @@ def test_rollout_worker_killed_mid_episode_loses_and_duplicates_nothing(base, tm
         assert stack.run_conveyor("intake", "--dataset", str(dataset)).returncode == 0
         ledger = Ledger(stack.redis_client())
         deadline = time.time() + 600
-        while ledger.counts(run_id)["running"] < 8 and time.time() < deadline:
+        while (ledger.counts(run_id)["running"] < 8 or not in_unsent_batch(ledger, run_id)) and time.time() < deadline:
             time.sleep(0.05)
-        held = sorted(t for t, s in ledger.states(run_id).items() if s == "running")
-        assert len(held) >= 8, "the victim never held 8 episodes: nothing to kill"
         killed_at = time.time()
         victim.kill()  # SIGKILL to the worker's whole process group, mid-episode
+        held = sorted(t for t, s in ledger.states(run_id).items() if s == "running")
+        unsent = in_unsent_batch(ledger, run_id)
+        assert len(held) >= 4, "the victim held too few episodes: nothing to kill"
+        assert unsent, "no scoring batch was in flight at the kill"
         victim.proc.wait(10)
         stack.processes.remove(victim)
         stack.start_rollout_worker(name="survivor", concurrency=8)
         deadline = time.time() + 300
-        while not all(ledger.state(t) in ("consumed", "failed") for t in held) and time.time() < deadline:
+        while not all(ledger.state(t) in ("consumed", "failed") for t in held + unsent) and time.time() < deadline:
             time.sleep(0.2)
         recovered_s = time.time() - killed_at
         counts = wait_terminal(stack, run_id, TOTAL, timeout_s=600)
@@ -71,9 +87,10 @@ def test_rollout_worker_killed_mid_episode_loses_and_duplicates_nothing(base, tm
     assert sorted(ids) == sorted(ledger.states(run_id))  # none lost, none duplicated
     assert int(stack.redis_client().hget(RedisKeys.trainer_counters(run_id), "duplicate_events") or 0) == 0
     assert all(ledger.attempts(t) == 2 for t in held)  # each held one re-dispatched once, by its lease
+    assert all(ledger.attempts(t) == 1 for t in unsent)  # uploaded ones are not rolled out again: only scored
     assert {ledger.attempts(t) for t in ledger.states(run_id) if t not in held} <= {1, 2}
     print(
-        f"\nrollout worker kill -9: {TOTAL} trajectories, {len(held)} held when killed, consumed {counts['consumed']}, "
+        f"\nrollout worker kill -9: {TOTAL} trajectories, {len(held)} held and {len(unsent)} in an unsent scoring batch when killed, consumed {counts['consumed']}, "
         f"failed 0, lost 0, duplicated 0; held ones consumed {recovered_s:.1f}s after the kill (lease {LEASE_TTL_S}s, "
         f"new worker's start included), run done {done_s:.1f}s after it"
     )

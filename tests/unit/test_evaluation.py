@@ -78,7 +78,7 @@ def test_a_pass_publishes_the_eval_split_waits_for_every_trajectory_and_ends_onc
     settings = load_settings(
         run_id=run_id, trainer={"max_steps": 4, "pass_threshold": 1.0},
         intake={"splits": {"role": "train", "eval_fraction": 0.2}},
-        evaluation={"every_steps": 2, "samples_per_task": 3, "pass_k": [1, 3], "sync_timeout_s": 5},
+        evaluation={"every_steps": 2, "samples_per_task": 3, "pass_k": [1, 3], "sync_timeout_s": 5, "timeout_s": 60},  # a broken worker thread fails the test, not hangs it
     )
     ledger = Ledger(redis_client)
     published: list[RolloutRequest] = []

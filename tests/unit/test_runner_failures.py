@@ -22,6 +22,7 @@ from shared.environments import Environment, StepResult, VerifyResult
 from services.rollout_worker.inference_client import InferenceClient
 from services.rollout_worker.runner import RolloutContext, retry_delay_s, run_requests
 from services.rollout_worker.sandbox.errors import SandboxInfraError
+from services.rollout_worker.scoring_outbox import ScoringOutbox
 from shared import ids
 from shared.leases import LeaseKeeper
 from shared.names import RedisKeys
@@ -112,7 +113,7 @@ class Harness:
         return RolloutContext(
             settings=self.settings, ledger=self.ledger, store=self.store,
             leases=LeaseKeeper(self.ledger, 30, 1), chat=self.chat,
-            enqueue_scoring=lambda tid, key, _s: self.scoring.append(tid),
+            scoring=ScoringOutbox(lambda batch: self.scoring.extend(task.trajectory_id for task in batch)),
             redispatch=self.redispatched.append, worker_name="test", inference=client,
         )
 
@@ -190,7 +191,7 @@ def test_inference_unreachable_longer_than_the_limit_fails_naming_the_outage(led
     for request in requests:
         failure = ledger.failure_reasons(run_id)[request.trajectory_id]
         assert failure.startswith(f"inference_outage: inference at http://127.0.0.1:{harness.port} has been unreachable for ")
-        assert "longer than outage.limit_s (1.5s)" in failure and "ConnectError" in failure
+        assert "longer than outage.limit_s (1.5s)" in failure and "Cannot connect to host" in failure
         assert ledger.attempts(request.trajectory_id) == 1
     assert harness.outage_changes == [False]  # the worker stopped taking tasks once; inference never came back
 
@@ -273,13 +274,13 @@ def test_an_upload_whose_ledger_reply_was_lost_still_goes_to_scoring_and_another
     mine = harness.request(Talks.name, group_id=0)
     _, attempt = ledger.claim(mine.trajectory_id, "tok", 30)
     assert ledger.mark_uploaded(mine.trajectory_id, "tok").ok  # its reply never reached the worker
-    result = _hand_on(ctx, Trajectory(request=mine, turns=[], stop_reason=StopReason.done, attempt=int(attempt)), "tok")
-    assert str(result) == "uploaded" and harness.scoring == [mine.trajectory_id]
+    result, scoring = _hand_on(ctx, Trajectory(request=mine, turns=[], stop_reason=StopReason.done, attempt=int(attempt)), "tok")
+    assert str(result) == "uploaded" and scoring.trajectory_id == mine.trajectory_id  # to be sent
 
     theirs = harness.request(Talks.name, group_id=1)
     tid = theirs.trajectory_id
     _, first = ledger.claim(tid, "slow", 30)
     assert ledger.expire(tid, MAX_ATTEMPTS, now=time.time() + 60) == "requeued"  # the slow worker's lease ran out
     assert ledger.claim(tid, "fast", 30)[0] and ledger.mark_uploaded(tid, "fast").ok
-    result = _hand_on(ctx, Trajectory(request=theirs, turns=[], stop_reason=StopReason.done, attempt=int(first)), "slow")
-    assert str(result) == "skipped:uploaded" and harness.scoring == [mine.trajectory_id]
+    result, scoring = _hand_on(ctx, Trajectory(request=theirs, turns=[], stop_reason=StopReason.done, attempt=int(first)), "slow")
+    assert str(result) == "skipped:uploaded" and scoring is None

@@ -12,7 +12,7 @@ from test_ledger import requests_for, stream_events
 
 from services.scorer.rewards import RewardCombiner
 from services.scorer.scorer import Scorer
-from shared.celery_app import scoring_task_of
+from shared.celery_app import scoring_tasks_of
 from shared.dead_letters import DeadLetters
 from shared.leases import LeaseKeeper, Reaper
 from shared.ledger import SCORING, Ledger
@@ -81,6 +81,14 @@ def test_an_unreadable_trajectory_fails_with_its_reason(ledger, store, scorer, r
     assert scorer.score(task) == "skipped:failed"
 
 
+def scoring_task_of(args: list, kwargs: dict):
+    """The one task of a message that must carry exactly one; its BadMessage raised."""
+    [task] = scoring_tasks_of(args, kwargs)
+    if isinstance(task, BadMessage):
+        raise task
+    return task
+
+
 def test_a_scoring_message_is_one_scoring_task_and_anything_else_is_a_bad_message(ledger, store, run_id):
     tid, task = upload(ledger, store, run_id)
     assert scoring_task_of([task.model_dump(mode="json")], {}) == task
@@ -96,6 +104,16 @@ def test_a_scoring_message_is_one_scoring_task_and_anything_else_is_a_bad_messag
         with pytest.raises(BadMessage, match=problem) as info:
             scoring_task_of(args, kwargs)
         assert str(info.value).startswith("bad scoring task: ")
+
+
+def test_a_batch_of_scoring_tasks_reads_each_and_a_bad_element_does_not_spoil_the_others(ledger, store, run_id):
+    tid, task = upload(ledger, store, run_id)
+    good = task.model_dump(mode="json")
+    read = scoring_tasks_of([[good, {"trajectory_id": tid}, "text", good]], {})
+    assert read[0] == task and read[3] == task
+    assert isinstance(read[1], BadMessage) and str(read[1]).startswith("bad scoring task 1 of 4: trajectory_key: Field required")
+    assert isinstance(read[2], BadMessage) and "expected a ScoringTask object" in str(read[2])
+    assert scoring_tasks_of([[]], {}) == []
 
 
 def test_a_bad_scoring_message_is_dead_lettered_and_fails_the_waiting_trajectory(ledger, store, scorer, run_id):
