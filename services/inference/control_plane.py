@@ -38,6 +38,11 @@ Invariants:
   is verified by it on every replica (``probe_model`` set, the default from settings). A
   failure is recorded in the run's ``WeightSyncRecord`` (``shared.weight_sync_record``),
   where the trainer's alarm reads it: a sync that did not take never passes silently.
+- A checkpoint that holds a LoRA adapter (``CHECKPOINT_ADAPTER_CONFIG``: ``trainer.lora.sync:
+  adapter``) is served by ``lora_sync.sync_adapter`` as a new adapter named by its version,
+  under the same rules: probed through the adapter, ``policy_version`` advanced only after
+  every replica serves it, and never backwards. The previous version's adapter and directory
+  are kept (turns started under it may still run); older ones are unloaded and removed.
 - ``run()`` stops within about ``block_ms`` of ``stop_event`` being set. The Redis client's
   socket timeout (if any) must exceed ``block_ms``.
 - An outage of Redis or of the S3 server is waited out by the clients ``from_settings``
@@ -57,6 +62,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from services.inference import weight_sync
+from services.inference.lora_sync import sync_adapter
 from services.inference.weight_sync import SyncProbe, SyncReport, WeightSyncError, sync_weights
 from shared.checkpoint_files import (  # noqa: F401 - re-exported for callers of the follower
     COMMITTED_MARKER,
@@ -67,7 +73,7 @@ from shared.checkpoint_files import (  # noqa: F401 - re-exported for callers of
 )
 from shared.logprob_probe import FP32_TOLERANCE, LogprobProbe, default_tolerance
 from shared.dead_letters import DeadLetters
-from shared.names import CHECKPOINT_PROBE, RedisKeys, checkpoint_prefix
+from shared.names import CHECKPOINT_ADAPTER_CONFIG, CHECKPOINT_PROBE, RedisKeys, checkpoint_prefix
 from shared.outage import OutageTooLong
 from shared.outage import redis_client as redis_client_waiting
 from shared.run_marker import RedisDataLost, RunMarker
@@ -134,6 +140,7 @@ class WeightFollower:
         sync_options: dict[str, Any] | None = None,
         probe_model: str | None = None,
         probe_tolerance: float = FP32_TOLERANCE,
+        served_model: str = "tiny",
     ):
         self.redis = redis_client
         self.store = store
@@ -148,6 +155,7 @@ class WeightFollower:
         self.sync_options = dict(sync_options or {})
         self.probe_model = probe_model  # the served model name to probe; None: no probe
         self.probe_tolerance = probe_tolerance
+        self.served_model = served_model  # the base model's served name: LoRA adapters are named from it
         self._cursor = "0-0"  # read the whole stream once at start: restart-safe
         self._announced: dict[int, str] = {}  # version -> prefix
         self._unchecked_pause = set(self.base_urls)  # replicas not yet checked for a pause a dead follower left
@@ -180,6 +188,7 @@ class WeightFollower:
         replicas = base_urls or inference.replica_urls or [inference.base_url]
         kwargs.setdefault("probe_model", inference.model if inference.sync_probe else None)
         kwargs.setdefault("probe_tolerance", inference.sync_probe_tolerance or default_tolerance(inference.dtype))
+        kwargs.setdefault("served_model", inference.model)
         return cls(redis_client, store, settings.run_id, replicas,
                    work_dir or Path(inference.weights_dir) / settings.run_id,
                    initial_weights_dir=kwargs.pop("initial_weights_dir", inference.model_path), **kwargs)
@@ -288,17 +297,22 @@ class WeightFollower:
         def advance() -> None:
             self.policy_version.advance(version)
 
-        restore = self._restore_dir(served) if version != served else None
+        adapter = (download.local_dir / CHECKPOINT_ADAPTER_CONFIG).is_file()
         try:
-            report = sync_weights(urls, download.local_dir, version, restore_dir=restore, on_served=advance,
-                                  client=self._http, probe=self._probe(download.local_dir), **self.sync_options)
+            if adapter:
+                report = sync_adapter(urls, download.local_dir, version, self.served_model, keep_from=served,
+                                      on_served=advance, client=self._http, probe=self._probe(download.local_dir))
+            else:
+                restore = self._restore_dir(served) if version != served else None
+                report = sync_weights(urls, download.local_dir, version, restore_dir=restore, on_served=advance,
+                                      client=self._http, probe=self._probe(download.local_dir), **self.sync_options)
         except WeightSyncError as exc:
             self._record_failure(version, exc)
             raise
         total = time.perf_counter() - t0
         applied = Applied(version, prefix, tuple(urls), download, report, total)
         self._record(applied)
-        self._prune(keep=download.local_dir)
+        self._prune(keep={download.local_dir, self.local_dir(served)} if adapter else {download.local_dir})
         log.info("serving version %d on %s: %.3fs (download %.3fs, sync %.3fs)",
                  version, ", ".join(urls), total, download.seconds, report.total_s)
         return applied
@@ -328,9 +342,9 @@ class WeightFollower:
         except Exception:
             log.exception("could not record weight-sync stats")
 
-    def _prune(self, keep: Path) -> None:
+    def _prune(self, keep: set[Path]) -> None:
         for path in self.work_dir.iterdir() if self.work_dir.is_dir() else []:
-            if path != keep and path.is_dir() and (path.name.isdigit() or ".partial-" in path.name):
+            if path not in keep and path.is_dir() and (path.name.isdigit() or ".partial-" in path.name):
                 shutil.rmtree(path, ignore_errors=True)
 
     # ------------------------------------------------------------ the loop

@@ -15,6 +15,9 @@ Invariants:
   SIGKILL after a grace period, so no process outlives the ``VllmServer``. If the process
   that started it dies first, even by SIGKILL, the same happens to the group
   (``shared.processes.start_group_leader``: the kernel's SIGTERM, then the group reaper's).
+- With ``lora_rank`` the server serves LoRA adapters loaded at runtime (``--enable-lora``,
+  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, the smallest ``--max-lora-rank`` vLLM accepts that holds
+  the rank, and two adapters per batch: a version's and the one before it, during a sync).
 - ``wait_ready()`` returns only once ``/health`` answers 200 and ``/v1/models`` lists the
   served name; it raises ``InferenceServerError`` carrying the log's tail if the process
   exits first or the timeout passes (and stops the process in both cases).
@@ -48,6 +51,7 @@ SERVER_MODULES = ("vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoin
 
 
 CPU_MAX_NUM_SEQS = 64
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM 0.32 accepts
 WORKER_EXTENSION = "services.inference.vllm_worker.ConveyorWorkerExtension"
 
 
@@ -90,6 +94,7 @@ def build_command(
     gpu_memory_utilization: float = 0.85,
     tensor_parallel_size: int = 1,
     worker_extension: bool = True,
+    lora_rank: int | None = None,
     extra_args: tuple[str, ...] | list[str] = (),
 ) -> tuple[list[str], dict[str, str]]:
     """Return ``(argv, env_overrides)`` for the server; ``gpu=None`` detects the host.
@@ -124,6 +129,12 @@ def build_command(
         env["VLLM_SERVER_DEV_MODE"] = "1"
         if worker_extension:
             argv += ["--worker-extension-cls", WORKER_EXTENSION]
+    if lora_rank is not None:
+        ceiling = next((r for r in VLLM_LORA_RANKS if r >= lora_rank), None)
+        if ceiling is None:
+            raise InferenceServerError(f"vLLM serves LoRA adapters up to rank {VLLM_LORA_RANKS[-1]}, not {lora_rank}")
+        argv += ["--enable-lora", "--max-lora-rank", str(ceiling), "--max-loras", "2"]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     argv += list(extra_args)
     return argv, env
 
@@ -178,6 +189,7 @@ class VllmServer:
         worker_extension: bool = True,
         gpu_memory_utilization: float = 0.85,
         tensor_parallel_size: int = 1,
+        lora_rank: int | None = None,
     ) -> None:
         self.served_model_name = served_model_name
         local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # where this process reaches it
@@ -189,17 +201,20 @@ class VllmServer:
             max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, dev_mode=dev_mode,
             gpu=gpu, extra_args=extra_args, worker_extension=worker_extension,
             gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+            lora_rank=lora_rank,
         )
         self.process: subprocess.Popen[bytes] | None = None
 
     @classmethod
-    def from_settings(cls, inference: Any, log_path: str | Path | None = None) -> VllmServer:
-        """Build from ``shared.settings.InferenceSettings`` (listening on ``inference.host``)."""
+    def from_settings(cls, inference: Any, log_path: str | Path | None = None, lora_rank: int | None = None) -> VllmServer:
+        """Build from ``shared.settings.InferenceSettings`` (listening on ``inference.host``);
+        ``lora_rank``: serve adapters of that rank (``LoraSettings.served_rank``)."""
         return cls(
             inference.model_path, inference.model, host=inference.host, port=inference.port, dtype=inference.dtype,
             max_model_len=inference.max_model_len, kv_cache_gib=inference.kv_cache_space_gib,
             log_path=log_path, startup_timeout=inference.startup_timeout_s,
             gpu_memory_utilization=inference.gpu_memory_utilization, tensor_parallel_size=inference.tensor_parallel_size,
+            lora_rank=lora_rank,
         )
 
     def start(self) -> VllmServer:

@@ -11,10 +11,22 @@ embedding) is never loaded from the checkpoint, so the processed copy its kernel
 with stays at the launch values while its parameter holds the new ones. That was the
 silent "tied embeddings stop learning" bug.
 
-Invariant: after ``conveyor_reload_weights`` returns, every layer that owns a parameter
-shared with another layer has been processed again from the parameter's current values, so
-what a layer computes with is what its parameters hold. Whether the served model is the
-trainer's is checked from outside by the sync probe (``services.inference.sync_probe``).
+The broadcast path (``inference.weight_sync: nccl``, ``services.inference.weight_broadcast``):
+``conveyor_join_weight_group`` makes each worker a rank of the trainer's process group
+(``shared.weight_group``), and ``conveyor_receive_weights(names, dtypes, shapes)`` receives
+the trainer's tensors one at a time, in that order, straight into vLLM's in-place reload (the
+same lifecycle as a reload from disk: ``reload_weights(weights_iterator=...)``).
+
+Invariants:
+- After ``conveyor_reload_weights`` or ``conveyor_receive_weights`` returns, every layer that
+  owns a parameter shared with another layer has been processed again from the parameter's
+  current values, so what a layer computes with is what its parameters hold. Whether the
+  served model is the trainer's is checked from outside by the sync probe
+  (``services.inference.sync_probe``).
+- ``conveyor_receive_weights`` takes part in exactly one broadcast per named tensor, in the
+  order given, whatever the model's loader does with the tensor (a tied head it skips is
+  still received), so the trainer and every worker stay in step.
+- At most one weight group per worker: joining again closes the previous one first.
 """
 
 from __future__ import annotations
@@ -48,9 +60,57 @@ class ConveyorWorkerExtension:
 
         Returns the names of the reprocessed layers (``[]`` for an untied model).
         """
+        self.reload_weights(weights_path=weights_path)  # vLLM's own reload
+        return self._conveyor_reprocess_tied()
+
+    def conveyor_join_weight_group(self, backend: str, host: str, port: int, rank_offset: int, world_size: int,
+                                   timeout_s: float = 300.0) -> int:
+        """Join the trainer's weight group as rank ``rank_offset + <this worker's rank>``; returns it."""
+        from shared.weight_group import WeightGroup
+
+        self.conveyor_leave_weight_group()
+        rank = rank_offset + int(getattr(self, "rank", 0))
+        device = self.device if backend == "nccl" else torch.device("cpu")
+        self._conveyor_weight_group = WeightGroup(backend, host, port, rank, world_size, device=device,
+                                                  timeout_s=timeout_s)
+        log.info("conveyor: joined the %s weight group at %s:%d as rank %d of %d", backend, host, port, rank,
+                 world_size)
+        return rank
+
+    def conveyor_leave_weight_group(self) -> None:
+        group = getattr(self, "_conveyor_weight_group", None)
+        self._conveyor_weight_group = None
+        if group is not None:
+            group.close()
+
+    def conveyor_receive_weights(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[str]:
+        """Receive each named tensor from the trainer's broadcast into vLLM's in-place reload,
+        then reprocess tied layers; returns the reprocessed layers' names."""
+        group = getattr(self, "_conveyor_weight_group", None)
+        if group is None:
+            raise RuntimeError("conveyor_receive_weights before conveyor_join_weight_group: this worker is in no "
+                               "weight group")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(f"{len(names)} names, {len(dtypes)} dtypes and {len(shapes)} shapes: they must match")
+
+        def received():
+            for name, dtype, shape in zip(names, dtypes, shapes):
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=group.device)
+                yield name, group.broadcast(tensor)
+
+        stream = received()
+        try:
+            self.reload_weights(weights_iterator=stream)
+        finally:
+            # tensors the loader did not take (or did not get to, when it failed) are still
+            # received: the trainer's broadcast never waits on this worker until its timeout
+            for _ in stream:
+                pass
+        return self._conveyor_reprocess_tied()
+
+    def _conveyor_reprocess_tied(self) -> list[str]:
         from vllm.config import set_current_vllm_config
 
-        self.reload_weights(weights_path=weights_path)  # vLLM's own reload
         model = self.model_runner.get_model()
         reprocessed = []
         with torch.no_grad(), set_current_vllm_config(self.vllm_config):

@@ -6,6 +6,10 @@ the next phase starts):
     pause(mode=keep) -> conveyor_reload_weights(weights_path) + reset_prefix_cache
                      -> [resume -> probe] -> update_weight_version -> [on_served()] -> resume
 
+The load step is pluggable (``load_all``): the broadcast path
+(``services.inference.weight_broadcast``) replaces the reload from disk with the trainer's
+broadcast and keeps every other step and invariant below.
+
 Invariants:
 - A sync that does not take fails loudly and the served version does not move: with a
   ``probe`` (the trainer's logprobs of a fixed sequence, ``shared.logprob_probe``), every
@@ -183,7 +187,7 @@ def check_weights_dir(weights_dir: Path) -> None:
         raise FileNotFoundError(f"weights dir {weights_dir} holds no weight files ({', '.join(WEIGHT_FILE_GLOBS)})")
 
 
-def _on_all(urls: Iterable[str], fn: Callable[[str], None]) -> dict[str, BaseException]:
+def on_all(urls: Iterable[str], fn: Callable[[str], None]) -> dict[str, BaseException]:
     """Run ``fn(url)`` for every replica in parallel; return the failures by replica."""
     urls = list(urls)
     if len(urls) == 1:
@@ -203,17 +207,17 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _describe(failures: dict[str, BaseException]) -> dict[str, str]:
+def describe_failures(failures: dict[str, BaseException]) -> dict[str, str]:
     return {url: _why(exc) for url, exc in failures.items()}
 
 
-def _listing(failures: dict[str, BaseException]) -> str:
+def failure_listing(failures: dict[str, BaseException]) -> str:
     return "; ".join(f"{url} ({_why(exc)})" for url, exc in failures.items())
 
 
 def sync_weights(
     base_urls: list[str],
-    weights_dir: Path,
+    weights_dir: Path | None,
     version: int,
     *,
     restore_dir: Path | None = None,
@@ -223,6 +227,8 @@ def sync_weights(
     reload_timeout_s: float = RELOAD_TIMEOUT_S,
     probe: SyncProbe | None = None,
     reload_method: str = EXTENSION_RELOAD,
+    load_all: Callable[[httpx.Client, list[str]], dict[str, BaseException]] | None = None,
+    source: str | None = None,
 ) -> SyncReport:
     """Serve ``weights_dir`` as ``version`` on every replica; see the module invariants.
 
@@ -231,14 +237,20 @@ def sync_weights(
     passed the probe and been labelled; if it raises, the sync fails (replicas are resumed
     and keep the new weights and label). ``probe``: the trainer's logprobs for this version,
     checked on every replica before the version moves. ``check_dir=False`` skips the local
-    pre-flight check.
+    pre-flight check. ``load_all(client, urls)``: loads the new weights into every (paused)
+    replica in place of the reload of ``weights_dir`` and returns the failures by replica
+    (the broadcast path, ``services.inference.weight_broadcast``); ``source`` names what it
+    loads, for errors.
     """
     urls = [u.rstrip("/") for u in base_urls]
     if not urls or len(set(urls)) != len(urls):
         raise ValueError(f"need distinct replica URLs, got {base_urls!r}")
-    weights_dir = Path(weights_dir).resolve()
+    if load_all is None and weights_dir is None:
+        raise ValueError("sync_weights needs weights_dir or load_all")
+    weights_dir = Path(weights_dir).resolve() if weights_dir is not None else None
+    source = source or str(weights_dir)
     restore_dir = Path(restore_dir).resolve() if restore_dir is not None else None
-    if check_dir:
+    if check_dir and load_all is None:
         check_weights_dir(weights_dir)
     own_client = client is None
     http = admin_client() if client is None else client
@@ -258,17 +270,17 @@ def sync_weights(
 
     try:
         t = time.perf_counter()
-        failed = _on_all(urls, pause_one)
+        failed = on_all(urls, pause_one)
         timings["pause_s"] = time.perf_counter() - t
         if failed:
-            raise WeightSyncError(f"weight sync to version {version}: pause failed on " + _listing(failed), version,
-                                  _describe(failed), "pause")
+            raise WeightSyncError(f"weight sync to version {version}: pause failed on " + failure_listing(failed), version,
+                                  describe_failures(failed), "pause")
 
         t = time.perf_counter()
-        failed = _on_all(urls, reload_one)
+        failed = load_all(http, urls) if load_all is not None else on_all(urls, reload_one)
         timings["reload_s"] = time.perf_counter() - t
         if failed:
-            raise _reload_failure(http, urls, failed, version, weights_dir, restore_dir, reload_timeout_s)
+            raise _reload_failure(http, urls, failed, version, source, restore_dir, reload_timeout_s)
 
         if probe is not None:
             t = time.perf_counter()
@@ -276,12 +288,12 @@ def sync_weights(
             extra["probe_s"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        failed = _on_all(urls, lambda url: set_weight_version(http, url, label))
+        failed = on_all(urls, lambda url: set_weight_version(http, url, label))
         timings["version_s"] = time.perf_counter() - t
         if failed:
             raise WeightSyncError(f"weight sync to version {version}: weights reloaded everywhere, but setting the "
-                                  "version label failed on " + _listing(failed),
-                                  version, _describe(failed), "label")
+                                  "version label failed on " + failure_listing(failed),
+                                  version, describe_failures(failed), "label")
         if on_served is not None:
             t = time.perf_counter()
             on_served()
@@ -291,19 +303,19 @@ def sync_weights(
         raise
     finally:
         t = time.perf_counter()
-        resume_failed = _on_all(list(sent_pause), lambda url: resume(http, url)) if sent_pause else {}
+        resume_failed = on_all(list(sent_pause), lambda url: resume(http, url)) if sent_pause else {}
         timings["resume_s"] = time.perf_counter() - t
         if own_client:
             http.close()
         if resume_failed:
-            msg = f"weight sync to version {version}: resume failed on {_listing(resume_failed)}; they stay paused"
+            msg = f"weight sync to version {version}: resume failed on {failure_listing(resume_failed)}; they stay paused"
             log.error(msg)
             # An error already on its way out wins and carries the resume failure as a
             # note; otherwise the resume failure is the error.
             if error is not None:
                 error.add_note(msg)
             else:
-                raise WeightSyncError(msg, version, _describe(resume_failed), "resume")
+                raise WeightSyncError(msg, version, describe_failures(resume_failed), "resume")
     report = SyncReport(version=version, replicas=tuple(urls), total_s=time.perf_counter() - t0, extra=extra, **timings)
     log.info("weight sync to version %d on %d replica(s): %.3fs (pause %.3f, reload %.3f, version %.3f, resume %.3f)%s",
              version, len(urls), report.total_s, report.pause_s, report.reload_s, report.version_s, report.resume_s,
@@ -315,16 +327,16 @@ def _verify_served(http: httpx.Client, urls: list[str], probe: SyncProbe, versio
                    reload_timeout_s: float, pause_one: Callable[[str], None], extra: dict[str, Any]) -> None:
     """Resume every replica (the probe is a real request) and check it serves the trainer's
     logprobs; on any mismatch, put every replica back on ``restore_dir`` and raise."""
-    failed = _on_all(urls, lambda url: resume(http, url))
+    failed = on_all(urls, lambda url: resume(http, url))
     if failed:
         raise WeightSyncError(f"weight sync to version {version}: resume before the probe failed on "
-                              + _listing(failed), version, _describe(failed), "resume")
+                              + failure_listing(failed), version, describe_failures(failed), "resume")
     results = {}
 
     def verify(url: str) -> None:
         results[url] = verify_replica(http, url, probe)
 
-    failed = _on_all(urls, verify)
+    failed = on_all(urls, verify)
     if results:
         extra["probe_max_abs_diff"] = max(r.max_abs_diff for r in results.values())
     if not failed:
@@ -332,15 +344,15 @@ def _verify_served(http: httpx.Client, urls: list[str], probe: SyncProbe, versio
     mismatches = [exc for exc in failed.values() if isinstance(exc, ProbeMismatch)]
     if mismatches:
         extra["probe_max_abs_diff"] = max(exc.result.max_abs_diff for exc in mismatches)
-    message = (f"weight sync to version {version} did not take: {_listing(failed)}. The served version does not "
+    message = (f"weight sync to version {version} did not take: {failure_listing(failed)}. The served version does not "
                "move. A layer that the reload did not update (a tied output head, a renamed or missing tensor) "
                "shows this way.")
     if restore_dir is not None:
-        _on_all(urls, pause_one)
-        restore_failed = _on_all(urls, lambda url: _reload_and_reset(http, url, restore_dir, reload_timeout_s))
-        message += (f" Restoring {restore_dir} failed on {_listing(restore_failed)}: restart those replicas."
+        on_all(urls, pause_one)
+        restore_failed = on_all(urls, lambda url: _reload_and_reset(http, url, restore_dir, reload_timeout_s))
+        message += (f" Restoring {restore_dir} failed on {failure_listing(restore_failed)}: restart those replicas."
                     if restore_failed else f" Every replica was reloaded from {restore_dir}.")
-    raise WeightSyncError(message, version, _describe(failed), "probe")
+    raise WeightSyncError(message, version, describe_failures(failed), "probe")
 
 
 def _reload_and_reset(http: httpx.Client, url: str, weights_dir: Path, reload_timeout_s: float,
@@ -350,9 +362,9 @@ def _reload_and_reset(http: httpx.Client, url: str, weights_dir: Path, reload_ti
 
 
 def _reload_failure(http: httpx.Client, urls: list[str], failed: dict[str, BaseException], version: int,
-                    weights_dir: Path, restore_dir: Path | None, reload_timeout_s: float) -> WeightSyncError:
+                    source: str, restore_dir: Path | None, reload_timeout_s: float) -> WeightSyncError:
     """Build the error for failed reloads, after reloading every replica from ``restore_dir`` if given."""
-    message = f"weight sync to version {version}: reload of {weights_dir} failed on {_listing(failed)}."
+    message = f"weight sync to version {version}: reload of {source} failed on {failure_listing(failed)}."
     if restore_dir is None:
         message += (" vLLM leaves a replica whose reload failed half-loaded: restart "
                     + ", ".join(failed) + " (no restore_dir was given).")
@@ -360,9 +372,9 @@ def _reload_failure(http: httpx.Client, urls: list[str], failed: dict[str, BaseE
         if reloaded:
             message += f" {', '.join(reloaded)} hold the new weights under their old version label."
     else:
-        restore_failed = _on_all(urls, lambda url: _reload_and_reset(http, url, restore_dir, reload_timeout_s))
+        restore_failed = on_all(urls, lambda url: _reload_and_reset(http, url, restore_dir, reload_timeout_s))
         if restore_failed:
-            message += f" Restoring {restore_dir} failed on {_listing(restore_failed)}: restart those replicas."
+            message += f" Restoring {restore_dir} failed on {failure_listing(restore_failed)}: restart those replicas."
         else:
             message += f" Every replica was reloaded from {restore_dir} and serves it again under its old label."
-    return WeightSyncError(message, version, _describe(failed), "reload")
+    return WeightSyncError(message, version, describe_failures(failed), "reload")

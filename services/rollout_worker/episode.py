@@ -124,7 +124,7 @@ async def run_episode(
             t0 = time.perf_counter()
             completion = await client.complete(
                 context, budget, turn_seed(request.trajectory_id, index), limits.temperature, limits.top_p,
-                budget_s=remaining_s,
+                budget_s=remaining_s, policy_version=version,
             )
             outage_s += completion.outage_wait_s
             inference_s = time.perf_counter() - t0 - completion.outage_wait_s

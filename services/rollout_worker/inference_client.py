@@ -14,6 +14,9 @@ Invariants:
 - A 4xx answer (e.g. prompt longer than the context) is the request's fault, not retried:
   ``InferenceRejected``.
 - A request that used up its time budget raises ``asyncio.TimeoutError``.
+- With ``lora_adapters`` (``trainer.lora.sync: adapter``) a request given the policy version it
+  was read under names that version's adapter (``shared.names.lora_adapter_name``), so every
+  token it samples comes from that version; otherwise it names the served model.
 - The transport is one aiohttp session per process (created on first use, in the episodes'
   event loop): at 256 concurrent requests it costs about 0.2 ms of CPU per request, httpx's
   connection pool 14x as much (``bench/inference_client.py``), and a worker process runs
@@ -31,6 +34,7 @@ from typing import Callable
 import aiohttp
 
 from services.rollout_worker.inference_gate import InferenceGate, InferenceOutage, InferenceUnavailable
+from shared.names import lora_adapter_name
 from shared.prometheus import INFERENCE_REQUEST_SECONDS
 from shared.settings import OutageSettings
 
@@ -58,9 +62,11 @@ class InferenceClient:
     """Create it inside the event loop that runs the episodes (its gate probes from there)."""
 
     def __init__(self, base_url: str, model: str, timeout_s: float = 120.0, max_retries: int = 3,
-                 outage: OutageSettings | None = None, on_outage_change: Callable[[bool], None] | None = None):
+                 outage: OutageSettings | None = None, on_outage_change: Callable[[bool], None] | None = None,
+                 lora_adapters: bool = False):
         self.base_url = base_url.rstrip("/")
         self.model = model
+        self.lora_adapters = lora_adapters
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self._session: aiohttp.ClientSession | None = None
@@ -74,12 +80,13 @@ class InferenceClient:
 
     async def complete(
         self, prompt_ids: list[int], max_tokens: int, seed: int, temperature: float = 1.0, top_p: float = 1.0,
-        budget_s: float | None = None,
+        budget_s: float | None = None, policy_version: int | None = None,
     ) -> Completion:
         """``budget_s``: seconds this call may spend waiting for answers; waiting out an outage
-        is not counted."""
+        is not counted. ``policy_version``: the served version read just before the call."""
+        adapter = self.lora_adapters and policy_version is not None
         body = {
-            "model": self.model,
+            "model": lora_adapter_name(self.model, policy_version) if adapter else self.model,
             "prompt": prompt_ids,
             "max_tokens": max_tokens,
             "temperature": temperature,

@@ -90,7 +90,8 @@ def _send_scoring(ledger: Ledger, batch: list[ScoringTask]) -> None:
 async def _make_inference_client() -> InferenceClient:
     inference = settings.inference
     return InferenceClient(inference.base_url, inference.model, inference.request_timeout_s, inference.max_retries,
-                           outage=settings.outage, on_outage_change=_task_intake.inference_up)
+                           outage=settings.outage, on_outage_change=_task_intake.inference_up,
+                           lora_adapters=settings.trainer.lora.served_rank is not None)
 
 
 class _TaskIntake:

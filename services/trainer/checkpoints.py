@@ -2,7 +2,8 @@
 
 Layout, one checkpoint per policy version:
 ``checkpoints/{run}/{version:06d}/`` holds what ``save_pretrained`` writes for the model
-(``*.safetensors``, ``config.json``, ``generation_config.json``) and the tokenizer, the
+(``*.safetensors`` in shards of at most ``CHECKPOINT_SHARD_SIZE`` with their index,
+``config.json``, ``generation_config.json``) and the tokenizer, the
 logprob probe (``logprob_probe.json``: what a replica serving these weights must answer,
 ``shared.logprob_probe``), then ``trainer_state.pt`` (optimizer state dict, step, version), then ``COMMITTED``: a JSON
 manifest naming every file with its size and sha256.
@@ -18,6 +19,14 @@ Invariants:
   ``reload_weights(weights_path=...)`` load. The optimizer state is left out unless asked for.
 - ``resume`` restores weights, optimizer state and step of the highest committed version; with
   no checkpoint it changes nothing and returns ``(0, 0)``: version 0 is the initial policy.
+- A LoRA policy (a ``PeftModel``, ``services.trainer.lora``) is checkpointed as what vLLM
+  serves (``lora_sync``: the merged full weights, or the adapter alone in peft's layout) plus
+  the adapter's own weights in the trainer state; its resume loads the adapter and the
+  optimizer state, never the merged weights (the base stays the served base checkpoint). A
+  LoRA checkpoint resumed without LoRA, or the reverse, is a ``CheckpointError`` naming the
+  setting, before anything is loaded. A LoRA policy has no ``Snapshot`` (``take_snapshot``
+  and ``save_checkpoint(snapshot=...)`` refuse one): snapshots serve only the nccl weight
+  sync, which settings refuse with ``trainer.lora``.
 """
 
 from __future__ import annotations
@@ -26,13 +35,17 @@ import hashlib
 import json
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from peft import PeftModel
+from torch.utils._pytree import tree_map
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from shared.checkpoint_files import CheckpointError
 from shared.checkpoint_files import download_checkpoint as fetch_checkpoint
+from services.trainer.lora import adapter_state, load_adapter_state, lora_shape, save_served
 from services.trainer.policy import logprob_probe
 from shared.names import (
     CHECKPOINT_COMMITTED,
@@ -41,10 +54,14 @@ from shared.names import (
     checkpoint_prefix,
     checkpoints_of_run,
 )
+from shared.logprob_probe import LogprobProbe
 from shared.storage import ObjectStore, StorageError
 
 COMMITTED = CHECKPOINT_COMMITTED
 TRAINER_STATE = CHECKPOINT_TRAINER_STATE
+# Weight shards of at most this size (transformers' default is 50GB, one file for a 7B model):
+# each file is read whole for its upload and download, so this bounds that memory.
+CHECKPOINT_SHARD_SIZE = "1GB"
 
 
 
@@ -59,6 +76,36 @@ def _is_committed(store: ObjectStore, prefix: str) -> bool:
     return prefix + COMMITTED in store.list_keys(prefix)
 
 
+_NO_LORA_SNAPSHOT = ("a snapshot of a LoRA policy is not supported (it is taken only for inference.weight_sync: "
+                     "nccl, which trainer.lora does not support); save its checkpoint without one")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A CPU copy of what a checkpoint holds, so it can be written while training goes on."""
+
+    version: int
+    weights: dict[str, torch.Tensor]
+    optimizer: dict
+    probe: LogprobProbe
+
+
+def _cpu_copy(value):
+    return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+
+
+def take_snapshot(model: PreTrainedModel, optimizer: torch.optim.Optimizer, version: int,
+                  probe: LogprobProbe | None = None) -> Snapshot:
+    """Copy the weights and optimizer state to CPU (host memory: once more the model and its
+    optimizer state) and compute the logprob probe unless given. A LoRA policy (``PeftModel``)
+    is refused: its checkpoint is the merged weights or the adapter, not its own state dict."""
+    if isinstance(model, PeftModel):
+        raise ValueError(_NO_LORA_SNAPSHOT)
+    weights = {k: _cpu_copy(v) for k, v in model.state_dict().items()}
+    state = tree_map(_cpu_copy, optimizer.state_dict())
+    return Snapshot(version, weights, state, probe if probe is not None else logprob_probe(model, version))
+
+
 def save_checkpoint(
     store: ObjectStore,
     run_id: str,
@@ -68,28 +115,61 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     step: int,
     dataset_versions: list[str] | None = None,
+    lora_sync: str = "merged",
+    snapshot: Snapshot | None = None,
 ) -> str:
     """Upload the checkpoint of ``version`` and commit it; returns its key prefix. The manifest
-    records the dataset versions the run's intake published from (``dataset_versions``)."""
+    records the dataset versions the run's intake published from (``dataset_versions``), and a
+    LoRA policy's adapter shape and ``lora_sync`` (what the checkpoint serves).
+    With ``snapshot`` (of ``version``), the weights, optimizer state and probe come from it and
+    ``model`` only gives the config: the model may be training meanwhile. A snapshot of a LoRA
+    policy is not supported (``take_snapshot`` refuses one, and so does this)."""
     prefix = checkpoint_prefix(run_id, version)
     if _is_committed(store, prefix):
         raise CheckpointError(f"checkpoint {prefix} is already committed; versions are never overwritten")
+    lora = isinstance(model, PeftModel)
+    if snapshot is not None and lora:
+        raise ValueError(_NO_LORA_SNAPSHOT)
+    if snapshot is not None and snapshot.version != version:
+        raise ValueError(f"snapshot of version {snapshot.version} saved as version {version}")
     with tempfile.TemporaryDirectory(prefix="conveyor-ckpt-") as tmp:
         local = Path(tmp)
-        model.save_pretrained(local, safe_serialization=True)
-        tokenizer.save_pretrained(local)
-        (local / CHECKPOINT_PROBE).write_bytes(logprob_probe(model, version).to_json())
-        torch.save({"optimizer": optimizer.state_dict(), "step": step, "version": version}, local / TRAINER_STATE)
+        if lora:
+            save_served(model, local, lora_sync, max_shard_size=CHECKPOINT_SHARD_SIZE)
+        else:
+            model.save_pretrained(local, safe_serialization=True, max_shard_size=CHECKPOINT_SHARD_SIZE,
+                                  **({"state_dict": snapshot.weights} if snapshot is not None else {}))
+        if not (lora and lora_sync == "adapter"):  # vLLM takes an adapter's tokenizer from the base
+            tokenizer.save_pretrained(local)
+        probe = snapshot.probe if snapshot is not None else logprob_probe(model, version)
+        (local / CHECKPOINT_PROBE).write_bytes(probe.to_json())
+        optimizer_state = snapshot.optimizer if snapshot is not None else optimizer.state_dict()
+        state = {"optimizer": optimizer_state, "step": step, "version": version}
+        if lora:
+            state["adapter"] = adapter_state(model)
+        torch.save(state, local / TRAINER_STATE)
         names = sorted((p.name for p in local.iterdir() if p.is_file()), key=_upload_order)
-        files = {}
-        for name in names:
-            data = (local / name).read_bytes()
-            store.put_bytes(prefix + name, data)
-            files[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    manifest = {"run_id": run_id, "version": version, "step": step, "saved_at": time.time(),
-                "dataset_versions": list(dataset_versions or []), "files": files}
-    store.put_bytes(prefix + COMMITTED, json.dumps(manifest, indent=1).encode())
+        files = {name: upload_file(store, prefix, local / name) for name in names}
+    fields = {"run_id": run_id, "version": version, "step": step, "dataset_versions": list(dataset_versions or [])}
+    if lora:
+        fields["lora"] = {**lora_shape(model), "sync": lora_sync}
+    commit_checkpoint(store, prefix, fields, files)
     return prefix
+
+
+def upload_file(store: ObjectStore, prefix: str, path: Path) -> dict[str, int | str]:
+    """Upload one checkpoint file as ``prefix + path.name``; its manifest entry (size, sha256).
+
+    The file is read whole: ``CHECKPOINT_SHARD_SIZE`` bounds what that costs in memory."""
+    data = path.read_bytes()
+    store.put_bytes(prefix + path.name, data)
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def commit_checkpoint(store: ObjectStore, prefix: str, fields: dict, files: dict[str, dict]) -> None:
+    """Write the ``COMMITTED`` manifest (``fields`` plus ``saved_at`` and ``files``): last, always."""
+    manifest = {**fields, "saved_at": time.time(), "files": files}
+    store.put_bytes(prefix + COMMITTED, json.dumps(manifest, indent=1).encode())
 
 
 def read_manifest(store: ObjectStore, prefix: str) -> dict:
@@ -113,25 +193,35 @@ def latest_checkpoint(store: ObjectStore, run_id: str) -> tuple[int, str] | None
     return version, checkpoint_prefix(run_id, version)
 
 
-def download_checkpoint(store: ObjectStore, prefix: str, local_dir: str | Path, with_trainer_state: bool = False) -> Path:
-    """Fetch the committed checkpoint into ``local_dir`` (which must not exist yet) and return
-    it; the one reader in ``shared.checkpoint_files`` checks every file against the manifest."""
-    return fetch_checkpoint(store, prefix, Path(local_dir), with_trainer_state=with_trainer_state).local_dir
+def download_checkpoint(store: ObjectStore, prefix: str, local_dir: str | Path, with_trainer_state: bool = False,
+                        only: frozenset[str] | None = None) -> Path:
+    """Fetch the committed checkpoint (``only`` those files, if given) into ``local_dir`` (which
+    must not exist yet) and return it; the one reader in ``shared.checkpoint_files`` checks
+    every file against the manifest."""
+    return fetch_checkpoint(store, prefix, Path(local_dir), with_trainer_state=with_trainer_state, only=only).local_dir
 
 
 def resume(store: ObjectStore, run_id: str, model: PreTrainedModel, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
-    """Load the latest committed checkpoint into ``model`` and ``optimizer``; (version, step)."""
+    """Load the latest committed checkpoint into ``model`` and ``optimizer``; (version, step).
+    A LoRA policy gets its adapter back, and its base is left as it is."""
     latest = latest_checkpoint(store, run_id)
     if latest is None:
         return 0, 0
     version, prefix = latest
+    lora = isinstance(model, PeftModel)
     with tempfile.TemporaryDirectory(prefix="conveyor-resume-") as tmp:
-        local = download_checkpoint(store, prefix, Path(tmp) / "checkpoint", with_trainer_state=True)
-        dtype = next(model.parameters()).dtype
-        saved = AutoModelForCausalLM.from_pretrained(str(local), dtype=dtype)
-        model.load_state_dict(saved.state_dict(), strict=True)
+        local = download_checkpoint(store, prefix, Path(tmp) / "checkpoint", with_trainer_state=True,
+                                    only=frozenset({TRAINER_STATE}) if lora else None)  # the adapter is in it
         state = torch.load(local / TRAINER_STATE, map_location="cpu", weights_only=True)
-    if state.get("version") != version:
-        raise CheckpointError(f"{prefix}{TRAINER_STATE} is for version {state.get('version')}, not {version}")
+        if state.get("version") != version:
+            raise CheckpointError(f"{prefix}{TRAINER_STATE} is for version {state.get('version')}, not {version}")
+        if lora != ("adapter" in state):
+            raise CheckpointError(f"{prefix} is a checkpoint of a run {'with' if 'adapter' in state else 'without'} "
+                                  f"LoRA; set trainer.lora.enabled: {str('adapter' in state).lower()} to resume it")
+        if lora:
+            load_adapter_state(model, state["adapter"])
+        else:
+            saved = AutoModelForCausalLM.from_pretrained(str(local), dtype=next(model.parameters()).dtype)
+            model.load_state_dict(saved.state_dict(), strict=True)
     optimizer.load_state_dict(state["optimizer"])
     return version, int(state["step"])

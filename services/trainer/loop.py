@@ -19,7 +19,9 @@ Invariants:
 - A train-queue entry that does not fit ``TrainQueueEntry`` (only a bug or a hand edit makes
   one) is logged once and passed over, and counted (``bad_train_entries``) with the selection.
 - A step is announced (a ``CheckpointAnnouncement`` on the checkpoints stream) only after its checkpoint is committed, and the
-  staleness step advances with it; on start the latest checkpoint is announced again (the
+  staleness step advances with it (with ``inference.weight_sync: nccl`` the version is served
+  by broadcast first and its checkpoint is committed and announced in the background:
+  ``services.trainer.weight_push``); on start the latest checkpoint is announced again (the
   weight follower ignores versions it already serves).
 - A step with no trainable token (all masks zero), or one the logprob alarm skipped, still
   counts as a step: the version moves on with unchanged weights, so the queue position stays
@@ -27,6 +29,10 @@ Invariants:
 - With evaluation on (``settings.evaluation``), a version that is due is evaluated right after
   its step, before the next one (``services.trainer.evaluation``); a trainer restarted before
   the pass of its version ended runs it at start.
+- With ``trainer.lora.enabled`` the policy is the served base with peft adapters
+  (``services.trainer.lora``): only the adapters train, and each checkpoint serves the merged
+  weights or the adapter alone (``trainer.lora.sync``), always through S3: settings refuse
+  ``inference.weight_sync: nccl`` with LoRA, since the broadcast carries full weights only.
 - The logprob alarm (``services.trainer.alarm``) is checked before every step and whenever
   the consumer polls, so a failed weight sync stops the run even while no group arrives.
 """
@@ -47,10 +53,12 @@ from services.trainer.alarm import ServedWeightsAlarm
 from services.trainer.checkpoints import resume, save_checkpoint
 from services.trainer.device import resolve_device
 from services.trainer.evaluation import Evaluator
+from services.trainer.lora import with_lora
 from services.trainer.metrics import MetricsSink, finite_or_none, metric_name, plot_reward_curve
 from services.trainer.policy import load_policy
 from services.trainer.selection import Selection, select
 from services.trainer.step import PolicyTrainer
+from services.trainer.weight_push import BroadcastPublisher
 from shared.names import RedisKeys, checkpoint_prefix
 from shared.schemas import CheckpointAnnouncement, TrainingBatch
 from shared.settings import Settings
@@ -97,11 +105,16 @@ class TrainingLoop:
         model, self.tokenizer = load_policy(self.settings.inference.model_path, resolve_device(trainer.device))
         if trainer.activation_checkpointing:
             model.gradient_checkpointing_enable()
+        if trainer.lora.enabled:  # transformers' checkpointing (non-reentrant) carries grad past the frozen base
+            model = with_lora(model, trainer.lora)
         self.trainer = PolicyTrainer(
             model, pad_token_id=self.tokenizer.pad_token_id or 0, optim=trainer.optim, loss=trainer.loss,
             batching=trainer.batching, temperature=self.settings.rollout.sampling.temperature or 1.0,
             alarm=trainer.logprob_alarm, dtype=trainer.dtype,
         )
+        # inference.weight_sync nccl: broadcast, S3 checkpoint in the background (refused without CUDA)
+        self.publisher = BroadcastPublisher(self.settings, self.redis, self.store) \
+            if self.settings.inference.weight_sync == "nccl" else None
         self.served_alarm = ServedWeightsAlarm(self.redis, self.run_id, trainer.logprob_alarm)
         self.counters = TrainerCounters(self.redis, self.run_id)
         self.weight_syncs = WeightSyncRecord(self.redis, self.run_id)
@@ -115,6 +128,11 @@ class TrainingLoop:
             self._announce(self.version)
         log.info("training loop at version %d (step %d)", self.version, step)
         self.evaluate_if_due()  # a trainer restarted in the middle of a pass finishes it
+
+    def close(self) -> None:
+        """Wait for a checkpoint still being written (nccl weight sync) and leave the weight group."""
+        if self.publisher is not None:
+            self.publisher.close()
 
     def evaluate_if_due(self) -> None:
         """Evaluate the current version if it is due and not yet ended; training waits for it."""
@@ -164,11 +182,17 @@ class TrainingLoop:
             self.counters.add(TrainerCounter.alarm_skipped_steps)
         version = self.version + 1
         t0 = time.perf_counter()
-        datasets = sorted(self.redis.smembers(RedisKeys.dataset_versions(self.run_id)))
-        save_checkpoint(self.store, self.run_id, version, self.trainer.model, self.tokenizer, self.trainer.optimizer,
-                        self.trainer.step, dataset_versions=[d.decode() if isinstance(d, bytes) else d for d in datasets])
+        datasets = [d.decode() if isinstance(d, bytes) else d
+                    for d in sorted(self.redis.smembers(RedisKeys.dataset_versions(self.run_id)))]
+        if self.publisher is not None:
+            metrics |= self.publisher.publish(version, self.trainer.model, self.tokenizer, self.trainer.optimizer,
+                                              self.trainer.step, datasets, announce=self._announce)
+        else:
+            save_checkpoint(self.store, self.run_id, version, self.trainer.model, self.tokenizer,
+                            self.trainer.optimizer, self.trainer.step, dataset_versions=datasets,
+                            lora_sync=self.settings.trainer.lora.sync)
+            self._announce(version)
         checkpoint_s = time.perf_counter() - t0
-        self._announce(version)
         self.version = version
         self.budget.advance_step(version)
         metrics |= self._rollout_metrics(batches, selection, trained_at=version - 1) | {"checkpoint_s": checkpoint_s}

@@ -1,30 +1,71 @@
-"""LoRA: train low-rank adapters (``peft``) instead of every weight.
+"""LoRA: train low-rank adapters (``peft``) instead of every weight (``trainer.lora``).
 
 Invariants:
 - Only the adapters' weights require gradients, so the optimizer (``step.build_optimizer``)
-  holds only them; the base weights never change.
-- What vLLM serves stays a plain Hugging Face checkpoint: ``merged_state_dict`` is the base
-  weights with each adapter's ``B @ A * scale`` added, under the base model's own names, so the
-  S3 weight path and the logprob probe work unchanged. (Not done yet: settings and the
-  training loop's use of it, checkpoints of the adapter alone, and shipping only the adapter
-  to vLLM's LoRA support.)
+  holds only them; the base weights are the served base checkpoint (``inference.model_path``)
+  and never change.
+- ``merged_state_dict`` is the base weights with each adapter's ``B @ A * alpha / rank`` added,
+  under the base model's own names, each tensor once (a tied output head is not written
+  twice). The model is not touched. ``save_served(..., "merged")`` writes it as a plain Hugging
+  Face checkpoint, so the S3 weight path and the logprob probe work as without LoRA.
+- ``save_served(..., "adapter")`` writes only the adapter, in peft's ``save_pretrained`` layout
+  (``adapter_config.json``, ``adapter_model.safetensors``), which vLLM's LoRA support loads;
+  the adapter config (``shared.names.CHECKPOINT_ADAPTER_CONFIG``) tells the two layouts apart.
+- A trainer checkpoint of a LoRA run carries the adapter's weights and its shape
+  (``lora_shape``: rank, alpha, target modules) in its trainer state; ``load_adapter_state``
+  refuses a state of another shape, naming both, and loads every adapter weight or none.
+- A target module that names no layer of the model is refused at wrapping, naming it and the
+  layers there are.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.tuners.lora import LoraLayer
 from transformers import PreTrainedModel
 
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+from shared.settings import LoraSettings
+
+class LoraShapeError(ValueError):
+    """A saved adapter does not fit the model's adapters (other rank, alpha or target modules)."""
 
 
-def with_lora(model: PreTrainedModel, rank: int = 8, alpha: float = 16.0,
-              target_modules: tuple[str, ...] = ATTENTION) -> PeftModel:
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(target_modules),
+def with_lora(model: PreTrainedModel, lora: LoraSettings) -> PeftModel:
+    linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                     if isinstance(module, torch.nn.Linear)})
+    missing = [t for t in lora.target_modules if t not in linear]
+    if missing:
+        raise ValueError(f"trainer.lora.target_modules {missing} name no linear layer of the model; it has {linear}")
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, target_modules=list(lora.target_modules),
                         bias="none", task_type="CAUSAL_LM")
     return get_peft_model(model, config)
+
+
+def lora_shape(model: PeftModel) -> dict[str, Any]:
+    config = model.peft_config[model.active_adapter]
+    return {"rank": config.r, "alpha": float(config.lora_alpha), "target_modules": sorted(config.target_modules)}
+
+
+def adapter_state(model: PeftModel) -> dict[str, Any]:
+    """What a trainer checkpoint keeps of the adapter: its weights (peft's names) and shape."""
+    weights = {name: tensor.detach().cpu().clone() for name, tensor in get_peft_model_state_dict(model).items()}
+    return {"shape": lora_shape(model), "weights": weights}
+
+
+@torch.no_grad()
+def load_adapter_state(model: PeftModel, state: dict[str, Any]) -> None:
+    if state["shape"] != lora_shape(model):
+        raise LoraShapeError(f"the checkpoint's adapter is {state['shape']}, the trainer's is {lora_shape(model)} "
+                             "(trainer.lora must match the run's)")
+    expected = set(get_peft_model_state_dict(model))
+    if set(state["weights"]) != expected:
+        raise LoraShapeError(f"the checkpoint's adapter weights {sorted(set(state['weights']) ^ expected)} "
+                             "are not the model's")
+    set_peft_model_state_dict(model, state["weights"])
 
 
 @torch.no_grad()
@@ -32,10 +73,30 @@ def merged_state_dict(model: PeftModel) -> dict[str, torch.Tensor]:
     """The base model's weights with the adapters' deltas added, under the base's names. The
     model is not touched (merging in place and back would drift the base weights by rounding)."""
     base = model.get_base_model()
-    merged = {name.replace(".base_layer.", "."): tensor.detach().clone()
-              for name, tensor in base.state_dict().items() if "lora_" not in name}
+    merged: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in base.state_dict().items():
+        if "lora_" in name or tensor.data_ptr() in seen:  # a tied weight is written once, as save_pretrained does
+            continue
+        seen.add(tensor.data_ptr())
+        merged[name.replace(".base_layer.", ".")] = tensor.detach().clone()
     for name, module in base.named_modules():
         if isinstance(module, LoraLayer):
+            if f"{name}.weight" not in merged:
+                raise ValueError(f"{name} is tied to another weight; LoRA on a tied layer cannot be merged")
             for adapter in module.active_adapters:
                 merged[f"{name}.weight"] += module.get_delta_weight(adapter).to(merged[f"{name}.weight"].dtype)
     return merged
+
+
+def save_served(model: PeftModel, out_dir: Path, sync: str, *, max_shard_size: str | int) -> None:
+    """Write what vLLM will load: the merged full checkpoint (in weight files of at most
+    ``max_shard_size``), or the adapter alone."""
+    if sync == "merged":
+        model.get_base_model().save_pretrained(out_dir, state_dict=merged_state_dict(model), safe_serialization=True,
+                                               max_shard_size=max_shard_size)
+    elif sync == "adapter":
+        model.save_pretrained(out_dir, safe_serialization=True)
+        (out_dir / "README.md").unlink(missing_ok=True)  # peft's model card: nothing a reader needs
+    else:
+        raise ValueError(f"trainer.lora.sync is merged or adapter, got {sync!r}")

@@ -10,7 +10,9 @@ Invariants:
 - ``step`` counts applied updates. A step with no masked token at all (every sample dropped
   or overlong-masked) applies no update, leaves ``step`` unchanged and reports ``skipped=1``.
 - The frozen reference exists only when ``kl_coef > 0``; it is the policy as it was when the
-  trainer was built (or the one passed in).
+  trainer was built (or the one passed in). For a LoRA policy (a ``PeftModel``) with none
+  passed in, it is the base with the adapters switched off (``disable_adapter``), not a copy:
+  the base never trains, so that is the initial policy, at no extra memory.
 - The logprob alarm (``services.trainer.alarm``) is decided before the update: past
   ``alarm.max_on_policy_mad`` the step raises ``LogprobAlarm`` (``stop``) or applies no update
   and reports ``skipped=1, alarm=1`` (``skip_step``).
@@ -18,10 +20,12 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
 import torch
+from peft import PeftModel
 from transformers import PreTrainedModel
 
 from services.trainer.alarm import LogprobAlarm, on_policy_message
@@ -67,7 +71,8 @@ class PolicyTrainer:
         self.optim = optim or OptimSettings()
         self.loss = loss or LossSettings()
         self.batching = batching or BatchingSettings()
-        if self.loss.kl_coef > 0 and reference is None:
+        self.base_is_reference = self.loss.kl_coef > 0 and reference is None and isinstance(model, PeftModel)
+        if self.loss.kl_coef > 0 and reference is None and not self.base_is_reference:
             reference = frozen_reference(model)
         self.reference = reference if self.loss.kl_coef > 0 else None
         self.optimizer = build_optimizer(model, self.optim)
@@ -107,9 +112,11 @@ class PolicyTrainer:
             on_policy_abs += float(((logprobs.detach() - mb.old_logprobs).abs() * same).sum())
             on_policy_tokens += float(same.sum())
             ref = None
-            if self.reference is not None:
-                with torch.no_grad(), compute_precision(self.device, self.dtype):
-                    ref = sequence_logprobs(self.reference, mb.input_ids, mb.attention_mask, self.temperature)
+            if self.reference is not None or self.base_is_reference:
+                adapters_off = self.model.disable_adapter() if self.base_is_reference else contextlib.nullcontext()
+                with torch.no_grad(), compute_precision(self.device, self.dtype), adapters_off:
+                    ref = sequence_logprobs(self.reference or self.model, mb.input_ids, mb.attention_mask,
+                                            self.temperature)
             loss, stats = policy_loss(
                 logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
                 clip_eps=self.loss.clip_eps, clip_eps_high=self.loss.clip_eps_high,

@@ -19,6 +19,7 @@ from services.trainer.checkpoints import (
     read_manifest,
     resume,
     save_checkpoint,
+    take_snapshot,
 )
 from services.trainer.policy import load_policy
 from services.trainer.step import PolicyTrainer
@@ -41,17 +42,19 @@ def store(s3_endpoint: str) -> S3Store:
 
 
 class _Recording:
-    """The store, remembering the order of writes."""
+    """The store, remembering the order of writes, and the reads."""
 
     def __init__(self, inner: S3Store):
         self.inner = inner
         self.puts: list[str] = []
+        self.gets: list[str] = []
 
     def put_bytes(self, key: str, data: bytes) -> None:
         self.puts.append(key)
         self.inner.put_bytes(key, data)
 
     def get_bytes(self, key: str) -> bytes:
+        self.gets.append(key)
         return self.inner.get_bytes(key)
 
     def list_keys(self, prefix: str) -> list[str]:
@@ -106,6 +109,30 @@ def test_round_trip_through_s3(store: S3Store, run_id: str, tiny_dir: Path, make
     with torch.no_grad():
         want = torch.log_softmax(loaded(ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
     assert max(abs(a - b) for a, b in zip(probe.logprobs, want.tolist())) < 1e-5
+
+
+def test_a_snapshot_checkpoint_holds_the_snapshot_not_the_later_weights(store: S3Store, run_id: str, tiny_dir: Path,
+                                                                        make_batch, tmp_path: Path) -> None:
+    """The nccl path writes checkpoint v in the background while step v + 1 trains: it must
+    hold what was broadcast as v (weights, optimizer state, probe), not the newer values."""
+    trainer, tok = _trainer(tiny_dir)
+    trainer.train_step([make_batch(0, model=trainer.model)])
+    weights_v1 = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    optimizer_v1 = {"param_groups": trainer.optimizer.state_dict()["param_groups"],
+                    "state": {k: {n: t.clone() for n, t in v.items()} for k, v in trainer.optimizer.state_dict()["state"].items()}}
+    snapshot = take_snapshot(trainer.model, trainer.optimizer, 1)
+    trainer.train_step([make_batch(1, model=trainer.model)])  # step 2 changes weights and moments in place
+    assert not torch.equal(trainer.model.state_dict()["lm_head.weight"], weights_v1["lm_head.weight"])
+    with pytest.raises(ValueError, match="snapshot of version 1 saved as version 2"):
+        save_checkpoint(store, run_id, 2, trainer.model, tok, trainer.optimizer, 1, snapshot=snapshot)
+
+    prefix = save_checkpoint(store, run_id, 1, trainer.model, tok, trainer.optimizer, 1, snapshot=snapshot)
+    local = download_checkpoint(store, prefix, tmp_path / "v1", with_trainer_state=True)
+    loaded = AutoModelForCausalLM.from_pretrained(local, dtype=torch.float32)
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, weights_v1[name]), name
+    _assert_same_optimizer_state(optimizer_v1, torch.load(local / TRAINER_STATE, weights_only=True)["optimizer"])
+    assert LogprobProbe.from_json((local / CHECKPOINT_PROBE).read_bytes()) == snapshot.probe
 
 
 def test_uncommitted_checkpoints_do_not_exist_for_readers(store: S3Store, run_id: str, tiny_dir: Path, tmp_path: Path) -> None:

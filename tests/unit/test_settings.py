@@ -107,11 +107,26 @@ def test_bad_yaml_value_names_the_field(tmp_path):
         ({"storage": {"backend": "gcs"}}, "storage.backend"),
         ({"rollout": {"sampling": {"top_p": 1.5}}}, "rollout.sampling.top_p"),
         ({"inference": {"port": 70000}}, "inference.port"),
+        ({"trainer": {"lora": {"rank": 0}}}, "trainer.lora.rank"),
+        ({"trainer": {"lora": {"alpha": 0}}}, "trainer.lora.alpha"),
+        ({"trainer": {"lora": {"target_modules": []}}}, "trainer.lora.target_modules"),
+        ({"trainer": {"lora": {"target_modules": ["q_proj", "q_proj"]}}}, "trainer.lora.target_modules"),
+        ({"trainer": {"lora": {"sync": "delta"}}}, "trainer.lora.sync"),
+        ({"trainer": {"lora": {"sync": "adapter", "rank": 1024}}}, "trainer.lora"),
+        ({"inference": {"weight_sync": "rdma"}}, "inference.weight_sync"),
     ],
 )
 def test_bad_keyword_values_name_the_field(overrides, field):
     with pytest.raises(SettingsError, match=f"{field}:"):
         load_settings(**overrides)
+
+
+@pytest.mark.parametrize("sync", ["merged", "adapter"])
+def test_nccl_weight_sync_with_lora_is_refused(sync):
+    with pytest.raises(SettingsError, match="weight_sync: nccl does not support trainer.lora"):
+        load_settings(inference={"weight_sync": "nccl"}, trainer={"lora": {"enabled": True, "sync": sync}})
+    load_settings(inference={"weight_sync": "s3"}, trainer={"lora": {"enabled": True, "sync": sync}})
+    load_settings(inference={"weight_sync": "nccl"})
 
 
 def test_unknown_key_in_yaml_is_rejected(tmp_path):

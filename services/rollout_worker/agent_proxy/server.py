@@ -191,7 +191,8 @@ class AgentProxy:
                 return _error(400, str(exc), code="context_length_exceeded")
             try:
                 completion = await self.client.complete(
-                    call.context, call.max_tokens, turn_seed(session.trajectory_id, len(session.turns)), self.temperature, self.top_p)
+                    call.context, call.max_tokens, turn_seed(session.trajectory_id, len(session.turns)), self.temperature, self.top_p,
+                    policy_version=version)
             except InferenceRejected as exc:
                 return _error(400, str(exc))
             except (InferenceUnavailable, InferenceOutage) as exc:

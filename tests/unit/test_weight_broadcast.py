@@ -1,0 +1,100 @@
+"""The broadcast weight-sync path without vLLM: the settings choice, its refusal without CUDA,
+and the process group itself between two real processes over gloo (the same code as nccl)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import pytest
+import torch
+
+from services.cli.local_stack import free_port
+from services.inference.weight_broadcast import WeightBroadcaster
+from shared.settings import load_settings
+from shared.weight_group import WeightGroup, WeightGroupError
+
+SENT = [("a", torch.arange(12, dtype=torch.float32).reshape(3, 4) / 7),
+        ("b", (torch.arange(5, dtype=torch.float32) - 2.5).to(torch.bfloat16)),
+        ("c", torch.tensor([3, -1, 2**40], dtype=torch.int64))]
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("CONVEYOR_CONFIG", "placeholder")
+    for name in list(os.environ):
+        if name.startswith("CONVEYOR_"):
+            monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+
+
+def test_s3_is_the_default_and_nccl_is_a_choice(monkeypatch):
+    assert load_settings().inference.weight_sync == "s3"
+    monkeypatch.setenv("CONVEYOR_INFERENCE__WEIGHT_SYNC", "nccl")
+    monkeypatch.setenv("CONVEYOR_INFERENCE__WEIGHT_SYNC_HOST", "10.0.0.5")
+    inference = load_settings().inference
+    assert (inference.weight_sync, inference.weight_sync_host, inference.weight_sync_port) == ("nccl", "10.0.0.5", 29531)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without a GPU")
+def test_nccl_without_cuda_is_refused_before_any_replica_is_touched():
+    from services.trainer.weight_push import BroadcastPublisher
+
+    settings = load_settings(inference={"weight_sync": "nccl", "base_url": "http://127.0.0.1:9"})
+    with pytest.raises(WeightGroupError, match="nccl weight-sync path needs CUDA.*inference.weight_sync: s3"):
+        WeightBroadcaster.from_settings(settings)
+    with pytest.raises(WeightGroupError, match="needs CUDA"):  # the trainer refuses at start
+        BroadcastPublisher(settings, redis_client=None, store=None)
+    with pytest.raises(WeightGroupError, match="needs CUDA"):
+        WeightGroup("nccl", "127.0.0.1", free_port(), 0, 2)
+
+
+def test_from_settings_needs_the_nccl_choice():
+    with pytest.raises(ValueError, match="inference.weight_sync is 's3'"):
+        WeightBroadcaster.from_settings(load_settings())
+
+
+def test_bad_group_arguments_are_refused():
+    with pytest.raises(WeightGroupError, match="choose one of nccl, gloo"):
+        WeightGroup("mpi", "127.0.0.1", 1, 0, 2)  # type: ignore[arg-type]
+    with pytest.raises(WeightGroupError, match="at least one replica"):
+        WeightGroup("gloo", "127.0.0.1", 1, 0, 1)
+    with pytest.raises(WeightGroupError, match="rank 2 of a weight group of 2"):
+        WeightGroup("gloo", "127.0.0.1", 1, 2, 2)
+
+
+def _receiver(port: int, rank: int, world: int, out) -> None:
+    group = WeightGroup("gloo", "127.0.0.1", port, rank, world, timeout_s=60)
+    try:
+        got = [group.broadcast(torch.zeros(t.shape, dtype=t.dtype)) for _, t in SENT]
+        out.put((rank, [t.tolist() for t in got]))
+    finally:
+        group.close()
+
+
+def test_gloo_group_broadcasts_every_tensor_to_every_rank():
+    """Rank 0 (this process) broadcasts tensors of three dtypes to two receiving processes."""
+    ctx = multiprocessing.get_context("spawn")
+    port, out = free_port(), ctx.Queue()
+    procs = [ctx.Process(target=_receiver, args=(port, rank, 3, out)) for rank in (1, 2)]
+    for p in procs:
+        p.start()
+    try:
+        group = WeightGroup("gloo", "127.0.0.1", port, 0, 3, timeout_s=60)
+        try:
+            for _, t in SENT:
+                group.broadcast(t.clone())
+            with pytest.raises(WeightGroupError, match="tensor on meta"):
+                group.broadcast(torch.empty(1, device="meta"))
+        finally:
+            group.close()
+        received = dict(out.get(timeout=60) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert sorted(received) == [1, 2]
+    for rank, tensors in received.items():
+        assert tensors == [t.tolist() for _, t in SENT], rank
+    assert [p.exitcode for p in procs] == [0, 0]
