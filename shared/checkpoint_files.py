@@ -6,7 +6,8 @@ Invariants:
   ``CheckpointNotCommitted``. When the marker is a manifest (``{"files": {name: {"size",
   "sha256"}}}``, as the trainer writes it), exactly its files are fetched and each is checked
   against it (``CheckpointCorrupt``).
-- ``trainer_state.pt`` (optimizer state) is fetched only when asked for: replicas never get it.
+- ``trainer_state.pt`` (optimizer state) and a sharded trainer's ``trainer_state_sharded/``
+  are fetched only when asked for: replicas never get them.
   ``only`` narrows a download to the named files (a LoRA trainer's resume needs nothing else).
 - The destination directory appears only complete (download to a temporary name, then
   rename), so an existing destination is reused as it is.
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.names import CHECKPOINT_COMMITTED, CHECKPOINT_TRAINER_STATE
+from shared.names import CHECKPOINT_COMMITTED, CHECKPOINT_SHARDED_STATE, CHECKPOINT_TRAINER_STATE
 from shared.storage import ObjectStore
 
 COMMITTED_MARKER = CHECKPOINT_COMMITTED
@@ -83,8 +84,10 @@ def download_checkpoint(store: ObjectStore, prefix: str, dest: Path, *, with_tra
         raise CheckpointNotCommitted(f"checkpoint {prefix} is not committed: no {COMMITTED_MARKER} marker (yet)")
     manifest = _manifest_files(store, prefix)
     listed = manifest if manifest is not None else names
-    skipped = {COMMITTED_MARKER} if with_trainer_state else {COMMITTED_MARKER, CHECKPOINT_TRAINER_STATE}
-    wanted = {name: prefix + name for name in listed if Path(name).name not in skipped and (only is None or name in only)}
+    trainer_only = {CHECKPOINT_TRAINER_STATE, CHECKPOINT_SHARDED_STATE}
+    skipped = {COMMITTED_MARKER} | (set() if with_trainer_state else trainer_only)
+    wanted = {name: prefix + name for name in listed
+              if Path(name).name not in skipped and Path(name).parts[0] not in skipped and (only is None or name in only)}
     for name in wanted:
         if name.startswith("/") or ".." in Path(name).parts:
             raise ValueError(f"checkpoint object {prefix}{name} escapes its directory")

@@ -6,7 +6,10 @@ Layout, one checkpoint per policy version:
 ``config.json``, ``generation_config.json``) and the tokenizer, the
 logprob probe (``logprob_probe.json``: what a replica serving these weights must answer,
 ``shared.logprob_probe``), then ``trainer_state.pt`` (optimizer state dict, step, version), then ``COMMITTED``: a JSON
-manifest naming every file with its size and sha256.
+manifest naming every file with its size and sha256. A sharded trainer (torchrun,
+``services.trainer.distributed``) keeps its optimizer state (and its model's shards) in
+``trainer_state_sharded/`` instead, each rank's files written by that rank; ``trainer_state.pt``
+then holds only step and version.
 
 Invariants:
 - ``COMMITTED`` is written last. A checkpoint without it does not exist for any reader:
@@ -18,7 +21,9 @@ Invariants:
   each renamed into place whole) into a directory that ``from_pretrained`` and vLLM's
   ``reload_weights(weights_path=...)`` load. The optimizer state is left out unless asked for.
 - ``resume`` restores weights, optimizer state and step of the highest committed version; with
-  no checkpoint it changes nothing and returns ``(0, 0)``: version 0 is the initial policy.
+  no checkpoint it changes nothing and returns ``(0, 0)``: version 0 is the initial policy. It
+  reads a sharded trainer's checkpoint too (its optimizer state from the shards), so a run
+  started under torchrun can go on in one process.
 - A LoRA policy (a ``PeftModel``, ``services.trainer.lora``) is checkpointed as what vLLM
   serves (``lora_sync``: the merged full weights, or the adapter alone in peft's layout) plus
   the adapter's own weights in the trainer state; its resume loads the adapter and the
@@ -47,9 +52,11 @@ from shared.checkpoint_files import CheckpointError
 from shared.checkpoint_files import download_checkpoint as fetch_checkpoint
 from services.trainer.lora import adapter_state, load_adapter_state, lora_shape, save_served
 from services.trainer.policy import logprob_probe
+from services.trainer.sharding import load_sharded
 from shared.names import (
     CHECKPOINT_COMMITTED,
     CHECKPOINT_PROBE,
+    CHECKPOINT_SHARDED_STATE,
     CHECKPOINT_TRAINER_STATE,
     checkpoint_prefix,
     checkpoints_of_run,
@@ -59,6 +66,7 @@ from shared.storage import ObjectStore, StorageError
 
 COMMITTED = CHECKPOINT_COMMITTED
 TRAINER_STATE = CHECKPOINT_TRAINER_STATE
+SHARDED_STATE = CHECKPOINT_SHARDED_STATE
 # Weight shards of at most this size (transformers' default is 50GB, one file for a 7B model):
 # each file is read whole for its upload and download, so this bounds that memory.
 CHECKPOINT_SHARD_SIZE = "1GB"
@@ -72,7 +80,7 @@ def _upload_order(name: str) -> tuple[int, str]:
     return (2 if name == TRAINER_STATE else 1), name
 
 
-def _is_committed(store: ObjectStore, prefix: str) -> bool:
+def is_committed(store: ObjectStore, prefix: str) -> bool:
     return prefix + COMMITTED in store.list_keys(prefix)
 
 
@@ -117,15 +125,19 @@ def save_checkpoint(
     dataset_versions: list[str] | None = None,
     lora_sync: str = "merged",
     snapshot: Snapshot | None = None,
+    sharded_files: dict[str, dict] | None = None,
 ) -> str:
     """Upload the checkpoint of ``version`` and commit it; returns its key prefix. The manifest
     records the dataset versions the run's intake published from (``dataset_versions``), and a
     LoRA policy's adapter shape and ``lora_sync`` (what the checkpoint serves).
     With ``snapshot`` (of ``version``), the weights, optimizer state and probe come from it and
     ``model`` only gives the config: the model may be training meanwhile. A snapshot of a LoRA
-    policy is not supported (``take_snapshot`` refuses one, and so does this)."""
+    policy is not supported (``take_snapshot`` refuses one, and so does this).
+    ``sharded_files``: the manifest entries of the ``trainer_state_sharded/`` files every rank of
+    a sharded trainer has already uploaded under the prefix (``services.trainer.distributed``);
+    the optimizer state is in them, so ``trainer_state.pt`` holds step and version only."""
     prefix = checkpoint_prefix(run_id, version)
-    if _is_committed(store, prefix):
+    if is_committed(store, prefix):
         raise CheckpointError(f"checkpoint {prefix} is already committed; versions are never overwritten")
     lora = isinstance(model, PeftModel)
     if snapshot is not None and lora:
@@ -144,12 +156,13 @@ def save_checkpoint(
         probe = snapshot.probe if snapshot is not None else logprob_probe(model, version)
         (local / CHECKPOINT_PROBE).write_bytes(probe.to_json())
         optimizer_state = snapshot.optimizer if snapshot is not None else optimizer.state_dict()
-        state = {"optimizer": optimizer_state, "step": step, "version": version}
+        state = {"step": step, "version": version} if sharded_files else \
+            {"optimizer": optimizer_state, "step": step, "version": version}
         if lora:
             state["adapter"] = adapter_state(model)
         torch.save(state, local / TRAINER_STATE)
         names = sorted((p.name for p in local.iterdir() if p.is_file()), key=_upload_order)
-        files = {name: upload_file(store, prefix, local / name) for name in names}
+        files = {name: upload_file(store, prefix, local / name) for name in names} | (sharded_files or {})
     fields = {"run_id": run_id, "version": version, "step": step, "dataset_versions": list(dataset_versions or [])}
     if lora:
         fields["lora"] = {**lora_shape(model), "sync": lora_sync}
@@ -223,5 +236,8 @@ def resume(store: ObjectStore, run_id: str, model: PreTrainedModel, optimizer: t
         else:
             saved = AutoModelForCausalLM.from_pretrained(str(local), dtype=next(model.parameters()).dtype)
             model.load_state_dict(saved.state_dict(), strict=True)
-    optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:
+            optimizer.load_state_dict(state["optimizer"])
+        else:  # written by a sharded trainer: its optimizer state is in the shards
+            load_sharded(model, optimizer, local / SHARDED_STATE)
     return version, int(state["step"])

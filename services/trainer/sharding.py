@@ -13,8 +13,8 @@ Invariants:
   accumulation are unchanged). A rank with fewer micro-batches runs masked copies (loss 0), so
   every rank joins every collective.
 - Sharded checkpoints are written and read with ``torch.distributed.checkpoint`` (each rank its
-  shard, no gather); ``full_state_dict`` gathers the whole model on every rank for the
-  Hugging Face checkpoint vLLM loads.
+  shard, no gather); ``full_state_dict`` gathers the whole model to rank 0 (the other ranks get
+  an empty dict) for the Hugging Face checkpoint vLLM loads.
 """
 
 from __future__ import annotations
@@ -73,10 +73,11 @@ def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, direc
 def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(directory))
+    dcp.load(state, checkpoint_id=str(directory), no_dist=world()[1] == 1)  # one process may read a sharded run
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's weights on every rank (for the Hugging Face checkpoint vLLM serves)."""
+    """The whole model's weights on rank 0, on CPU; an empty dict on the other ranks
+    (``cpu_offload`` with ``full_state_dict``: only rank 0 holds the gathered copy)."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
