@@ -317,11 +317,18 @@ def trainer(
     exit_when_done: bool = typer.Option(False, help="exit once intake is done and every trajectory is terminal"),
 ) -> None:
     """Consume scored trajectories: assemble GRPO groups, compute advantages, emit batches;
-    with trainer.max_off_policy_steps set, also train, checkpoint and announce new versions."""
+    with trainer.max_off_policy_steps set, also train, checkpoint and announce new versions.
+    Under ``torchrun --nproc-per-node N -m services.cli.app trainer``, train sharded with FSDP2
+    on N ranks: rank 0 does all of the above, the others train with it (services.trainer.distributed)."""
     _logging()
     settings = _settings(config)
+    ranks = None
     if settings.trainer.max_off_policy_steps is not None:  # it trains: it loads the model
         _require_model(settings)
+        ranks = _join_ranks(settings)
+    if ranks is not None and not ranks.leader:
+        _follow(settings, ranks)
+        return
     from services.trainer.consumer import TrainerConsumer
     from shared.ledger import Ledger
     from shared.storage import open_store
@@ -338,7 +345,8 @@ def trainer(
 
         t = settings.trainer
         sink = MetricsSink(t.step_metrics_path, t.prometheus_port or settings.metrics_port, t.wandb_project, settings.run_id)
-        loop = TrainingLoop(settings, store, consumer.budget, sink, evaluator=_evaluator(settings, consumer.ledger, store))
+        loop = TrainingLoop(settings, store, consumer.budget, sink, evaluator=_evaluator(settings, consumer.ledger, store),
+                            ranks=ranks)
     from services.trainer.alarm import LogprobAlarm
     from shared.processes import on_sigterm
 
@@ -355,7 +363,33 @@ def trainer(
     finally:
         if loop is not None:
             loop.close()
+        if ranks is not None:
+            ranks.leave()
     console.print(f"trainer {settings.run_id}: {consumer.counters()}")
+
+
+def _join_ranks(settings: Settings) -> "TrainerRanks | None":  # noqa: F821
+    """This process's rank when torchrun started it (WORLD_SIZE > 1), else None."""
+    from services.trainer.distributed import join_from_env
+
+    try:
+        return join_from_env(settings)
+    except ValueError as exc:
+        raise errors.CommandError(str(exc)) from None
+
+
+def _follow(settings: Settings, ranks: "TrainerRanks") -> None:  # noqa: F821
+    """A rank other than 0: train what rank 0 orders until it stops; SIGTERM waits for that order."""
+    from services.trainer.distributed import follow
+    from shared.processes import on_sigterm
+    from shared.storage import open_store
+
+    on_sigterm(lambda: logging.getLogger("conveyor.trainer").info("rank %d: stopping with rank 0", ranks.rank))
+    try:
+        version = follow(settings, open_store(settings.storage, settings.outage), ranks)
+    finally:
+        ranks.leave()
+    console.print(f"trainer {settings.run_id} rank {ranks.rank}: stopped at version {version}")
 
 
 @app.command("tiny-model")

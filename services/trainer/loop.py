@@ -35,6 +35,8 @@ Invariants:
   ``inference.weight_sync: nccl`` with LoRA, since the broadcast carries full weights only.
 - The logprob alarm (``services.trainer.alarm``) is checked before every step and whenever
   the consumer polls, so a failed weight sync stops the run even while no group arrives.
+- Under torchrun (``ranks``) this loop runs on rank 0 only; it orders every step to the other
+  ranks and checkpoints with them (``services.trainer.distributed``). Without, it is one process.
 """
 
 from __future__ import annotations
@@ -47,17 +49,13 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-import torch
-
 from services.trainer.alarm import ServedWeightsAlarm
 from services.trainer.checkpoints import resume, save_checkpoint
-from services.trainer.device import resolve_device
+from services.trainer.distributed import StepOrder, TrainerRanks
 from services.trainer.evaluation import Evaluator
-from services.trainer.lora import with_lora
 from services.trainer.metrics import MetricsSink, finite_or_none, metric_name, plot_reward_curve
-from services.trainer.policy import load_policy
 from services.trainer.selection import Selection, select
-from services.trainer.step import PolicyTrainer
+from services.trainer.step import train_version, trainer_from_settings
 from services.trainer.weight_push import BroadcastPublisher
 from shared.names import RedisKeys, checkpoint_prefix
 from shared.schemas import CheckpointAnnouncement, TrainingBatch
@@ -94,24 +92,14 @@ class TrainingLoop:
     budget: StalenessBudget
     metrics: MetricsSink
     evaluator: Evaluator | None = None  # evaluation during training (settings.evaluation)
+    ranks: TrainerRanks | None = None  # the leader of a torchrun job (services.trainer.distributed)
 
     def __post_init__(self) -> None:
         self.run_id = self.settings.run_id
         self.redis = self.budget.redis
         self.groups_per_step = self.settings.trainer.groups_per_step
-        if self.settings.trainer.torch_threads:
-            torch.set_num_threads(self.settings.trainer.torch_threads)
         trainer = self.settings.trainer
-        model, self.tokenizer = load_policy(self.settings.inference.model_path, resolve_device(trainer.device))
-        if trainer.activation_checkpointing:
-            model.gradient_checkpointing_enable()
-        if trainer.lora.enabled:  # transformers' checkpointing (non-reentrant) carries grad past the frozen base
-            model = with_lora(model, trainer.lora)
-        self.trainer = PolicyTrainer(
-            model, pad_token_id=self.tokenizer.pad_token_id or 0, optim=trainer.optim, loss=trainer.loss,
-            batching=trainer.batching, temperature=self.settings.rollout.sampling.temperature or 1.0,
-            alarm=trainer.logprob_alarm, dtype=trainer.dtype,
-        )
+        self.trainer, self.tokenizer = trainer_from_settings(self.settings, shard=self.ranks is not None)
         # inference.weight_sync nccl: broadcast, S3 checkpoint in the background (refused without CUDA)
         self.publisher = BroadcastPublisher(self.settings, self.redis, self.store) \
             if self.settings.inference.weight_sync == "nccl" else None
@@ -119,7 +107,8 @@ class TrainingLoop:
         self.counters = TrainerCounters(self.redis, self.run_id)
         self.weight_syncs = WeightSyncRecord(self.redis, self.run_id)
         self._reported_bad: set[int] = set()  # queue positions of bad entries already logged
-        self.version, step = resume(self.store, self.run_id, model, self.trainer.optimizer)
+        self.version, step = self.ranks.resume(self.store, self.run_id, self.trainer) if self.ranks else \
+            resume(self.store, self.run_id, self.trainer.model, self.trainer.optimizer)
         self.trainer.step = step
         self.budget.advance_step(self.version)
         self._commit_selection = self.redis.register_script(_COMMIT_SELECTION)
@@ -130,9 +119,12 @@ class TrainingLoop:
         self.evaluate_if_due()  # a trainer restarted in the middle of a pass finishes it
 
     def close(self) -> None:
-        """Wait for a checkpoint still being written (nccl weight sync) and leave the weight group."""
+        """Wait for a checkpoint still being written (nccl weight sync) and leave the weight group;
+        under torchrun, let the other ranks return."""
         if self.publisher is not None:
             self.publisher.close()
+        if self.ranks is not None:
+            self.ranks.stop()
 
     def evaluate_if_due(self) -> None:
         """Evaluate the current version if it is due and not yet ended; training waits for it."""
@@ -172,10 +164,10 @@ class TrainingLoop:
             raise RuntimeError("train_once called before a step's groups were queued")
         self.check_alarms()
         self._record_selection(selection)
+        if self.ranks is not None:
+            self.ranks.send(StepOrder(self.version + 1, tuple(selection.keys)))
         batches = [get_model(self.store, key, TrainingBatch) for key in selection.keys]
-        metrics = self.trainer.train_step(batches)
-        if metrics.get("skipped"):
-            self.trainer.step += 1  # see the module docstring: the version still moves on
+        metrics = train_version(self.trainer, batches)  # see the module docstring: the version moves on
         if metrics.get("alarm"):
             log.error("step %d applied no update: logprob alarm (mean on-policy |dlogprob| %.3g > %g)",
                       self.version + 1, metrics["logprob_mad_on_policy"], self.settings.trainer.logprob_alarm.max_on_policy_mad)
@@ -187,6 +179,9 @@ class TrainingLoop:
         if self.publisher is not None:
             metrics |= self.publisher.publish(version, self.trainer.model, self.tokenizer, self.trainer.optimizer,
                                               self.trainer.step, datasets, announce=self._announce)
+        elif self.ranks is not None:
+            self.ranks.save_checkpoint(self.store, self.run_id, version, self.trainer, self.tokenizer, datasets)
+            self._announce(version)
         else:
             save_checkpoint(self.store, self.run_id, version, self.trainer.model, self.tokenizer,
                             self.trainer.optimizer, self.trainer.step, dataset_versions=datasets,

@@ -26,16 +26,18 @@ import time
 
 import torch
 from peft import PeftModel
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from services.trainer.alarm import LogprobAlarm, on_policy_message
-from services.trainer.device import compute_precision
-from services.trainer.sharding import all_sum, rank_share, world
+from services.trainer.device import compute_precision, resolve_device
+from services.trainer.lora import with_lora
+from services.trainer.sharding import all_sum, rank_share, shard_policy, world
 from services.trainer.batching import masked_copy, micro_batches, prepare_samples
 from services.trainer.loss import loss_denominator, policy_loss
-from services.trainer.policy import frozen_reference, sequence_logprobs
+from services.trainer.policy import frozen_reference, load_policy, sequence_logprobs
 from shared.schemas import TrainingBatch
-from shared.settings import ALARM_MAD_BY_DTYPE, BatchingSettings, LogprobAlarmSettings, LossSettings, OptimSettings
+from shared.settings import (ALARM_MAD_BY_DTYPE, BatchingSettings, LogprobAlarmSettings, LossSettings, OptimSettings,
+                             Settings)
 
 
 def build_optimizer(model: torch.nn.Module, optim: OptimSettings) -> torch.optim.AdamW:
@@ -153,3 +155,33 @@ class PolicyTrainer:
             "tokens": float(tokens), "loss_tokens": loss_tokens, "tokens_per_s": tokens / elapsed,
             "step_time_s": elapsed, "step": float(self.step), "logprob_mad_on_policy": mad,
         }
+
+
+def trainer_from_settings(settings: Settings, shard: bool = False) -> tuple[PolicyTrainer, PreTrainedTokenizerBase]:
+    """The run's policy (``inference.model_path``, on ``trainer.device``) and its trainer.
+    ``shard``: FSDP2 over the ranks (``services.trainer.sharding``), before the optimizer is built."""
+    trainer = settings.trainer
+    if trainer.torch_threads:
+        torch.set_num_threads(trainer.torch_threads)
+    model, tokenizer = load_policy(settings.inference.model_path, resolve_device(trainer.device))
+    if trainer.activation_checkpointing:
+        model.gradient_checkpointing_enable()
+    if trainer.lora.enabled:  # transformers' checkpointing (non-reentrant) carries grad past the frozen base
+        model = with_lora(model, trainer.lora)
+    if shard:
+        shard_policy(model)
+    policy_trainer = PolicyTrainer(
+        model, pad_token_id=tokenizer.pad_token_id or 0, optim=trainer.optim, loss=trainer.loss,
+        batching=trainer.batching, temperature=settings.rollout.sampling.temperature or 1.0,
+        alarm=trainer.logprob_alarm, dtype=trainer.dtype,
+    )
+    return policy_trainer, tokenizer
+
+
+def train_version(trainer: PolicyTrainer, batches: list[TrainingBatch]) -> dict[str, float]:
+    """The step of one policy version: a step that applied no update still counts as one, so
+    the queue position stays a function of the version (``services.trainer.loop``)."""
+    metrics = trainer.train_step(batches)
+    if metrics.get("skipped"):
+        trainer.step += 1
+    return metrics
