@@ -1,0 +1,179 @@
+"""The training loop under torchrun (issue 16, item 2): 2 processes with the environment torchrun
+gives them (gloo on CPU), real Redis, a local object store and the tiny model. The 2-rank run's
+weights after each step equal a one-process run's on the same batches; only rank 0 talks to
+Redis and commits checkpoints (rank 1 gets an unreachable Redis and writes only its shards);
+a restarted 2-rank job resumes the sharded state and still matches; one process resumes it too."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from services.cli.local_stack import free_port
+from services.trainer.checkpoints import download_checkpoint, latest_checkpoint, read_manifest
+from services.trainer.distributed import follow, join_from_env, unsupported
+from services.trainer.loop import TrainingLoop
+from services.trainer.metrics import MetricsSink
+from shared.names import RedisKeys
+from shared.schemas import CheckpointAnnouncement, parse_message
+from shared.settings import Settings
+from shared.staleness import StalenessBudget
+from shared.storage import LocalStore
+from test_training_loop import queue_group
+
+WORLD = 2
+UNREACHABLE_REDIS = "redis://127.0.0.1:9/0"  # a follower that touched Redis would fail
+
+
+def _settings(run_id: str, redis_url: str, tiny_dir: Path, tmp_path: Path) -> dict:
+    return dict(
+        run_id=run_id, redis={"url": redis_url}, inference={"model_path": str(tiny_dir)},
+        trainer={"max_off_policy_steps": 1, "groups_per_step": 2, "device": "cpu",
+                 "optim": {"lr": 1e-3, "max_grad_norm": 1.0},
+                 "batching": {"max_seq_len": 32, "micro_batch_tokens": 40},  # several micro-batches a step, split over the ranks
+                 "logprob_alarm": {"max_on_policy_mad": 1e6},  # make_batch's logprobs are synthetic
+                 "reward_curve_path": str(tmp_path / f"curve-{run_id}.png")},
+    )
+
+
+class _RecordingStore(LocalStore):
+    """A local store that appends every key it writes to a file."""
+
+    def __init__(self, root: Path, log: Path):
+        super().__init__(root)
+        self.log = log
+
+    def put_bytes(self, key: str, data: bytes, content_type: str = "application/gzip") -> None:
+        with self.log.open("a") as f:
+            f.write(key + "\n")
+        super().put_bytes(key, data, content_type)
+
+
+def _rank(rank: int, settings_kwargs: dict, store_root: str, out_dir: str, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    if rank != 0:
+        settings_kwargs = {**settings_kwargs, "redis": {"url": UNREACHABLE_REDIS}}
+    settings = Settings(**settings_kwargs)
+    ranks = join_from_env(settings)
+    try:
+        if ranks.leader:
+            client = redis.Redis.from_url(settings.redis.url, decode_responses=True)
+            budget = StalenessBudget(client, settings.run_id, 1, 2)
+            loop = TrainingLoop(settings, _RecordingStore(Path(store_root), out / "rank0-puts.txt"), budget,
+                                MetricsSink(out / "steps.jsonl"), ranks=ranks)
+            started = loop.version
+            try:
+                while loop.ready():
+                    loop.train_once()
+            finally:
+                loop.close()
+            result = {"started": started, "version": loop.version}
+        else:
+            version = follow(settings, _RecordingStore(Path(store_root), out / f"rank{rank}-puts.txt"), ranks)
+            result = {"version": version}
+    finally:
+        ranks.leave()
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def _torchrun(settings_kwargs: dict, store_root: Path, out_dir: Path) -> list[dict]:
+    out_dir.mkdir()
+    mp.start_processes(_rank, args=(settings_kwargs, str(store_root), str(out_dir), free_port()), nprocs=WORLD,
+                       start_method="spawn", join=True)
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def _weights(store: LocalStore, run_id: str, version: int, tmp_path: Path) -> dict[str, torch.Tensor]:
+    local = download_checkpoint(store, f"checkpoints/{run_id}/{version:06d}/", tmp_path / f"dl-{run_id}-{version}")
+    return {k: v for path in sorted(local.glob("*.safetensors")) for k, v in load_file(path).items()}
+
+
+def _assert_same_weights(store, sharded_run, single_run, version, tmp_path) -> None:
+    sharded, single = _weights(store, sharded_run, version, tmp_path), _weights(store, single_run, version, tmp_path)
+    assert sharded.keys() == single.keys()
+    for name, value in single.items():
+        # summation order differs across ranks (fp32 noise); Adam divides by sqrt(v), so where a
+        # gradient is near 0 that noise grows to a small fraction of one step (lr 1e-3)
+        torch.testing.assert_close(sharded[name], value, atol=1e-5, rtol=1e-5, msg=lambda m: f"version {version}: {name}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_loop_under_torchrun_equals_one_process_and_resumes_its_sharded_state(
+        tiny_dir, tmp_path, redis_url, redis_client, make_batch, run_id):
+    store = LocalStore(tmp_path / "objects")
+    single_id, sharded_id = run_id + "-one", run_id + "-two"
+    single_kwargs = _settings(single_id, redis_url, tiny_dir, tmp_path)
+    sharded_kwargs = _settings(sharded_id, redis_url, tiny_dir, tmp_path)
+
+    def queue(group_ids, oldest):
+        for run in (single_id, sharded_id):
+            for group_id in group_ids:
+                queue_group(redis_client, store, make_batch, run, group_id, oldest)
+
+    def single_loop() -> TrainingLoop:
+        budget = StalenessBudget(redis_client, single_id, 1, 2)
+        return TrainingLoop(Settings(**single_kwargs), store, budget, MetricsSink(tmp_path / "single.jsonl"))
+
+    queue(range(4), 0)
+    one = single_loop()
+    one.train_once()
+    one.train_once()
+    first = _torchrun(sharded_kwargs, store.root, tmp_path / "first")
+    assert first == [{"started": 0, "version": 2}, {"version": 2}]
+    for version in (1, 2):
+        _assert_same_weights(store, sharded_id, single_id, version, tmp_path)
+
+    # rank 0 alone decided: one selection per step, each version announced once, two step records
+    counters = redis_client.hgetall(RedisKeys.trainer_counters(sharded_id))
+    assert counters["groups_trained"] == "4"
+    announced = [parse_message(CheckpointAnnouncement, f) for _, f in redis_client.xrange(RedisKeys.checkpoints(sharded_id))]
+    assert [a.version for a in announced] == [1, 2]
+    assert redis_client.xlen(RedisKeys.step_metrics(sharded_id)) == 2
+    # rank 1 wrote its shard of each checkpoint and nothing else; the manifest holds both ranks' shards
+    rank1_puts = (tmp_path / "first" / "rank1-puts.txt").read_text().split()
+    assert rank1_puts == [f"checkpoints/{sharded_id}/{v:06d}/trainer_state_sharded/__1_0.distcp" for v in (1, 2)]
+    rank0_puts = (tmp_path / "first" / "rank0-puts.txt").read_text().split()
+    assert rank0_puts[-1] == f"checkpoints/{sharded_id}/000002/COMMITTED"
+    manifest = read_manifest(store, f"checkpoints/{sharded_id}/000002/")
+    assert {n for n in manifest["files"] if n.startswith("trainer_state_sharded/")} == {
+        "trainer_state_sharded/.metadata", "trainer_state_sharded/__0_0.distcp", "trainer_state_sharded/__1_0.distcp"}
+    served = download_checkpoint(store, f"checkpoints/{sharded_id}/000002/", tmp_path / "replica")
+    assert not (served / "trainer_state_sharded").exists()  # a replica never fetches the trainer's state
+
+    # a restarted job resumes the sharded model and optimizer state: step 3 still matches
+    queue(range(4, 6), 2)
+    one = single_loop()
+    assert one.version == 2
+    one.train_once()
+    second = _torchrun(sharded_kwargs, store.root, tmp_path / "second")
+    assert second == [{"started": 2, "version": 3}, {"version": 3}]
+    _assert_same_weights(store, sharded_id, single_id, 3, tmp_path)
+    assert latest_checkpoint(store, sharded_id)[0] == 3
+
+    # and one process can take the sharded run over (its optimizer state from the shards)
+    budget = StalenessBudget(redis_client, sharded_id, 1, 2)
+    alone = TrainingLoop(Settings(**sharded_kwargs), store, budget, MetricsSink(tmp_path / "alone.jsonl"))
+    assert (alone.version, alone.trainer.step) == (3, 3)
+    expected = one.trainer.optimizer.state_dict()["state"]
+    resumed = alone.trainer.optimizer.state_dict()["state"]
+    assert resumed.keys() == expected.keys()
+    for index, state in expected.items():
+        torch.testing.assert_close(resumed[index]["exp_avg_sq"], state["exp_avg_sq"], atol=1e-9, rtol=1e-4)
+
+
+def test_settings_a_sharded_trainer_does_not_support_yet_are_named(tiny_dir, tmp_path, redis_url):
+    base = _settings("r", redis_url, tiny_dir, tmp_path)
+    assert unsupported(Settings(**base)) == []
+    trainer = {**base["trainer"], "lora": {"enabled": True}, "loss": {"kl_coef": 0.1}}
+    assert unsupported(Settings(**{**base, "trainer": trainer})) == ["trainer.lora.enabled", "trainer.loss.kl_coef > 0"]
