@@ -32,10 +32,10 @@ WORLD = 2
 UNREACHABLE_REDIS = "redis://127.0.0.1:9/0"  # a follower that touched Redis would fail
 
 
-def _settings(run_id: str, redis_url: str, tiny_dir: Path, tmp_path: Path) -> dict:
+def _settings(run_id: str, redis_url: str, tiny_dir: Path, tmp_path: Path, device: str = "cpu") -> dict:
     return dict(
         run_id=run_id, redis={"url": redis_url}, inference={"model_path": str(tiny_dir)},
-        trainer={"max_off_policy_steps": 1, "groups_per_step": 2, "device": "cpu",
+        trainer={"max_off_policy_steps": 1, "groups_per_step": 2, "device": device,
                  "optim": {"lr": 1e-3, "max_grad_norm": 1.0},
                  "batching": {"max_seq_len": 32, "micro_batch_tokens": 40},  # several micro-batches a step, split over the ranks
                  "logprob_alarm": {"max_on_policy_mad": 1e6},  # make_batch's logprobs are synthetic
@@ -109,12 +109,17 @@ def _assert_same_weights(store, sharded_run, single_run, version, tmp_path) -> N
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("device", [
+    "cpu",  # gloo
+    pytest.param("cuda", marks=[pytest.mark.gpu,  # NCCL, one GPU per rank
+                                pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} GPUs")]),
+])
 def test_the_loop_under_torchrun_equals_one_process_and_resumes_its_sharded_state(
-        tiny_dir, tmp_path, redis_url, redis_client, make_batch, run_id):
+        device, tiny_dir, tmp_path, redis_url, redis_client, make_batch, run_id):
     store = LocalStore(tmp_path / "objects")
     single_id, sharded_id = run_id + "-one", run_id + "-two"
-    single_kwargs = _settings(single_id, redis_url, tiny_dir, tmp_path)
-    sharded_kwargs = _settings(sharded_id, redis_url, tiny_dir, tmp_path)
+    single_kwargs = _settings(single_id, redis_url, tiny_dir, tmp_path, device)
+    sharded_kwargs = _settings(sharded_id, redis_url, tiny_dir, tmp_path, device)
 
     def queue(group_ids, oldest):
         for run in (single_id, sharded_id):
@@ -169,7 +174,7 @@ def test_the_loop_under_torchrun_equals_one_process_and_resumes_its_sharded_stat
     resumed = alone.trainer.optimizer.state_dict()["state"]
     assert resumed.keys() == expected.keys()
     for index, state in expected.items():
-        torch.testing.assert_close(resumed[index]["exp_avg_sq"], state["exp_avg_sq"], atol=1e-9, rtol=1e-4)
+        torch.testing.assert_close(resumed[index]["exp_avg_sq"].cpu(), state["exp_avg_sq"].cpu(), atol=1e-9, rtol=1e-4)
 
 
 def test_settings_a_sharded_trainer_does_not_support_yet_are_named(tiny_dir, tmp_path, redis_url):
