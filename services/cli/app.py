@@ -326,6 +326,8 @@ def trainer(
     if settings.trainer.max_off_policy_steps is not None:  # it trains: it loads the model
         _require_model(settings)
         ranks = _join_ranks(settings)
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:  # N consumers of one stream would each assemble groups
+        raise errors.CommandError("under torchrun the trainer must train: set trainer.max_off_policy_steps")
     if ranks is not None and not ranks.leader:
         _follow(settings, ranks)
         return
