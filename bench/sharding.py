@@ -261,7 +261,6 @@ def crossslot_check(client: redis.Redis, per_run: bool) -> dict[str, str]:
     event = ScoredEvent(trajectory_id=tids[0], run_id=run, group_id=0, reward=1.0, scored_key="k", at=time.time())
     steps = {
         "register (REGISTER)": lambda: ledger.register(requests),
-        "set_payload (SET_PAYLOAD)": lambda: ledger.set_payload(tids[2], "{}", ROLLOUT),
         "claim, rollout (CLAIM)": lambda: ledger.claim(tids[0], "t0", 30) and ledger.claim(tids[1], "t1", 30),
         "heartbeat (HEARTBEAT)": lambda: ledger.renew({tids[0]: "t0"}, 30),
         "hand_back (HAND_BACK)": lambda: ledger.hand_back(tids[1], "t1"),

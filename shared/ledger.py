@@ -90,7 +90,6 @@ class Ledger:
         self._heartbeat = client.register_script(ledger_lua.HEARTBEAT)
         self._transition = client.register_script(ledger_lua.TRANSITION)
         self._expire = client.register_script(ledger_lua.EXPIRE)
-        self._set_payload = client.register_script(ledger_lua.SET_PAYLOAD)
         self._hand_back = client.register_script(ledger_lua.HAND_BACK)
         self._sent = client.register_script(ledger_lua.SENT)
 
@@ -275,13 +274,6 @@ class Ledger:
         if raw is None:
             raise KeyError(f"no {stage.name} payload recorded for {trajectory_id}")
         return raw
-
-    def set_payload(self, trajectory_id: str, payload: str, stage: LeaseStage) -> bool:
-        """What a re-dispatch of the stage publishes, stored before the first message is sent;
-        only while the trajectory waits for the stage (False: it is elsewhere, or unknown)."""
-        run = parse_trajectory_id(trajectory_id).run_id
-        keys = [RedisKeys.states(run), stage.payloads(run)]
-        return bool(self._set_payload(keys=keys, args=[trajectory_id, stage.claim_from.value, payload]))
 
     def unclaimed(self, run_id: str, stage: LeaseStage) -> dict[str, str]:
         """Trajectory id -> payload of those waiting where the stage claims from, with no lease

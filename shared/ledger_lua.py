@@ -53,15 +53,6 @@ if ARGV[6] ~= '' then redis.call('HSET', KEYS[6], ARGV[1], ARGV[6]) end
 return {'ok', tostring(attempt)}
 """
 
-# A stage's payload (what a re-dispatch publishes), stored only while the trajectory waits for
-# the stage: a late writer never recreates a trajectory's keys (e.g. in a Redis that lost them).
-# KEYS: states, payloads ; ARGV: tid, the state it must be in, payload -> 1 stored | 0 not
-SET_PAYLOAD = """
-if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
-return 1
-"""
-
 # KEYS: states, owners, leases ; ARGV: deadline, held, then (tid, token) pairs -> the ids whose
 # lease is no longer theirs (another state, or another owner): their holders should stop
 HEARTBEAT = """

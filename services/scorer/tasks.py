@@ -72,6 +72,14 @@ def _redispatch(trajectory_id: str, task_json: str) -> None:
         _scorer.reject(exc, trajectory_id)
 
 
+def _reject(error: BadMessage, raw: object) -> str:
+    """``Scorer.reject`` for a message (or element) that is not a ScoringTask, naming the
+    trajectory it carries if it carries one."""
+    outcome = _scorer.reject(error, raw.get("trajectory_id") if isinstance(raw, dict) else raw)
+    log.info("scoring message %.200r: %s", raw, outcome)
+    return outcome
+
+
 @app.task(name=SCORING_TASK)
 def score_trajectories(*args: object, **kwargs: object) -> list[str]:
     """Scores every ``ScoringTask`` of the message (``Scorer.score_batch``). Takes anything, so that a malformed
@@ -80,16 +88,9 @@ def score_trajectories(*args: object, **kwargs: object) -> list[str]:
     try:
         tasks = scoring_tasks_of(args, kwargs)
     except BadMessage as exc:
-        first = args[0] if args else None
-        outcome = _scorer.reject(exc, first.get("trajectory_id") if isinstance(first, dict) else first)
-        log.info("scoring message %.200r: %s", args, outcome)
-        return [outcome]
+        return [_reject(exc, args[0] if args else None)]
     items = args[0] if isinstance(args[0], list) else [args[0]]
-    outcomes = []
-    for bad, raw in ((t, raw) for t, raw in zip(tasks, items) if isinstance(t, BadMessage)):
-        outcome = _scorer.reject(bad, raw.get("trajectory_id") if isinstance(raw, dict) else raw)
-        log.info("scoring message element %.200r: %s", raw, outcome)
-        outcomes.append(outcome)
+    outcomes = [_reject(bad, raw) for bad, raw in zip(tasks, items) if isinstance(bad, BadMessage)]
     good = [t for t in tasks if isinstance(t, ScoringTask)]
     scored = _scorer.score_batch(good)
     for task, outcome in zip(good, scored):

@@ -137,9 +137,8 @@ def test_after_redis_restarted_one_reaper_sends_again_what_waits_unclaimed(tmp_p
         ledger.register(requests)
         waiting, claimed, handed_on = (r.trajectory_id for r in requests)
         assert ledger.claim(claimed, "live-worker", 60)[0]
-        assert ledger.claim(handed_on, "done-worker", 60)[0] and ledger.mark_uploaded(handed_on, "done-worker").ok
-        assert ledger.set_payload(handed_on, '{"scoring": "task"}', SCORING)
-        assert not ledger.set_payload(waiting, '{"scoring": "task"}', SCORING)  # not uploaded: nothing stored
+        assert ledger.claim(handed_on, "done-worker", 60)[0]
+        assert ledger.mark_uploaded(handed_on, "done-worker", '{"scoring": "task"}', send_within_s=3600).ok  # its task stored
         sent: dict[str, list[tuple[str, str]]] = {"rollout": [], "scoring": [], "other-rollout": []}
         reapers = [Reaper(ledger, stage, 3, 1.0, lambda tid, payload, name=name: sent[name].append((tid, payload)), settle_s=0.5)
                    for name, stage in (("rollout", ROLLOUT), ("scoring", SCORING), ("other-rollout", ROLLOUT))]
