@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from pipeline_support import ServedModel
 from vllm_support import running_vllm
 
 from services.inference.tiny_model import generate_tiny_model
@@ -60,4 +61,12 @@ def proxy_on_tiny_vllm(root: Path, served: str = "tiny", max_model_len: int = 10
     with running_vllm(model_dir, served, root / "vllm.log", max_model_len=max_model_len, extra_args=extra) as vllm, \
             running_proxy(model_dir, vllm.base_url, served, root / "sockets") as proxy:
         proxy.vllm = vllm
+        yield proxy
+
+
+@contextmanager
+def proxy_on_served(model: ServedModel, root: Path) -> Iterator[AgentProxy]:
+    """A proxy in front of an already running vLLM (the session's, ``served_model``), ``.vllm`` set to it."""
+    with running_proxy(model.model_dir, model.base_url, "tiny", root / "sockets") as proxy:
+        proxy.vllm = model
         yield proxy

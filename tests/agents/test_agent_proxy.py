@@ -10,7 +10,7 @@ import socket
 import httpx
 import openai
 import pytest
-from agent_support import proxy_on_tiny_vllm
+from agent_support import proxy_on_served
 
 from services.rollout_worker.agent_proxy import RecordingLimits
 from services.rollout_worker.episode import turn_seed
@@ -22,8 +22,8 @@ LIMITS = RecordingLimits(max_tokens_per_turn=24, max_episode_tokens=400, max_mod
 
 
 @pytest.fixture(scope="module")
-def proxy(tmp_path_factory):
-    with proxy_on_tiny_vllm(tmp_path_factory.mktemp("proxy")) as server:
+def proxy(tmp_path_factory, served_model):
+    with proxy_on_served(served_model, tmp_path_factory.mktemp("proxy")) as server:
         yield server
 
 

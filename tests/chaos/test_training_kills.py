@@ -21,7 +21,7 @@ policy version reaches the trainer's newest. The time from the kill to the run m
 measured: for the trainer, to its next group completed and its next step announced; for the
 follower, to vLLM serving the newest announced version, resumed.
 
-One vLLM serves the whole chaos package: its weights and label are put back after each case.
+One vLLM serves the whole session: its weights and label are put back after each case.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from pipeline_support import REWARD_WEIGHTS, poll, run_stack, store_of, stream_events
+from pipeline_support import REWARD_WEIGHTS, back_as_it_was, poll, run_stack, store_of, stream_events
 
 from services.cli.demo import write_demo_dataset
 from services.cli.local_stack import LocalStack, ManagedProcess
@@ -58,14 +58,9 @@ FAULT_WORDS = ("lease", "infra_error", "trainer", "weight", "sync", "Connection"
 
 @pytest.fixture
 def vllm_back_as_it_was(served_model):
-    """The package's vLLM serves the tiny model again, under its old label, after the case."""
-    with ws.admin_client() as admin:
-        label = ws.weight_version(admin, served_model.base_url)
+    """The session's vLLM serves the tiny model again, under its old label, after the case."""
+    with back_as_it_was(served_model):
         yield
-        if ws.is_paused(admin, served_model.base_url):
-            ws.resume(admin, served_model.base_url)
-        ws.sync_weights([served_model.base_url], served_model.model_dir, 0, client=admin)
-        ws.set_weight_version(admin, served_model.base_url, label)
 
 
 def _training_stack(base: LocalStack, root: Path, run_id: str) -> LocalStack:

@@ -20,7 +20,7 @@ import textwrap
 from urllib.parse import urlparse
 
 import pytest
-from agent_support import proxy_on_tiny_vllm
+from agent_support import proxy_on_served
 
 from services.rollout_worker.agent_episode import run_agent_episode
 from services.rollout_worker.agent_images import build_agent_image
@@ -85,8 +85,8 @@ SCRIPTED_AGENT = textwrap.dedent('''
 
 
 @pytest.fixture(scope="module")
-def proxy(tmp_path_factory):
-    with proxy_on_tiny_vllm(tmp_path_factory.mktemp("agent-coding")) as server:
+def proxy(tmp_path_factory, served_model):
+    with proxy_on_served(served_model, tmp_path_factory.mktemp("agent-coding")) as server:
         yield server
 
 

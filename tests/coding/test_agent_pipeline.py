@@ -20,13 +20,13 @@ GROUP_SIZE = 2
 
 
 def test_agent_trajectories_reach_the_trainer_with_their_recorded_tokens_and_masks(
-        tmp_path, swe_bench_row, python_image, coding_run_id, docker_client):
+        tmp_path, swe_bench_row, python_image, coding_run_id, docker_client, served_model):
     dataset = tmp_path / "swe.jsonl"
     dataset.write_text(json.dumps(swe_bench_row) + "\n")
     env_config = {"image": python_image, "workspace_cache_dir": str(tmp_path / "workspaces"), "test_timeout_s": 60,
                   "agent_timeout_s": 180, "agent_command": f"python3 -c {shlex.quote(SCRIPTED_AGENT)}"}
     run_id = coding_run_id
-    with base_stack(tmp_path) as base, tempfile.TemporaryDirectory(prefix="ag-", dir="/tmp") as sockets:
+    with base_stack(tmp_path, served_model) as base, tempfile.TemporaryDirectory(prefix="ag-", dir="/tmp") as sockets:
         stack = run_stack(base, tmp_path / "run", run_id, CONVEYOR_INTAKE__ENV_NAME="agent_coding",
                           CONVEYOR_INTAKE__ENV_CONFIG=json.dumps(env_config), CONVEYOR_ROLLOUT__GROUP_SIZE=str(GROUP_SIZE),
                           CONVEYOR_REWARDS__WEIGHTS=json.dumps({"verifier": 1.0}), CONVEYOR_TRAINER__GROUPS_PER_STEP="1",

@@ -31,8 +31,8 @@ TOTAL = GROUPS * GROUP_SIZE
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    with base_stack(tmp_path_factory.mktemp("third-party")) as stack:
+def base(tmp_path_factory, served_model):
+    with base_stack(tmp_path_factory.mktemp("third-party"), served_model) as stack:
         yield stack
 
 

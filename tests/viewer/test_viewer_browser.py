@@ -46,9 +46,9 @@ def dom(url: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def viewer(tmp_path_factory):
+def viewer(tmp_path_factory, served_model):
     root = tmp_path_factory.mktemp("viewer")
-    with base_stack(root) as base:
+    with base_stack(root, served_model) as base:
         stack = run_stack(base, root / "run", RUN, CONVEYOR_ROLLOUT__GROUP_SIZE=str(GROUP_SIZE),
                           CONVEYOR_REWARDS__WEIGHTS=json.dumps(REWARD_WEIGHTS), CONVEYOR_TRAINER__MAX_OFF_POLICY_STEPS="1",
                           CONVEYOR_TRAINER__GROUPS_PER_STEP="2", CONVEYOR_TRAINER__TORCH_THREADS="1",
