@@ -92,6 +92,24 @@ def test_missing_model_path_names_the_setting(tmp_path):
     assert line.startswith(f"inference.model_path: {missing} is not a directory")
 
 
+def test_a_malformed_model_path_names_the_setting(tmp_path):
+    line = one_error_line(conveyor("trainer", cwd=tmp_path, CONVEYOR_TRAINER__MAX_OFF_POLICY_STEPS="0",
+                                   CONVEYOR_INFERENCE__MODEL_PATH="org/name/extra"))
+    assert line.startswith("inference.model_path: 'org/name/extra' is neither a local directory nor a Hugging Face "
+                           "model name (org/name")
+
+
+def test_inference_with_a_hub_name_not_cached_offline_says_so_in_one_line(tmp_path):
+    """``conveyor inference`` takes a Hugging Face model name; offline (HF_HUB_OFFLINE), one that is
+    not in the cache stops the command before vLLM starts, naming the setting, the cache and the cure."""
+    hf_home = tmp_path / "hf-home"
+    line = one_error_line(conveyor("inference", cwd=tmp_path, CONVEYOR_INFERENCE__MODEL_PATH="conveyor-test/not-cached",
+                                   HF_HUB_OFFLINE="1", HF_HOME=str(hf_home)))
+    assert line == (f"inference.model_path: conveyor-test/not-cached is a Hugging Face model name that is not in the "
+                    f"local cache ({hf_home / 'hub'}), and the Hub is offline (HF_HUB_OFFLINE): download it first "
+                    "(`hf download conveyor-test/not-cached`) or set inference.model_path to a local checkpoint directory")
+
+
 def test_unknown_dataset_file_names_the_path(tmp_path):
     line = one_error_line(conveyor("intake", "--dataset", str(tmp_path / "nope.jsonl"), cwd=tmp_path))
     assert line == f"dataset {tmp_path / 'nope.jsonl'} does not exist"
