@@ -47,6 +47,8 @@ def _not_a_bool(value: Any) -> Any:
 # Numbers that refuse booleans: pydantic's lax mode would read YAML `true` as 1.
 Int = Annotated[int, BeforeValidator(_not_a_bool)]
 Float = Annotated[float, BeforeValidator(_not_a_bool)]
+# A path kept as written (Path would drop a leading "./"), or a Hugging Face model name.
+PathOrName = Annotated[str, BeforeValidator(lambda v: os.fspath(v) if isinstance(v, os.PathLike) else v)]
 
 
 class Section(BaseModel):
@@ -73,7 +75,9 @@ class InferenceSettings(Section):
     replica_urls: list[str] = Field(default_factory=list)  # every replica to keep in sync; [] = [base_url]
     weights_dir: Path = Path(".conveyor/weights")  # where the weight follower puts downloaded checkpoints
     model: str = "tiny"  # served model name
-    model_path: Path = Path(".conveyor/models/tiny")  # checkpoint dir; the tokenizer comes from here
+    # a checkpoint directory or a Hugging Face model name (org/name); the tokenizer comes from
+    # it too. Which one is decided where it is used (shared.model_source)
+    model_path: PathOrName = ".conveyor/models/tiny"
     max_model_len: Int = Field(1024, gt=0)
     dtype: str = "float32"
     port: Int = Field(8000, gt=0, lt=65536)

@@ -53,7 +53,8 @@ def test_the_gpu_launch_takes_a_hub_name_tensor_parallelism_and_memory_share_fro
     for flag, value in (("--model", "Qwen/Qwen2.5-7B-Instruct"), ("--tensor-parallel-size", "2"),
                         ("--gpu-memory-utilization", "0.6"), ("--dtype", "bfloat16")):
         assert argv[argv.index(flag) + 1] == value, flag
-    settings = load_settings(inference={"tensor_parallel_size": 2, "gpu_memory_utilization": 0.6})
+    settings = load_settings(inference={"model_path": "Qwen/Qwen2.5-7B-Instruct", "tensor_parallel_size": 2,
+                                        "gpu_memory_utilization": 0.6})
     if has_nvidia_gpu():
         server = VllmServer.from_settings(settings.inference)
         assert server.argv[server.argv.index("--tensor-parallel-size") + 1] == "2"

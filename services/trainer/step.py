@@ -35,6 +35,7 @@ from services.trainer.sharding import all_sum, rank_share, shard_policy, world
 from services.trainer.batching import masked_copy, micro_batches, prepare_samples
 from services.trainer.loss import loss_denominator, policy_loss
 from services.trainer.policy import frozen_reference, load_policy, sequence_logprobs
+from shared.model_source import resolve_model_source
 from shared.schemas import TrainingBatch
 from shared.settings import (ALARM_MAD_BY_DTYPE, BatchingSettings, LogprobAlarmSettings, LossSettings, OptimSettings,
                              Settings)
@@ -158,12 +159,13 @@ class PolicyTrainer:
 
 
 def trainer_from_settings(settings: Settings, shard: bool = False) -> tuple[PolicyTrainer, PreTrainedTokenizerBase]:
-    """The run's policy (``inference.model_path``, on ``trainer.device``) and its trainer.
+    """The run's policy (``inference.model_path``: a local checkpoint or a Hugging Face model name,
+    on ``trainer.device``) and its trainer.
     ``shard``: FSDP2 over the ranks (``services.trainer.sharding``), before the optimizer is built."""
     trainer = settings.trainer
     if trainer.torch_threads:
         torch.set_num_threads(trainer.torch_threads)
-    model, tokenizer = load_policy(settings.inference.model_path, resolve_device(trainer.device))
+    model, tokenizer = load_policy(resolve_model_source(settings.inference.model_path).value, resolve_device(trainer.device))
     if trainer.activation_checkpointing:
         model.gradient_checkpointing_enable()
     if trainer.lora.enabled:  # transformers' checkpointing (non-reentrant) carries grad past the frozen base

@@ -3,6 +3,7 @@ naming its cause and exit code 2; ``--debug`` shows the traceback instead."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -90,6 +91,44 @@ def test_missing_model_path_names_the_setting(tmp_path):
     missing = tmp_path / "no-model"
     line = one_error_line(conveyor("worker", "rollout", cwd=tmp_path, CONVEYOR_INFERENCE__MODEL_PATH=str(missing)))
     assert line.startswith(f"inference.model_path: {missing} is not a directory")
+
+
+def test_a_malformed_model_path_names_the_setting(tmp_path):
+    line = one_error_line(conveyor("trainer", cwd=tmp_path, CONVEYOR_TRAINER__MAX_OFF_POLICY_STEPS="0",
+                                   CONVEYOR_INFERENCE__MODEL_PATH="org/name/extra"))
+    assert line.startswith("inference.model_path: 'org/name/extra' is neither a local directory nor a Hugging Face "
+                           "model name (org/name")
+
+
+def test_inference_with_a_hub_name_not_cached_offline_says_so_in_one_line(tmp_path):
+    """``conveyor inference`` takes a Hugging Face model name; offline (HF_HUB_OFFLINE), one that is
+    not in the cache stops the command before vLLM starts, naming the setting, the cache and the cure."""
+    hf_home = tmp_path / "hf-home"
+    line = one_error_line(conveyor("inference", cwd=tmp_path, CONVEYOR_INFERENCE__MODEL_PATH="conveyor-test/not-cached",
+                                   HF_HUB_OFFLINE="1", HF_HOME=str(hf_home)))
+    assert line == (f"inference.model_path: conveyor-test/not-cached is a Hugging Face model name that is not in the "
+                    f"local cache ({hf_home / 'hub'}), and the Hub is offline (HF_HUB_OFFLINE): download it first "
+                    "(`hf download conveyor-test/not-cached`) or set inference.model_path to a local checkpoint directory")
+
+
+def test_the_gpu_launch_takes_a_hub_name_from_the_cache_offline(tmp_path):
+    """A model name in the Hub cache is enough offline: the GPU launcher (compose's inference-gpu)
+    builds vLLM's command with it, and its log says the name goes to vLLM as a hub name."""
+    hf_home = tmp_path / "hf-home"
+    snapshot = hf_home / "hub" / "models--conveyor-test--cached" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (hf_home / "hub" / "models--conveyor-test--cached" / "refs").mkdir()
+    (hf_home / "hub" / "models--conveyor-test--cached" / "refs" / "main").write_text("0" * 40)
+    base = {k: v for k, v in os.environ.items() if not k.upper().startswith("CONVEYOR_")}
+    result = subprocess.run([sys.executable, "-m", "services.inference.gpu_launch", "--print"], cwd=tmp_path,
+                            env={**base, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "HF_HUB_OFFLINE": "1",
+                                 "HF_HOME": str(hf_home), "CONVEYOR_INFERENCE__MODEL_PATH": "conveyor-test/cached"},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "conveyor-test/cached is not a local directory: it is used as a Hugging Face model name" in result.stderr
+    argv = json.loads(result.stdout)["argv"]
+    assert argv[argv.index("--model") + 1] == "conveyor-test/cached"
 
 
 def test_unknown_dataset_file_names_the_path(tmp_path):

@@ -99,12 +99,16 @@ HEAD_ADDRESS = docker_host_address() if shutil.which("docker") else "127.0.0.1"
 
 
 
+def example_env() -> dict[str, str]:
+    """compose/.env.example's variables and the test secrets."""
+    return {**dict(line.split("=", 1) for line in (ROOT / "compose" / ".env.example").read_text().splitlines()
+                   if line and not line.startswith("#")), **SECRETS}
+
+
 def stack_env(images: StackImages, ports: dict[str, int], **overrides: str) -> dict[str, str]:
     """The env file's variables: .env.example, the test secrets, the image tags, and the ports."""
     return {
-        **dict(line.split("=", 1) for line in (ROOT / "compose" / ".env.example").read_text().splitlines()
-               if line and not line.startswith("#")),
-        **SECRETS,
+        **example_env(),
         **dict(line.split("=", 1) for line in images.env_lines()),
         "DOCKER_GID": str(os.stat("/var/run/docker.sock").st_gid),
         "REDIS_PUBLISH": f"{HEAD_ADDRESS}:{ports['redis']}", "S3_PUBLISH": f"{HEAD_ADDRESS}:{ports['s3']}",
