@@ -102,6 +102,19 @@ class InferenceSettings(Section):
     weight_sync: Literal["s3", "nccl"] = "s3"
     weight_sync_host: str = "127.0.0.1"  # the trainer's address as the replicas reach it (its group's store)
     weight_sync_port: Int = Field(29531, gt=0, lt=65536)
+    # nccl only: every how many versions the trainer writes the S3 checkpoint (the durable
+    # record a restart resumes from); the versions between are served by broadcast only.
+    # The last version a trainer publishes is always written at shutdown (services.trainer.weight_push).
+    weight_sync_checkpoint_every: Int = Field(1, gt=0)
+
+    @model_validator(mode="after")
+    def _sparse_checkpoints_need_broadcast(self) -> "InferenceSettings":
+        """On the s3 path a version reaches the replicas only through its checkpoint."""
+        if self.weight_sync_checkpoint_every > 1 and self.weight_sync != "nccl":
+            raise ValueError(f"weight_sync_checkpoint_every is {self.weight_sync_checkpoint_every}, but with "
+                             f"weight_sync: {self.weight_sync} every version is served from its checkpoint; "
+                             "set it to 1, or use weight_sync: nccl")
+        return self
 
 
 class SamplingSettings(Section):

@@ -50,7 +50,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 
 from shared.checkpoint_files import CheckpointError
 from shared.checkpoint_files import download_checkpoint as fetch_checkpoint
-from services.trainer.lora import adapter_state, load_adapter_state, lora_shape, save_served
+from services.trainer.lora import adapter_state, check_adapter_shape, load_adapter_state, lora_shape, save_served
 from services.trainer.policy import logprob_probe
 from services.trainer.sharding import load_sharded
 from shared.names import (
@@ -155,9 +155,9 @@ def save_checkpoint(
             tokenizer.save_pretrained(local)
         probe = snapshot.probe if snapshot is not None else logprob_probe(model, version)
         (local / CHECKPOINT_PROBE).write_bytes(probe.to_json())
-        optimizer_state = snapshot.optimizer if snapshot is not None else optimizer.state_dict()
-        state = {"step": step, "version": version} if sharded_files else \
-            {"optimizer": optimizer_state, "step": step, "version": version}
+        state = {"step": step, "version": version}
+        if not sharded_files:  # else the optimizer state is in the shards
+            state["optimizer"] = snapshot.optimizer if snapshot is not None else optimizer.state_dict()
         if lora:
             state["adapter"] = adapter_state(model)
         torch.save(state, local / TRAINER_STATE)
@@ -214,6 +214,21 @@ def download_checkpoint(store: ObjectStore, prefix: str, local_dir: str | Path, 
     return fetch_checkpoint(store, prefix, Path(local_dir), with_trainer_state=with_trainer_state, only=only).local_dir
 
 
+def sharded_state_files(store: ObjectStore, prefix: str) -> frozenset[str]:
+    """The ``trainer_state_sharded/`` files of a committed checkpoint (none if one process wrote it)."""
+    return frozenset(name for name in read_manifest(store, prefix)["files"] if name.startswith(SHARDED_STATE + "/"))
+
+
+def check_lora_kind(prefix: str, state: dict, model: torch.nn.Module) -> None:
+    """A LoRA checkpoint (its trainer state holds the adapter) resumes only into a LoRA policy of
+    the same shape, and a full one only into a full policy."""
+    if isinstance(model, PeftModel) != ("adapter" in state):
+        raise CheckpointError(f"{prefix} is a checkpoint of a run {'with' if 'adapter' in state else 'without'} "
+                              f"LoRA; set trainer.lora.enabled: {str('adapter' in state).lower()} to resume it")
+    if "adapter" in state:
+        check_adapter_shape(state["adapter"]["shape"], model)
+
+
 def resume(store: ObjectStore, run_id: str, model: PreTrainedModel, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     """Load the latest committed checkpoint into ``model`` and ``optimizer``; (version, step).
     A LoRA policy gets its adapter back, and its base is left as it is."""
@@ -223,14 +238,13 @@ def resume(store: ObjectStore, run_id: str, model: PreTrainedModel, optimizer: t
     version, prefix = latest
     lora = isinstance(model, PeftModel)
     with tempfile.TemporaryDirectory(prefix="conveyor-resume-") as tmp:
-        local = download_checkpoint(store, prefix, Path(tmp) / "checkpoint", with_trainer_state=True,
-                                    only=frozenset({TRAINER_STATE}) if lora else None)  # the adapter is in it
+        # a LoRA policy needs only the trainer state (the adapter is in it) and any sharded state
+        only = frozenset({TRAINER_STATE}) | sharded_state_files(store, prefix) if lora else None
+        local = download_checkpoint(store, prefix, Path(tmp) / "checkpoint", with_trainer_state=True, only=only)
         state = torch.load(local / TRAINER_STATE, map_location="cpu", weights_only=True)
         if state.get("version") != version:
             raise CheckpointError(f"{prefix}{TRAINER_STATE} is for version {state.get('version')}, not {version}")
-        if lora != ("adapter" in state):
-            raise CheckpointError(f"{prefix} is a checkpoint of a run {'with' if 'adapter' in state else 'without'} "
-                                  f"LoRA; set trainer.lora.enabled: {str('adapter' in state).lower()} to resume it")
+        check_lora_kind(prefix, state, model)
         if lora:
             load_adapter_state(model, state["adapter"])
         else:

@@ -19,6 +19,13 @@ Invariants:
   checkpoint's prefix, then the leader gathers every rank's manifest entries and writes the
   Hugging Face checkpoint vLLM loads, from the full state dict gathered to it, and commits.
   ``COMMITTED`` lists every rank's files, so a committed checkpoint holds every shard.
+- A LoRA policy trains sharded too (adapters wrapped, then ``fully_shard``; only the adapters
+  train). Its shards hold the adapters and their optimizer state; what vLLM serves (merged
+  weights or the adapter, ``trainer.lora.sync``) and the trainer state's adapter are written by
+  the leader from an unsharded CPU copy of the policy, built once at its first checkpoint (the
+  served base again: one more copy of the base in the leader's host memory), with the
+  adapters gathered from every rank loaded in: the same ``save_checkpoint`` as one process,
+  so the same files.
 - Resume is collective: the leader picks the latest committed checkpoint and broadcasts it;
   every rank loads the sharded state from it. A checkpoint without sharded state (written by a
   one-process trainer) is refused at start on every rank. (``checkpoints.resume`` reads a
@@ -29,8 +36,8 @@ Invariants:
 - Followers wait for the next order without a deadline (``ORDER_TIMEOUT``): the leader may
   wait hours for rollouts. A dead rank does not leave them hanging: torchrun stops every rank
   when one exits with an error.
-- Not supported under torchrun yet, refused at start: LoRA, ``inference.weight_sync: nccl``
-  and a KL reference (``trainer.loss.kl_coef > 0``).
+- Not supported under torchrun yet, refused at start: ``inference.weight_sync: nccl`` and a KL
+  reference (``trainer.loss.kl_coef > 0``).
 """
 
 from __future__ import annotations
@@ -44,18 +51,21 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from peft import PeftModel
 from transformers import PreTrainedTokenizerBase
 
-from services.trainer.checkpoints import (SHARDED_STATE, TRAINER_STATE, Snapshot, download_checkpoint,
-                                          is_committed, latest_checkpoint, read_manifest, save_checkpoint, upload_file)
+from services.trainer.checkpoints import (SHARDED_STATE, TRAINER_STATE, Snapshot, check_lora_kind,
+                                          download_checkpoint, is_committed, latest_checkpoint, save_checkpoint,
+                                          sharded_state_files, upload_file)
 from services.trainer.device import resolve_device
-from services.trainer.policy import logprob_probe
+from services.trainer.lora import load_trainable_weights, with_lora
+from services.trainer.policy import load_policy, logprob_probe
 from services.trainer.sharding import full_state_dict, load_sharded, save_sharded
 from services.trainer.step import PolicyTrainer, train_version, trainer_from_settings
 from shared.checkpoint_files import CheckpointError
 from shared.names import checkpoint_prefix
 from shared.schemas import TrainingBatch
-from shared.settings import Settings
+from shared.settings import LoraSettings, Settings
 from shared.storage import ObjectStore, get_model
 
 log = logging.getLogger(__name__)
@@ -74,7 +84,6 @@ class StepOrder:
 def unsupported(settings: Settings) -> list[str]:
     """The settings a sharded trainer does not support yet."""
     return [reason for reason, on in [
-        ("trainer.lora.enabled", settings.trainer.lora.enabled),
         ("inference.weight_sync: nccl", settings.inference.weight_sync == "nccl"),
         ("trainer.loss.kl_coef > 0", settings.trainer.loss.kl_coef > 0),
     ] if on]
@@ -86,7 +95,10 @@ class TrainerRanks:
 
     rank: int
     world_size: int
+    lora: LoraSettings | None = None  # trainer.lora when enabled
+    base_path: Path | None = None  # inference.model_path: a LoRA policy's base
     in_step: bool = field(default=False, init=False)  # an order was sent and its checkpoint not yet written
+    _unsharded_lora: PeftModel | None = field(default=None, init=False)  # the leader's copy (module docstring)
 
     @property
     def leader(self) -> bool:
@@ -122,7 +134,7 @@ class TrainerRanks:
         if latest is None:
             return 0, 0
         version, prefix = latest
-        names = frozenset(n for n in read_manifest(store, prefix)["files"] if n.startswith(SHARDED_STATE + "/"))
+        names = sharded_state_files(store, prefix)
         if not names:
             raise CheckpointError(f"{prefix} has no sharded trainer state (a one-process trainer wrote it): "
                                   f"resume it without torchrun")
@@ -132,6 +144,7 @@ class TrainerRanks:
             state = torch.load(local / TRAINER_STATE, map_location="cpu", weights_only=True)
             if state.get("version") != version:
                 raise CheckpointError(f"{prefix}{TRAINER_STATE} is for version {state.get('version')}, not {version}")
+            check_lora_kind(prefix, state, trainer.model)
             load_sharded(trainer.model, trainer.optimizer, local / SHARDED_STATE)
         return version, int(state["step"])
 
@@ -142,8 +155,12 @@ class TrainerRanks:
         prefix = checkpoint_prefix(run_id, version)
         if is_committed(store, prefix):
             raise CheckpointError(f"checkpoint {prefix} is already committed; versions are never overwritten")
-        probe = logprob_probe(trainer.model, version)  # a forward pass: every rank joins it
-        weights = full_state_dict(trainer.model)  # the whole model on the leader, nothing elsewhere
+        lora = isinstance(trainer.model, PeftModel)
+        if lora:
+            self._gather_adapters(trainer.model)
+        else:
+            probe = logprob_probe(trainer.model, version)  # a forward pass: every rank joins it
+            weights = full_state_dict(trainer.model)  # the whole model on the leader, nothing elsewhere
         with tempfile.TemporaryDirectory(prefix=f"conveyor-shard-rank{self.rank}-") as tmp:
             save_sharded(trainer.model, trainer.optimizer, Path(tmp))
             mine = {f"{SHARDED_STATE}/{path.name}": upload_file(store, f"{prefix}{SHARDED_STATE}/", path)
@@ -152,10 +169,26 @@ class TrainerRanks:
         dist.gather_object(mine, every, dst=0)  # after this every rank's shard is in the store
         if self.leader:
             shards = {name: entry for files in every for name, entry in files.items()}
-            save_checkpoint(store, run_id, version, trainer.model, tokenizer, trainer.optimizer, trainer.step,
-                            dataset_versions=dataset_versions, snapshot=Snapshot(version, weights, {}, probe),
-                            sharded_files=shards)
+            if lora:  # the unsharded copy gives the probe and what is served
+                save_checkpoint(store, run_id, version, self._unsharded_lora, tokenizer, trainer.optimizer,
+                                trainer.step, dataset_versions=dataset_versions, lora_sync=self.lora.sync,
+                                sharded_files=shards)
+            else:
+                save_checkpoint(store, run_id, version, trainer.model, tokenizer, trainer.optimizer, trainer.step,
+                                dataset_versions=dataset_versions, snapshot=Snapshot(version, weights, {}, probe),
+                                sharded_files=shards)
         self.in_step = False
+
+    def _gather_adapters(self, model: PeftModel) -> None:
+        """Every rank: gather the adapters to the leader, which loads them into its unsharded copy
+        of the policy (built at the first call)."""
+        adapters = full_state_dict(model, trainable_only=True)  # a collective; {} off the leader
+        if self.leader:
+            if self._unsharded_lora is None:
+                if self.lora is None or self.base_path is None:
+                    raise ValueError("a sharded LoRA policy needs TrainerRanks.lora and base_path to checkpoint")
+                self._unsharded_lora = with_lora(load_policy(self.base_path)[0], self.lora)
+            load_trainable_weights(self._unsharded_lora, adapters)
 
 
 def join_from_env(settings: Settings) -> TrainerRanks | None:
@@ -172,7 +205,9 @@ def join_from_env(settings: Settings) -> TrainerRanks | None:
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=ORDER_TIMEOUT)
-    return TrainerRanks(dist.get_rank(), dist.get_world_size())
+    lora = settings.trainer.lora
+    return TrainerRanks(dist.get_rank(), dist.get_world_size(), lora=lora if lora.enabled else None,
+                        base_path=settings.inference.model_path)
 
 
 def follow(settings: Settings, store: ObjectStore, ranks: TrainerRanks) -> int:

@@ -20,8 +20,10 @@ Invariants:
   one) is logged once and passed over, and counted (``bad_train_entries``) with the selection.
 - A step is announced (a ``CheckpointAnnouncement`` on the checkpoints stream) only after its checkpoint is committed, and the
   staleness step advances with it (with ``inference.weight_sync: nccl`` the version is served
-  by broadcast first and its checkpoint is committed and announced in the background:
-  ``services.trainer.weight_push``); on start the latest checkpoint is announced again (the
+  by broadcast first, and only every ``inference.weight_sync_checkpoint_every``-th version is
+  checkpointed, committed and announced, in the background: ``services.trainer.weight_push``;
+  a restart there replays the versions the replicas serve beyond the newest checkpoint,
+  without serving them again); on start the latest checkpoint is announced again (the
   weight follower ignores versions it already serves).
 - A step with no trainable token (all masks zero), or one the logprob alarm skipped, still
   counts as a step: the version moves on with unchanged weights, so the queue position stays
@@ -49,6 +51,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+from services.inference.weight_broadcast import WeightBroadcaster
 from services.trainer.alarm import ServedWeightsAlarm
 from services.trainer.checkpoints import resume, save_checkpoint
 from services.trainer.distributed import StepOrder, TrainerRanks
@@ -93,6 +96,7 @@ class TrainingLoop:
     metrics: MetricsSink
     evaluator: Evaluator | None = None  # evaluation during training (settings.evaluation)
     ranks: TrainerRanks | None = None  # the leader of a torchrun job (services.trainer.distributed)
+    broadcaster: WeightBroadcaster | None = None  # inference.weight_sync nccl: built from settings unless given
 
     def __post_init__(self) -> None:
         self.run_id = self.settings.run_id
@@ -100,9 +104,6 @@ class TrainingLoop:
         self.groups_per_step = self.settings.trainer.groups_per_step
         trainer = self.settings.trainer
         self.trainer, self.tokenizer = trainer_from_settings(self.settings, shard=self.ranks is not None)
-        # inference.weight_sync nccl: broadcast, S3 checkpoint in the background (refused without CUDA)
-        self.publisher = BroadcastPublisher(self.settings, self.redis, self.store) \
-            if self.settings.inference.weight_sync == "nccl" else None
         self.served_alarm = ServedWeightsAlarm(self.redis, self.run_id, trainer.logprob_alarm)
         self.counters = TrainerCounters(self.redis, self.run_id)
         self.weight_syncs = WeightSyncRecord(self.redis, self.run_id)
@@ -110,6 +111,11 @@ class TrainingLoop:
         self.version, step = self.ranks.resume(self.store, self.run_id, self.trainer) if self.ranks else \
             resume(self.store, self.run_id, self.trainer.model, self.trainer.optimizer)
         self.trainer.step = step
+        # inference.weight_sync nccl: broadcast, S3 checkpoint in the background (refused without CUDA)
+        self.publisher = BroadcastPublisher(self.settings, self.redis, self.store, resumed_version=self.version,
+                                            broadcaster=self.broadcaster) \
+            if self.settings.inference.weight_sync == "nccl" else None
+        self._in_step = False  # weights may differ from the last published version's
         self.budget.advance_step(self.version)
         self._commit_selection = self.redis.register_script(_COMMIT_SELECTION)
         self._last_step_at: float | None = None
@@ -119,10 +125,10 @@ class TrainingLoop:
         self.evaluate_if_due()  # a trainer restarted in the middle of a pass finishes it
 
     def close(self) -> None:
-        """Wait for a checkpoint still being written (nccl weight sync) and leave the weight group;
-        under torchrun, let the other ranks return."""
+        """Wait for a checkpoint still being written (nccl weight sync), write the last version's
+        unless a step was in hand, and leave the weight group; under torchrun, let the other ranks return."""
         if self.publisher is not None:
-            self.publisher.close()
+            self.publisher.close(write_last=not self._in_step)
         if self.ranks is not None:
             self.ranks.stop()
 
@@ -163,6 +169,7 @@ class TrainingLoop:
         if selection is None:
             raise RuntimeError("train_once called before a step's groups were queued")
         self.check_alarms()
+        self._in_step = True
         self._record_selection(selection)
         if self.ranks is not None:
             self.ranks.send(StepOrder(self.version + 1, tuple(selection.keys)))
@@ -188,6 +195,7 @@ class TrainingLoop:
                             lora_sync=self.settings.trainer.lora.sync)
             self._announce(version)
         checkpoint_s = time.perf_counter() - t0
+        self._in_step = False
         self.version = version
         self.budget.advance_step(version)
         metrics |= self._rollout_metrics(batches, selection, trained_at=version - 1) | {"checkpoint_s": checkpoint_s}

@@ -1,6 +1,9 @@
 """LoRA: train low-rank adapters (``peft``) instead of every weight (``trainer.lora``).
 
 Invariants:
+- The adapters' initial weights are a function of ``trainer.lora`` alone (``with_lora`` draws
+  them from its own seeded generator), so every rank of a sharded trainer, a one-process
+  trainer and the leader's unsharded copy start from the same adapters.
 - Only the adapters' weights require gradients, so the optimizer (``step.build_optimizer``)
   holds only them; the base weights are the served base checkpoint (``inference.model_path``)
   and never change.
@@ -16,6 +19,10 @@ Invariants:
   refuses a state of another shape, naming both, and loads every adapter weight or none.
 - A target module that names no layer of the model is refused at wrapping, naming it and the
   layers there are.
+- Under FSDP (``services.trainer.distributed``) the leader writes the served checkpoint from an
+  unsharded CPU copy of the policy (the served base again, which never trains) into which
+  ``load_trainable_weights`` loads the adapters gathered from every rank; so a sharded run
+  writes with the same functions, and the same files, as one process.
 """
 
 from __future__ import annotations
@@ -30,6 +37,9 @@ from transformers import PreTrainedModel
 
 from shared.settings import LoraSettings
 
+ADAPTER_INIT_SEED = 0  # the adapters' initial weights are drawn with this seed, on every process
+
+
 class LoraShapeError(ValueError):
     """A saved adapter does not fit the model's adapters (other rank, alpha or target modules)."""
 
@@ -42,7 +52,10 @@ def with_lora(model: PreTrainedModel, lora: LoraSettings) -> PeftModel:
         raise ValueError(f"trainer.lora.target_modules {missing} name no linear layer of the model; it has {linear}")
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, target_modules=list(lora.target_modules),
                         bias="none", task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    device = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        torch.manual_seed(ADAPTER_INIT_SEED)  # seeds the device's generator too; fork_rng restores both
+        return get_peft_model(model, config)
 
 
 def lora_shape(model: PeftModel) -> dict[str, Any]:
@@ -56,16 +69,31 @@ def adapter_state(model: PeftModel) -> dict[str, Any]:
     return {"shape": lora_shape(model), "weights": weights}
 
 
+def check_adapter_shape(shape: dict[str, Any], model: PeftModel) -> None:
+    """Refuse a saved adapter ``shape`` (``lora_shape``) other than the model's, naming both."""
+    if shape != lora_shape(model):
+        raise LoraShapeError(f"the checkpoint's adapter is {shape}, the trainer's is {lora_shape(model)} "
+                             "(trainer.lora must match the run's)")
+
+
 @torch.no_grad()
 def load_adapter_state(model: PeftModel, state: dict[str, Any]) -> None:
-    if state["shape"] != lora_shape(model):
-        raise LoraShapeError(f"the checkpoint's adapter is {state['shape']}, the trainer's is {lora_shape(model)} "
-                             "(trainer.lora must match the run's)")
+    check_adapter_shape(state["shape"], model)
     expected = set(get_peft_model_state_dict(model))
     if set(state["weights"]) != expected:
         raise LoraShapeError(f"the checkpoint's adapter weights {sorted(set(state['weights']) ^ expected)} "
                              "are not the model's")
     set_peft_model_state_dict(model, state["weights"])
+
+
+@torch.no_grad()
+def load_trainable_weights(model: PeftModel, weights: dict[str, torch.Tensor]) -> None:
+    """Load every adapter weight, named as the whole model's state dict names it (what
+    ``sharding.full_state_dict(trainable_only=True)`` gathers), or none."""
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    if set(weights) != trainable:
+        raise LoraShapeError(f"the gathered adapter weights {sorted(set(weights) ^ trainable)} are not the model's")
+    model.load_state_dict(weights, strict=False)
 
 
 @torch.no_grad()

@@ -12,9 +12,14 @@ Invariants:
   the world size: the update equals the unsharded step's (token-budget micro-batches and
   accumulation are unchanged). A rank with fewer micro-batches runs masked copies (loss 0), so
   every rank joins every collective.
+- A LoRA policy (a ``PeftModel``, ``services.trainer.lora``) is wrapped in its adapters first and
+  sharded the same way: each adapter is sharded with its decoder layer, and only the adapters
+  require gradients, so only they have gradients to reduce and optimizer state to shard.
 - Sharded checkpoints are written and read with ``torch.distributed.checkpoint`` (each rank its
-  shard, no gather); ``full_state_dict`` gathers the whole model to rank 0 (the other ranks get
-  an empty dict) for the Hugging Face checkpoint vLLM loads.
+  shard, no gather), and hold only the trainable parameters (frozen ones, a LoRA policy's base,
+  are the served base checkpoint and never change) and their optimizer state.
+  ``full_state_dict`` gathers the whole model, or its trainable parameters only, to rank 0 (the
+  other ranks get an empty dict) for the checkpoint vLLM loads.
 """
 
 from __future__ import annotations
@@ -27,7 +32,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
+from peft import PeftModel
 from torch.distributed.fsdp import fully_shard
+
+# frozen parameters (a LoRA policy's base) are left out: they never change
+_TRAINABLE = StateDictOptions(ignore_frozen_params=True)
 
 
 def world() -> tuple[int, int]:
@@ -38,8 +47,10 @@ def world() -> tuple[int, int]:
 
 
 def shard_policy(model: torch.nn.Module) -> torch.nn.Module:
-    """FSDP2 over a Hugging Face causal LM: each decoder layer, then the root. In place."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    """FSDP2 over a Hugging Face causal LM, or one in peft adapters: each decoder layer, then
+    the root. In place."""
+    inner = model.get_base_model() if isinstance(model, PeftModel) else model
+    layers = getattr(getattr(inner, "model", None), "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no model.layers to shard")
     for layer in layers:
@@ -66,18 +77,22 @@ def all_sum(values: list[float], device: torch.device) -> list[float]:
 
 
 def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_TRAINABLE)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))
 
 
 def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_TRAINABLE)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(directory), no_dist=world()[1] == 1)  # one process may read a sharded run
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    # dcp.load fails on any requested key the checkpoint lacks, so only frozen ones are missing here
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's weights on rank 0, on CPU; an empty dict on the other ranks
-    (``cpu_offload`` with ``full_state_dict``: only rank 0 holds the gathered copy)."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def full_state_dict(model: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """The whole model's weights (``trainable_only``: its trainable parameters) on rank 0, on
+    CPU; an empty dict on the other ranks (``cpu_offload`` with ``full_state_dict``: only rank 0
+    holds the gathered copy). Every rank must call it."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                ignore_frozen_params=trainable_only))

@@ -11,7 +11,7 @@ import torch
 
 from services.cli.local_stack import free_port
 from services.inference.weight_broadcast import WeightBroadcaster
-from shared.settings import load_settings
+from shared.settings import SettingsError, load_settings
 from shared.weight_group import WeightGroup, WeightGroupError
 
 SENT = [("a", torch.arange(12, dtype=torch.float32).reshape(3, 4) / 7),
@@ -98,3 +98,11 @@ def test_gloo_group_broadcasts_every_tensor_to_every_rank():
     for rank, tensors in received.items():
         assert tensors == [t.tolist() for _, t in SENT], rank
     assert [p.exitcode for p in procs] == [0, 0]
+
+
+def test_sparse_checkpoints_are_refused_where_every_version_is_served_from_its_checkpoint():
+    assert load_settings().inference.weight_sync_checkpoint_every == 1
+    assert load_settings(inference={"weight_sync": "nccl", "weight_sync_checkpoint_every": 4}) \
+        .inference.weight_sync_checkpoint_every == 4
+    with pytest.raises(SettingsError, match="weight_sync_checkpoint_every is 4, but with weight_sync: s3"):
+        load_settings(inference={"weight_sync_checkpoint_every": 4})
