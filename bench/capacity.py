@@ -16,7 +16,9 @@ It reports, per configuration (rollout worker processes x group size):
 - object-store bytes per trajectory (every object the run wrote);
 - worker RSS per concurrent episode (the rollout workers' resident memory over slots x group size),
   and per worker process, idle (started, tokenizer loaded, no task yet) and while running;
-- where the CPU went: the machine's busy share of all cores, and redis-server's CPU in cores.
+- where the CPU went: the machine's busy share of all cores (other sessions' too), and in cores the
+  rollout workers', redis-server's and each other process's (the benchmark's own process runs the
+  replay policy and the dispatcher).
 
 Every group is published at once (a capacity run), so that the trainer-side latency from upload
 includes the wait behind the whole backlog. With ``--offered-load 0.25 0.5 0.8``, each
@@ -56,8 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from aiohttp import web  # noqa: E402
 
 from bench.atropos_side_by_side import DEFAULT_PYTHON, GUARANTEES, ScoredGroup, run_atropos  # noqa: E402
-from bench.local_runs import (BenchRun, machine_cpu_s, mem_available_mb, pct, redis_cpu_s, rss_mb,  # noqa: E402
-                              wait_for_workers)
+from bench.local_runs import (BenchRun, machine_cpu_s, mem_available_mb, pct, process_cpu_s, redis_cpu_s,  # noqa: E402
+                              rss_mb, wait_for_workers)
 from services.cli.local_stack import LocalStack, free_port  # noqa: E402
 from services.inference.tiny_model import generate_tiny_model  # noqa: E402
 from services.intake.publisher import build_group  # noqa: E402
@@ -150,6 +152,8 @@ def run_config(base: LocalStack, root: Path, workers: int, group_size: int, traj
         commands0 = int(client.info("stats")["total_commands_processed"])
         by_command0 = command_calls(client)
         redis_cpu0, (busy0, total0) = redis_cpu_s(client), machine_cpu_s()
+        by_process = {p.name: p.proc.pid for p in run.stack.processes + base.processes} | {"benchmark": os.getpid()}
+        process_cpu0 = {name: process_cpu_s(pid) for name, pid in by_process.items()}
         started = time.time()
         for group_id in range(groups):
             if offered_rate and (wait := started + group_id * group_size / offered_rate - time.time()) > 0:
@@ -162,6 +166,7 @@ def run_config(base: LocalStack, root: Path, workers: int, group_size: int, traj
                                 each_poll=lambda: rss_samples.append(sum(rss_mb(p.proc.pid) for p in procs)))
         wall = time.time() - started
         (busy1, total1), redis_cpu = machine_cpu_s(), redis_cpu_s(client) - redis_cpu0
+        process_cpu = {name: process_cpu_s(pid) - process_cpu0[name] for name, pid in by_process.items()}
         commands = int(client.info("stats")["total_commands_processed"]) - commands0
         by_command = {name: calls - by_command0.get(name, 0) for name, calls in command_calls(client).items()}
         counts = run.ledger.counts(run.run_id)
@@ -189,6 +194,9 @@ def run_config(base: LocalStack, root: Path, workers: int, group_size: int, traj
         "workers_start_s": startup_s,
         # where the machine's 2 cores went: all of it, and Redis' part (in cores)
         "machine_cpu_busy": (busy1 - busy0) / (total1 - total0), "redis_cpu_cores": redis_cpu / wall,
+        "rollout_workers_cpu_cores": sum(cpu for name, cpu in process_cpu.items() if name.startswith("worker-rollout")) / wall,
+        "cpu_cores_by_process": {name: round(cpu / wall, 3) for name, cpu in process_cpu.items()
+                                 if not name.startswith("worker-rollout")},  # the benchmark runs the replay policy
         "mem_available_mb": mem_available_mb(), "load_1m": os.getloadavg()[0],
     }
     return result, written.atropos_groups()

@@ -156,6 +156,15 @@ def machine_cpu_s() -> tuple[float, float]:
     return (sum(fields[:8]) - idle) / ticks, sum(fields[:8]) / ticks
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a live process has used so far, 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def mem_available_mb() -> float:
     """The machine's available memory (``MemAvailable`` in ``/proc/meminfo``), in MB."""
     line = next(line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemAvailable:"))
