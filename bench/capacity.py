@@ -14,7 +14,18 @@ It reports, per configuration (rollout worker processes x group size):
   trainer's decision, from the trajectories' stage timings and the group records;
 - Redis commands per trajectory (``INFO stats`` total_commands_processed, before and after);
 - object-store bytes per trajectory (every object the run wrote);
-- worker RSS per concurrent episode (the rollout workers' resident memory over slots x group size).
+- worker RSS per concurrent episode (the rollout workers' resident memory over slots x group size),
+  and per worker process, idle (started, tokenizer loaded, no task yet) and while running;
+- where the CPU went: the machine's busy share of all cores (other sessions' too), and in cores the
+  rollout workers', redis-server's and each other process's (the benchmark's own process runs the
+  replay policy and the dispatcher).
+
+Every group is published at once (a capacity run), so that the trainer-side latency from upload
+includes the wait behind the whole backlog. With ``--offered-load 0.25 0.5 0.8``, each
+configuration's capacity run is followed by runs in which intake publishes one group every
+group_size / rate seconds, at that fraction of the capacity just measured (or ``--offered-rate``,
+absolute): the trainer-side latency below saturation, and where it starts to queue. A table of
+these runs is printed at the end. Measuring starts once every worker answers a Celery ping.
 
 With ``--atropos``, once Conveyor's stack is down, each configuration's trajectories (read back
 from the object store: the same token ids, masks, logprobs, rewards and group size) go through
@@ -22,7 +33,8 @@ Atropos 0.4's API server, with as many producer processes as the configuration h
 workers (``bench/atropos_side_by_side.py``), and a table gives the ratio Conveyor / Atropos.
 
     .venv/bin/python bench/capacity.py [--trajectories 2000] [--workers 1 4] [--group-sizes 4 16 64]
-                                       [--scoring-batch-max 1 64] [--atropos]   # --atropos after bench/atropos_venv.sh
+                                       [--scoring-batch-max 1 64] [--offered-load 0.25 0.5 0.8] [--offered-rate 50]
+                                       [--storage local] [--atropos]   # --atropos after bench/atropos_venv.sh
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ import argparse
 import asyncio
 import gzip
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -45,7 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from aiohttp import web  # noqa: E402
 
 from bench.atropos_side_by_side import DEFAULT_PYTHON, GUARANTEES, ScoredGroup, run_atropos  # noqa: E402
-from bench.local_runs import BenchRun, pct, rss_mb  # noqa: E402
+from bench.local_runs import (BenchRun, machine_cpu_s, mem_available_mb, pct, process_cpu_s, redis_cpu_s,  # noqa: E402
+                              rss_mb, wait_for_workers)
 from services.cli.local_stack import LocalStack, free_port  # noqa: E402
 from services.inference.tiny_model import generate_tiny_model  # noqa: E402
 from services.intake.publisher import build_group  # noqa: E402
@@ -103,9 +117,23 @@ def command_calls(client) -> dict[str, int]:
     return {name.removeprefix("cmdstat_"): int(stats["calls"]) for name, stats in client.info("commandstats").items()}
 
 
+def publish_group(run: BenchRun, group_id: int) -> None:
+    """Register one single-turn group the way intake does and publish it as one rollout task."""
+    task = TaskProfile(task_id=f"c{group_id}", env_name="single_turn",
+                       task_data={"prompt": "Say a number.", "row": {"id": group_id}}, env_config={"reward_fn": REWARD_FN})
+    requests = build_group(run.settings, group_id, task)
+    GroupRegistry(run.ledger.redis, run.run_id).register(GroupRegistration(
+        run_id=run.run_id, group_id=group_id, expected_size=len(requests), task_id=task.task_id,
+        policy_version=0, dispatched_at=requests[0].dispatched_at, env_name="single_turn"))
+    run.ledger.register(requests)
+    publish_rollouts(run.celery, requests)
+
+
 def run_config(base: LocalStack, root: Path, workers: int, group_size: int, trajectories: int,
-               slots: int, scoring_batch_max: int = 64) -> tuple[dict, list[ScoredGroup]]:
-    run_id = f"cap-w{workers}-g{group_size}-b{scoring_batch_max}"
+               slots: int, scoring_batch_max: int = 64, offered_rate: float | None = None) -> tuple[dict, list[ScoredGroup]]:
+    """One configuration. ``offered_rate`` (trajectories/s): intake publishes a group every
+    group_size / offered_rate seconds; None: every group at once (the capacity run)."""
+    run_id = f"cap-w{workers}-g{group_size}-b{scoring_batch_max}" + (f"-r{offered_rate:.0f}" if offered_rate else "")
     run = BenchRun.open(base, root, run_id, {
         "CONVEYOR_ROLLOUT__GROUP_SIZE": str(group_size), "CONVEYOR_ROLLOUT__MAX_TURNS": "1",
         "CONVEYOR_ROLLOUT__MAX_TOKENS_PER_TURN": "4", "CONVEYOR_TRAINER__BLOCK_MS": "20",
@@ -117,25 +145,28 @@ def run_config(base: LocalStack, root: Path, workers: int, group_size: int, traj
         procs = [run.stack.start_rollout_worker(name=f"rollout{i}", concurrency=slots) for i in range(workers)]
         run.stack.start_scoring_worker()
         run.stack.start_trainer()
-        time.sleep(10)  # workers import and connect
+        startup_s = wait_for_workers(run.celery, workers + 1, timeout_s=600)  # each has loaded its tokenizer
+        time.sleep(2)  # the trainer joins its stream
+        idle_rss_mb = [rss_mb(p.proc.pid) for p in procs]
         client = run.ledger.redis
         commands0 = int(client.info("stats")["total_commands_processed"])
         by_command0 = command_calls(client)
+        redis_cpu0, (busy0, total0) = redis_cpu_s(client), machine_cpu_s()
+        by_process = {p.name: p.proc.pid for p in run.stack.processes + base.processes} | {"benchmark": os.getpid()}
+        process_cpu0 = {name: process_cpu_s(pid) for name, pid in by_process.items()}
         started = time.time()
         for group_id in range(groups):
-            task = TaskProfile(task_id=f"c{group_id}", env_name="single_turn",
-                               task_data={"prompt": "Say a number.", "row": {"id": group_id}}, env_config={"reward_fn": REWARD_FN})
-            requests = build_group(run.settings, group_id, task)
-            GroupRegistry(client, run.run_id).register(GroupRegistration(
-                run_id=run.run_id, group_id=group_id, expected_size=len(requests), task_id=task.task_id,
-                policy_version=0, dispatched_at=requests[0].dispatched_at, env_name="single_turn"))
-            run.ledger.register(requests)
-            publish_rollouts(run.celery, requests)
+            if offered_rate and (wait := started + group_id * group_size / offered_rate - time.time()) > 0:
+                time.sleep(wait)
+            publish_group(run, group_id)
+        published_s = time.time() - started
         total = groups * group_size
         rss_samples: list[float] = []
         run.wait_until_consumed(total, timeout_s=3600, what=run_id,
                                 each_poll=lambda: rss_samples.append(sum(rss_mb(p.proc.pid) for p in procs)))
         wall = time.time() - started
+        (busy1, total1), redis_cpu = machine_cpu_s(), redis_cpu_s(client) - redis_cpu0
+        process_cpu = {name: process_cpu_s(pid) - process_cpu0[name] for name, pid in by_process.items()}
         commands = int(client.info("stats")["total_commands_processed"]) - commands0
         by_command = {name: calls - by_command0.get(name, 0) for name, calls in command_calls(client).items()}
         counts = run.ledger.counts(run.run_id)
@@ -146,6 +177,7 @@ def run_config(base: LocalStack, root: Path, workers: int, group_size: int, traj
     from_upload, from_scoring = written.trainer_side_latencies()
     result = {
         "workers": workers, "group_size": group_size, "scoring_batch_max": scoring_batch_max,
+        "offered_traj_per_s": offered_rate, "published_traj_per_s": total / published_s if published_s else float("inf"),
         "trajectories": total, "failed": counts["failed"],
         "traj_per_s": total / wall, "group_latency_p50_ms": 1000 * pct(latencies, 0.5),
         "group_latency_p99_ms": 1000 * pct(latencies, 0.99), "trainer_side_p50_ms": 1000 * pct(from_upload, 0.5),
@@ -157,6 +189,15 @@ def run_config(base: LocalStack, root: Path, workers: int, group_size: int, traj
         # a slot runs one rollout task: a whole group's episodes at once
         "rss_mb_per_concurrent_episode": (statistics.fmean(rss_samples) / (workers * slots * group_size)
                                           if rss_samples else float("nan")),
+        "worker_rss_idle_mb": statistics.fmean(idle_rss_mb),  # per rollout worker process, before any task
+        "worker_rss_mb": statistics.fmean(rss_samples) / workers if rss_samples else float("nan"),
+        "workers_start_s": startup_s,
+        # where the machine's 2 cores went: all of it, and Redis' part (in cores)
+        "machine_cpu_busy": (busy1 - busy0) / (total1 - total0), "redis_cpu_cores": redis_cpu / wall,
+        "rollout_workers_cpu_cores": sum(cpu for name, cpu in process_cpu.items() if name.startswith("worker-rollout")) / wall,
+        "cpu_cores_by_process": {name: round(cpu / wall, 3) for name, cpu in process_cpu.items()
+                                 if not name.startswith("worker-rollout")},  # the benchmark runs the replay policy
+        "mem_available_mb": mem_available_mb(), "load_1m": os.getloadavg()[0],
     }
     return result, written.atropos_groups()
 
@@ -224,6 +265,24 @@ def compare(conveyor: list[dict], atropos: list[dict]) -> None:
     console.print(GUARANTEES)
 
 
+def print_offered_load(results: list[dict]) -> None:
+    """Latency against offered load: each configuration's capacity run (all at once) and its steady runs."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="Steady offered load: trainer-side latency below and at saturation")
+    for column in ("workers", "group size", "offered traj/s", "achieved traj/s", "from upload p50 / p99 ms",
+                   "from scoring p50 / p99 ms", "dispatch to decision p50 ms", "machine CPU busy", "load 1m"):
+        table.add_column(column, justify="right")
+    for r in results:
+        offered = f"{r['offered_traj_per_s']:.0f}" if r["offered_traj_per_s"] else "all at once"
+        table.add_row(str(r["workers"]), str(r["group_size"]), offered, f"{r['traj_per_s']:.1f}",
+                      f"{r['trainer_side_p50_ms']:.0f} / {r['trainer_side_p99_ms']:.0f}",
+                      f"{r['scored_to_decided_p50_ms']:.0f} / {r['scored_to_decided_p99_ms']:.0f}",
+                      f"{r['group_latency_p50_ms']:.0f}", f"{r['machine_cpu_busy']:.0%}", f"{r['load_1m']:.1f}")
+    Console(width=160).print(table)
+
+
 def rounded(result: dict) -> str:
     return json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()})
 
@@ -237,6 +296,11 @@ def main() -> None:
     parser.add_argument("--storage", choices=["s3", "local"], default="s3")
     parser.add_argument("--scoring-batch-max", type=int, nargs="+", default=[64],
                         help="rollout.scoring_batch_max per configuration; 1 sends one scoring message per trajectory")
+    parser.add_argument("--offered-load", type=float, nargs="*", default=[], metavar="FRACTION",
+                        help="after each configuration's capacity run, runs whose intake publishes groups at this "
+                             "fraction of the capacity just measured, at a steady rate (e.g. 0.25 0.5 0.8)")
+    parser.add_argument("--offered-rate", type=float, nargs="*", default=[], metavar="TRAJ_PER_S",
+                        help="the same at these absolute rates (trajectories/s)")
     parser.add_argument("--atropos", action="store_true",
                         help="then feed each configuration's trajectories to Atropos' API server (bench/atropos_side_by_side.py)")
     parser.add_argument("--atropos-python", type=Path, default=DEFAULT_PYTHON)
@@ -246,7 +310,7 @@ def main() -> None:
         model_dir = generate_tiny_model(root / "tiny")  # the workers' tokenizer; the replay policy speaks it
         policy = ReplayPolicy(model_dir)
         base = LocalStack(root / "base")
-        results, written = [], []
+        results, written, offered = [], [], []
         try:
             base.start_redis()
             if args.storage == "s3":
@@ -261,8 +325,17 @@ def main() -> None:
                         results.append(result)
                         written.append(groups)
                         print(rounded(result), flush=True)
+                        rates = [f * result["traj_per_s"] for f in args.offered_load] + args.offered_rate
+                        steady = []
+                        for rate in rates:
+                            steady.append(run_config(base, root, workers, group_size, args.trajectories, args.slots,
+                                                     batch_max, rate)[0])
+                            print(rounded(steady[-1]), flush=True)
+                        offered += [result, *steady] if steady else []
         finally:
             base.stop()
+        if offered:
+            print_offered_load(offered)
         print(f"replay policy answered {policy.requests} completions")
         if args.atropos:  # after Conveyor's stack is down: the server has the machine to itself
             atropos = []

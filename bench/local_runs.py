@@ -138,6 +138,45 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
+def wait_for_workers(celery: Celery, count: int, timeout_s: float) -> float:
+    """Until ``count`` Celery workers answer a ping (each has run its ``worker_ready`` start-up
+    and consumes); returns the seconds waited."""
+    started = time.monotonic()
+    while len(celery.control.ping(timeout=1.0)) < count:
+        if time.monotonic() - started > timeout_s:
+            raise TimeoutError(f"fewer than {count} workers answer after {timeout_s:.0f}s")
+    return time.monotonic() - started
+
+
+def machine_cpu_s() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, all cores (``/proc/stat``)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    ticks = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / ticks, sum(fields[:8]) / ticks
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a live process has used so far, 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def mem_available_mb() -> float:
+    """The machine's available memory (``MemAvailable`` in ``/proc/meminfo``), in MB."""
+    line = next(line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemAvailable:"))
+    return int(line.split()[1]) / 1024
+
+
+def redis_cpu_s(client) -> float:
+    """CPU seconds redis-server has used so far (``INFO cpu``, user + sys)."""
+    cpu = client.info("cpu")
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+
+
 def rss_mb(pid: int) -> float:
     """Resident memory of a process and its children (a Celery worker's pool), in MB."""
     total = 0

@@ -12,7 +12,9 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
+
+from services.rollout_worker.tokenizer_loading import load_tokenizer
 
 _PLACEHOLDER = "\u2063PLACEHOLDER\u2063"
 _OBSERVATION = "\u2063OBSERVATION\u2063"
@@ -83,4 +85,4 @@ class ChatTokens:
 
 @lru_cache(maxsize=4)
 def load_chat_tokens(model_path: str | Path) -> ChatTokens:
-    return ChatTokens(AutoTokenizer.from_pretrained(str(model_path)))
+    return ChatTokens(load_tokenizer(model_path))

@@ -17,6 +17,8 @@ Invariants:
 - On SIGTERM (a warm shutdown) the worker takes nothing more; running episodes get
   ``rollout.shutdown_grace_s`` to finish, then are cancelled and handed back through the
   ledger (``in_flight``), so the process exits soon after the grace period with nothing lost.
+- The process never imports torch: it only tokenizes, and ``tokenizer_loading`` builds
+  ``AutoTokenizer``'s tokenizer without it (``tests/unit/test_rollout_worker_imports.py``).
 """
 
 from __future__ import annotations
