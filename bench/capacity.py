@@ -14,6 +14,8 @@ It reports, per configuration (rollout worker processes x group size):
   trainer's decision, from the trajectories' stage timings and the group records;
 - Redis commands per trajectory (``INFO stats`` total_commands_processed, before and after);
 - object-store bytes per trajectory (every object the run wrote);
+- S3 requests per trajectory, by method (the moto server's request log, before the benchmark
+  reads the run's objects back; 0 with ``--storage local``);
 - worker RSS per concurrent episode (the rollout workers' resident memory over slots x group size).
 
 With ``--atropos``, once Conveyor's stack is down, each configuration's trajectories (read back
@@ -31,12 +33,14 @@ import argparse
 import asyncio
 import gzip
 import json
+import os
+import re
 import statistics
 import sys
 import tempfile
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,6 +107,16 @@ def command_calls(client) -> dict[str, int]:
     return {name.removeprefix("cmdstat_"): int(stats["calls"]) for name, stats in client.info("commandstats").items()}
 
 
+S3_REQUEST = re.compile(r'"(GET|PUT|HEAD|POST|DELETE) /')
+
+
+def s3_requests(log_path: Path) -> Counter:
+    """Requests the moto server logged so far, by method (none with local files)."""
+    if not log_path.exists():
+        return Counter()
+    return Counter(m.group(1) for m in S3_REQUEST.finditer(log_path.read_text(errors="replace")))
+
+
 def run_config(base: LocalStack, root: Path, workers: int, group_size: int, trajectories: int,
                slots: int, scoring_batch_max: int = 64) -> tuple[dict, list[ScoredGroup]]:
     run_id = f"cap-w{workers}-g{group_size}-b{scoring_batch_max}"
@@ -120,8 +134,10 @@ def run_config(base: LocalStack, root: Path, workers: int, group_size: int, traj
         time.sleep(10)  # workers import and connect
         client = run.ledger.redis
         commands0 = int(client.info("stats")["total_commands_processed"])
+        s3_log = base.root / "logs" / "s3.log"
+        s3_before = s3_requests(s3_log)
         by_command0 = command_calls(client)
-        started = time.time()
+        started, load_before = time.time(), os.getloadavg()[0]
         for group_id in range(groups):
             task = TaskProfile(task_id=f"c{group_id}", env_name="single_turn",
                                task_data={"prompt": "Say a number.", "row": {"id": group_id}}, env_config={"reward_fn": REWARD_FN})
@@ -135,8 +151,9 @@ def run_config(base: LocalStack, root: Path, workers: int, group_size: int, traj
         rss_samples: list[float] = []
         run.wait_until_consumed(total, timeout_s=3600, what=run_id,
                                 each_poll=lambda: rss_samples.append(sum(rss_mb(p.proc.pid) for p in procs)))
-        wall = time.time() - started
+        wall, load_after = time.time() - started, os.getloadavg()[0]
         commands = int(client.info("stats")["total_commands_processed"]) - commands0
+        s3_calls = s3_requests(s3_log) - s3_before
         by_command = {name: calls - by_command0.get(name, 0) for name, calls in command_calls(client).items()}
         counts = run.ledger.counts(run.run_id)
         latencies = [m["group_latency_s"] for m in run.trainer_metrics()]
@@ -146,12 +163,14 @@ def run_config(base: LocalStack, root: Path, workers: int, group_size: int, traj
     from_upload, from_scoring = written.trainer_side_latencies()
     result = {
         "workers": workers, "group_size": group_size, "scoring_batch_max": scoring_batch_max,
-        "trajectories": total, "failed": counts["failed"],
+        "trajectories": total, "failed": counts["failed"], "load_1m_before_after": [load_before, load_after],
         "traj_per_s": total / wall, "group_latency_p50_ms": 1000 * pct(latencies, 0.5),
         "group_latency_p99_ms": 1000 * pct(latencies, 0.99), "trainer_side_p50_ms": 1000 * pct(from_upload, 0.5),
         "trainer_side_p99_ms": 1000 * pct(from_upload, 0.99), "scored_to_decided_p50_ms": 1000 * pct(from_scoring, 0.5),
         "scored_to_decided_p99_ms": 1000 * pct(from_scoring, 0.99), "redis_commands_per_traj": commands / total,
         "stored_bytes_per_traj": sum(len(b) for b in objects.values()) / total,
+        "s3_requests_per_traj": sum(s3_calls.values()) / total,
+        "s3_requests_per_traj_by_method": {method: round(calls / total, 2) for method, calls in sorted(s3_calls.items())},
         "top_redis_commands_per_traj": {name: round(calls / total, 2) for name, calls in
                                         sorted(by_command.items(), key=lambda kv: -kv[1])[:12]},
         # a slot runs one rollout task: a whole group's episodes at once
