@@ -1,5 +1,6 @@
 """Finding one trajectory's objects by its id, for ``conveyor inspect``, ``conveyor replay`` and
-the viewer: no scan of a run, only the trajectory's own key prefixes.
+the viewer: no scan of a run, only the trajectory's own key prefixes; and a scored event's
+Trajectory for the trainer and the exporter (``trajectory_of_event``).
 
 Invariants:
 - A trajectory id names its run and group (``shared.ids``), so its uploads are under one
@@ -18,7 +19,7 @@ from typing import Any
 
 from shared.ids import parse_trajectory_id
 from shared.names import RedisKeys, scored_key, trajectory_key
-from shared.schemas import ScoredTrajectory, Trajectory
+from shared.schemas import ScoredEvent, ScoredTrajectory, StopReason, Trajectory
 from shared.storage import ObjectStore, get_model
 
 _ATTEMPT = re.compile(r"\.a(\d+)-[0-9a-f]+\.json\.gz$")
@@ -73,3 +74,15 @@ def find_trajectory(store: ObjectStore, trajectory_id: str, redis: Any = None) -
             scored = candidate
             break
     return FoundTrajectory(key, get_model(store, key, Trajectory), scored, state, failure)
+
+
+def trajectory_of_event(store: ObjectStore, event: ScoredEvent) -> Trajectory:
+    """The Trajectory a scored event names: one read, or two for an event written before schema
+    1.1 (it names only the ScoredTrajectory, which names the Trajectory)."""
+    key = event.trajectory_key or get_model(store, event.scored_key, ScoredTrajectory).trajectory_key
+    return get_model(store, key, Trajectory)
+
+
+def stop_reason_of_event(store: ObjectStore, event: ScoredEvent) -> StopReason:
+    """The scored trajectory's stop reason: the event's, or its ScoredTrajectory's before schema 1.1."""
+    return event.stop_reason or get_model(store, event.scored_key, ScoredTrajectory).stop_reason

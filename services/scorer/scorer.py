@@ -114,7 +114,7 @@ class Scorer:
         put_model(self.store, out_key, scored)
         return ScoredEvent(
             trajectory_id=trajectory_id, run_id=request.run_id, group_id=request.group_id,
-            reward=reward, scored_key=out_key, at=time.time(),
+            reward=reward, scored_key=out_key, at=time.time(), trajectory_key=key, stop_reason=trajectory.stop_reason,
         )
 
     def reject(self, error: BadMessage, trajectory_id: object = None) -> str:
