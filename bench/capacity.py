@@ -5,7 +5,8 @@ A replay policy stands in for vLLM (benchmarks only; tests use real vLLM): an ai
 that answers ``/v1/completions`` at once with recorded token ids and logprobs. Episodes are
 single-turn tasks with a trivial reward. Everything else is real: redis-server, Celery rollout
 and scoring workers, S3 writes (the moto server, or local files with ``--storage local``), the
-ledger, the scorer and the trainer consumer (assembling groups, no training).
+ledger, the scorer and the trainer consumer (assembling groups and writing their batches, no
+training: every group has zero variance and is kept, ``trainer.zero_variance_groups: keep``).
 
 It reports, per configuration (rollout worker processes x group size):
 - end-to-end trajectories/s, intake start to the last trajectory consumed;
@@ -55,6 +56,7 @@ from services.inference.tiny_model import generate_tiny_model  # noqa: E402
 from services.intake.publisher import build_group  # noqa: E402
 from shared.celery_app import publish_rollouts  # noqa: E402
 from shared.group_registry import GroupRegistry  # noqa: E402
+from shared.object_bundles import decode_bundle, is_bundle_key  # noqa: E402
 from shared.schemas import FlatSequence, GroupRecord, GroupRegistration, ScoredTrajectory, TaskProfile, Trajectory  # noqa: E402
 
 REWARD_FN = "services.rollout_worker.environments.toy_rewards:digit_share"
@@ -125,6 +127,9 @@ def run_config(base: LocalStack, root: Path, workers: int, group_size: int, traj
         "CONVEYOR_ROLLOUT__MAX_TOKENS_PER_TURN": "4", "CONVEYOR_TRAINER__BLOCK_MS": "20",
         "CONVEYOR_REWARDS__WEIGHTS": json.dumps({"verifier": 1.0}),
         "CONVEYOR_ROLLOUT__SCORING_BATCH_MAX": str(scoring_batch_max),
+        # every reply is the same, so every group has zero variance: kept, the trainer still
+        # reads its trajectories and writes its batch, as it does for a group it trains on
+        "CONVEYOR_TRAINER__ZERO_VARIANCE_GROUPS": "keep",
     })
     groups = max(1, trajectories // group_size)
     with run.stack:
@@ -190,8 +195,9 @@ class WrittenRun:
 
     @classmethod
     def parse(cls, objects: dict[str, bytes]) -> "WrittenRun":
-        def models(prefix: str, model_type: type) -> list:
-            return [model_type.model_validate_json(gzip.decompress(b)) for k, b in objects.items() if k.startswith(prefix)]
+        def models(prefix: str, model_type: type) -> list:  # a bundle's members each
+            return [model_type.model_validate_json(member) for k, b in objects.items() if k.startswith(prefix)
+                    for member in (decode_bundle(b) if is_bundle_key(k) else [gzip.decompress(b)])]
 
         scored = {s.trajectory_id: s for s in models("scored/", ScoredTrajectory)}
         return cls(models("trajectories/", Trajectory), scored, models("groups/", GroupRecord))
