@@ -25,7 +25,7 @@ Atropos 0.4's API server, with as many producer processes as the configuration h
 workers (``bench/atropos_side_by_side.py``), and a table gives the ratio Conveyor / Atropos.
 
     .venv/bin/python bench/capacity.py [--trajectories 2000] [--workers 1 4] [--group-sizes 4 16 64]
-                                       [--scoring-batch-max 1 64] [--atropos]   # --atropos after bench/atropos_venv.sh
+                                       [--scoring-batch-max 1 64] [--bundle-max 1 16] [--atropos]   # --atropos after bench/atropos_venv.sh
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gzip
+import itertools
 import json
 import os
 import re
@@ -120,13 +121,14 @@ def s3_requests(log_path: Path) -> Counter:
 
 
 def run_config(base: LocalStack, root: Path, workers: int, group_size: int, trajectories: int,
-               slots: int, scoring_batch_max: int = 64) -> tuple[dict, list[ScoredGroup]]:
-    run_id = f"cap-w{workers}-g{group_size}-b{scoring_batch_max}"
+               slots: int, scoring_batch_max: int = 64, bundle_max: int = 64) -> tuple[dict, list[ScoredGroup]]:
+    run_id = f"cap-w{workers}-g{group_size}-b{scoring_batch_max}-u{bundle_max}"
     run = BenchRun.open(base, root, run_id, {
         "CONVEYOR_ROLLOUT__GROUP_SIZE": str(group_size), "CONVEYOR_ROLLOUT__MAX_TURNS": "1",
         "CONVEYOR_ROLLOUT__MAX_TOKENS_PER_TURN": "4", "CONVEYOR_TRAINER__BLOCK_MS": "20",
         "CONVEYOR_REWARDS__WEIGHTS": json.dumps({"verifier": 1.0}),
         "CONVEYOR_ROLLOUT__SCORING_BATCH_MAX": str(scoring_batch_max),
+        "CONVEYOR_ROLLOUT__UPLOAD_BUNDLE_MAX": str(bundle_max),
         # every reply is the same, so every group has zero variance: kept, the trainer still
         # reads its trajectories and writes its batch, as it does for a group it trains on
         "CONVEYOR_TRAINER__ZERO_VARIANCE_GROUPS": "keep",
@@ -167,7 +169,7 @@ def run_config(base: LocalStack, root: Path, workers: int, group_size: int, traj
     written = WrittenRun.parse(objects)
     from_upload, from_scoring = written.trainer_side_latencies()
     result = {
-        "workers": workers, "group_size": group_size, "scoring_batch_max": scoring_batch_max,
+        "workers": workers, "group_size": group_size, "scoring_batch_max": scoring_batch_max, "bundle_max": bundle_max,
         "trajectories": total, "failed": counts["failed"], "load_1m_before_after": [load_before, load_after],
         "traj_per_s": total / wall, "group_latency_p50_ms": 1000 * pct(latencies, 0.5),
         "group_latency_p99_ms": 1000 * pct(latencies, 0.99), "trainer_side_p50_ms": 1000 * pct(from_upload, 0.5),
@@ -262,6 +264,8 @@ def main() -> None:
     parser.add_argument("--storage", choices=["s3", "local"], default="s3")
     parser.add_argument("--scoring-batch-max", type=int, nargs="+", default=[64],
                         help="rollout.scoring_batch_max per configuration; 1 sends one scoring message per trajectory")
+    parser.add_argument("--bundle-max", type=int, nargs="+", default=[64],
+                        help="rollout.upload_bundle_max per configuration; 1 uploads one object per trajectory")
     parser.add_argument("--atropos", action="store_true",
                         help="then feed each configuration's trajectories to Atropos' API server (bench/atropos_side_by_side.py)")
     parser.add_argument("--atropos-python", type=Path, default=DEFAULT_PYTHON)
@@ -281,8 +285,9 @@ def main() -> None:
             base.use_inference(policy.base_url, model_dir, "tiny")
             for workers in args.workers:
                 for group_size in args.group_sizes:
-                    for batch_max in args.scoring_batch_max:
-                        result, groups = run_config(base, root, workers, group_size, args.trajectories, args.slots, batch_max)
+                    for batch_max, bundle_max in itertools.product(args.scoring_batch_max, args.bundle_max):
+                        result, groups = run_config(base, root, workers, group_size, args.trajectories, args.slots,
+                                                    batch_max, bundle_max)
                         results.append(result)
                         written.append(groups)
                         print(rounded(result), flush=True)
