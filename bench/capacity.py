@@ -5,7 +5,8 @@ A replay policy stands in for vLLM (benchmarks only; tests use real vLLM): an ai
 that answers ``/v1/completions`` at once with recorded token ids and logprobs. Episodes are
 single-turn tasks with a trivial reward. Everything else is real: redis-server, Celery rollout
 and scoring workers, S3 writes (the moto server, or local files with ``--storage local``), the
-ledger, the scorer and the trainer consumer (assembling groups, no training).
+ledger, the scorer and the trainer consumer (assembling groups and writing their batches, no
+training: every group has zero variance and is kept, ``trainer.zero_variance_groups: keep``).
 
 It reports, per configuration (rollout worker processes x group size):
 - end-to-end trajectories/s, intake start to the last trajectory consumed;
@@ -14,6 +15,8 @@ It reports, per configuration (rollout worker processes x group size):
   trainer's decision, from the trajectories' stage timings and the group records;
 - Redis commands per trajectory (``INFO stats`` total_commands_processed, before and after);
 - object-store bytes per trajectory (every object the run wrote);
+- S3 requests per trajectory, by method (the moto server's request log, before the benchmark
+  reads the run's objects back; 0 with ``--storage local``);
 - worker RSS per concurrent episode (the rollout workers' resident memory over slots x group size),
   and per worker process, idle (started, tokenizer loaded, no task yet) and while running;
 - where the CPU went: the machine's busy share of all cores (other sessions' too), and in cores the
@@ -33,8 +36,8 @@ Atropos 0.4's API server, with as many producer processes as the configuration h
 workers (``bench/atropos_side_by_side.py``), and a table gives the ratio Conveyor / Atropos.
 
     .venv/bin/python bench/capacity.py [--trajectories 2000] [--workers 1 4] [--group-sizes 4 16 64]
-                                       [--scoring-batch-max 1 64] [--offered-load 0.25 0.5 0.8] [--offered-rate 50]
-                                       [--storage local] [--atropos]   # --atropos after bench/atropos_venv.sh
+                                       [--scoring-batch-max 1 64] [--bundle-max 1 16] [--offered-load 0.25 0.5 0.8]
+                                       [--offered-rate 50] [--storage local] [--atropos]   # --atropos after bench/atropos_venv.sh
 """
 
 from __future__ import annotations
@@ -42,14 +45,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gzip
+import itertools
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +70,7 @@ from services.inference.tiny_model import generate_tiny_model  # noqa: E402
 from services.intake.publisher import build_group  # noqa: E402
 from shared.celery_app import publish_rollouts  # noqa: E402
 from shared.group_registry import GroupRegistry  # noqa: E402
+from shared.object_bundles import decode_bundle, is_bundle_key  # noqa: E402
 from shared.schemas import FlatSequence, GroupRecord, GroupRegistration, ScoredTrajectory, TaskProfile, Trajectory  # noqa: E402
 
 REWARD_FN = "services.rollout_worker.environments.toy_rewards:digit_share"
@@ -117,6 +123,16 @@ def command_calls(client) -> dict[str, int]:
     return {name.removeprefix("cmdstat_"): int(stats["calls"]) for name, stats in client.info("commandstats").items()}
 
 
+S3_REQUEST = re.compile(r'"(GET|PUT|HEAD|POST|DELETE) /')
+
+
+def s3_requests(log_path: Path) -> Counter:
+    """Requests the moto server logged so far, by method (none with local files)."""
+    if not log_path.exists():
+        return Counter()
+    return Counter(m.group(1) for m in S3_REQUEST.finditer(log_path.read_text(errors="replace")))
+
+
 def publish_group(run: BenchRun, group_id: int) -> None:
     """Register one single-turn group the way intake does and publish it as one rollout task."""
     task = TaskProfile(task_id=f"c{group_id}", env_name="single_turn",
@@ -130,15 +146,20 @@ def publish_group(run: BenchRun, group_id: int) -> None:
 
 
 def run_config(base: LocalStack, root: Path, workers: int, group_size: int, trajectories: int,
-               slots: int, scoring_batch_max: int = 64, offered_rate: float | None = None) -> tuple[dict, list[ScoredGroup]]:
+               slots: int, scoring_batch_max: int = 64, bundle_max: int = 64,
+               offered_rate: float | None = None) -> tuple[dict, list[ScoredGroup]]:
     """One configuration. ``offered_rate`` (trajectories/s): intake publishes a group every
     group_size / offered_rate seconds; None: every group at once (the capacity run)."""
-    run_id = f"cap-w{workers}-g{group_size}-b{scoring_batch_max}" + (f"-r{offered_rate:.0f}" if offered_rate else "")
+    run_id = f"cap-w{workers}-g{group_size}-b{scoring_batch_max}-u{bundle_max}" + (f"-r{offered_rate:.0f}" if offered_rate else "")
     run = BenchRun.open(base, root, run_id, {
         "CONVEYOR_ROLLOUT__GROUP_SIZE": str(group_size), "CONVEYOR_ROLLOUT__MAX_TURNS": "1",
         "CONVEYOR_ROLLOUT__MAX_TOKENS_PER_TURN": "4", "CONVEYOR_TRAINER__BLOCK_MS": "20",
         "CONVEYOR_REWARDS__WEIGHTS": json.dumps({"verifier": 1.0}),
         "CONVEYOR_ROLLOUT__SCORING_BATCH_MAX": str(scoring_batch_max),
+        "CONVEYOR_ROLLOUT__UPLOAD_BUNDLE_MAX": str(bundle_max),
+        # every reply is the same, so every group has zero variance: kept, the trainer still
+        # reads its trajectories and writes its batch, as it does for a group it trains on
+        "CONVEYOR_TRAINER__ZERO_VARIANCE_GROUPS": "keep",
     })
     groups = max(1, trajectories // group_size)
     with run.stack:
@@ -150,11 +171,13 @@ def run_config(base: LocalStack, root: Path, workers: int, group_size: int, traj
         idle_rss_mb = [rss_mb(p.proc.pid) for p in procs]
         client = run.ledger.redis
         commands0 = int(client.info("stats")["total_commands_processed"])
+        s3_log = base.root / "logs" / "s3.log"
+        s3_before = s3_requests(s3_log)
         by_command0 = command_calls(client)
         redis_cpu0, (busy0, total0) = redis_cpu_s(client), machine_cpu_s()
         by_process = {p.name: p.proc.pid for p in run.stack.processes + base.processes} | {"benchmark": os.getpid()}
         process_cpu0 = {name: process_cpu_s(pid) for name, pid in by_process.items()}
-        started = time.time()
+        started, load_before = time.time(), os.getloadavg()[0]
         for group_id in range(groups):
             if offered_rate and (wait := started + group_id * group_size / offered_rate - time.time()) > 0:
                 time.sleep(wait)
@@ -164,10 +187,11 @@ def run_config(base: LocalStack, root: Path, workers: int, group_size: int, traj
         rss_samples: list[float] = []
         run.wait_until_consumed(total, timeout_s=3600, what=run_id,
                                 each_poll=lambda: rss_samples.append(sum(rss_mb(p.proc.pid) for p in procs)))
-        wall = time.time() - started
+        wall, load_after = time.time() - started, os.getloadavg()[0]
         (busy1, total1), redis_cpu = machine_cpu_s(), redis_cpu_s(client) - redis_cpu0
         process_cpu = {name: process_cpu_s(pid) - process_cpu0[name] for name, pid in by_process.items()}
         commands = int(client.info("stats")["total_commands_processed"]) - commands0
+        s3_calls = s3_requests(s3_log) - s3_before
         by_command = {name: calls - by_command0.get(name, 0) for name, calls in command_calls(client).items()}
         counts = run.ledger.counts(run.run_id)
         latencies = [m["group_latency_s"] for m in run.trainer_metrics()]
@@ -176,14 +200,16 @@ def run_config(base: LocalStack, root: Path, workers: int, group_size: int, traj
     written = WrittenRun.parse(objects)
     from_upload, from_scoring = written.trainer_side_latencies()
     result = {
-        "workers": workers, "group_size": group_size, "scoring_batch_max": scoring_batch_max,
+        "workers": workers, "group_size": group_size, "scoring_batch_max": scoring_batch_max, "bundle_max": bundle_max,
         "offered_traj_per_s": offered_rate, "published_traj_per_s": total / published_s if published_s else float("inf"),
-        "trajectories": total, "failed": counts["failed"],
+        "trajectories": total, "failed": counts["failed"], "load_1m_before_after": [load_before, load_after],
         "traj_per_s": total / wall, "group_latency_p50_ms": 1000 * pct(latencies, 0.5),
         "group_latency_p99_ms": 1000 * pct(latencies, 0.99), "trainer_side_p50_ms": 1000 * pct(from_upload, 0.5),
         "trainer_side_p99_ms": 1000 * pct(from_upload, 0.99), "scored_to_decided_p50_ms": 1000 * pct(from_scoring, 0.5),
         "scored_to_decided_p99_ms": 1000 * pct(from_scoring, 0.99), "redis_commands_per_traj": commands / total,
         "stored_bytes_per_traj": sum(len(b) for b in objects.values()) / total,
+        "s3_requests_per_traj": sum(s3_calls.values()) / total,
+        "s3_requests_per_traj_by_method": {method: round(calls / total, 2) for method, calls in sorted(s3_calls.items())},
         "top_redis_commands_per_traj": {name: round(calls / total, 2) for name, calls in
                                         sorted(by_command.items(), key=lambda kv: -kv[1])[:12]},
         # a slot runs one rollout task: a whole group's episodes at once
@@ -212,8 +238,9 @@ class WrittenRun:
 
     @classmethod
     def parse(cls, objects: dict[str, bytes]) -> "WrittenRun":
-        def models(prefix: str, model_type: type) -> list:
-            return [model_type.model_validate_json(gzip.decompress(b)) for k, b in objects.items() if k.startswith(prefix)]
+        def models(prefix: str, model_type: type) -> list:  # a bundle's members each
+            return [model_type.model_validate_json(member) for k, b in objects.items() if k.startswith(prefix)
+                    for member in (decode_bundle(b) if is_bundle_key(k) else [gzip.decompress(b)])]
 
         scored = {s.trajectory_id: s for s in models("scored/", ScoredTrajectory)}
         return cls(models("trajectories/", Trajectory), scored, models("groups/", GroupRecord))
@@ -296,6 +323,8 @@ def main() -> None:
     parser.add_argument("--storage", choices=["s3", "local"], default="s3")
     parser.add_argument("--scoring-batch-max", type=int, nargs="+", default=[64],
                         help="rollout.scoring_batch_max per configuration; 1 sends one scoring message per trajectory")
+    parser.add_argument("--bundle-max", type=int, nargs="+", default=[64],
+                        help="rollout.upload_bundle_max per configuration; 1 uploads one object per trajectory")
     parser.add_argument("--offered-load", type=float, nargs="*", default=[], metavar="FRACTION",
                         help="after each configuration's capacity run, runs whose intake publishes groups at this "
                              "fraction of the capacity just measured, at a steady rate (e.g. 0.25 0.5 0.8)")
@@ -320,8 +349,9 @@ def main() -> None:
             base.use_inference(policy.base_url, model_dir, "tiny")
             for workers in args.workers:
                 for group_size in args.group_sizes:
-                    for batch_max in args.scoring_batch_max:
-                        result, groups = run_config(base, root, workers, group_size, args.trajectories, args.slots, batch_max)
+                    for batch_max, bundle_max in itertools.product(args.scoring_batch_max, args.bundle_max):
+                        result, groups = run_config(base, root, workers, group_size, args.trajectories, args.slots,
+                                                    batch_max, bundle_max)
                         results.append(result)
                         written.append(groups)
                         print(rounded(result), flush=True)
@@ -329,7 +359,7 @@ def main() -> None:
                         steady = []
                         for rate in rates:
                             steady.append(run_config(base, root, workers, group_size, args.trajectories, args.slots,
-                                                     batch_max, rate)[0])
+                                                     batch_max, bundle_max, offered_rate=rate)[0])
                             print(rounded(steady[-1]), flush=True)
                         offered += [result, *steady] if steady else []
         finally:

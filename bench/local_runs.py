@@ -24,10 +24,10 @@ from services.intake.publisher import build_group
 from shared.celery_app import make_celery, publish_rollouts
 from shared.group_registry import GroupRegistry
 from shared.ledger import Ledger
-from shared.names import group_record_key, scored_key
+from shared.names import group_record_key
 from shared.schemas import GroupRecord, GroupRegistration, ScoredTrajectory, TaskProfile
 from shared.settings import Settings, load_settings
-from shared.storage import ObjectStore, get_model, open_store
+from shared.storage import ObjectStore, get_model, get_models_under, open_store
 
 
 @contextmanager
@@ -120,10 +120,8 @@ class BenchRun:
     def read_groups(self, group_ids: Iterable[int]) -> tuple[list[GroupRecord], list[ScoredTrajectory]]:
         """The trainer's records of these groups, and their scored members."""
         records = [get_model(self.store, group_record_key(self.run_id, g), GroupRecord) for g in group_ids]
-        scored = [
-            get_model(self.store, scored_key(self.run_id, r.group_id, m.trajectory_id), ScoredTrajectory)
-            for r in records for m in r.members if m.reward is not None
-        ]
+        of_run = {s.trajectory_id: s for s in get_models_under(self.store, f"scored/{self.run_id}/", ScoredTrajectory)}
+        scored = [of_run[m.trajectory_id] for r in records for m in r.members if m.reward is not None]
         return records, scored
 
     def trainer_metrics(self) -> list[dict]:

@@ -182,9 +182,18 @@ class Ledger:
         call stores the scoring task and a send-by entry ``send_within_s`` ahead in the scoring
         lease zset: a scoring message not sent by then (the sender died; ``scoring_sent``
         clears the entry) is sent by the scoring reaper from the stored payload."""
-        _require_token(token)
-        return self._move(trajectory_id, TrajectoryState.uploaded, [TrajectoryState.running], token=token,
-                          next_payload=scoring_payload, send_by=time.time() + send_within_s)
+        return self.mark_uploaded_many([(trajectory_id, token, scoring_payload)], send_within_s)[0]
+
+    def mark_uploaded_many(self, moves: list[tuple[str, str, str]], send_within_s: float = 0.0) -> list[TransitionResult]:
+        """``mark_uploaded`` for each (trajectory id, token, scoring payload), pipelined: one round
+        trip for a bundle's members; each move is its own atomic call, by its own lease token."""
+        send_by = time.time() + send_within_s
+        pipe = self.redis.pipeline(transaction=False)
+        for trajectory_id, token, scoring_payload in moves:
+            _require_token(token)
+            self._move(trajectory_id, TrajectoryState.uploaded, [TrajectoryState.running], token=token,
+                       next_payload=scoring_payload, send_by=send_by, client=pipe)
+        return [TransitionResult(status == "ok", detail) for status, detail in pipe.execute()] if moves else []
 
     def scoring_sent(self, trajectory_ids: list[str]) -> int:
         """The scoring messages of these trajectories are out: drop their send-by entries (one

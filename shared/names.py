@@ -5,6 +5,11 @@ Object key layout (one bucket):
 - ``scored/{run}/{group_id:06d}/{trajectory_id}.json.gz`` — the ScoredTrajectory (a re-dispatched
   scoring attempt n > 1 writes ``{trajectory_id}.s{n}.json.gz``, so a scorer presumed dead never
   overwrites the object the trainer is told about)
+- bundles (``shared.object_bundles``), many of those in one object, each named after its first
+  member and the attempt that wrote it, so no other attempt ever writes the same key:
+  ``trajectories/{run}/{group_id:06d}/{trajectory_id}.a{attempt}-{lease token[:8]}.bundle.json.gz``
+  (a rollout task's uploads) and ``scored/{run}/{group_id:06d}/{trajectory_id}.s{n}.bundle.json.gz``
+  (a scoring batch's, of one run); a member's ref is ``{bundle key}#{index}``
 - ``batches/{run}/{group_id:06d}.json.gz`` — a training batch (one GRPO group)
 - ``groups/{run}/{group_id:06d}.json.gz`` — the GroupRecord the trainer decided
 - ``checkpoints/{run}/{version:06d}/`` — a policy checkpoint: safetensors, config and
@@ -15,6 +20,8 @@ Rejected dataset rows live in Redis (``RedisKeys.rejected_rows``), not in the bu
 """
 
 from __future__ import annotations
+
+from shared.object_bundles import BUNDLE_SUFFIX
 
 ROLLOUT_QUEUE = "rollouts"
 SCORING_QUEUE = "scoring"
@@ -32,6 +39,16 @@ def trajectory_key(run_id: str, group_id: int, trajectory_id: str) -> str:
 def scored_key(run_id: str, group_id: int, trajectory_id: str, attempt: int = 1) -> str:
     suffix = "" if attempt == 1 else f".s{attempt}"
     return f"scored/{run_id}/{group_id:06d}/{trajectory_id}{suffix}.json.gz"
+
+
+def trajectory_bundle_key(run_id: str, group_id: int, first_trajectory_id: str, attempt: int, lease_token: str) -> str:
+    """A rollout task's uploads, named after its first member's attempt and lease token."""
+    return f"trajectories/{run_id}/{group_id:06d}/{first_trajectory_id}.a{attempt}-{lease_token[:8]}{BUNDLE_SUFFIX}"
+
+
+def scored_bundle_key(run_id: str, group_id: int, first_trajectory_id: str, scoring_attempt: int) -> str:
+    """A scoring batch's ScoredTrajectories of one run, named after its first member's scoring attempt."""
+    return f"scored/{run_id}/{group_id:06d}/{first_trajectory_id}.s{scoring_attempt}{BUNDLE_SUFFIX}"
 
 
 def agent_artifact_key(run_id: str, trajectory_id: str, name: str) -> str:

@@ -41,7 +41,7 @@ from pydantic import (
     model_validator,
 )
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 
 
 class Message(BaseModel):
@@ -261,12 +261,17 @@ class _TrainerEventBase(Message):
 
 
 class ScoredEvent(_TrainerEventBase):
-    """The trajectory was scored: the trainer reads the ScoredTrajectory at ``scored_key``."""
+    """The trajectory was scored. It carries what the trainer reads of the ScoredTrajectory at
+    ``scored_key`` (the Trajectory's key and the stop reason), so the trainer reads only the
+    Trajectory. Events written before schema 1.1 lack both: readers then read the ScoredTrajectory
+    (``shared.trajectory_lookup.trajectory_of_event``)."""
 
     kind: Literal["scored"] = "scored"
     reward: FiniteFloat
     scored_key: str  # object key of the ScoredTrajectory
     failure_reason: None = None  # always null: kept so the JSON is the same for both kinds (see below)
+    trajectory_key: str | None = None  # the Trajectory's object key (as in ScoredTrajectory); None before 1.1
+    stop_reason: StopReason | None = None  # the Trajectory's; None before 1.1
 
 
 class FailedEvent(_TrainerEventBase):
@@ -276,12 +281,15 @@ class FailedEvent(_TrainerEventBase):
     failure_reason: str = Field(min_length=1)
     reward: None = None  # always null, as above
     scored_key: None = None
+    trajectory_key: None = None
+    stop_reason: None = None
 
 
 # What the trainer receives for one trajectory, on the run's trainer stream: a union told apart
 # by ``kind``. Each kind requires its own fields; the other kind's fields are present as null,
-# so the JSON has the same keys as schema 1.0's single event class and either side of the
-# stream can be upgraded first.
+# so both kinds have the same keys. Schema 1.1 added ``trajectory_key`` and ``stop_reason``:
+# 1.1 readers take 1.0 events, but a 1.0 reader refuses the new keys, so upgrade the readers
+# (trainer, viewer, export) before the scorer.
 TrainerEvent = Annotated[Union[ScoredEvent, FailedEvent], Field(discriminator="kind")]
 
 

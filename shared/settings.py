@@ -145,6 +145,12 @@ class RolloutSettings(Section):
     # ledger.lease_ttl_s + scoring_linger_s after their upload
     scoring_linger_s: Float = Field(0.25, ge=0)
     scoring_batch_max: Int = Field(64, gt=0)
+    # a rollout task's finished trajectories are uploaded together, as one object
+    # (services.rollout_worker.upload_outbox): when the task's episodes have all ended, at
+    # upload_bundle_max trajectories, or this long after the first; until then each stays
+    # running under its lease. upload_bundle_max 1 uploads each trajectory alone
+    upload_linger_s: Float = Field(0.25, ge=0)
+    upload_bundle_max: Int = Field(64, gt=0)
     sampling: SamplingSettings = SamplingSettings()
     # Agent-driven environments: each trajectory's proxy socket lives in a directory of its own
     # under this one (per worker process), which that trajectory's sandbox mounts. Keep it short:

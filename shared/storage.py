@@ -4,7 +4,9 @@ Two backends behind one interface: S3 (MinIO, or any S3-compatible server, throu
 ``minio`` SDK) and a local directory (a shared volume, the no-Docker demo, benchmarks).
 
 Invariants:
-- Objects are gzip-compressed JSON of a pydantic model; keys come from ``shared.names``.
+- Objects are gzip-compressed JSON of a pydantic model, or bundles of many
+  (``shared.object_bundles``); keys come from ``shared.names``. ``get_model`` reads a bundle
+  member's ref as it reads a key.
 - ``put`` is idempotent for a key: a retried or redelivered writer overwrites with the same
   content, never creates a second object.
 - An S3 server that is down (refused or dropped connections, timeouts, 5xx answers) is waited
@@ -23,9 +25,10 @@ import io
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable, Protocol, TypeVar
+from typing import Callable, Protocol, Sequence, TypeVar
 
 from pydantic import BaseModel
+from shared.object_bundles import cache_of, decode_bundle, encode_bundle, is_bundle_key, member_ref, split_ref
 from shared.outage import Dependency
 from shared.settings import OutageSettings, StorageSettings
 
@@ -50,8 +53,38 @@ def put_model(store: ObjectStore, key: str, model: BaseModel) -> int:
     return len(data)
 
 
+def put_bundle(store: ObjectStore, bundle_key: str, models: Sequence[BaseModel]) -> list[str]:
+    """Store models as one bundle (``shared.object_bundles``); returns their refs, in order."""
+    refs = [member_ref(bundle_key, index) for index in range(len(models))]  # refuses a key that is not a bundle's
+    store.put_bytes(bundle_key, encode_bundle(models))
+    return refs
+
+
 def get_model(store: ObjectStore, key: str, model_type: type[M]) -> M:
-    return model_type.model_validate_json(gzip.decompress(store.get_bytes(key)))
+    """The model at an object key, or the bundle member a ref names (its bundle read once for
+    the process's next reads of its members: ``shared.object_bundles.BundleCache``)."""
+    ref = split_ref(key)
+    if ref is None:
+        return model_type.model_validate_json(gzip.decompress(store.get_bytes(key)))
+    bundle_key, index = ref
+    try:
+        members = cache_of(store).members(bundle_key, lambda: store.get_bytes(bundle_key))
+    except StorageError as exc:
+        raise StorageError(f"bundle member {key!r}: {exc}") from exc
+    if index >= len(members):
+        raise StorageError(f"bundle member {key!r} does not exist: bundle {bundle_key!r} holds {len(members)} members")
+    return model_type.model_validate_json(members[index])
+
+
+def get_models_under(store: ObjectStore, prefix: str, model_type: type[M]) -> list[M]:
+    """Every model stored under ``prefix``: a plain object's, and each member of a bundle."""
+    models: list[M] = []
+    for key in store.list_keys(prefix):
+        if is_bundle_key(key):
+            models += [model_type.model_validate_json(m) for m in decode_bundle(store.get_bytes(key))]
+        else:
+            models.append(get_model(store, key, model_type))
+    return models
 
 
 class LocalStore:

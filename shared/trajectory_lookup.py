@@ -1,12 +1,18 @@
 """Finding one trajectory's objects by its id, for ``conveyor inspect``, ``conveyor replay`` and
-the viewer: no scan of a run, only the trajectory's own key prefixes.
+the viewer: no scan of a run's objects, only the trajectory's own key prefixes (a member of a
+scored bundle costs a scan of the run's trainer stream); and a scored event's
+Trajectory for the trainer and the exporter (``trajectory_of_event``).
 
 Invariants:
 - A trajectory id names its run and group (``shared.ids``), so its uploads are under one
   prefix of ``trajectory_key`` (one object per rollout attempt) and its scores under one
   prefix of ``scored_key`` (one per scoring attempt).
 - The attempt shown is the one the scorer was given (the ledger's scoring task), else the
-  latest upload. Its score is the latest scoring of that object.
+  latest upload. Its score is the one the trainer was told about (the run's trainer stream),
+  else the latest scoring of that object.
+- A trajectory uploaded or scored in a bundle (``shared.object_bundles``) is not under its own
+  prefix: with Redis, the ledger's scoring task names its upload and the trainer stream its
+  score; without Redis only objects of its own are found.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from typing import Any
 
 from shared.ids import parse_trajectory_id
 from shared.names import RedisKeys, scored_key, trajectory_key
-from shared.schemas import ScoredTrajectory, Trajectory
+from shared.schemas import ScoredEvent, ScoredTrajectory, StopReason, Trajectory
+from shared.object_bundles import is_bundle_key, split_ref
 from shared.storage import ObjectStore, get_model
 
 _ATTEMPT = re.compile(r"\.a(\d+)-[0-9a-f]+\.json\.gz$")
@@ -44,8 +51,26 @@ def _attempt_of(key: str) -> int:
 
 
 def _objects_of(store: ObjectStore, key: str, trajectory_id: str) -> list[str]:
-    """The objects next to ``key`` that belong to this trajectory (not to one whose id it prefixes)."""
-    return [k for k in store.list_keys(key.removesuffix(".json.gz")) if k.rsplit("/", 1)[-1].startswith(f"{trajectory_id}.")]
+    """The objects next to ``key`` that belong to this trajectory alone (not to one whose id it
+    prefixes, nor a bundle named after it: a bundle's members are found by their refs)."""
+    return [k for k in store.list_keys(key.removesuffix(".json.gz"))
+            if k.rsplit("/", 1)[-1].startswith(f"{trajectory_id}.") and not is_bundle_key(k)]
+
+
+def _scored_ref_in_stream(redis: Any, run_id: str, trajectory_id: str) -> str | None:
+    """The ScoredTrajectory the trainer was told about (its scored event's ``scored_key``): a
+    scan of the run's trainer stream, for one trajectory of a bundle, which no listing finds."""
+    needle, last = f'"{trajectory_id}"', "-"
+    while True:
+        entries = redis.xrange(RedisKeys.trainer_stream(run_id), min=last, count=1000)
+        for _, fields in entries:
+            raw = fields.get("event") or fields.get(b"event") or ""
+            raw = raw.decode() if isinstance(raw, bytes) else raw
+            if needle in raw and (event := json.loads(raw)).get("trajectory_id") == trajectory_id and event.get("kind") == "scored":
+                return event["scored_key"]
+        if len(entries) < 1000:
+            return None
+        last = f"({entries[-1][0].decode() if isinstance(entries[-1][0], bytes) else entries[-1][0]}"
 
 
 def find_trajectory(store: ObjectStore, trajectory_id: str, redis: Any = None) -> FoundTrajectory:
@@ -61,15 +86,32 @@ def find_trajectory(store: ObjectStore, trajectory_id: str, redis: Any = None) -
             redis.hget(RedisKeys.failures(ids.run_id), trajectory_id), redis.hget(RedisKeys.scoring_tasks(ids.run_id), trajectory_id)
         state = state[0]
         given = json.loads(task)["trajectory_key"] if task else None
+    if given is not None and split_ref(given) is not None:  # uploaded in a bundle: the ledger names its member
+        uploads.append(given)
     if not uploads:
         where = f"; the ledger says {state}" + (f" ({failure})" if failure else "") if state else ""
         raise TrajectoryNotFound(f"no uploaded trajectory {trajectory_id} under {plain.rsplit('/', 1)[0]}/{where}")
     key = given if given in uploads else max(uploads, key=_attempt_of)
     scores = _objects_of(store, scored_key(ids.run_id, ids.group_id, trajectory_id), trajectory_id)
+    scores = sorted(scores, key=lambda k: int(m.group(1)) if (m := _SCORING.search(k)) else 1, reverse=True)
+    if redis is not None and state in ("scored", "consumed") and (told := _scored_ref_in_stream(redis, ids.run_id, trajectory_id)):
+        scores = [told] + [k for k in scores if k != told]
     scored = None
-    for score_key in sorted(scores, key=lambda k: int(m.group(1)) if (m := _SCORING.search(k)) else 1, reverse=True):
+    for score_key in scores:
         candidate = get_model(store, score_key, ScoredTrajectory)
         if candidate.trajectory_key == key:
             scored = candidate
             break
     return FoundTrajectory(key, get_model(store, key, Trajectory), scored, state, failure)
+
+
+def trajectory_of_event(store: ObjectStore, event: ScoredEvent) -> Trajectory:
+    """The Trajectory a scored event names: one read, or two for an event written before schema
+    1.1 (it names only the ScoredTrajectory, which names the Trajectory)."""
+    key = event.trajectory_key or get_model(store, event.scored_key, ScoredTrajectory).trajectory_key
+    return get_model(store, key, Trajectory)
+
+
+def stop_reason_of_event(store: ObjectStore, event: ScoredEvent) -> StopReason:
+    """The scored trajectory's stop reason: the event's, or its ScoredTrajectory's before schema 1.1."""
+    return event.stop_reason or get_model(store, event.scored_key, ScoredTrajectory).stop_reason

@@ -141,9 +141,9 @@ def trained_trajectories(stack: LocalStack, run_id: str, dataset: Path, group_si
     trajectory with the attempt's stored trajectory. The batch must hold exactly each
     trajectory's segments (tokens, loss masks and logprobs), one sample each, and the rollout
     worker's log no traceback."""
-    from shared.names import batch_key, trajectory_key
+    from shared.names import batch_key
     from shared.schemas import TrainingBatch, Trajectory
-    from shared.storage import get_model
+    from shared.storage import get_model, get_models_under
 
     start_and_publish(stack, dataset, concurrency=2)
     counts = wait_terminal(stack, run_id, group_size, timeout_s=timeout_s)
@@ -154,11 +154,12 @@ def trained_trajectories(stack: LocalStack, run_id: str, dataset: Path, group_si
     for sample in batch.samples:  # one sample per segment: an agent that rewrote its history has several
         by_trajectory.setdefault(sample.trajectory_id, []).append(sample)
     assert len(by_trajectory) == group_size, sorted(by_trajectory)
+    uploaded: dict[str, list[Trajectory]] = {}
+    for stored in get_models_under(store, f"trajectories/{run_id}/000000/", Trajectory):
+        uploaded.setdefault(stored.trajectory_id, []).append(stored)
     pairs = []
     for trajectory_id, samples in sorted(by_trajectory.items()):
-        stem = trajectory_key(run_id, 0, trajectory_id).removesuffix(".json.gz")
-        [key] = [k for k in store.list_keys(stem) if k.startswith(stem + ".a")]  # one attempt's object
-        trajectory = get_model(store, key, Trajectory)
+        [trajectory] = uploaded[trajectory_id]  # one attempt's upload
         samples.sort(key=lambda sample: sample.segment)
         segments = trajectory.segments()
         assert len(samples) == len(segments), (len(samples), len(segments))

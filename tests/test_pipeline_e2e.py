@@ -24,7 +24,7 @@ from services.trainer.advantages import group_advantages
 from shared.ledger import Ledger
 from shared.names import RedisKeys, group_record_key
 from shared.schemas import GroupRecord, ScoredTrajectory, TrainingBatch, Trajectory
-from shared.storage import get_model
+from shared.storage import get_model, get_models_under
 
 pytestmark = pytest.mark.slow
 
@@ -74,8 +74,10 @@ def test_pipeline_end_to_end(base, tmp_path):
 
     trained = 0
     client = httpx.Client(base_url=stack.env["CONVEYOR_INFERENCE__BASE_URL"], timeout=60)
+    scored_of_run = {s.trajectory_id: s for s in get_models_under(store, f"scored/{run_id}/", ScoredTrajectory)}
+    assert len(scored_of_run) == total
     for record in records:
-        scored = {m.trajectory_id: get_model(store, f"scored/{run_id}/{record.group_id:06d}/{m.trajectory_id}.json.gz", ScoredTrajectory) for m in record.members}
+        scored = {m.trajectory_id: scored_of_run[m.trajectory_id] for m in record.members}
         # the advantages are right for every group
         ordered = sorted(scored)
         expected = group_advantages([scored[t].reward for t in ordered])

@@ -135,7 +135,7 @@ def _summary(stack: LocalStack, run_id: str) -> None:
 def _show_groups_and_an_episode(stack: LocalStack, run_id: str) -> None:
     from shared.schemas import GroupRecord, ScoredTrajectory, Trajectory
     from shared.settings import load_settings
-    from shared.storage import get_model, open_store
+    from shared.storage import get_model, get_models_under, open_store
 
     import os
 
@@ -156,7 +156,7 @@ def _show_groups_and_an_episode(stack: LocalStack, run_id: str) -> None:
     if not records or not records[0].members:
         return
     first = records[0].members[0]
-    scored = get_model(store, f"scored/{run_id}/{records[0].group_id:06d}/{first.trajectory_id}.json.gz", ScoredTrajectory)
+    scored = next(s for s in get_models_under(store, f"scored/{run_id}/", ScoredTrajectory) if s.trajectory_id == first.trajectory_id)
     trajectory = get_model(store, scored.trajectory_key, Trajectory)
     console.print(f"episode {trajectory.trajectory_id}: {len(trajectory.turns)} turns, stop reason {trajectory.stop_reason.value}")
     for turn in trajectory.turns:

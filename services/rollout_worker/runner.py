@@ -4,9 +4,12 @@ concurrently in one event loop, and hands each finished trajectory on.
 Invariants, per trajectory:
 - It runs only if this worker won the ledger claim (queued -> running); a redelivered or
   duplicated request is skipped.
-- The trajectory object is written before the ledger moves to ``uploaded``, under a key that
-  carries the attempt and its lease token, so no other attempt (one presumed dead, or one from
-  before a ``conveyor retry``) can ever overwrite the attempt that won.
+- The trajectory is written before the ledger moves to ``uploaded``, together with the task's
+  other finished trajectories (``upload_outbox``: one object, a bundle, and one pipelined
+  ledger round trip), under a key that carries its first member's attempt and lease token, so
+  no other attempt (one presumed dead, or one from before a ``conveyor retry``) can ever
+  overwrite the attempt that won. Until then it stays ``running`` under this worker's lease:
+  a crash re-runs it, never loses it. Its scoring task names its member (``key#index``).
 - Only the lease owner moves it on, storing its scoring task in the same ledger call; the task
   is then sent in a batch with the others of the process (``scoring_outbox``), and the scoring
   reaper sends it should this process die first.
@@ -52,10 +55,11 @@ from services.rollout_worker.in_flight import HandBack, InFlight, LeaseLost
 from services.rollout_worker.inference_client import InferenceClient, InferenceOutage, InferenceRejected, InferenceUnavailable
 from services.rollout_worker.sandbox.errors import SandboxInfraError
 from services.rollout_worker.scoring_outbox import ScoringOutbox
+from services.rollout_worker.upload_outbox import UploadOutbox
 from shared.environments import EnvironmentConfigError, EnvironmentUnavailable, registry_for
 from shared.leases import LeaseKeeper
 from shared.ledger import Ledger, TransitionResult
-from shared.names import trajectory_key
+from shared.names import trajectory_bundle_key
 from shared.outage import OutageTooLong
 from shared.policy_version import PolicyVersion
 from shared.outcomes import FailureKind, RolloutOutcome, RolloutResult, reason
@@ -63,7 +67,7 @@ from shared.prometheus import EPISODES_IN_FLIGHT
 from shared.run_marker import refuse_lost_run
 from shared.schemas import RolloutRequest, ScoringTask, StopReason, Trajectory
 from shared.settings import RolloutSettings, Settings
-from shared.storage import ObjectStore, StorageError, put_model
+from shared.storage import ObjectStore, StorageError, put_bundle
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +79,9 @@ INFRA_ERRORS: tuple[type[BaseException], ...] = (
     redis.ConnectionError, redis.TimeoutError, kombu.exceptions.OperationalError,
 )
 MAX_TRACEBACK_CHARS = 8000
+FinishedEpisode = tuple[Trajectory, str]  # a finished trajectory and its attempt's lease token
+HandedOn = tuple[RolloutResult, ScoringTask | None]  # its outcome, and its scoring task to send
+Uploads = UploadOutbox[FinishedEpisode, HandedOn]
 
 
 @dataclass
@@ -96,12 +103,16 @@ class RolloutContext:
 async def run_requests(ctx: RolloutContext, requests: list[RolloutRequest]) -> dict[str, RolloutResult]:
     """Returns trajectory id -> what happened to it."""
     claims = await asyncio.to_thread(ctx.leases.claim_many, [(r.trajectory_id, "") for r in requests])  # one round trip
-    outcomes = await asyncio.gather(*(_run_one(ctx, r, token, detail) for r, (token, detail) in zip(requests, claims)))
+    rollout = ctx.settings.rollout
+    uploads: Uploads = UploadOutbox(lambda finished: upload_bundle(ctx, finished),
+                                    [r.trajectory_id for r, (token, _) in zip(requests, claims) if token is not None],
+                                    rollout.upload_linger_s, rollout.upload_bundle_max)
+    outcomes = await asyncio.gather(*(_run_one(ctx, uploads, r, token, detail) for r, (token, detail) in zip(requests, claims)))
     await ctx.scoring.flush()  # the task's uploads go to scoring in one message
     return dict(zip((r.trajectory_id for r in requests), outcomes))
 
 
-async def _run_one(ctx: RolloutContext, request: RolloutRequest, token: str | None, detail: str) -> RolloutResult:
+async def _run_one(ctx: RolloutContext, uploads: Uploads, request: RolloutRequest, token: str | None, detail: str) -> RolloutResult:
     """``token``, ``detail``: this worker's claim of the request (``LeaseKeeper.claim``)."""
     tid = request.trajectory_id
     if token is None:
@@ -112,17 +123,20 @@ async def _run_one(ctx: RolloutContext, request: RolloutRequest, token: str | No
     attempt = int(detail)
     EPISODES_IN_FLIGHT.inc()
     try:
-        return await _roll_out(ctx, request, token, attempt)
+        return await _roll_out(ctx, uploads, request, token, attempt)
     finally:
+        uploads.finished(tid)
         EPISODES_IN_FLIGHT.dec()
         ctx.leases.release(tid)
 
 
-async def _roll_out(ctx: RolloutContext, request: RolloutRequest, token: str, attempt: int) -> RolloutResult:
+async def _roll_out(ctx: RolloutContext, uploads: Uploads, request: RolloutRequest, token: str, attempt: int) -> RolloutResult:
     tid = request.trajectory_id
     try:
         trajectory = await ctx.in_flight.run(_episode(ctx, request, attempt), tid)
-        result, scoring = await asyncio.to_thread(_hand_on, ctx, trajectory, token)
+        if trajectory.stop_reason is StopReason.env_error:
+            return await asyncio.to_thread(_fail, ctx, tid, token, FailureKind.env_error, trajectory.error or "")
+        result, scoring = await uploads.hand_on(tid, (trajectory, token))
         if scoring is not None:
             await ctx.scoring.add(scoring)
         return result
@@ -174,22 +188,34 @@ async def agent_proxy_of(ctx: RolloutContext) -> AgentProxy:
         return ctx.agent_proxy
 
 
-def _hand_on(ctx: RolloutContext, trajectory: Trajectory, token: str) -> tuple[RolloutResult, ScoringTask | None]:
-    """Upload the trajectory and move it to ``uploaded`` with its scoring task stored; the task
-    comes back to be sent (batched) when the move was this attempt's."""
+def upload_bundle(ctx: RolloutContext, finished: list[FinishedEpisode]) -> list[HandedOn]:
+    """Write finished trajectories as one object per run (a bundle; artifacts keep objects of
+    their own), then move each to ``uploaded`` with its scoring task stored, in one pipelined
+    round trip; each one's task comes back to be sent (batched) when the move was its attempt's."""
+    by_run: dict[str, list[FinishedEpisode]] = {}
+    for trajectory, token in finished:
+        by_run.setdefault(trajectory.request.run_id, []).append((trajectory, token))
+    handed_on: dict[str, HandedOn] = {}
+    for members in by_run.values():
+        first, first_token = members[0]
+        key = trajectory_bundle_key(first.request.run_id, first.request.group_id, first.trajectory_id, first.attempt, first_token)
+        t0 = time.perf_counter()
+        refs = put_bundle(ctx.store, key, [trajectory for trajectory, _ in members])
+        for trajectory, _ in members:
+            if "diff" in trajectory.env_info:  # a sandboxed environment's diff, test output and command log
+                write_artifacts(ctx.store, trajectory.request.run_id, trajectory.trajectory_id, trajectory.env_info)
+        upload_s = time.perf_counter() - t0
+        scorings = [ScoringTask(trajectory_id=t.trajectory_id, trajectory_key=ref, upload_s=upload_s) for (t, _), ref in zip(members, refs)]
+        moves = ctx.ledger.mark_uploaded_many([(s.trajectory_id, token, s.model_dump_json()) for s, (_, token) in zip(scorings, members)],
+                                              send_within_s=ctx.settings.ledger.lease_ttl_s + ctx.settings.rollout.scoring_linger_s)
+        for (trajectory, _), scoring, moved in zip(members, scorings, moves):
+            handed_on[trajectory.trajectory_id] = _after_upload(ctx, trajectory, scoring, moved)
+    return [handed_on[trajectory.trajectory_id] for trajectory, _ in finished]
+
+
+def _after_upload(ctx: RolloutContext, trajectory: Trajectory, scoring: ScoringTask, moved: TransitionResult) -> HandedOn:
+    """What the ledger's move of one uploaded trajectory means for this attempt."""
     request = trajectory.request
-    if trajectory.stop_reason is StopReason.env_error:
-        return _fail(ctx, request.trajectory_id, token, FailureKind.env_error, trajectory.error or ""), None
-    key = trajectory_key(request.run_id, request.group_id, request.trajectory_id).replace(
-        ".json.gz", f".a{trajectory.attempt}-{token[:8]}.json.gz"
-    )
-    t0 = time.perf_counter()
-    put_model(ctx.store, key, trajectory)
-    if "diff" in trajectory.env_info:  # a sandboxed environment's diff, test output and command log
-        write_artifacts(ctx.store, request.run_id, request.trajectory_id, trajectory.env_info)
-    scoring = ScoringTask(trajectory_id=request.trajectory_id, trajectory_key=key, upload_s=time.perf_counter() - t0)
-    moved = ctx.ledger.mark_uploaded(request.trajectory_id, token, scoring.model_dump_json(),
-                                     send_within_s=ctx.settings.ledger.lease_ttl_s + ctx.settings.rollout.scoring_linger_s)
     if not moved.ok and moved.state == "uploaded" and ctx.ledger.attempts(request.trajectory_id) == trajectory.attempt:
         # Redis went away with the reply of a move that took: no later attempt was claimed, so
         # the upload is this attempt's own, and its scoring must still be sent

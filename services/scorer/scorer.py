@@ -10,8 +10,11 @@ Invariants:
   the task with the arguments stored at the claim, so no trajectory waits on the broker.
 - Only the lease owner moves the trajectory on: ``mark_scored`` (which appends the trainer
   event atomically) and ``fail`` carry its token, so a scorer presumed dead never delivers a
-  second copy. The ScoredTrajectory is written before that move, under a key that carries the
-  scoring attempt (``shared.names.scored_key``), so it is never overwritten by another attempt.
+  second copy. The ScoredTrajectories of a batch are written before those moves, as one object
+  per run (a bundle, ``shared.object_bundles``) under a key that carries its first member's
+  scoring attempt (``shared.names.scored_bundle_key``), so it is never overwritten by another
+  attempt; each member's event names its ref, and the Trajectory's key and stop reason, so the
+  trainer reads only the Trajectory.
 - A trajectory whose run Redis lost (``shared.run_marker``) is refused, with one error line
   per run: nothing of the run is recreated.
 - An outage of Redis or of the S3 server is waited out (``shared.outage``), never a failure.
@@ -33,11 +36,11 @@ from shared.dead_letters import DeadLetters
 from shared.ids import parse_trajectory_id
 from shared.leases import LeaseKeeper
 from shared.ledger import SCORING
-from shared.names import scored_key
+from shared.names import scored_bundle_key
 from shared.prometheus import SCORING_SECONDS
 from shared.run_marker import refuse_lost_run
 from shared.schemas import BadMessage, ScoredEvent, ScoredTrajectory, ScoringTask, Trajectory
-from shared.storage import ObjectStore, StorageError, get_model, put_model
+from shared.storage import ObjectStore, StorageError, get_model, put_bundle
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +71,15 @@ class Scorer:
                 log.info("skip scoring %s: it is %s", task.trajectory_id, detail)
                 outcomes[index] = f"skipped:{detail}"
         try:
-            moves: list[tuple[int, tuple[str, ScoredEvent, str]]] = []
+            scorings: list[tuple[int, str, int, ScoredTrajectory]] = []  # (index, token, attempt, scored)
             for index, token, attempt in held:
                 with SCORING_SECONDS.time():
-                    event = self._score(tasks[index], token, attempt)
-                if isinstance(event, str):
-                    outcomes[index] = event
+                    scored = self._score(tasks[index], token)
+                if isinstance(scored, str):
+                    outcomes[index] = scored
                 else:
-                    moves.append((index, (tasks[index].trajectory_id, event, token)))
+                    scorings.append((index, token, attempt, scored))
+            moves = self._write_bundles(scorings)
             moved = self.leases.ledger.mark_scored_many([move for _, move in moves])
             for (index, (trajectory_id, _, _)), result in zip(moves, moved):
                 if result.ok:
@@ -88,9 +92,28 @@ class Scorer:
                 self.leases.release(tasks[index].trajectory_id)
         return outcomes
 
-    def _score(self, task: ScoringTask, token: str, attempt: int) -> ScoredEvent | str:
-        """Reward the trajectory and write its ScoredTrajectory; the event to hand on, or the
-        outcome when the trajectory failed here."""
+    def _write_bundles(self, scorings: list[tuple[int, str, int, ScoredTrajectory]]) -> list[tuple[int, tuple[str, ScoredEvent, str]]]:
+        """One object per run of the batch, holding its ScoredTrajectories, named after its first
+        member's scoring attempt (``shared.names.scored_bundle_key``); the moves to make, each
+        with its event naming its member."""
+        by_run: dict[str, list[tuple[int, str, int, ScoredTrajectory]]] = {}
+        for scoring in scorings:
+            by_run.setdefault(scoring[3].run_id, []).append(scoring)
+        moves: list[tuple[int, tuple[str, ScoredEvent, str]]] = []
+        for run_id, members in by_run.items():
+            _, _, attempt, first = members[0]
+            key = scored_bundle_key(run_id, first.group_id, first.trajectory_id, attempt)
+            refs = put_bundle(self.store, key, [scored for *_, scored in members])
+            for (index, token, _, scored), ref in zip(members, refs):
+                event = ScoredEvent(
+                    trajectory_id=scored.trajectory_id, run_id=run_id, group_id=scored.group_id, reward=scored.reward,
+                    scored_key=ref, at=time.time(), trajectory_key=scored.trajectory_key, stop_reason=scored.stop_reason,
+                )
+                moves.append((index, (scored.trajectory_id, event, token)))
+        return moves
+
+    def _score(self, task: ScoringTask, token: str) -> ScoredTrajectory | str:
+        """Reward the trajectory; its ScoredTrajectory, or the outcome when the trajectory failed here."""
         started = time.perf_counter()
         trajectory_id, key = task.trajectory_id, task.trajectory_key
         try:
@@ -110,12 +133,7 @@ class Scorer:
                 "env": timings.env_s, "upload": task.upload_s, "scoring": time.perf_counter() - started,
             },
         )
-        out_key = scored_key(request.run_id, request.group_id, trajectory_id, attempt)
-        put_model(self.store, out_key, scored)
-        return ScoredEvent(
-            trajectory_id=trajectory_id, run_id=request.run_id, group_id=request.group_id,
-            reward=reward, scored_key=out_key, at=time.time(),
-        )
+        return scored
 
     def reject(self, error: BadMessage, trajectory_id: object = None) -> str:
         """A scoring message that is not a ``ScoringTask``: logged and dead-lettered; when it names

@@ -69,18 +69,17 @@ from shared.schemas import (
     GroupRecord,
     GroupRegistration,
     ScoredEvent,
-    ScoredTrajectory,
     SkippedGroupEntry,
     TrainBatchEntry,
     TrainerEvent,
     TrainingBatch,
     TrainingSample,
-    Trajectory,
     parse_message,
 )
 from shared.settings import Settings
 from shared.staleness import StalenessBudget
-from shared.storage import ObjectStore, get_model, put_model
+from shared.storage import ObjectStore, put_model
+from shared.trajectory_lookup import trajectory_of_event
 from shared.trainer_counters import TrainerCounter, TrainerCounters
 
 if TYPE_CHECKING:
@@ -316,8 +315,7 @@ class TrainerConsumer:
         """``per_token``: the group's (mean, scale) when rewards are placed per token."""
         samples = []
         for event, advantage in zip(scored, advantages):
-            scored_traj = get_model(self.store, event.scored_key, ScoredTrajectory)
-            trajectory = get_model(self.store, scored_traj.trajectory_key, Trajectory)
+            trajectory = trajectory_of_event(self.store, event)
             token_advantages = None
             if per_token is not None:
                 placed = place_rewards(trajectory, event.reward, self.settings.trainer.token_rewards)

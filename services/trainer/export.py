@@ -28,8 +28,9 @@ from typing import Any, Literal
 import redis
 
 from shared.names import RedisKeys
-from shared.schemas import GroupRecord, ScoredEvent, ScoredTrajectory, TrainerEvent, Trajectory, parse_message
+from shared.schemas import GroupRecord, ScoredEvent, TrainerEvent, Trajectory, parse_message
 from shared.storage import ObjectStore, get_model
+from shared.trajectory_lookup import trajectory_of_event
 
 Form = Literal["chat", "tokens", "pairs"]
 Format = Literal["jsonl", "parquet", "hf"]
@@ -65,8 +66,7 @@ def export_records(client: redis.Redis, store: ObjectStore, run_id: str, form: F
             continue
         if (min_reward is not None and event.reward < min_reward) or (max_reward is not None and event.reward > max_reward):
             continue
-        scored = get_model(store, event.scored_key, ScoredTrajectory)
-        trajectory = get_model(store, scored.trajectory_key, Trajectory)
+        trajectory = trajectory_of_event(store, event)
         record: dict[str, Any] = {
             "trajectory_id": event.trajectory_id, "group_id": event.group_id, "task_id": trajectory.request.task.task_id,
             "env_name": trajectory.request.task.env_name, "dataset_version": trajectory.request.task.dataset_version,

@@ -20,10 +20,10 @@ from shared.ids import parse_trajectory_id
 from shared.ledger import Ledger
 from shared.names import RedisKeys, group_record_key
 from shared.outcomes import kind_of
-from shared.schemas import (BadMessage, EvalEnd, GroupRecord, GroupRegistration, ScoredEvent, ScoredTrajectory,
+from shared.schemas import (BadMessage, EvalEnd, GroupRecord, GroupRegistration, ScoredEvent,
                             TrainerEvent, parse_message)
 from shared.storage import ObjectStore, StorageError, get_model
-from shared.trajectory_lookup import FoundTrajectory, find_trajectory
+from shared.trajectory_lookup import FoundTrajectory, find_trajectory, stop_reason_of_event
 
 
 @dataclass
@@ -164,7 +164,7 @@ class ViewerData:
         if flt.stop_reason:
             if not scored:
                 return None
-            row.stop_reason = get_model(self.store, event.scored_key, ScoredTrajectory).stop_reason.value
+            row.stop_reason = stop_reason_of_event(self.store, event).value
             if row.stop_reason != flt.stop_reason:
                 return None
         return row

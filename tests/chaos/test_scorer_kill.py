@@ -108,7 +108,7 @@ def test_scorer_killed_while_holding_messages_loses_and_duplicates_nothing(base,
     for t in held:  # re-dispatched once by the reaper, scored by the survivor under attempt 2
         assert ledger.state(t) == "consumed" and ledger.attempts(t, SCORING) == 2
         [event] = [e for e in events if e.trajectory_id == t]
-        assert event.kind == "scored" and event.scored_key.endswith(".s2.json.gz")
+        assert event.kind == "scored" and event.scored_key.endswith(f"/{t}.s2.bundle.json.gz#0")  # attempt 2's own object
     print(
         f"\nscorer kill: {TOTAL} trajectories, {len(held)} held when killed, consumed {counts['consumed']}, "
         f"failed {counts['failed']}, lost {lost}, duplicated {duplicated}; held ones scored {recovered_s:.1f}s "

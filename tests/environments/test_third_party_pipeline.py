@@ -22,7 +22,7 @@ from pipeline_support import base_stack, run_stack, start_and_publish, store_of,
 
 from shared.names import RedisKeys
 from shared.schemas import Trajectory
-from shared.storage import get_model
+from shared.storage import get_models_under
 
 pytestmark = pytest.mark.slow
 
@@ -51,8 +51,7 @@ def _run(base, root: Path, run_id: str, rows: list[dict], env_name: str, env_con
         failures = stack.redis_client().hgetall(RedisKeys.failures(run_id))
     assert counts["consumed"] == TOTAL, (counts, failures)
     store = store_of(stack)
-    keys = [k for k in store.list_keys(f"trajectories/{run_id}/")]
-    trajectories = [get_model(store, key, Trajectory) for key in keys]
+    trajectories = get_models_under(store, f"trajectories/{run_id}/", Trajectory)
     assert len({t.request.trajectory_id for t in trajectories}) == TOTAL
     return trajectories
 

@@ -159,20 +159,26 @@ def trajectory_for(req: RolloutRequest) -> Trajectory:
     return Trajectory(request=req, turns=turns, stop_reason=StopReason.done, env_reward=None)
 
 
-def deliver_scored(ledger: Ledger, store: LocalStore, req: RolloutRequest, reward: float) -> None:
-    """What a rollout worker and the scorer do for one trajectory."""
+def deliver_scored(ledger: Ledger, store: LocalStore, req: RolloutRequest, reward: float, schema_1_0: bool = True) -> None:
+    """What a rollout worker and the scorer do for one trajectory. A 1.0 event names only the
+    ScoredTrajectory; a 1.1 event also names the Trajectory, and here no ScoredTrajectory is
+    written, so a reader that still read it would fail."""
     tid = req.trajectory_id
     assert ledger.claim(tid, f"tok-{tid}", 30)[0]
     t_key = trajectory_key(req.run_id, req.group_id, tid)
     put_model(store, t_key, trajectory_for(req))
     assert ledger.mark_uploaded(tid, f"tok-{tid}").ok
     s_key = scored_key(req.run_id, req.group_id, tid)
-    put_model(store, s_key, ScoredTrajectory(
-        trajectory_id=tid, run_id=req.run_id, group_id=req.group_id, trajectory_key=t_key, reward=reward,
-        components=[], stop_reason=StopReason.done, scored_at=time.time(),
-    ))
-    event = ScoredEvent(trajectory_id=tid, run_id=req.run_id, group_id=req.group_id,
-                        reward=reward, scored_key=s_key, at=time.time())
+    if schema_1_0:
+        put_model(store, s_key, ScoredTrajectory(
+            trajectory_id=tid, run_id=req.run_id, group_id=req.group_id, trajectory_key=t_key, reward=reward,
+            components=[], stop_reason=StopReason.done, scored_at=time.time(),
+        ))
+        event = ScoredEvent(trajectory_id=tid, run_id=req.run_id, group_id=req.group_id,
+                            reward=reward, scored_key=s_key, at=time.time())
+    else:
+        event = ScoredEvent(trajectory_id=tid, run_id=req.run_id, group_id=req.group_id, reward=reward, scored_key=s_key,
+                            at=time.time(), trajectory_key=t_key, stop_reason=StopReason.done)
     assert ledger.mark_scored(tid, event).ok
 
 
@@ -198,19 +204,21 @@ def pending_count(redis_client, run_id: str) -> int:
     return redis_client.xpending(RedisKeys.trainer_stream(run_id), CONSUMER_GROUP)["pending"]
 
 
-def test_consumer_trains_a_group_with_correct_advantages_and_masks(settings, ledger, store, redis_client, run_id):
+@pytest.mark.parametrize("schema_1_0", [True, False], ids=["events of schema 1.0", "events naming the trajectory"])
+def test_consumer_trains_a_group_with_correct_advantages_and_masks(settings, ledger, store, redis_client, run_id, schema_1_0):
     groups = register_groups(settings, ledger, 1)
     reqs = groups[0]
     consumer = TrainerConsumer(settings, ledger, store)
     rewards = [0.0, 1.0, 1.0, 0.5]
     for req, reward in zip(reqs[:3], rewards[:3]):
-        deliver_scored(ledger, store, req, reward)
+        deliver_scored(ledger, store, req, reward, schema_1_0)
     assert drain(consumer) == 3
     assert store.list_keys("batches/") == []
     assert redis_client.smembers(RedisKeys.groups_done(run_id)) == set()
     assert pending_count(redis_client, run_id) == 3  # not acknowledged before the group is handled
 
-    deliver_scored(ledger, store, reqs[3], rewards[3])
+    deliver_scored(ledger, store, reqs[3], rewards[3], schema_1_0)
+    assert (store.list_keys("scored/") != []) is schema_1_0  # a 1.1 event's group is trained with no ScoredTrajectory read
     assert drain(consumer) == 1
 
     batch = get_model(store, batch_key(run_id, 0), TrainingBatch)

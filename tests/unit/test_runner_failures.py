@@ -267,14 +267,14 @@ def test_an_upload_whose_ledger_reply_was_lost_still_goes_to_scoring_and_another
     """Redis went away with the reply of running -> uploaded (the move took): the worker finds the
     trajectory uploaded and no later attempt claimed, so the upload is its own and scoring is
     sent. A worker whose lease expired and whose trajectory another attempt uploaded drops its result."""
-    from services.rollout_worker.runner import _hand_on
+    from services.rollout_worker.runner import upload_bundle
     from shared.schemas import StopReason, Trajectory
 
     ctx = asyncio.run(harness.context())
     mine = harness.request(Talks.name, group_id=0)
     _, attempt = ledger.claim(mine.trajectory_id, "tok", 30)
     assert ledger.mark_uploaded(mine.trajectory_id, "tok").ok  # its reply never reached the worker
-    result, scoring = _hand_on(ctx, Trajectory(request=mine, turns=[], stop_reason=StopReason.done, attempt=int(attempt)), "tok")
+    [(result, scoring)] = upload_bundle(ctx, [(Trajectory(request=mine, turns=[], stop_reason=StopReason.done, attempt=int(attempt)), "tok")])
     assert str(result) == "uploaded" and scoring.trajectory_id == mine.trajectory_id  # to be sent
 
     theirs = harness.request(Talks.name, group_id=1)
@@ -282,5 +282,5 @@ def test_an_upload_whose_ledger_reply_was_lost_still_goes_to_scoring_and_another
     _, first = ledger.claim(tid, "slow", 30)
     assert ledger.expire(tid, MAX_ATTEMPTS, now=time.time() + 60) == "requeued"  # the slow worker's lease ran out
     assert ledger.claim(tid, "fast", 30)[0] and ledger.mark_uploaded(tid, "fast").ok
-    result, scoring = _hand_on(ctx, Trajectory(request=theirs, turns=[], stop_reason=StopReason.done, attempt=int(first)), "slow")
+    [(result, scoring)] = upload_bundle(ctx, [(Trajectory(request=theirs, turns=[], stop_reason=StopReason.done, attempt=int(first)), "slow")])
     assert str(result) == "skipped:uploaded" and scoring is None

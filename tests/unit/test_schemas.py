@@ -145,16 +145,18 @@ def test_trainer_event_kind_needs_its_fields():
 
 
 def test_trainer_events_keep_the_json_of_schema_1_0():
-    """Schema 1.0 had one event class with every field, null where unused: either side of the
-    trainer stream may be upgraded first."""
+    """Schema 1.0 had one event class with every field, null where unused: a 1.1 reader takes
+    the events a 1.0 scorer wrote."""
     old_scored = ('{"schema_version": "1.0", "kind": "scored", "trajectory_id": "r_0_0_0", "run_id": "r", "group_id": 0,'
                   ' "reward": 0.5, "scored_key": "k", "failure_reason": null, "at": 1.0}')
     old_failed = ('{"schema_version": "1.0", "kind": "failed", "trajectory_id": "r_0_1_1", "run_id": "r", "group_id": 0,'
                   ' "reward": null, "scored_key": null, "failure_reason": "env_error", "at": 1.0}')
     assert isinstance(parse_message(TrainerEvent, old_scored), ScoredEvent)
     assert isinstance(parse_message(TrainerEvent, old_failed), FailedEvent)
+    assert parse_message(TrainerEvent, old_scored).trajectory_key is None  # readers then read the ScoredTrajectory
     for event in (parse_message(TrainerEvent, old_scored), parse_message(TrainerEvent, old_failed)):
-        assert json.loads(event.model_dump_json()).keys() == json.loads(old_scored).keys()
+        # both kinds keep the same keys: 1.0's, and 1.1's trajectory_key and stop_reason
+        assert json.loads(event.model_dump_json()).keys() == json.loads(old_scored).keys() | {"trajectory_key", "stop_reason"}
 
 
 def test_scoring_task_round_trip_and_bad_fields_named():

@@ -16,7 +16,8 @@ from shared.celery_app import scoring_tasks_of
 from shared.dead_letters import DeadLetters
 from shared.leases import LeaseKeeper, Reaper
 from shared.ledger import SCORING, Ledger
-from shared.names import scored_key, trajectory_key
+from shared.names import scored_bundle_key, trajectory_key
+from shared.object_bundles import member_ref
 from shared.schemas import BadMessage, ScoredTrajectory, ScoringTask, StopReason, Trajectory, parse_message
 from shared.storage import LocalStore, get_model, put_model
 
@@ -49,7 +50,7 @@ def test_a_dead_scorers_trajectory_is_rescored_once_and_late_copies_are_no_ops(l
     assert outcomes == ["scored"]
     [event] = stream_events(ledger.redis, run_id)
     assert (event.kind, event.trajectory_id, event.reward) == ("scored", tid, 0.75)
-    assert event.scored_key == scored_key(run_id, 0, tid, attempt=2) != scored_key(run_id, 0, tid)
+    assert event.scored_key == member_ref(scored_bundle_key(run_id, 0, tid, 2), 0) != member_ref(scored_bundle_key(run_id, 0, tid, 1), 0)
     assert get_model(store, event.scored_key, ScoredTrajectory).reward == 0.75
     assert ledger.attempts(tid, SCORING) == 2
 
@@ -68,7 +69,8 @@ def test_scoring_ends_the_lease_and_keeps_nothing_renewed(ledger, store, scorer,
     assert ledger.lease_owner(tid, SCORING) is None and ledger.expired_leases(time.time() + 1e6, stage=SCORING) == []
     assert scorer.leases.beat() == 0
     [event] = stream_events(ledger.redis, run_id)
-    assert event.scored_key == scored_key(run_id, 0, tid)  # a first attempt writes the usual key
+    assert event.scored_key == member_ref(scored_bundle_key(run_id, 0, tid, 1), 0)  # a first attempt's key
+    assert (event.trajectory_key, event.stop_reason) == (task.trajectory_key, StopReason.done)  # the trainer reads no more
     assert get_model(store, event.scored_key, ScoredTrajectory).timings["upload"] == 0.25
 
 
