@@ -160,3 +160,9 @@ class InferenceClient:
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+    async def __aenter__(self) -> "InferenceClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -79,14 +79,15 @@ def test_requests_wait_out_an_outage_and_get_their_answer_when_the_server_is_bac
     changes: list[bool] = []
 
     async def go():
-        client = InferenceClient(f"http://127.0.0.1:{server.port}", "tiny", timeout_s=5, outage=OUTAGE, on_outage_change=changes.append)
-        assert (await client.complete([1, 2], 4, seed=1)).token_ids == [5, 6]
-        server.stop()  # down for 2 s
-        threading.Timer(2.0, server.start).start()
-        started = time.monotonic()
-        # 10 requests with 1 s of time budget each, all sent during the outage
-        results = await asyncio.gather(*(client.complete([1, 2], 4, seed=s, budget_s=1.0) for s in range(10)))
-        return results, time.monotonic() - started
+        async with InferenceClient(f"http://127.0.0.1:{server.port}", "tiny", timeout_s=5, outage=OUTAGE,
+                                   on_outage_change=changes.append) as client:
+            assert (await client.complete([1, 2], 4, seed=1)).token_ids == [5, 6]
+            server.stop()  # down for 2 s
+            threading.Timer(2.0, server.start).start()
+            started = time.monotonic()
+            # 10 requests with 1 s of time budget each, all sent during the outage
+            results = await asyncio.gather(*(client.complete([1, 2], 4, seed=s, budget_s=1.0) for s in range(10)))
+            return results, time.monotonic() - started
 
     results, waited = asyncio.run(go())
     assert waited >= 1.9
@@ -99,8 +100,8 @@ def test_a_5xx_while_the_server_is_healthy_is_retried_then_raised(server):
     server.completion_status = 500
 
     async def go():
-        client = InferenceClient(f"http://127.0.0.1:{server.port}", "tiny", timeout_s=5, max_retries=2, outage=OUTAGE)
-        await client.complete([1], 4, seed=1)
+        async with InferenceClient(f"http://127.0.0.1:{server.port}", "tiny", timeout_s=5, max_retries=2, outage=OUTAGE) as client:
+            await client.complete([1], 4, seed=1)
 
     with pytest.raises(InferenceUnavailable, match="failed the request 3 times: HTTP 500"):
         asyncio.run(go())
@@ -111,8 +112,8 @@ def test_a_4xx_is_the_requests_fault_and_is_not_retried(server):
     server.completion_status = 400
 
     async def go():
-        client = InferenceClient(f"http://127.0.0.1:{server.port}", "tiny", timeout_s=5, outage=OUTAGE)
-        await client.complete([1], 4, seed=1)
+        async with InferenceClient(f"http://127.0.0.1:{server.port}", "tiny", timeout_s=5, outage=OUTAGE) as client:
+            await client.complete([1], 4, seed=1)
 
     with pytest.raises(InferenceRejected, match="HTTP 400"):
         asyncio.run(go())

@@ -129,7 +129,12 @@ class Harness:
 
     def run(self, requests: list[RolloutRequest], ctx: RolloutContext | None = None) -> dict:
         async def go():
-            return await run_requests(ctx or await self.context(), requests)
+            context = ctx or await self.context()
+            try:
+                return await run_requests(context, requests)
+            finally:
+                if ctx is None:  # its own context: its client's session closes in the loop that opened it
+                    await context.inference.aclose()
 
         return asyncio.run(go())
 
