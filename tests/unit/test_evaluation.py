@@ -91,7 +91,10 @@ def test_a_pass_publishes_the_eval_split_waits_for_every_trajectory_and_ends_onc
         return 1.0 if request.task.env_name == "qa" and request.episode_index == 0 else 0.25
 
     def workers() -> None:
-        while not published:
+        # intake publishes group by group: wait for the whole split (8 tasks x 3 samples, asserted
+        # below), or a thread that woke after the first group would play only part of it
+        deadline = time.monotonic() + 60
+        while len(published) < 24 and time.monotonic() < deadline:
             time.sleep(0.01)
         play_workers(ledger, [r for r in published if r.task.env_name != "qa"], reward_of, fail_every=3)
         play_workers(ledger, [r for r in published if r.task.env_name == "qa"], reward_of)
