@@ -57,20 +57,22 @@ def _objects_of(store: ObjectStore, key: str, trajectory_id: str) -> list[str]:
             if k.rsplit("/", 1)[-1].startswith(f"{trajectory_id}.") and not is_bundle_key(k)]
 
 
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def _scored_ref_in_stream(redis: Any, run_id: str, trajectory_id: str) -> str | None:
     """The ScoredTrajectory the trainer was told about (its scored event's ``scored_key``): a
-    scan of the run's trainer stream, for one trajectory of a bundle, which no listing finds."""
-    needle, last = f'"{trajectory_id}"', "-"
-    while True:
-        entries = redis.xrange(RedisKeys.trainer_stream(run_id), min=last, count=1000)
+    scan of the run's trainer stream, for one trajectory of a bundle, which no listing finds.
+    Only entries that mention the id are parsed."""
+    needle, start = f'"{trajectory_id}"', "-"
+    while entries := redis.xrange(RedisKeys.trainer_stream(run_id), min=start, count=1000):
         for _, fields in entries:
-            raw = fields.get("event") or fields.get(b"event") or ""
-            raw = raw.decode() if isinstance(raw, bytes) else raw
+            raw = _text(fields.get("event") or fields.get(b"event") or "")
             if needle in raw and (event := json.loads(raw)).get("trajectory_id") == trajectory_id and event.get("kind") == "scored":
                 return event["scored_key"]
-        if len(entries) < 1000:
-            return None
-        last = f"({entries[-1][0].decode() if isinstance(entries[-1][0], bytes) else entries[-1][0]}"
+        start = f"({_text(entries[-1][0])}"
+    return None
 
 
 def find_trajectory(store: ObjectStore, trajectory_id: str, redis: Any = None) -> FoundTrajectory:

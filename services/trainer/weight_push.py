@@ -137,10 +137,12 @@ class BroadcastPublisher:
         """Wait for the checkpoint being written (if any); its failure is raised here."""
         pending, self._pending = self._pending, None
         if pending is not None:
+            finished = pending.done()
             started = time.perf_counter()
             pending.result()
-            log.info("waited %.2fs for the checkpoint of version %d", time.perf_counter() - started,
-                     self.durable_version)
+            if not finished:  # a write that had already ended (``writing``) cost no wait
+                log.info("waited %.2fs for the checkpoint of version %d", time.perf_counter() - started,
+                         self.durable_version)
 
     def close(self, write_last: bool = True) -> None:
         """Wait for the checkpoint being written, then (``write_last``) write the last broadcast
