@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import redis
 
@@ -42,6 +42,7 @@ from shared import ids, ledger_lua
 from shared.ids import parse_trajectory_id
 from shared.names import RedisKeys
 from shared.outage import redis_client
+from shared.redis_scripts import ScriptCall, run_pipelined
 from shared.run_marker import RedisDataLost, lost_message, marker_value
 from shared.schemas import FailedEvent, RolloutRequest, ScoredEvent, TrajectoryState
 from shared.settings import OutageSettings
@@ -132,14 +133,14 @@ class Ledger:
         """``claim`` for each (trajectory id, token, payload), pipelined: one round trip for a
         whole group or scoring batch. Each claim is its own atomic call, as if made alone."""
         deadline = time.time() + lease_ttl_s
-        pipe = self.redis.pipeline(transaction=False)
+        calls = []
         for trajectory_id, token, payload in claims:
             run = parse_trajectory_id(trajectory_id).run_id
             keys = [RedisKeys.states(run), RedisKeys.counts(run), stage.owners(run), stage.leases, stage.attempts(run),
                     stage.payloads(run)]
-            self._claim(keys=keys, args=[trajectory_id, token, deadline, stage.claim_from.value, stage.held.value, payload],
-                        client=pipe)
-        return [(status == "ok", detail) for status, detail in pipe.execute()] if claims else []
+            args = [trajectory_id, token, deadline, stage.claim_from.value, stage.held.value, payload]
+            calls.append(ScriptCall(self._claim, keys, args))
+        return [(status == "ok", detail) for status, detail in run_pipelined(self.redis, calls)]
 
     def heartbeat(self, leases: dict[str, str], lease_ttl_s: float, stage: LeaseStage = ROLLOUT) -> int:
         """Extend the leases still owned by these (trajectory id -> token); returns how many."""
@@ -188,12 +189,13 @@ class Ledger:
         """``mark_uploaded`` for each (trajectory id, token, scoring payload), pipelined: one round
         trip for a bundle's members; each move is its own atomic call, by its own lease token."""
         send_by = time.time() + send_within_s
-        pipe = self.redis.pipeline(transaction=False)
-        for trajectory_id, token, scoring_payload in moves:
+        for _, token, _ in moves:
             _require_token(token)
-            self._move(trajectory_id, TrajectoryState.uploaded, [TrajectoryState.running], token=token,
-                       next_payload=scoring_payload, send_by=send_by, client=pipe)
-        return [TransitionResult(status == "ok", detail) for status, detail in pipe.execute()] if moves else []
+        return self._run_moves([
+            self._move_call(trajectory_id, TrajectoryState.uploaded, [TrajectoryState.running], token=token,
+                            next_payload=scoring_payload, send_by=send_by)
+            for trajectory_id, token, scoring_payload in moves
+        ])
 
     def scoring_sent(self, trajectory_ids: list[str]) -> int:
         """The scoring messages of these trajectories are out: drop their send-by entries (one
@@ -201,10 +203,8 @@ class Ledger:
         by_run: dict[str, list[str]] = {}
         for tid in trajectory_ids:
             by_run.setdefault(parse_trajectory_id(tid).run_id, []).append(tid)
-        pipe = self.redis.pipeline(transaction=False)
-        for run, tids in by_run.items():
-            self._sent(keys=[SCORING.owners(run), SCORING.leases], args=tids, client=pipe)
-        return sum(pipe.execute()) if by_run else 0
+        calls = [ScriptCall(self._sent, [SCORING.owners(run), SCORING.leases], tids) for run, tids in by_run.items()]
+        return sum(run_pipelined(self.redis, calls))
 
     def requeue(self, trajectory_id: str, token: str) -> TransitionResult:
         """running -> queued by the lease owner, for a fresh attempt after an infra error."""
@@ -227,10 +227,10 @@ class Ledger:
     def mark_scored_many(self, moves: list[tuple[str, ScoredEvent, str | None]]) -> list[TransitionResult]:
         """``mark_scored`` for each (trajectory id, event, token), pipelined: one round trip for a
         scoring batch; each move is its own atomic call."""
-        pipe = self.redis.pipeline(transaction=False)
-        for trajectory_id, event, token in moves:
-            self._move(trajectory_id, TrajectoryState.scored, [TrajectoryState.uploaded], token=token, event=event, client=pipe)
-        return [TransitionResult(status == "ok", detail) for status, detail in pipe.execute()] if moves else []
+        return self._run_moves([
+            self._move_call(trajectory_id, TrajectoryState.scored, [TrajectoryState.uploaded], token=token, event=event)
+            for trajectory_id, event, token in moves
+        ])
 
     def mark_consumed(self, trajectory_id: str) -> TransitionResult:
         return self._move(trajectory_id, TrajectoryState.consumed, [TrajectoryState.scored])
@@ -247,7 +247,15 @@ class Ledger:
         ]
         return self._move(trajectory_id, TrajectoryState.failed, allowed, token=token, event=event, reason=reason)
 
-    def _move(
+    def _move(self, trajectory_id: str, to: TrajectoryState, allowed_from: list[TrajectoryState],
+              **details: Any) -> TransitionResult:
+        """The guarded transition, run alone (``_move_call`` names the details)."""
+        return self._run_moves([self._move_call(trajectory_id, to, allowed_from, **details)])[0]
+
+    def _run_moves(self, calls: list[ScriptCall]) -> list[TransitionResult]:
+        return [TransitionResult(status == "ok", detail) for status, detail in run_pipelined(self.redis, calls)]
+
+    def _move_call(
         self,
         trajectory_id: str,
         to: TrajectoryState,
@@ -257,10 +265,8 @@ class Ledger:
         reason: str = "",
         next_payload: str = "",
         send_by: float = 0.0,
-        client: redis.client.Pipeline | None = None,
-    ) -> TransitionResult | None:
-        """The guarded transition; with a pipeline ``client`` it is queued there and its reply
-        comes from the pipeline's ``execute`` (None here)."""
+    ) -> ScriptCall:
+        """The guarded transition's script call, to be run alone or pipelined with others."""
         run = parse_trajectory_id(trajectory_id).run_id
         k = RedisKeys
         following = next((stage for stage in LEASE_STAGES if stage.claim_from is to), ROLLOUT)
@@ -270,11 +276,7 @@ class Ledger:
         args = [trajectory_id, to.value, token or "", reason, event.model_dump_json() if event else ""]
         args += [",".join(s.value for s in allowed_from), next_payload, repr(send_by)]
         args += [stage.held.value for stage in LEASE_STAGES]
-        if client is not None:
-            self._transition(keys=keys, args=args, client=client)
-            return None
-        status, detail = self._transition(keys=keys, args=args)
-        return TransitionResult(status == "ok", detail)
+        return ScriptCall(self._transition, keys, args)
 
     # --- reads ------------------------------------------------------------------------------
     def payload(self, trajectory_id: str, stage: LeaseStage = ROLLOUT) -> str:

@@ -272,3 +272,22 @@ def test_status_counts_are_per_run(ledger, run_id):
     assert ledger.counts("never-registered") == {s: 0 for s in STATES}
     assert ledger.runs() == sorted([run_id, other])
     assert stream_events(ledger.redis, run_id) == []
+
+
+def test_batched_moves_survive_a_restart_that_emptied_the_script_cache(redis_client):
+    """A restart keeps Redis's data but not its scripts; a batch sent after it claims, uploads
+    and scores each member once (no NoScriptError reaches the caller)."""
+    ledger, requests = Ledger(redis_client), requests_for("flushed")
+    ledger.register(requests)
+    redis_client.script_flush()
+    claims = [(r.trajectory_id, f"token-{r.episode_index}", r.model_dump_json()) for r in requests]
+    assert [ok for ok, _ in ledger.claim_many(claims, lease_ttl_s=30)] == [True] * 3
+    redis_client.script_flush()
+    moves = [(tid, token, "scoring-task") for tid, token, _ in claims]
+    assert [r.ok for r in ledger.mark_uploaded_many(moves)] == [True] * 3
+    redis_client.script_flush()
+    scored = [(r.trajectory_id, scored_event(r.trajectory_id, "flushed"), None) for r in requests]
+    assert [r.ok for r in ledger.mark_scored_many(scored)] == [True] * 3
+    assert {ledger.attempts(r.trajectory_id) for r in requests} == {1}
+    assert len(stream_events(redis_client, "flushed")) == 3
+    assert_counts_consistent(ledger, "flushed", 3)
