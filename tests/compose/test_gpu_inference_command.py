@@ -15,17 +15,24 @@ import yaml
 
 from compose_support import COMPOSE_FILE, ROOT, compose_command, example_env, write_env
 
-HUB_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"  # .env.example's CONVEYOR_HF_MODEL
+HUB_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"  # the example in .env.example
 
 
-def gpu_launch(tmp_path: Path, **overrides: str) -> tuple[list[str], dict[str, str]]:
-    """Render the gpu profile with ``overrides`` in the env file, then run ``inference-gpu``'s
-    entrypoint with its environment; returns the vLLM command and the variables it adds."""
+def gpu_services(tmp_path: Path, **overrides: str) -> dict[str, dict]:
+    """The gpu profile's services as ``compose config`` renders them, with ``overrides`` in the
+    env file."""
     images = {name: "unused:test" for name in ("CONVEYOR_SERVICE_IMAGE", "CONVEYOR_REDIS_IMAGE", "CONVEYOR_S3_IMAGE")}
     env_file = write_env(tmp_path / "gpu.env", {**example_env(), **images, **overrides})
     rendered = subprocess.run([*compose_command(), "--env-file", str(env_file), "-f", str(COMPOSE_FILE),
                                "--profile", "gpu", "config"], capture_output=True, text=True, check=True)
-    service = yaml.safe_load(rendered.stdout)["services"]["inference-gpu"]
+    return yaml.safe_load(rendered.stdout)["services"]
+
+
+def gpu_launch(tmp_path: Path, **overrides: str) -> tuple[list[str], dict[str, str]]:
+    """Render the gpu profile serving ``HUB_MODEL`` with ``overrides``, then run
+    ``inference-gpu``'s entrypoint with its environment; returns the vLLM command and the
+    variables it adds."""
+    service = gpu_services(tmp_path, CONVEYOR_MODEL_PATH=HUB_MODEL, **overrides)["inference-gpu"]
     python, flag, module = service["entrypoint"]
     assert (python, flag) == ("python3", "-m")
     base = {k: v for k, v in os.environ.items() if not k.startswith(("CONVEYOR_", "HF_HUB_OFFLINE"))}
@@ -65,3 +72,21 @@ def test_the_gpu_service_serves_lora_adapters_when_the_trainer_syncs_them(tmp_pa
 def test_merged_lora_needs_no_lora_support_in_the_gpu_service(tmp_path: Path) -> None:
     argv, env = gpu_launch(tmp_path, CONVEYOR_LORA="true", CONVEYOR_LORA_SYNC="merged")
     assert "--enable-lora" not in argv and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
+
+
+def model_paths(services: dict[str, dict]) -> dict[str, str]:
+    return {name: str(service["environment"]["CONVEYOR_INFERENCE__MODEL_PATH"])
+            for name, service in services.items() if "CONVEYOR_INFERENCE__MODEL_PATH" in service.get("environment", {})}
+
+
+def test_vllm_the_trainer_and_the_workers_load_one_model_from_one_variable(tmp_path: Path) -> None:
+    chosen = model_paths(gpu_services(tmp_path, CONVEYOR_MODEL_PATH=HUB_MODEL))
+    assert {"inference-gpu", "trainer", "rollout-worker", "weight-follower-gpu"} <= set(chosen)
+    assert set(chosen.values()) == {HUB_MODEL}
+
+
+def test_left_at_its_default_the_gpu_profile_serves_the_generated_tiny_model(tmp_path: Path) -> None:
+    services = gpu_services(tmp_path, CONVEYOR_MODEL_PATH="")
+    assert set(model_paths(services).values()) == {"/models/tiny"}
+    assert services["model-init"]["command"] == ["tiny-model", "/models/tiny"]
+    assert services["inference-gpu"]["depends_on"]["model-init"]["condition"] == "service_completed_successfully"
