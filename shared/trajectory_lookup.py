@@ -27,6 +27,7 @@ from shared.names import RedisKeys, scored_key, trajectory_key
 from shared.schemas import ScoredEvent, ScoredTrajectory, StopReason, Trajectory
 from shared.object_bundles import is_bundle_key, split_ref
 from shared.storage import ObjectStore, get_model
+from shared.trainer_stream import stream_entries
 
 _ATTEMPT = re.compile(r"\.a(\d+)-[0-9a-f]+\.json\.gz$")
 _SCORING = re.compile(r"\.s(\d+)\.json\.gz$")
@@ -57,21 +58,14 @@ def _objects_of(store: ObjectStore, key: str, trajectory_id: str) -> list[str]:
             if k.rsplit("/", 1)[-1].startswith(f"{trajectory_id}.") and not is_bundle_key(k)]
 
 
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def _scored_ref_in_stream(redis: Any, run_id: str, trajectory_id: str) -> str | None:
     """The ScoredTrajectory the trainer was told about (its scored event's ``scored_key``): a
     scan of the run's trainer stream, for one trajectory of a bundle, which no listing finds.
     Only entries that mention the id are parsed."""
-    needle, start = f'"{trajectory_id}"', "-"
-    while entries := redis.xrange(RedisKeys.trainer_stream(run_id), min=start, count=1000):
-        for _, fields in entries:
-            raw = _text(fields.get("event") or fields.get(b"event") or "")
-            if needle in raw and (event := json.loads(raw)).get("trajectory_id") == trajectory_id and event.get("kind") == "scored":
-                return event["scored_key"]
-        start = f"({_text(entries[-1][0])}"
+    needle = f'"{trajectory_id}"'
+    for _, raw in stream_entries(redis, run_id):
+        if needle in raw and (event := json.loads(raw)).get("trajectory_id") == trajectory_id and event.get("kind") == "scored":
+            return event["scored_key"]
     return None
 
 

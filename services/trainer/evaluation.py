@@ -38,9 +38,10 @@ from shared.group_registry import GroupRegistry
 from shared.ledger import Ledger
 from shared.names import RedisKeys
 from shared.policy_version import PolicyVersion
-from shared.schemas import BadMessage, EvalEnd, RolloutRequest, ScoredEvent, TrainerEvent, parse_message
+from shared.schemas import EvalEnd, RolloutRequest, ScoredEvent, parse_message
 from shared.settings import Settings
 from shared.storage import ObjectStore
+from shared.trainer_stream import trainer_events
 
 log = logging.getLogger(__name__)
 
@@ -194,12 +195,7 @@ class Evaluator:
         seen: set[str] = set()
         rewards: dict[int, list[float]] = defaultdict(list)
         failures: dict[int, int] = defaultdict(int)
-        for entry_id, fields in self.redis.xrange(RedisKeys.trainer_stream(run)):
-            try:
-                event = parse_message(TrainerEvent, fields.get("event", ""))
-            except BadMessage as exc:
-                log.error("eval stream %s entry %s passed over: %s", run, entry_id, exc)
-                continue
+        for _, event in trainer_events(self.redis, run):
             if event.trajectory_id in seen:
                 continue
             seen.add(event.trajectory_id)

@@ -27,9 +27,9 @@ from typing import Any, Literal
 
 import redis
 
-from shared.names import RedisKeys
-from shared.schemas import GroupRecord, ScoredEvent, TrainerEvent, Trajectory, parse_message
+from shared.schemas import GroupRecord, ScoredEvent, Trajectory
 from shared.storage import ObjectStore, get_model
+from shared.trainer_stream import trainer_events
 from shared.trajectory_lookup import trajectory_of_event
 
 Form = Literal["chat", "tokens", "pairs"]
@@ -60,8 +60,7 @@ def export_records(client: redis.Redis, store: ObjectStore, run_id: str, form: F
         yield from preference_pairs(export_records(client, store, run_id, "chat", min_reward, max_reward), min_margin)
         return
     advantages = _advantages(store, run_id)
-    for _, fields in client.xrange(RedisKeys.trainer_stream(run_id)):
-        event = parse_message(TrainerEvent, fields[b"event"] if b"event" in fields else fields["event"])
+    for _, event in trainer_events(client, run_id):
         if not isinstance(event, ScoredEvent):
             continue
         if (min_reward is not None and event.reward < min_reward) or (max_reward is not None and event.reward > max_reward):

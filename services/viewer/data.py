@@ -23,6 +23,7 @@ from shared.outcomes import kind_of
 from shared.schemas import (BadMessage, EvalEnd, GroupRecord, GroupRegistration, ScoredEvent,
                             TrainerEvent, parse_message)
 from shared.storage import ObjectStore, StorageError, get_model
+from shared.trainer_stream import has_entries_after, stream_entries
 from shared.trajectory_lookup import FoundTrajectory, find_trajectory, stop_reason_of_event
 
 
@@ -125,26 +126,19 @@ class ViewerData:
         ``cursor`` (a stream id, exclusive; "-" for the start)."""
         rows: list[TrajectoryRow] = []
         scanned, last = 0, cursor
-        start = cursor if cursor == "-" else f"({cursor}"
-        while len(rows) < self.page_size and scanned < self.scan_budget:
-            entries = self.redis.xrange(RedisKeys.trainer_stream(run_id), min=start, count=min(200, self.scan_budget - scanned))
-            if not entries:
-                return Page(rows, None, scanned)
-            for entry_id, fields in entries:
-                scanned += 1
-                last = entry_id
-                row = self._row(run_id, fields, flt)
-                if row is not None:
-                    rows.append(row)
-                    if len(rows) == self.page_size:
-                        break
-            start = f"({last}"
-        more = bool(self.redis.xrange(RedisKeys.trainer_stream(run_id), min=f"({last}", count=1))
-        return Page(rows, last if more else None, scanned)
+        for entry_id, raw in stream_entries(self.redis, run_id, cursor, page_size=min(200, self.scan_budget)):
+            scanned, last = scanned + 1, entry_id
+            if (row := self._row(run_id, raw, flt)) is not None:
+                rows.append(row)
+            if len(rows) == self.page_size or scanned >= self.scan_budget:
+                break
+        else:
+            return Page(rows, None, scanned)
+        return Page(rows, last if has_entries_after(self.redis, run_id, last) else None, scanned)
 
-    def _row(self, run_id: str, fields: dict[str, str], flt: TrajectoryFilter) -> TrajectoryRow | None:
+    def _row(self, run_id: str, raw_event: str, flt: TrajectoryFilter) -> TrajectoryRow | None:
         try:
-            event = parse_message(TrainerEvent, fields.get("event", ""))
+            event = parse_message(TrainerEvent, raw_event)
         except BadMessage:
             return None
         registration = self.registration(run_id, event.group_id)
