@@ -5,7 +5,10 @@ on CPUs).
 Invariants:
 - Every decoder layer is its own FSDP unit, then the whole model: each rank holds a shard of
   every parameter and of its optimizer state; forward all-gathers a layer's weights, backward
-  reduce-scatters its gradients.
+  reduce-scatters its gradients. The decoder layers are the modules whose class the model names
+  as not to be split (Hugging Face's ``_no_split_modules``: ``LlamaDecoderLayer``,
+  ``GPT2Block``, ...), so every architecture Transformers loads is sharded by its own blocks,
+  whatever its attribute path (``model.layers``, ``transformer.h``, ``gpt_neox.layers``).
 - Every rank reads the step's whole batch; micro-batch ``i`` runs on rank ``i mod world``. The
   loss is normalised by the whole step's denominator, so summed over ranks it is the
   unsharded step's loss; FSDP averages gradients over ranks, so each rank scales its loss by
@@ -46,14 +49,22 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of a Hugging Face model (or one in peft adapters), in order: the
+    modules of the classes it names in ``_no_split_modules``."""
+    inner = model.get_base_model() if isinstance(model, PeftModel) else model
+    block_classes = set(getattr(inner, "_no_split_modules", None) or ())
+    layers = [module for module in inner.modules() if type(module).__name__ in block_classes]
+    if not layers:
+        raise ValueError(f"{type(inner).__name__} names no decoder layer class to shard by "
+                         f"(_no_split_modules is {getattr(inner, '_no_split_modules', None)!r})")
+    return layers
+
+
 def shard_policy(model: torch.nn.Module) -> torch.nn.Module:
     """FSDP2 over a Hugging Face causal LM, or one in peft adapters: each decoder layer, then
     the root. In place."""
-    inner = model.get_base_model() if isinstance(model, PeftModel) else model
-    layers = getattr(getattr(inner, "model", None), "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__} has no model.layers to shard")
-    for layer in layers:
+    for layer in decoder_layers(model):
         fully_shard(layer)
     fully_shard(model)
     return model

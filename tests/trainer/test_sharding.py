@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from model_layouts import policy_dir
 
 from services.cli.local_stack import free_port
-from services.inference.tiny_model import generate_tiny_model
 from services.trainer.batching import micro_batches, prepare_samples
 from services.trainer.policy import load_policy
 from services.trainer.step import PolicyTrainer, build_optimizer
@@ -55,9 +55,11 @@ def _rank(rank: int, tiny_dir: str, batches_path: str, out_dir: str, port: int) 
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", ["llama", "qwen2"])  # qwen2: attention biases and a head tied to the embedding
+# qwen2: attention biases and a head tied to the embedding; gpt2 and gpt_neox: other module
+# trees (transformer.h, gpt_neox.layers), fused attention projections, absolute positions (gpt2)
+@pytest.mark.parametrize("layout", ["llama", "qwen2", "gpt2", "gpt_neox"])
 def test_a_sharded_step_over_two_gloo_processes_equals_the_unsharded_step(layout, make_batch, tmp_path):
-    tiny_dir = generate_tiny_model(tmp_path / "tiny", seed=0, end_of_turn_bias=4.0, layout=layout)
+    tiny_dir = policy_dir(tmp_path / "tiny", layout)
     model, tok = load_policy(tiny_dir)
     batches = [make_batch(seed, n=4, model=model, group_id=seed) for seed in range(3)]
     prepared = prepare_samples([s for b in batches for s in b.samples], BATCHING)
@@ -77,6 +79,7 @@ def test_a_sharded_step_over_two_gloo_processes_equals_the_unsharded_step(layout
     weights = dict(unsharded.model.state_dict())
     for name, value in sharded["stepped"].items():
         torch.testing.assert_close(value, weights[name], atol=2e-6, rtol=1e-5, msg=name)
-    assert not torch.equal(sharded["stepped"]["model.embed_tokens.weight"], model.state_dict()["model.embed_tokens.weight"])
+    embedding = next(name for name, p in model.named_parameters() if p is model.get_input_embeddings().weight)
+    assert not torch.equal(sharded["stepped"][embedding], model.state_dict()[embedding])
     for name, value in sharded["reloaded"].items():  # the sharded checkpoint round trip
         torch.testing.assert_close(value, sharded["stepped"][name], atol=0, rtol=0, msg=name)
