@@ -12,6 +12,10 @@ Invariants:
   sampling temperature here, or on-policy ratios are not 1. (top_p < 1 truncates that
   distribution too; it is not replicated here, and ``logprob_mad_vs_inference`` would show it.)
 - Sequences are right-padded, so the positions of real tokens are 0..len-1 as at inference.
+- The policy runs without dropout: ``load_policy`` zeroes every dropout module and dropout
+  rate of the model (GPT-2's configs ask for 0.1, for instance). vLLM samples without dropout,
+  so with it the trainer's logprobs of the same weights would be noisy, on-policy ratios would
+  not be 1, and the updates would follow the noise. The checkpoint's config is not changed.
 - The frozen reference is a copy of the initial policy with gradients off, in eval mode.
 - ``logprob_probe(model, version)`` is the probe every checkpoint carries
   (``shared.logprob_probe``): temperature 1, eval mode, no gradient, and the model's
@@ -36,10 +40,23 @@ from transformers import (
 def load_policy(model_dir: str | Path, device: str | torch.device = "cpu") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Model (float32, training mode, no KV cache) and tokenizer from a HF checkpoint dir."""
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
+    without_dropout(model)
     model.config.use_cache = False
     model.train()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     return model, tokenizer
+
+
+def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Zero every dropout module's rate, and every float attribute named for a dropout rate
+    (attention modules keep theirs as a float, e.g. ``attention_dropout``). In place."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+    return model
 
 
 def frozen_reference(model: PreTrainedModel) -> PreTrainedModel:

@@ -7,7 +7,9 @@ import copy
 import pytest
 import torch
 
-from services.trainer.policy import sequence_logprobs
+from model_layouts import policy_dir
+
+from services.trainer.policy import load_policy, sequence_logprobs
 from services.trainer.step import PolicyTrainer
 from shared.settings import BatchingSettings, LogprobAlarmSettings, LossSettings, OptimSettings
 from shared.schemas import StopReason, TrainingBatch, TrainingSample
@@ -148,3 +150,17 @@ def test_per_token_advantages_steer_each_token_by_its_own_sign(tiny_policy) -> N
         trainer.train_step([TrainingBatch(run_id="r", group_id=step, samples=[sample])])
     end = logprobs()
     assert end[0] > start[0] + 0.5 and end[1] < start[1] - 0.5, (start, end)
+
+
+def test_a_policy_whose_config_asks_for_dropout_trains_without_it(make_batch, tmp_path):
+    """GPT-2's config asks for dropout 0.1; vLLM samples without it, so the trainer must too:
+    in training mode, the same sequence gets the same logprobs twice, and on-policy samples
+    give a ratio of exactly 1 (nothing clipped, no gap to the inference logprobs)."""
+    model, tok = load_policy(policy_dir(tmp_path / "gpt2", "gpt2"))
+    assert model.training and model.config.resid_pdrop == 0.1  # the checkpoint's config is kept
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    first, second = (sequence_logprobs(model, ids, torch.ones_like(ids)) for _ in range(2))
+    assert torch.equal(first, second)
+    on_policy = make_batch(0, n=4, model=model, noise=0.0)
+    metrics = PolicyTrainer(model, tok.pad_token_id).train_step([on_policy])
+    assert metrics["clip_frac"] == 0.0 and metrics["logprob_mad_vs_inference"] < 1e-5
