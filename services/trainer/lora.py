@@ -18,7 +18,11 @@ Invariants:
   (``lora_shape``: rank, alpha, target modules) in its trainer state; ``load_adapter_state``
   refuses a state of another shape, naming both, and loads every adapter weight or none.
 - A target module that names no layer of the model is refused at wrapping, naming it and the
-  layers there are.
+  layers there are, and peft's default for the architecture. Left at its default (the
+  attention projections ``q_proj``...``o_proj``), on an architecture that names them otherwise
+  (GPT-2's fused ``c_attn``, GPT-NeoX's ``query_key_value``), the targets are peft's default
+  for that architecture, and the log says so. GPT-2's ``Conv1D`` layers count as linear (peft
+  adapts them with their transposed weight, and ``merged_state_dict`` merges them so).
 - Under FSDP (``services.trainer.distributed``) the leader writes the served checkpoint from an
   unsharded CPU copy of the policy (the served base again, which never trains) into which
   ``load_trainable_weights`` loads the adapters gathered from every rank; so a sharded run
@@ -27,15 +31,20 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.tuners.lora import LoraLayer
+from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULT_TARGETS
 from transformers import PreTrainedModel
+from transformers.pytorch_utils import Conv1D
 
-from shared.settings import LoraSettings
+from shared.settings import LORA_ATTENTION, LoraSettings
+
+log = logging.getLogger(__name__)
 
 ADAPTER_INIT_SEED = 0  # the adapters' initial weights are drawn with this seed, on every process
 
@@ -44,14 +53,31 @@ class LoraShapeError(ValueError):
     """A saved adapter does not fit the model's adapters (other rank, alpha or target modules)."""
 
 
-def with_lora(model: PreTrainedModel, lora: LoraSettings) -> PeftModel:
+def target_modules(model: PreTrainedModel, lora: LoraSettings) -> list[str]:
+    """The names of the layers that get an adapter: ``trainer.lora.target_modules``, or, left at
+    its default on an architecture without those names, peft's default for the architecture."""
     linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                     if isinstance(module, torch.nn.Linear)})
-    missing = [t for t in lora.target_modules if t not in linear]
-    if missing:
-        raise ValueError(f"trainer.lora.target_modules {missing} name no linear layer of the model; it has {linear}")
-    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, target_modules=list(lora.target_modules),
-                        bias="none", task_type="CAUSAL_LM")
+                     if isinstance(module, (torch.nn.Linear, Conv1D))})
+    wanted = list(lora.target_modules)
+    architecture_default = PEFT_DEFAULT_TARGETS.get(getattr(model.config, "model_type", ""))
+    missing = [t for t in wanted if t not in linear]
+    if not missing:
+        return wanted
+    if wanted == LORA_ATTENTION and len(missing) == len(wanted) and architecture_default \
+            and set(architecture_default) <= set(linear):
+        log.info("LoRA adapts %s, peft's default for %s: the model has no %s", architecture_default,
+                 model.config.model_type, ", ".join(LORA_ATTENTION))
+        return list(architecture_default)
+    hint = f"; peft's default for {model.config.model_type} is {architecture_default}" if architecture_default else ""
+    raise ValueError(f"trainer.lora.target_modules {missing} name no linear layer of the model; it has {linear}{hint}")
+
+
+def with_lora(model: PreTrainedModel, lora: LoraSettings) -> PeftModel:
+    targets = target_modules(model, lora)
+    targeted = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in targets]
+    # Conv1D keeps its weight transposed; peft adapts such layers per module either way
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, target_modules=targets,
+                        bias="none", task_type="CAUSAL_LM", fan_in_fan_out=all(isinstance(m, Conv1D) for m in targeted))
     device = next(model.parameters()).device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
         torch.manual_seed(ADAPTER_INIT_SEED)  # seeds the device's generator too; fork_rng restores both

@@ -22,7 +22,7 @@ from services.trainer.checkpoints import (
     save_checkpoint,
     take_snapshot,
 )
-from services.trainer.lora import LoraShapeError, merged_state_dict, with_lora
+from services.trainer.lora import LoraShapeError, lora_shape, merged_state_dict, with_lora
 from services.trainer.loop import TrainingLoop
 from services.trainer.metrics import MetricsSink
 from services.trainer.policy import frozen_reference, load_policy, sequence_logprobs
@@ -35,6 +35,7 @@ from shared.staleness import StalenessBudget
 from shared.storage import get_model
 from test_trainer_checkpoints import _assert_same_optimizer_state, _Recording, store  # noqa: F401 (the S3 fixture)
 from test_training_loop import queue_group
+from model_layouts import policy_dir
 
 SYNTHETIC_LOGPROBS = LogprobAlarmSettings(max_on_policy_mad=1e6)  # make_batch's logprobs are not the model's
 LORA = LoraSettings(enabled=True, rank=4, alpha=8.0)
@@ -50,8 +51,9 @@ def _logprobs(model: torch.nn.Module, ids: torch.Tensor = PROBE_IDS) -> torch.Te
     return out
 
 
-def test_lora_trains_only_the_adapters_and_merges_into_the_base_names(tiny_dir, make_batch):
-    base, tok = load_policy(tiny_dir)
+@pytest.mark.parametrize("layout", ["llama", "gpt2", "gpt_neox"])  # default targets: q/k/v/o, c_attn (a Conv1D), query_key_value
+def test_lora_trains_only_the_adapters_and_merges_into_the_base_names(layout, tiny_dir, make_batch, tmp_path):
+    base, tok = load_policy(tiny_dir if layout == "llama" else policy_dir(tmp_path / layout, layout))
     original = copy.deepcopy(base.state_dict())
     model = with_lora(copy.deepcopy(base), LORA)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -64,14 +66,17 @@ def test_lora_trains_only_the_adapters_and_merges_into_the_base_names(tiny_dir, 
     assert losses[-1] < losses[0], losses
 
     merged = merged_state_dict(model)
-    assert set(merged) == set(original)  # the base model's own names: a plain checkpoint
+    first_of_each_tensor = {t.data_ptr(): n for n, t in reversed(list(base.state_dict().items()))}
+    assert set(merged) == set(first_of_each_tensor.values())  # the base model's own names, a tied head once
     changed = [n for n in merged if not torch.equal(merged[n], original[n])]
-    assert changed and all(any(t in n for t in LORA.target_modules) for n in changed)
+    targets = lora_shape(model)["target_modules"]
+    assert changed and all(any(t in n for t in targets) for n in changed)
     for name, tensor in model.get_base_model().state_dict().items():  # the base weights never moved
         if "lora_" not in name:
             assert torch.equal(tensor, original[name.replace(".base_layer.", ".")]), name
     served = copy.deepcopy(base)
-    served.load_state_dict(merged)
+    loaded = served.load_state_dict(merged, strict=False)
+    assert set(loaded.missing_keys) == set(original) - set(merged) and not loaded.unexpected_keys  # a tied head only
     torch.testing.assert_close(_logprobs(served), _logprobs(model), atol=1e-5, rtol=0)
 
 
@@ -84,9 +89,12 @@ def test_a_tied_output_head_is_merged_once(tmp_path):
     assert set(merged_state_dict(with_lora(load_policy(tied)[0], LORA))) == names  # no lm_head.weight of its own
 
 
-def test_a_target_module_the_model_lacks_is_refused_by_name(tiny_dir):
+def test_a_target_module_the_model_lacks_is_refused_by_name(tiny_dir, tmp_path):
     with pytest.raises(ValueError, match=r"target_modules \['qkv'\] name no linear layer of the model; it has .*'q_proj'"):
         with_lora(load_policy(tiny_dir)[0], LoraSettings(target_modules=["q_proj", "qkv"]))
+    gpt2 = load_policy(policy_dir(tmp_path / "gpt2", "gpt2"))[0]
+    with pytest.raises(ValueError, match=r"\['q_proj'\] name no linear layer.*peft's default for gpt2 is \['c_attn'\]"):
+        with_lora(gpt2, LoraSettings(target_modules=["q_proj"]))  # named by the user: not replaced
 
 
 @pytest.fixture
