@@ -16,6 +16,7 @@ to the last of them consumed is measured; it includes the new worker's start.
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 import pytest
@@ -37,9 +38,28 @@ LINGER_S = 8  # the send-by entry: lease + linger = 12 s after the upload
 def in_unsent_batch(ledger: Ledger, run_id: str) -> list[str]:
     """Uploaded, with the send-by entry its upload wrote and no scorer on it: its message is
     still in its worker's outbox."""
-    return sorted(t for t, s in ledger.states(run_id).items()
-                  if s == "uploaded" and ledger.lease_owner(t, SCORING) is None
-                  and ledger.redis.zscore(SCORING.leases, t) is not None)
+    uploaded = [t for t, s in ledger.states(run_id).items() if s == "uploaded"]
+    scorers = set(ledger.redis.hkeys(SCORING.owners(run_id)))
+    pipe = ledger.redis.pipeline(transaction=False)
+    for t in uploaded:
+        pipe.zscore(SCORING.leases, t)
+    return sorted(t for t, send_by in zip(uploaded, pipe.execute()) if send_by is not None and t not in scorers)
+
+
+def kill_with_a_batch_in_flight(victim, ledger: Ledger, run_id: str, deadline: float) -> list[str]:
+    """SIGKILL the victim's process group at a moment it holds episodes and an unsent scoring
+    batch; returns that batch's members. The victim is frozen (SIGSTOP) while the ledger is
+    read, so the batch cannot leave between the look and the kill; frozen for well under a
+    lease, so nothing it holds expires meanwhile."""
+    while time.time() < deadline:
+        if ledger.counts(run_id)["running"] >= 8:
+            victim.kill(signal.SIGSTOP)
+            if unsent := in_unsent_batch(ledger, run_id):
+                victim.kill()  # SIGKILL to the worker's whole process group, mid-episode
+                return unsent
+            victim.kill(signal.SIGCONT)
+        time.sleep(0.05)
+    raise AssertionError("the victim never held 8 episodes and an unsent scoring batch at once")
 
 
 def test_rollout_worker_killed_mid_episode_loses_and_duplicates_nothing(base, tmp_path):
@@ -63,15 +83,10 @@ def test_rollout_worker_killed_mid_episode_loses_and_duplicates_nothing(base, tm
         stack.start_trainer()
         assert stack.run_conveyor("intake", "--dataset", str(dataset)).returncode == 0
         ledger = Ledger(stack.redis_client())
-        deadline = time.time() + 600
-        while (ledger.counts(run_id)["running"] < 8 or not in_unsent_batch(ledger, run_id)) and time.time() < deadline:
-            time.sleep(0.05)
+        unsent = kill_with_a_batch_in_flight(victim, ledger, run_id, deadline=time.time() + 600)
         killed_at = time.time()
-        victim.kill()  # SIGKILL to the worker's whole process group, mid-episode
         held = sorted(t for t, s in ledger.states(run_id).items() if s == "running")
-        unsent = in_unsent_batch(ledger, run_id)
         assert len(held) >= 4, "the victim held too few episodes: nothing to kill"
-        assert unsent, "no scoring batch was in flight at the kill"
         victim.proc.wait(10)
         stack.processes.remove(victim)
         stack.start_rollout_worker(name="survivor", concurrency=8)
