@@ -233,7 +233,13 @@ class Ledger:
         ])
 
     def mark_consumed(self, trajectory_id: str) -> TransitionResult:
-        return self._move(trajectory_id, TrajectoryState.consumed, [TrajectoryState.scored])
+        return self.mark_consumed_many([trajectory_id])[0]
+
+    def mark_consumed_many(self, trajectory_ids: list[str]) -> list[TransitionResult]:
+        """scored -> consumed for each, pipelined: one round trip for a decided group's
+        members; each move is its own atomic call."""
+        return self._run_moves([self._move_call(tid, TrajectoryState.consumed, [TrajectoryState.scored])
+                                for tid in trajectory_ids])
 
     def fail(self, trajectory_id: str, reason: str, token: str | None = None) -> TransitionResult:
         """Any non-terminal state -> failed(reason); tells the trainer. With a token, only the

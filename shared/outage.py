@@ -78,7 +78,29 @@ class Dependency:
     def call(self, fn: Callable[[], T], transient: Callable[[BaseException], bool],
              on_failure: Callable[[BaseException], object] | None = None) -> T:
         """``fn()``, retried with backoff while it fails with a transient error, until the
-        outage is older than the limit (then ``OutageTooLong``)."""
+        outage is older than the limit (then ``OutageTooLong``). The first attempt runs
+        alone: the retry loop is built only once it fails (every Redis command passes here
+        twice, its connect and itself), and replays that failure as its own first attempt."""
+        try:
+            result = fn()
+        except Exception as exc:
+            if not transient(exc):
+                raise
+            first_failure: list[BaseException] = [exc]
+        else:
+            self._succeeded()
+            return result
+
+        def attempt() -> T:
+            if first_failure:
+                raise first_failure.pop()
+            return fn()
+
+        return self._retry(attempt, transient, on_failure)
+
+    def _retry(self, fn: Callable[[], T], transient: Callable[[BaseException], bool],
+               on_failure: Callable[[BaseException], object] | None) -> T:
+        """``call``'s retry loop, from ``fn``'s first attempt on."""
 
         def failed(state: RetryCallState) -> None:
             exc = state.outcome.exception()

@@ -5,10 +5,17 @@ later turn only appends the ids of the text that closes the assistant turn, carr
 observation and opens the next assistant turn. That text is derived from the model's own chat
 template (render a conversation around a placeholder and cut at it), so any template that
 renders an assistant message as its content followed by an end marker works.
+
+The ids of the last ``PROMPTS_KEPT`` initial prompts are kept, by their messages and tools as
+JSON (key order included, as the template may render it): a group's members all start from
+the same prompt, rendered once for the group. Every caller gets a list of its own.
 """
 
 from __future__ import annotations
 
+import json
+import threading
+from collections import OrderedDict
 from functools import lru_cache
 from pathlib import Path
 
@@ -18,6 +25,7 @@ from services.rollout_worker.tokenizer_loading import load_tokenizer
 
 _PLACEHOLDER = "\u2063PLACEHOLDER\u2063"
 _OBSERVATION = "\u2063OBSERVATION\u2063"
+PROMPTS_KEPT = 256
 
 
 class ChatTokens:
@@ -28,6 +36,8 @@ class ChatTokens:
         self.eos_text = tokenizer.eos_token or ""
         # observation frame per role, found on first use
         self._frames: dict[str, tuple[str, str] | tuple[()]] = {}
+        self._prompts: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # the last PROMPTS_KEPT initial prompts
+        self._prompts_lock = threading.Lock()
 
     @property
     def renders_tools(self) -> bool:
@@ -36,6 +46,23 @@ class ChatTokens:
 
     def initial_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """``tools``: passed to the template (only for one that ``renders_tools``)."""
+        try:
+            key = json.dumps([messages, tools or None])
+        except (TypeError, ValueError):  # not JSON: rendered each time
+            return self._render_prompt(messages, tools)
+        with self._prompts_lock:
+            ids = self._prompts.get(key)
+            if ids is not None:
+                self._prompts.move_to_end(key)
+                return list(ids)
+        ids = tuple(self._render_prompt(messages, tools))
+        with self._prompts_lock:
+            self._prompts[key] = ids
+            while len(self._prompts) > PROMPTS_KEPT:
+                self._prompts.popitem(last=False)
+        return list(ids)
+
+    def _render_prompt(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         extra = {"tools": tools} if tools else {}
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)

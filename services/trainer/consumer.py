@@ -250,8 +250,7 @@ class TrainerConsumer:
             status=status, batch_key=batch_object, completed_at=time.time(), filter_reason=filter_reason,
         )
         put_model(self.store, group_record_key(self.run_id, group.group_id), record)
-        for e in scored:
-            self.ledger.mark_consumed(e.trajectory_id)
+        self.ledger.mark_consumed_many([e.trajectory_id for e in scored])
         superseded = self._supersede(registration, group)
         self._log_metrics(record, registration, group.entry_ids[-1], assembly_s=time.perf_counter() - started)
         def fill(tx: redis.client.Pipeline) -> None:  # done, counted, queued and acked together

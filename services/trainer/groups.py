@@ -7,7 +7,9 @@ Invariants:
   members in stream order, which a replay after a restart sees in the same order.
 - An event for a trajectory the group already holds (a redelivery) is a duplicate and is
   ignored; an event for a group that already completed is late and is ignored. Both are
-  counted, neither changes a decided group.
+  counted, neither changes a decided group. Whether a group completed is asked (``is_done``)
+  when an event would open it: a group pending here has not completed, since only its one
+  consumer completes it, and it leaves ``pending`` as it completes.
 - The assembler keeps no state that cannot be rebuilt: after a restart the consumer replays
   its pending stream entries into a fresh assembler and gets the same groups.
 """
@@ -58,10 +60,10 @@ class GroupAssembler:
     def add(self, event: TrainerEvent, entry_id: str) -> tuple[AddOutcome, PendingGroup | None]:
         """Returns the outcome and, when this event completed its group, the group."""
         group_id = event.group_id
-        if self._is_done(group_id):
-            return "late", None
         group = self.pending.get(group_id)
         if group is None:
+            if self._is_done(group_id):
+                return "late", None
             group = self.pending[group_id] = PendingGroup(group_id, self._expected_size(group_id), self._keep(group_id))
         group.entry_ids.append(entry_id)
         if event.trajectory_id in group.events:

@@ -418,10 +418,10 @@ def test_restart_after_crash_mid_completion_finishes_the_group(settings, ledger,
     ledger_a = Ledger(redis_client)
     consumer_a = TrainerConsumer(settings, ledger_a, store)
 
-    def crash(tid):
+    def crash(tids):
         raise RuntimeError("killed")
 
-    monkeypatch.setattr(ledger_a, "mark_consumed", crash)
+    monkeypatch.setattr(ledger_a, "mark_consumed_many", crash)
     for req, reward in zip(reqs, [0, 1, 1, 1]):
         deliver_scored(ledger, store, req, reward)
     with pytest.raises(RuntimeError, match="killed"):
@@ -446,8 +446,12 @@ def test_crash_before_the_group_is_marked_done_is_finished_once_on_restart(setti
     ledger_a = Ledger.from_url(redis_url)  # its own client: only trainer A's transaction fails
     consumer_a = TrainerConsumer(settings, ledger_a, store)
 
-    def crash(*args, **kwargs):
-        raise RuntimeError("killed")
+    pipeline = consumer_a.redis.pipeline
+
+    def crash(transaction=True, **kwargs):  # the group's transaction; the members' pipelined moves go
+        if transaction:
+            raise RuntimeError("killed")
+        return pipeline(transaction=transaction, **kwargs)
 
     monkeypatch.setattr(consumer_a.redis, "pipeline", crash)
     for req, reward in zip(reqs, [0, 1, 1, 1]):

@@ -346,3 +346,31 @@ def test_observation_frame_gives_the_same_ids_as_rendering_each_turn(tmp_path):
         for eos in (True, False):
             assert framed.observation_ids(observation, eos) == rendered.observation_ids(observation, eos)
     assert framed._frames["user"]  # ChatML keeps the observation verbatim, so the frame is used
+
+
+def test_initial_prompt_kept_gives_the_rendered_ids_each_to_its_own(tmp_path, monkeypatch):
+    """A group's members start from the same prompt: rendered once, the same ids as rendering
+    it; each caller gets its own list, and a change of messages or key order renders anew."""
+    from transformers import AutoTokenizer
+
+    from services.inference.tiny_model import generate_tiny_model
+    from services.rollout_worker import chat_tokens
+    from services.rollout_worker.chat_tokens import ChatTokens
+
+    tokenizer = AutoTokenizer.from_pretrained(str(generate_tiny_model(tmp_path / "m")))
+    chat = ChatTokens(tokenizer)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say a number."}]
+    rendered = chat._render_prompt(messages, None)
+    renders = []
+    monkeypatch.setattr(chat, "_render_prompt", lambda m, t: renders.append(m) or rendered.copy())
+    first, second = chat.initial_prompt(messages), chat.initial_prompt(messages)
+    assert first == second == rendered and first is not second
+    first.append(0)
+    assert chat.initial_prompt(messages) == rendered  # a caller's list is its own
+    assert len(renders) == 1
+    chat.initial_prompt([{"content": "Say a number.", "role": "user"}])  # the key order counts
+    chat.initial_prompt([{"role": "user", "content": "Say another."}])
+    assert len(renders) == 3
+    monkeypatch.setattr(chat_tokens, "PROMPTS_KEPT", 1)
+    chat.initial_prompt([{"role": "user", "content": "Say a third."}])
+    assert list(chat._prompts) == ['[[{"role": "user", "content": "Say a third."}], null]']  # the older ones went
