@@ -8,8 +8,8 @@ through the real lifecycle, with the real ``Ledger`` (its Lua scripts), ``LeaseK
 - rollout worker: ``claim`` per member, ``mark_uploaded`` with its scoring task, ``scoring_sent``
   for the group (one scoring message per batch);
 - scorer: ``claim`` (scoring stage) per member, ``mark_scored`` (the event goes on the stream);
-- trainer: ``XREADGROUP`` of the run's stream, ``mark_consumed`` per member, and the group's
-  watched transaction (done, counted, queued, acked);
+- trainer: ``XREADGROUP`` of the run's stream, ``mark_consumed_many`` (one pipelined call per
+  member), and the group's watched transaction (done, counted, queued, acked);
 - and, in threads, heartbeats of both lease stages every ``ledger.heartbeat_s`` and both reapers'
   sweeps every ``ledger.reaper_interval_s``, the defaults of ``shared.settings``.
 
@@ -229,8 +229,7 @@ def _group_lifecycle(shard: Shard, run: str, group_id: int, size: int) -> int:
         scoring.release(tid)
     stream = RedisKeys.trainer_stream(run)  # trainer
     entries = r.xreadgroup(CONSUMER_GROUP, "sim", {stream: ">"}, count=256)[0][1]
-    for _, fields in entries:
-        ledger.mark_consumed(ScoredEvent.model_validate_json(fields["event"]).trajectory_id)
+    ledger.mark_consumed_many([ScoredEvent.model_validate_json(fields["event"]).trajectory_id for _, fields in entries])
     with r.pipeline(transaction=True) as tx:
         tx.watch(RedisKeys.run_marker(run), registry.done_key)
         tx.exists(RedisKeys.run_marker(run))
