@@ -14,12 +14,22 @@ Invariants:
   per outage and then periodically); past ``outage.limit_s`` the call raises
   ``OutageTooLong``. An outage is never a ``StorageError``: callers fail work on a
   ``StorageError`` (a missing object, a refused bucket or request), never on an outage.
+- A fault of the storage itself (a full or read-only disk, a directory made unavailable, a
+  vanished mount, an I/O error; an S3 server answering 5xx, ``SlowDown`` or "storage full";
+  ``shared.storage_faults`` lists them) is an outage of the store too, waited out the same way,
+  for both backends: one line when it starts, one when it ends.
+- A local write goes to a hidden temporary file in the object's folder, then is renamed over the
+  key: a reader sees the whole object or none, a failed write leaves no temporary file behind
+  (removed, or hidden from ``list_keys`` if even that fails). The store's root holds a marker
+  file from its first open: a root without it (a vanished or unmounted volume) is a fault, and
+  is never filled again on the disk beneath the mount point.
 - ``open_store`` checks the S3 server at once: refusing the bucket is a ``StorageError`` naming
   the endpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import os
@@ -31,6 +41,7 @@ from pydantic import BaseModel
 from shared.object_bundles import cache_of, decode_bundle, encode_bundle, is_bundle_key, member_ref, split_ref
 from shared.outage import Dependency
 from shared.settings import OutageSettings, StorageSettings
+from shared.storage_faults import S3_FAULT_CODES, StoreRootMissing, local_fault, s3_fault_status
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -88,41 +99,75 @@ def get_models_under(store: ObjectStore, prefix: str, model_type: type[M]) -> li
 
 
 class LocalStore:
-    def __init__(self, root: Path):
+    """Objects as files under ``root`` (a shared volume); every call waits out a fault of the
+    disk or the mount (``shared.storage_faults``)."""
+
+    _TMP_PREFIX = ".tmp-"  # hidden from list_keys: never read as an object
+    MARKER = ".conveyor-store"  # written at the first open: a root without it is an unmounted volume
+
+    def __init__(self, root: Path, outage: OutageSettings | None = None):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self._resolved_root = self.root.resolve()
+        self._marker = self.root / self.MARKER
+        self.dependency = Dependency.named(f"object store at {self.root}", outage or OutageSettings())
+        if not self._marker.exists():
+            self._call(lambda: self._marker.write_bytes(b"conveyor object store\n"))
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        return self.dependency.call(fn, local_fault)
 
     def _path(self, key: str) -> Path:
         path = (self.root / key).resolve()
-        if self.root.resolve() not in path.parents:
+        if self._resolved_root not in path.parents:
             raise StorageError(f"object key {key!r} escapes the store root")
         return path
 
+    def _require_root(self) -> None:
+        if not self._marker.exists():  # the folder gone, or an empty mount point left behind
+            raise StoreRootMissing(self.root)
+
     def put_bytes(self, key: str, data: bytes, content_type: str = "application/gzip") -> None:
         path = self._path(key)  # a file has no content type: the key's suffix says it
+        self._call(lambda: self._write(path, data))
+
+    def _write(self, path: Path, data: bytes) -> None:
+        self._require_root()
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp:
-            tmp.write(data)
-        os.replace(tmp.name, path)  # atomic: readers never see half an object
+        tmp = tempfile.NamedTemporaryFile(dir=path.parent, prefix=self._TMP_PREFIX, delete=False)
+        try:
+            with tmp:
+                tmp.write(data)
+            os.replace(tmp.name, path)  # atomic: readers never see half an object
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp.name)
+            raise
 
     def get_bytes(self, key: str) -> bytes:
+        path = self._path(key)
+        return self._call(lambda: self._read(key, path))
+
+    def _read(self, key: str, path: Path) -> bytes:
         try:
-            return self._path(key).read_bytes()
+            return path.read_bytes()
         except FileNotFoundError:
+            self._require_root()  # a vanished mount is a fault, not a missing object
             raise StorageError(f"object {key!r} not found in {self.root}") from None
 
     def list_keys(self, prefix: str) -> list[str]:
+        return self._call(lambda: self._list(prefix))
+
+    def _list(self, prefix: str) -> list[str]:
+        self._require_root()
         base = self.root
         start = base / prefix.rsplit("/", 1)[0] if "/" in prefix else base  # only the prefix's folder is walked
         if not start.is_dir():
             return []
         return sorted(
-            str(p.relative_to(base)) for p in start.rglob("*") if p.is_file() and str(p.relative_to(base)).startswith(prefix)
+            key for p in start.rglob("*")
+            if p.is_file() and not p.name.startswith(".") and (key := str(p.relative_to(base))).startswith(prefix)
         )
-
-
-# S3 error codes that say "try again", not "this request is wrong"
-_TRANSIENT_S3_CODES = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "RequestTimeTooSkewed"}
 
 
 class S3Store:
@@ -154,7 +199,7 @@ class S3Store:
 
     def _transient(self, exc: BaseException) -> bool:
         if isinstance(exc, self._s3error):
-            return exc.code in _TRANSIENT_S3_CODES
+            return exc.code in S3_FAULT_CODES or s3_fault_status(getattr(exc.response, "status", None))
         return isinstance(exc, self._transient_types)
 
     def _call(self, fn: Callable[[], T]) -> T:
@@ -203,7 +248,7 @@ def _certifi_bundle() -> str:
 def open_store(settings: StorageSettings, outage: OutageSettings | None = None) -> ObjectStore:
     """The configured store; an S3 server is checked at once (waiting out an outage)."""
     if settings.backend == "local":
-        return LocalStore(settings.local_root)
+        return LocalStore(settings.local_root, outage)
     store = S3Store(settings, outage)
     store.ensure_bucket()
     return store

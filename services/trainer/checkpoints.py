@@ -63,6 +63,7 @@ from shared.names import (
 )
 from shared.logprob_probe import LogprobProbe
 from shared.storage import ObjectStore, StorageError
+from shared.storage_faults import wait_out_disk_faults
 
 COMMITTED = CHECKPOINT_COMMITTED
 TRAINER_STATE = CHECKPOINT_TRAINER_STATE
@@ -144,25 +145,29 @@ def save_checkpoint(
         raise ValueError(_NO_LORA_SNAPSHOT)
     if snapshot is not None and snapshot.version != version:
         raise ValueError(f"snapshot of version {snapshot.version} saved as version {version}")
-    with tempfile.TemporaryDirectory(prefix="conveyor-ckpt-") as tmp:
-        local = Path(tmp)
-        if lora:
-            save_served(model, local, lora_sync, max_shard_size=CHECKPOINT_SHARD_SIZE)
-        else:
-            model.save_pretrained(local, safe_serialization=True, max_shard_size=CHECKPOINT_SHARD_SIZE,
-                                  **({"state_dict": snapshot.weights} if snapshot is not None else {}))
-        if not (lora and lora_sync == "adapter"):  # vLLM takes an adapter's tokenizer from the base
-            tokenizer.save_pretrained(local)
-        probe = snapshot.probe if snapshot is not None else logprob_probe(model, version)
-        (local / CHECKPOINT_PROBE).write_bytes(probe.to_json())
-        state = {"step": step, "version": version}
-        if not sharded_files:  # else the optimizer state is in the shards
-            state["optimizer"] = snapshot.optimizer if snapshot is not None else optimizer.state_dict()
-        if lora:
-            state["adapter"] = adapter_state(model)
-        torch.save(state, local / TRAINER_STATE)
-        names = sorted((p.name for p in local.iterdir() if p.is_file()), key=_upload_order)
-        files = {name: upload_file(store, prefix, local / name) for name in names} | (sharded_files or {})
+
+    def stage_and_upload() -> dict[str, dict]:  # run again whole after a fault of the scratch disk
+        with tempfile.TemporaryDirectory(prefix="conveyor-ckpt-") as tmp:
+            local = Path(tmp)
+            if lora:
+                save_served(model, local, lora_sync, max_shard_size=CHECKPOINT_SHARD_SIZE)
+            else:
+                model.save_pretrained(local, safe_serialization=True, max_shard_size=CHECKPOINT_SHARD_SIZE,
+                                      **({"state_dict": snapshot.weights} if snapshot is not None else {}))
+            if not (lora and lora_sync == "adapter"):  # vLLM takes an adapter's tokenizer from the base
+                tokenizer.save_pretrained(local)
+            probe = snapshot.probe if snapshot is not None else logprob_probe(model, version)
+            (local / CHECKPOINT_PROBE).write_bytes(probe.to_json())
+            state = {"step": step, "version": version}
+            if not sharded_files:  # else the optimizer state is in the shards
+                state["optimizer"] = snapshot.optimizer if snapshot is not None else optimizer.state_dict()
+            if lora:
+                state["adapter"] = adapter_state(model)
+            torch.save(state, local / TRAINER_STATE)
+            names = sorted((p.name for p in local.iterdir() if p.is_file()), key=_upload_order)
+            return {name: upload_file(store, prefix, local / name) for name in names} | (sharded_files or {})
+
+    files = wait_out_disk_faults("checkpoint scratch folder", stage_and_upload)
     fields = {"run_id": run_id, "version": version, "step": step, "dataset_versions": list(dataset_versions or [])}
     if lora:
         fields["lora"] = {**lora_shape(model), "sync": lora_sync}

@@ -13,6 +13,8 @@ Invariants:
   cut short by a crash of the machine is left as it is and ignored, and the next line starts
   on a new line.
 - Each line goes out in one ``write`` and is flushed to disk before the group is marked done.
+  A fault of the disk (full, read-only, unavailable) is waited out
+  (``shared.storage_faults.wait_out_disk_faults``): the trainer says why it waits and goes on.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import logging
 import os
 from pathlib import Path
 from typing import Any
+
+from shared.storage_faults import wait_out_disk_faults
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +59,19 @@ class GroupMetricsLog:
         if key in self.written:
             log.info("group %d: metrics line already written (a replay after a restart)", key[0])
             return False
-        text = json.dumps({**line, "run_id": self.run_id, "completed_by": completed_by}) + "\n"
+        wait_out_disk_faults("trainer metrics file", lambda: self._append(
+            json.dumps({**line, "run_id": self.run_id, "completed_by": completed_by}) + "\n"))
+        self.written.add(key)
+        return True
+
+    def _append(self, text: str) -> None:
+        """One whole line, on a line of its own: a write cut short by a fault of the disk leaves
+        a partial line, which the next write ends first (and a reader passes over)."""
         if not self._ends_cleanly:
             text = "\n" + text
+        self._ends_cleanly = False
         with self.path.open("a") as fh:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
         self._ends_cleanly = True
-        self.written.add(key)
-        return True

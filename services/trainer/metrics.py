@@ -6,6 +6,8 @@ Invariants:
   port in use) is reported once at start and turned off, never crashing training.
 - The JSONL file is strict JSON: a non-finite number (a NaN loss, an infinite gradient norm)
   is written as ``null``, and a value JSON cannot hold raises instead of writing ``NaN``.
+- A fault of the disk under the JSONL file is waited out (``shared.storage_faults``), and a
+  line cut short by one never joins the next.
 """
 
 from __future__ import annotations
@@ -13,10 +15,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 import time
 from pathlib import Path
 from typing import Any
+
+from shared.storage_faults import wait_out_disk_faults
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +49,7 @@ class MetricsSink:
         """``jsonl_path``: another file for this line (eval passes), the other sinks alike."""
         line = json.dumps({"step": step, "time": time.time(), **{k: finite_or_none(v) for k, v in metrics.items()}}, allow_nan=False)
         path = Path(jsonl_path or self.jsonl_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as fh:
-            fh.write(line + "\n")
+        wait_out_disk_faults("trainer metrics file", lambda: _append_line(path, line))
         if self._prometheus:
             from prometheus_client import Gauge
 
@@ -97,3 +100,12 @@ def plot_reward_curve(jsonl_path: Path, png_path: Path, title: str = "reward") -
     fig.savefig(png_path)
     plt.close(fig)
     return png_path
+
+
+def _append_line(path: Path, line: str) -> None:
+    """One line, on a line of its own even after a write cut short by a fault of the disk."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a+b") as fh:
+        end = fh.seek(0, os.SEEK_END)
+        ends_cleanly = end == 0 or (fh.seek(end - 1) >= 0 and fh.read(1) == b"\n")
+        fh.write((b"" if ends_cleanly else b"\n") + line.encode() + b"\n")
