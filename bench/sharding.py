@@ -162,7 +162,7 @@ class Shard:
         client = redis.Redis.from_url(url, decode_responses=True)
         ledger = per_run_ledger(client) if per_run else Ledger(client)
         keepers = {s.name: LeaseKeeper(ledger, settings.lease_ttl_s, settings.heartbeat_s, s) for s in LEASE_STAGES}
-        reapers = [Reaper(ledger, s, settings.max_attempts, settings.reaper_interval_s, lambda tid, payload: None)
+        reapers = [Reaper(ledger, s, settings.max_attempts, settings.reaper_interval_s, lambda items: None)
                    for s in LEASE_STAGES]
         return cls(ledger, keepers, reapers)
 

@@ -139,6 +139,17 @@ def publish_rollouts(app: Celery, requests: list) -> None:
     _publish(app, ROLLOUT_TASK, [[r.model_dump(mode="json") for r in requests]])
 
 
+def publish_rollouts_by_group(app: Celery, requests: list) -> int:
+    """One rollout task per GRPO group among these requests (what a reaper sends again), in the
+    order each group first appears; returns the tasks published."""
+    groups: dict[tuple[str, int], list] = {}
+    for request in requests:
+        groups.setdefault((request.run_id, request.group_id), []).append(request)
+    for members in groups.values():
+        publish_rollouts(app, members)
+    return len(groups)
+
+
 def publish_scoring(app: Celery, tasks: ScoringTask | list[ScoringTask]) -> None:
     """One scoring message: a ``ScoringTask``, or a list of them (a batch: the members of a
     group, usually), as its only argument (``scoring_tasks_of`` reads either)."""

@@ -11,20 +11,21 @@ Invariants:
   not renewed yet and every lease may look expired: the reaper takes none until Redis has
   been up for ``settle_s`` (a heartbeat plus the longest outage backoff), so an outage of
   Redis costs no attempt and no re-run, only the wait.
-- After an outage of Redis (a restart, or this process saw it down), messages may have been
-  lost with the connections (a delivery whose reply never arrived). Once settled, one reaper
-  per stage and outage publishes again every trajectory waiting where the stage claims from
-  with no lease on it, from its stored payload (rollout: the request stored at registration;
-  scoring: the task stored when the rollout worker handed it on). Copies beyond the first are
-  no-ops at the claim, so nothing runs twice and nothing waits for a message that is gone.
-- A re-dispatched trajectory is published again at once with the payload stored at its claim
+- Nothing is sent again merely because Redis was down: a message lost with it (a delivery whose
+  reply never arrived, the last second of writes before a crash) is found by its dispatch
+  deadline, which every state that waits for a stage holds (``shared.ledger``). So a broker
+  restart multiplies no task: only trajectories still unclaimed past their deadline go out again.
+- A re-dispatched trajectory is published again at once with the payload stored for it
   (rollout: the request; scoring: the task's arguments). The claim makes every other copy
   (the loser of a race, or the broker's own redelivery after its visibility timeout) a no-op.
+- What one sweep sends again goes to ``redispatch`` in one call: the rollout worker publishes
+  one task per GRPO group of it, not one per trajectory.
 - A rollout task carries a group's members, and a worker claims them one by one. When a
   member's lease expires, members of its group that still wait in ``queued`` with no lease
-  (received with it, never claimed before the worker died) are published again with it, so
-  none of them waits for the broker's visibility timeout. What the broker alone still covers
-  is a task whose worker died before claiming any member: milliseconds after delivery.
+  (received with it, never claimed before the worker died) are published again with it, before
+  their own dispatch deadlines. A task whose worker died before claiming any member, or that
+  the broker lost (it takes a message off its queue before it records the delivery), goes out
+  again at its members' dispatch deadlines: never only the broker's to recover.
 """
 
 from __future__ import annotations
@@ -35,13 +36,21 @@ import uuid
 from typing import Callable
 
 from shared.ledger import ROLLOUT, LeaseStage, Ledger
-from shared.names import RedisKeys
-from shared.outage import recoveries, seconds_since_recovery
+from shared.outage import seconds_since_recovery
 from shared.settings import OutageSettings
 
 log = logging.getLogger(__name__)
 
-Redispatch = Callable[[str, str], None]  # (trajectory id, payload)
+Redispatch = Callable[[list[tuple[str, str]]], None]  # [(trajectory id, payload)] to publish again, in order
+
+
+def one_by_one(publish: Callable[[str, str], object]) -> Redispatch:
+    """A ``Redispatch`` that publishes each (trajectory id, payload) alone."""
+    def redispatch(items: list[tuple[str, str]]) -> None:
+        for trajectory_id, payload in items:
+            publish(trajectory_id, payload)
+
+    return redispatch
 
 
 class LeaseKeeper:
@@ -106,11 +115,6 @@ class Reaper:
         self.redispatch = redispatch
         self.settle_s = settle_s
         self._stop = threading.Event()
-        self._outage_seen: tuple[str, int] | None = None  # at the first sweep
-
-    def _outage_mark(self) -> tuple[str, int]:
-        """Changes when Redis restarted (its run id) or this process saw it down and back."""
-        return str(self.ledger.redis.info("server").get("run_id", "")), recoveries(self.ledger.redis)
 
     def settling(self) -> bool:
         """Redis came back less than ``settle_s`` ago: holders may not have renewed yet."""
@@ -120,69 +124,58 @@ class Reaper:
         return min(uptime, seconds_since_recovery(self.ledger.redis)) < self.settle_s
 
     def sweep(self) -> dict[str, int]:
-        outcome = {"requeued": 0, "failed": 0}
-        mark = self._outage_mark()
-        if self._outage_seen is None:
-            self._outage_seen = mark
+        """One pass over the stage's passed deadlines: ``requeued`` (a lease ran out), ``resent``
+        (a trajectory waited unclaimed past its dispatch deadline) and ``failed``. What goes out
+        again is published in one ``redispatch`` call, in the order found."""
+        outcome = {"requeued": 0, "resent": 0, "failed": 0}
         if self.settling():
             return outcome
-        if mark != self._outage_seen:
-            self._outage_seen = mark
-            self.resend_unclaimed()
-        members_sent: set[str] = set()  # per sweep: a group's unclaimed members go out once
+        to_send: dict[str, str] = {}  # per sweep: each trajectory goes out once
         for trajectory_id in self.ledger.expired_leases(stage=self.stage):
             result = self.ledger.expire(trajectory_id, self.max_attempts, stage=self.stage)
-            if result == "requeued":
-                payload = self.ledger.payload(trajectory_id, self.stage)
-                self.redispatch(trajectory_id, payload)
-                members_sent.add(trajectory_id)
-                log.warning("%s lease of %s expired: re-dispatched", self.stage.name, trajectory_id)
+            if result in ("requeued", "resent"):
+                self._add_payload(trajectory_id, to_send)
+                log.warning("%s of %s: %s", self.stage.name, trajectory_id, _SAID[result])
             elif result == "failed":
                 log.warning("%s lease of %s expired %d times: failed", self.stage.name, trajectory_id, self.max_attempts)
             if result in outcome:
                 outcome[result] += 1
             if result in ("requeued", "failed") and self.stage is ROLLOUT:
-                self._resend_group_members(trajectory_id, members_sent)
+                self._add_group_members(trajectory_id, to_send)
+        if to_send:
+            self.redispatch(list(to_send.items()))
         return outcome
 
-    def _resend_group_members(self, trajectory_id: str, already_sent: set[str]) -> int:
+    def _add_payload(self, trajectory_id: str, to_send: dict[str, str]) -> None:
+        try:
+            to_send[trajectory_id] = self.ledger.payload(trajectory_id, self.stage)
+        except KeyError as exc:  # registered without one (never by intake or the upload): nothing to send
+            log.error("%s of %s cannot go out again: %s", self.stage.name, trajectory_id, exc)
+
+    def _add_group_members(self, trajectory_id: str, to_send: dict[str, str]) -> int:
         """The message that carried an expired rollout lease carried its group's other members
         too; the worker holding it is presumed dead. Members it never claimed still wait in
-        ``queued``, and only the broker's visibility timeout would bring their message back:
-        publish them again now (a copy beyond the first is a no-op at the claim)."""
+        ``queued``: they go out again now, with it, instead of at their dispatch deadline (a
+        copy beyond the first is a no-op at the claim)."""
         try:
             request = self.ledger.request(trajectory_id)
         except KeyError:
             return 0
-        members = {t: p for t, p in self.ledger.unclaimed_group_members(request).items() if t not in already_sent}
-        for member, payload in members.items():
-            self.redispatch(member, payload)
-            already_sent.add(member)
+        members = {t: p for t, p in self.ledger.unclaimed_group_members(request).items() if t not in to_send}
+        to_send.update(members)
         if members:
             log.warning("group %s of run %s: %d member(s) left unclaimed by the worker that held %s sent again",
                         request.group_id, request.run_id, len(members), trajectory_id)
         return len(members)
-
-    def resend_unclaimed(self) -> int:
-        """Publish again every trajectory waiting for this stage with no lease on it; one reaper
-        of the fleet does it per outage (a lock that outlives the settling)."""
-        if not self.ledger.redis.set(RedisKeys.resend_lock(self.stage.name), "1", nx=True, ex=int(max(30, 4 * self.settle_s))):
-            return 0
-        resent = 0
-        for run_id in self.ledger.runs():
-            for trajectory_id, payload in self.ledger.unclaimed(run_id, self.stage).items():
-                self.redispatch(trajectory_id, payload)
-                resent += 1
-        if resent:
-            log.warning("Redis was down: %d trajectories waiting for %s sent again (copies of a message that was not "
-                        "lost are no-ops)", resent, self.stage.name)
-        return resent
 
     def start(self) -> None:
         loop_thread(f"{self.stage.name}-lease-reaper", self.interval_s, self.sweep, self._stop)
 
     def stop(self) -> None:
         self._stop.set()
+
+
+_SAID = {"requeued": "lease expired: re-dispatched", "resent": "unclaimed past its dispatch deadline: sent again"}
 
 
 def settle_s(heartbeat_s: float, outage: OutageSettings) -> float:

@@ -20,10 +20,20 @@ Invariants, per run:
   fails it after ``max_attempts`` attempts of that stage. An owner that stops before its
   work is done (its worker shuts down) hands the trajectory back (``hand_back``): to the
   state its stage claims from, the lease ended and the attempt not counted, in one Lua call.
-- The upload stores the scoring task in the same Lua call, with a send-by entry in the scoring
-  lease zset (no owner): a scoring message its sender batched but never sent (it died) is sent
-  by the scoring reaper once that entry expires. So nothing waiting for scoring lives only in
-  a process's memory.
+- Every state that holds work has a deadline in its stage's lease zset, written in the same Lua
+  call as the state: a lease (``running``; ``uploaded`` being scored) or, for a trajectory
+  waiting to be claimed (``queued``; ``uploaded`` not yet claimed by a scorer), a dispatch
+  deadline with no owner. Registration, a requeue, a hand-back, an expired lease, ``conveyor
+  retry`` and the upload each arm it; only a claim (which replaces it with a lease) or leaving
+  the state ends it. A message that never reached a holder (its sender died before sending; the
+  broker took it off its queue and its receiver died before recording the delivery; Redis
+  restarted and lost the last second of writes) is therefore sent again by the stage's reaper
+  once the deadline passes, whatever else was lost. The upload's deadline is short (the sender
+  batches for at most ``rollout.scoring_linger_s``); once the batch is sent (``scoring_sent``) it
+  moves ``dispatch_ttl_s`` ahead. Each re-send of an unclaimed trajectory doubles the next wait
+  (up to 32x): a message only waiting in a long queue is copied a few times at most, and every
+  copy beyond the first is a no-op at the claim. So nothing waiting lives only in a process's
+  memory or only in the broker.
 - Registering a run's trajectories records the run's marker (``shared.run_marker``) in the
   same Lua call, so Redis never holds a run's trajectories without its marker.
 - Hand-off to the trainer is atomic with the state change: ``mark_scored`` and ``fail`` append
@@ -45,7 +55,7 @@ from shared.outage import redis_client
 from shared.redis_scripts import ScriptCall, run_pipelined
 from shared.run_marker import RedisDataLost, lost_message, marker_value
 from shared.schemas import FailedEvent, RolloutRequest, ScoredEvent, TrajectoryState
-from shared.settings import OutageSettings
+from shared.settings import LedgerSettings, OutageSettings
 
 STATES = [s.value for s in TrajectoryState]
 
@@ -64,15 +74,17 @@ class LeaseStage:
     owners: Callable[[str], str]  # run id -> hash trajectory id -> token
     attempts: Callable[[str], str]  # run id -> hash trajectory id -> attempts started
     payloads: Callable[[str], str]  # run id -> hash trajectory id -> what a re-dispatch publishes
+    resends: Callable[[str], str]  # run id -> hash trajectory id -> re-sends since the last claim
 
 
 ROLLOUT = LeaseStage(
     "rollout", TrajectoryState.queued, TrajectoryState.running, "lease_expired",
-    RedisKeys.leases, RedisKeys.owners, RedisKeys.attempts, RedisKeys.requests,
+    RedisKeys.leases, RedisKeys.owners, RedisKeys.attempts, RedisKeys.requests, RedisKeys.resends,
 )
 SCORING = LeaseStage(  # the payload is the scoring task's argument list, as JSON
     "scoring", TrajectoryState.uploaded, TrajectoryState.uploaded, "scoring_lease_expired",
     RedisKeys.scoring_leases, RedisKeys.scoring_owners, RedisKeys.scoring_attempts, RedisKeys.scoring_tasks,
+    RedisKeys.scoring_resends,
 )
 LEASE_STAGES = (ROLLOUT, SCORING)  # each holds a different state
 
@@ -83,9 +95,15 @@ class TransitionResult:
     state: str  # the state before the transition when ok; the blocking state otherwise
 
 
+DEFAULT_DISPATCH_TTL_S = LedgerSettings().dispatch_ttl_s
+
+
 class Ledger:
-    def __init__(self, client: redis.Redis):
+    def __init__(self, client: redis.Redis, dispatch_ttl_s: float = DEFAULT_DISPATCH_TTL_S):
+        """``dispatch_ttl_s``: how long a trajectory may wait to be claimed before its message is
+        presumed lost and sent again (``ledger.dispatch_ttl_s``)."""
         self.redis = client
+        self.dispatch_ttl_s = dispatch_ttl_s
         self._register = client.register_script(ledger_lua.REGISTER)
         self._claim = client.register_script(ledger_lua.CLAIM)
         self._heartbeat = client.register_script(ledger_lua.HEARTBEAT)
@@ -95,12 +113,17 @@ class Ledger:
         self._sent = client.register_script(ledger_lua.SENT)
 
     @classmethod
-    def from_url(cls, url: str, outage: OutageSettings | None = None) -> "Ledger":
+    def from_url(cls, url: str, outage: OutageSettings | None = None,
+                 dispatch_ttl_s: float = DEFAULT_DISPATCH_TTL_S) -> "Ledger":
         """With ``outage`` (a long-running service), every call waits out an outage of Redis
         (``shared.outage``); without, a call fails at once (a one-shot command)."""
         if outage is not None:
-            return cls(redis_client(url, outage))
-        return cls(redis.Redis.from_url(url, decode_responses=True))
+            return cls(redis_client(url, outage), dispatch_ttl_s)
+        return cls(redis.Redis.from_url(url, decode_responses=True), dispatch_ttl_s)
+
+    def dispatch_deadline(self, now: float | None = None) -> float:
+        """When a trajectory entering a claim-from state now must have been claimed."""
+        return (time.time() if now is None else now) + self.dispatch_ttl_s
 
     # --- intake -----------------------------------------------------------------------------
     def register(self, requests: list[RolloutRequest], require_marker: bool = False) -> int:
@@ -110,11 +133,11 @@ class Ledger:
         if not requests:
             return 0
         run_id = requests[0].run_id
-        argv: list[str] = [run_id, marker_value(run_id), "1" if require_marker else "0"]
+        argv: list[str] = [run_id, marker_value(run_id), "1" if require_marker else "0", repr(self.dispatch_deadline())]
         for req in requests:
             argv += [req.trajectory_id, req.model_dump_json()]
         k = RedisKeys
-        keys = [k.states(run_id), k.counts(run_id), k.requests(run_id), k.runs, k.run_marker(run_id)]
+        keys = [k.states(run_id), k.counts(run_id), k.requests(run_id), k.runs, k.run_marker(run_id), ROLLOUT.leases]
         added = int(self._register(keys=keys, args=argv))
         if added < 0:
             raise RedisDataLost(lost_message(run_id, "intake saw it when it opened the run", "registers nothing more of it"))
@@ -137,7 +160,7 @@ class Ledger:
         for trajectory_id, token, payload in claims:
             run = parse_trajectory_id(trajectory_id).run_id
             keys = [RedisKeys.states(run), RedisKeys.counts(run), stage.owners(run), stage.leases, stage.attempts(run),
-                    stage.payloads(run)]
+                    stage.payloads(run), stage.resends(run)]
             args = [trajectory_id, token, deadline, stage.claim_from.value, stage.held.value, payload]
             calls.append(ScriptCall(self._claim, keys, args))
         return [(status == "ok", detail) for status, detail in run_pipelined(self.redis, calls)]
@@ -164,7 +187,9 @@ class Ledger:
         return self.redis.zrangebyscore(stage.leases, "-inf", now, start=0, num=limit)
 
     def expire(self, trajectory_id: str, max_attempts: int, now: float | None = None, stage: LeaseStage = ROLLOUT) -> str:
-        """Lease ran out: 'requeued' (publish the payload again), 'failed', or 'skip'."""
+        """A deadline passed. A lease: 'requeued' (publish the payload again) or 'failed'. A
+        dispatch deadline of a trajectory still unclaimed: 'resent' (publish the payload again;
+        no attempt counts). Else 'skip'."""
         ids = parse_trajectory_id(trajectory_id)
         now = time.time() if now is None else now
         reason = f"{stage.expired_reason} after {max_attempts} attempts"
@@ -172,8 +197,10 @@ class Ledger:
             trajectory_id=trajectory_id, run_id=ids.run_id, group_id=ids.group_id, failure_reason=reason, at=now,
         )
         k, run = RedisKeys, ids.run_id
-        keys = [k.states(run), k.counts(run), stage.owners(run), stage.leases, stage.attempts(run), k.failures(run), k.trainer_stream(run)]
-        args = [trajectory_id, now, max_attempts, event.model_dump_json(), stage.held.value, stage.claim_from.value, stage.expired_reason]
+        keys = [k.states(run), k.counts(run), stage.owners(run), stage.leases, stage.attempts(run), k.failures(run),
+                k.trainer_stream(run), stage.resends(run)]
+        args = [trajectory_id, now, max_attempts, event.model_dump_json(), stage.held.value, stage.claim_from.value,
+                stage.expired_reason, self.dispatch_ttl_s]
         return self._expire(keys=keys, args=args)
 
     # --- transitions ------------------------------------------------------------------------
@@ -193,23 +220,27 @@ class Ledger:
             _require_token(token)
         return self._run_moves([
             self._move_call(trajectory_id, TrajectoryState.uploaded, [TrajectoryState.running], token=token,
-                            next_payload=scoring_payload, send_by=send_by)
+                            next_payload=scoring_payload, send_by=send_by if scoring_payload else 0.0)
             for trajectory_id, token, scoring_payload in moves
         ])
 
     def scoring_sent(self, trajectory_ids: list[str]) -> int:
-        """The scoring messages of these trajectories are out: drop their send-by entries (one
-        call per run, pipelined; a scorer's lease that replaced an entry stays)."""
+        """The scoring messages of these trajectories are out: their send-by deadlines move
+        ``dispatch_ttl_s`` ahead, for a scorer to claim them (one call per run, pipelined; a
+        scorer's lease that replaced an entry stays)."""
         by_run: dict[str, list[str]] = {}
         for tid in trajectory_ids:
             by_run.setdefault(parse_trajectory_id(tid).run_id, []).append(tid)
-        calls = [ScriptCall(self._sent, [SCORING.owners(run), SCORING.leases], tids) for run, tids in by_run.items()]
+        deadline = repr(self.dispatch_deadline())
+        calls = [ScriptCall(self._sent, [SCORING.owners(run), SCORING.leases], [deadline, *tids]) for run, tids in by_run.items()]
         return sum(run_pipelined(self.redis, calls))
 
     def requeue(self, trajectory_id: str, token: str) -> TransitionResult:
-        """running -> queued by the lease owner, for a fresh attempt after an infra error."""
+        """running -> queued by the lease owner, for a fresh attempt after an infra error (with
+        its dispatch deadline: the owner publishes the request next)."""
         _require_token(token)
-        return self._move(trajectory_id, TrajectoryState.queued, [TrajectoryState.running], token=token)
+        return self._move(trajectory_id, TrajectoryState.queued, [TrajectoryState.running], token=token,
+                          send_by=self.dispatch_deadline())
 
     def hand_back(self, trajectory_id: str, token: str, stage: LeaseStage = ROLLOUT) -> TransitionResult:
         """held -> claim_from by the lease owner, the attempt not counted: its worker is
@@ -217,7 +248,8 @@ class Ledger:
         _require_token(token)
         run = parse_trajectory_id(trajectory_id).run_id
         keys = [RedisKeys.states(run), RedisKeys.counts(run), stage.owners(run), stage.leases, stage.attempts(run)]
-        status, detail = self._hand_back(keys=keys, args=[trajectory_id, token, stage.held.value, stage.claim_from.value])
+        args = [trajectory_id, token, stage.held.value, stage.claim_from.value, repr(self.dispatch_deadline())]
+        status, detail = self._hand_back(keys=keys, args=args)
         return TransitionResult(status == "ok", detail)
 
     def mark_scored(self, trajectory_id: str, event: ScoredEvent, token: str | None = None) -> TransitionResult:
@@ -281,7 +313,8 @@ class Ledger:
             keys += [stage.owners(run), stage.leases]
         args = [trajectory_id, to.value, token or "", reason, event.model_dump_json() if event else ""]
         args += [",".join(s.value for s in allowed_from), next_payload, repr(send_by)]
-        args += [stage.held.value for stage in LEASE_STAGES]
+        for stage in LEASE_STAGES:
+            args += [stage.held.value, stage.claim_from.value]
         return ScriptCall(self._transition, keys, args)
 
     # --- reads ------------------------------------------------------------------------------
@@ -291,14 +324,6 @@ class Ledger:
         if raw is None:
             raise KeyError(f"no {stage.name} payload recorded for {trajectory_id}")
         return raw
-
-    def unclaimed(self, run_id: str, stage: LeaseStage) -> dict[str, str]:
-        """Trajectory id -> payload of those waiting where the stage claims from, with no lease
-        of the stage on them (and a payload to send again)."""
-        owners = set(self.redis.hkeys(stage.owners(run_id)))
-        waiting = [t for t, state in self.states(run_id).items() if state == stage.claim_from.value and t not in owners]
-        payloads = self.redis.hmget(stage.payloads(run_id), waiting) if waiting else []
-        return {t: p for t, p in zip(waiting, payloads) if p is not None}
 
     def unclaimed_group_members(self, request: RolloutRequest) -> dict[str, str]:
         """Trajectory id -> stored request of the members of ``request``'s group that still wait

@@ -15,8 +15,8 @@ Invariants:
   cleared (a fresh budget of ``ledger.max_attempts``); the other members' ``failed`` events go
   to the trainer again, so the re-opened group completes; the group leaves ``groups_done``,
   its admission slot is taken back (the staleness budget's ``filtered``) and the trainer
-  counts ``groups_reopened``. A retry racing another retry finds the members queued and does
-  nothing.
+  counts ``groups_reopened``; each chosen member gets its dispatch deadline (``shared.ledger``).
+  A retry racing another retry finds the members queued and does nothing.
 - Then the group's chosen requests are published as one rollout task. Nothing consumed is
   touched, so nothing consumed can be duplicated; a trainer must be running to consume the
   re-opened groups (it writes their group record and metrics line again when it decides them).
@@ -32,7 +32,7 @@ from typing import Callable
 from shared import ledger_lua
 from shared.group_registry import GroupRegistry
 from shared.ids import parse_trajectory_id
-from shared.ledger import Ledger
+from shared.ledger import ROLLOUT, Ledger
 from shared.names import RedisKeys
 from shared.outcomes import kind_of
 from shared.schemas import FailedEvent, RolloutRequest, TrajectoryState
@@ -73,9 +73,10 @@ def retry_failed(ledger: Ledger, run_id: str, wanted_reason: str | None,
     k = RedisKeys
     keys = [k.states(run_id), k.counts(run_id), k.failures(run_id), k.attempts(run_id), k.scoring_attempts(run_id),
             GroupRegistry(redis, run_id).done_key, k.trainer_stream(run_id), TrainerCounters(redis, run_id).key,
-            k.staleness(run_id)]
+            k.staleness(run_id), ROLLOUT.leases]
     for group_id, retry in sorted(chosen.items()):
-        argv: list[str] = [str(group_id), TrainerCounter.groups_reopened.value, StalenessBudget.FILTERED]
+        argv: list[str] = [str(group_id), TrainerCounter.groups_reopened.value, StalenessBudget.FILTERED,
+                           repr(ledger.dispatch_deadline())]
         for tid in sorted(members[group_id]):
             argv += [tid, "" if tid in retry else _failed_event(run_id, group_id, tid, reasons.get(tid, "failed"))]
         status, detail = script(keys=keys, args=argv)

@@ -107,10 +107,6 @@ class RedisKeys:
     dead_letters = f"{_P}:dead_letters"  # list of messages that did not fit their schema, all runs (shared.dead_letters)
 
     @staticmethod
-    def resend_lock(stage: str) -> str:  # one reaper per stage re-publishes after an outage (shared.leases)
-        return f"{_P}:resend_after_outage:{stage}"
-
-    @staticmethod
     def run_marker(run_id: str) -> str:  # JSON {run_id, created_at}: Redis holds the run (shared.run_marker)
         return f"{_P}:{{{run_id}}}:marker"
 
@@ -133,6 +129,14 @@ class RedisKeys:
     @staticmethod
     def attempts(run_id: str) -> str:  # hash trajectory_id -> attempts started
         return f"{_P}:{{{run_id}}}:attempts"
+
+    @staticmethod
+    def resends(run_id: str) -> str:  # hash trajectory_id -> rollout messages re-sent since its last claim
+        return f"{_P}:{{{run_id}}}:resends"
+
+    @staticmethod
+    def scoring_resends(run_id: str) -> str:  # hash trajectory_id -> scoring messages re-sent since its last claim
+        return f"{_P}:{{{run_id}}}:scoring_resends"
 
     @staticmethod
     def scoring_owners(run_id: str) -> str:  # hash trajectory_id -> token of the scoring attempt

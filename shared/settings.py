@@ -166,6 +166,10 @@ class LedgerSettings(Section):
     # Celery redelivers a message unacknowledged this long (a backstop for a worker that died before
     # its first claim; a copy of a task still running is a no-op at the claim). Above lease_ttl_s + reaper_interval_s.
     visibility_timeout_s: Int = Field(300, gt=0)
+    # a trajectory waiting to be claimed (queued, or uploaded and sent to scoring) this long has its
+    # message sent again (it was lost; a copy of one only waiting is a no-op at the claim); the wait
+    # doubles after each re-send, up to 32x (shared.ledger)
+    dispatch_ttl_s: Float = Field(120.0, gt=0)
 
 
 class OutageSettings(Section):

@@ -120,7 +120,7 @@ def _publish_dataset(settings: Settings, dataset: Optional[str], demo_tasks: Opt
         raise errors.CommandError("no dataset: pass --dataset or set intake.dataset")
     data = read_dataset(path, settings.intake.split, settings.intake.dataset_label, settings.intake.max_row_bytes)
     celery = make_celery(settings)
-    ledger = Ledger.from_url(settings.redis.url, settings.outage)  # waits out an outage of Redis
+    ledger = Ledger.from_url(settings.redis.url, settings.outage, settings.ledger.dispatch_ttl_s)  # waits out an outage of Redis
     store = open_store(settings.storage, settings.outage)  # keeps the run's marker (shared.run_marker)
     groups = settings.intake.num_groups if settings.intake.mode == "sample" else len(data.rows)
     with progress(f"intake {settings.run_id}: publishing groups", total=groups) as advance:
@@ -525,7 +525,7 @@ def retry(
     from shared.ledger import Ledger
     from shared.ledger_retry import retry_failed
 
-    ledger = Ledger.from_url(settings.redis.url)
+    ledger = Ledger.from_url(settings.redis.url, dispatch_ttl_s=settings.ledger.dispatch_ttl_s)
     _require_run(ledger, run)
     celery = make_celery(settings)
     summary = retry_summary(run, retry_failed(ledger, run, reason, lambda requests: publish_rollouts(celery, requests)))

@@ -37,7 +37,7 @@ from services.rollout_worker.inference_client import InferenceClient
 from services.rollout_worker.runner import RolloutContext, run_requests
 from services.rollout_worker.sandbox_janitor import SandboxJanitor
 from services.rollout_worker.scoring_outbox import ScoringOutbox
-from shared.celery_app import make_celery, publish_rollouts, publish_scoring
+from shared.celery_app import make_celery, publish_rollouts, publish_rollouts_by_group, publish_scoring
 from shared.leases import LeaseKeeper, Reaper, settle_s
 from shared.ledger import ROLLOUT, SCORING, Ledger
 from shared.model_source import resolve_model_source
@@ -59,7 +59,7 @@ def _context() -> RolloutContext:
     global _ctx
     with _ctx_lock:
         if _ctx is None:
-            ledger = Ledger.from_url(settings.redis.url, settings.outage)  # waits out an outage of Redis
+            ledger = Ledger.from_url(settings.redis.url, settings.outage, settings.ledger.dispatch_ttl_s)  # waits out an outage of Redis
             in_flight = InFlight()
             loop = background_loop().loop
 
@@ -141,7 +141,7 @@ def _start_background(sender: object = None, **_: object) -> None:
     serve_metrics(settings.metrics_port, ctx.ledger.redis)
     _reaper = Reaper(
         ctx.ledger, ROLLOUT, settings.ledger.max_attempts, settings.ledger.reaper_interval_s,
-        lambda _tid, request_json: ctx.redispatch(RolloutRequest.model_validate_json(request_json)),
+        lambda items: publish_rollouts_by_group(app, [RolloutRequest.model_validate_json(r) for _, r in items]),
         settle_s=settle_s(settings.ledger.heartbeat_s, settings.outage),
     )
     _reaper.sweep()  # leases left by a worker that died while this one was down

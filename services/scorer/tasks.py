@@ -24,7 +24,7 @@ from celery.signals import worker_ready, worker_shutdown
 from services.scorer.rewards import RewardCombiner
 from services.scorer.scorer import Scorer
 from shared.celery_app import make_celery, publish_scoring, scoring_tasks_of
-from shared.leases import LeaseKeeper, Reaper, settle_s
+from shared.leases import LeaseKeeper, Reaper, one_by_one, settle_s
 from shared.ledger import SCORING, Ledger
 from shared.names import SCORING_TASK
 from shared.prometheus import serve_metrics
@@ -35,7 +35,7 @@ from shared.storage import open_store
 log = logging.getLogger(__name__)
 settings = load_settings()
 app = make_celery(settings)
-_ledger = Ledger.from_url(settings.redis.url, settings.outage)  # waits out an outage of Redis
+_ledger = Ledger.from_url(settings.redis.url, settings.outage, settings.ledger.dispatch_ttl_s)  # waits out an outage of Redis
 _leases = LeaseKeeper(_ledger, settings.ledger.lease_ttl_s, settings.ledger.heartbeat_s, SCORING)
 _scorer = Scorer(
     open_store(settings.storage, settings.outage),
@@ -43,8 +43,7 @@ _scorer = Scorer(
     _leases,
 )
 _reaper = Reaper(
-    _ledger, SCORING, settings.ledger.max_attempts, settings.ledger.reaper_interval_s,
-    lambda tid, task_json: _redispatch(tid, task_json),
+    _ledger, SCORING, settings.ledger.max_attempts, settings.ledger.reaper_interval_s, one_by_one(_redispatch),
     settle_s=settle_s(settings.ledger.heartbeat_s, settings.outage),
 )
 

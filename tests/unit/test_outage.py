@@ -12,7 +12,7 @@ import time
 import pytest
 
 from services.cli.local_stack import LocalStack
-from shared.leases import LeaseKeeper, Reaper
+from shared.leases import LeaseKeeper, Reaper, one_by_one
 from shared.ledger import ROLLOUT, SCORING, Ledger
 from shared.outage import Dependency, OutageTooLong, recoveries, redis_client
 from shared.settings import OutageSettings
@@ -116,45 +116,49 @@ def test_the_reaper_takes_no_lease_before_redis_has_been_back_for_settle_s(tmp_p
         assert keeper.claim(live)[0] and ledger.claim(dead, "dead-worker", 1.0)[0]
         keeper.start()  # the live holder's heartbeat: it waits out the outage and renews after it
         sent: list[str] = []
-        reaper = Reaper(ledger, ROLLOUT, 3, 0.2, lambda tid, _payload: sent.append(tid), settle_s=2.0)
+        reaper = Reaper(ledger, ROLLOUT, 3, 0.2, one_by_one(lambda tid, _payload: sent.append(tid)), settle_s=2.0)
         try:
             stack.stop_redis()
             time.sleep(1.5)  # longer than the leases: both ran out while Redis was down
             stack.start_redis(stack.redis_port)
-            assert reaper.settling() and reaper.sweep() == {"requeued": 0, "failed": 0}
+            assert reaper.settling() and reaper.sweep() == {"requeued": 0, "resent": 0, "failed": 0}
             time.sleep(2.0)
             assert not reaper.settling()
-            assert reaper.sweep() == {"requeued": 1, "failed": 0} and sent == [dead]  # only the dead one's
+            assert reaper.sweep() == {"requeued": 1, "resent": 0, "failed": 0} and sent == [dead]  # only the dead one's
             assert ledger.state(live) == "running" and ledger.attempts(live) == 1
         finally:
             keeper.stop()
 
 
-def test_after_redis_restarted_one_reaper_sends_again_what_waits_unclaimed(tmp_path, run_id):
+def test_a_redis_restart_sends_nothing_again_by_itself_and_a_lost_message_goes_out_at_its_deadline(tmp_path, run_id):
+    """Messages that survived in the broker's queue are not copied after a restart (a restart
+    multiplies no task); one that was lost with it is found by its dispatch deadline."""
     with LocalStack(tmp_path) as stack:
-        ledger = Ledger(redis_client(stack.start_redis(), FAST))
+        ledger = Ledger(redis_client(stack.start_redis(), FAST), dispatch_ttl_s=2.0)
         requests = requests_for(run_id, size=3)
         ledger.register(requests)
         waiting, claimed, handed_on = (r.trajectory_id for r in requests)
         assert ledger.claim(claimed, "live-worker", 60)[0]
         assert ledger.claim(handed_on, "done-worker", 60)[0]
-        assert ledger.mark_uploaded(handed_on, "done-worker", '{"scoring": "task"}', send_within_s=3600).ok  # its task stored
-        sent: dict[str, list[tuple[str, str]]] = {"rollout": [], "scoring": [], "other-rollout": []}
-        reapers = [Reaper(ledger, stage, 3, 1.0, lambda tid, payload, name=name: sent[name].append((tid, payload)), settle_s=0.5)
-                   for name, stage in (("rollout", ROLLOUT), ("scoring", SCORING), ("other-rollout", ROLLOUT))]
-        for reaper in reapers:
-            reaper.sweep()  # before any outage: nothing is sent again
+        assert ledger.mark_uploaded(handed_on, "done-worker", '{"scoring": "task"}', send_within_s=0.5).ok
+        ledger.scoring_sent([handed_on])  # its batch went out: the deadline moves dispatch_ttl_s ahead
+        sent: dict[str, list[tuple[str, str]]] = {"rollout": [], "scoring": []}
+        reapers = [Reaper(ledger, stage, 3, 1.0, one_by_one(lambda tid, payload, name=name: sent[name].append((tid, payload))),
+                          settle_s=0.5) for name, stage in (("rollout", ROLLOUT), ("scoring", SCORING))]
         stack.stop_redis()
-        stack.start_redis(stack.redis_port)  # its messages may be gone; its ledger is not (AOF)
+        stack.start_redis(stack.redis_port)  # its ledger is back (AOF); say its messages were lost
         time.sleep(1.1)  # settled (Redis counts its uptime in whole seconds)
+        for reaper in reapers:
+            reaper.sweep()
+        assert sent == {"rollout": [], "scoring": []}  # nothing copied for the restart itself
+        time.sleep(1.5)  # past the dispatch deadlines: nobody claimed them, the messages were lost
         for reaper in reapers:
             reaper.sweep()
         assert sent["rollout"] == [(waiting, requests[0].model_dump_json())]  # not the claimed one
         assert sent["scoring"] == [(handed_on, '{"scoring": "task"}')]
-        assert sent["other-rollout"] == []  # one reaper per stage and outage
         for reaper in reapers:
-            reaper.sweep()
-        assert len(sent["rollout"]) == len(sent["scoring"]) == 1
+            assert reaper.sweep() == {"requeued": 0, "resent": 0, "failed": 0}  # the next deadline is further ahead
+        assert ledger.attempts(waiting) == 0 and ledger.attempts(handed_on, SCORING) == 0  # no attempt was spent
 
 
 def test_a_claim_sent_again_after_its_reply_was_lost_is_answered_as_the_first(ledger, run_id):

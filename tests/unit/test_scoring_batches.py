@@ -1,7 +1,7 @@
 """Scoring messages go out in batches (``services.rollout_worker.scoring_outbox``), and nothing a
 batch holds lives only in the worker's memory: the upload stores each scoring task with a
 send-by entry in the same ledger call, the scoring reaper sends what a dead worker never sent,
-and a sent batch clears its entries without touching a scorer's lease. Real Redis."""
+and a sent batch moves its deadlines ahead without touching a scorer's lease. Real Redis."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from test_scorer_leases import upload
 from services.rollout_worker.scoring_outbox import ScoringOutbox
 from services.scorer.rewards import RewardCombiner
 from services.scorer.scorer import Scorer
-from shared.leases import LeaseKeeper, Reaper
+from shared.leases import LeaseKeeper, Reaper, one_by_one
 from shared.ledger import SCORING, Ledger
 from shared.names import trajectory_key
 from shared.schemas import ScoringTask, StopReason, Trajectory, parse_message
@@ -36,25 +36,25 @@ def uploaded_with_send_by(ledger: Ledger, run_id: str, size: int, send_within_s:
 def test_a_batch_its_worker_never_sent_is_sent_by_the_scoring_reaper_once_its_send_by_passes(ledger, run_id):
     tasks = uploaded_with_send_by(ledger, run_id, size=4, send_within_s=0.2)
     sent: list[ScoringTask] = []
-    reaper = Reaper(ledger, SCORING, 3, 1.0, lambda _tid, payload: sent.append(parse_message(ScoringTask, payload)))
-    assert reaper.sweep() == {"requeued": 0, "failed": 0}  # within the send-by: the worker may still send it
+    reaper = Reaper(ledger, SCORING, 3, 1.0, one_by_one(lambda _tid, payload: sent.append(parse_message(ScoringTask, payload))))
+    assert reaper.sweep() == {"requeued": 0, "resent": 0, "failed": 0}  # within the send-by: the worker may still send it
     time.sleep(0.3)  # the worker died with the batch in memory
-    assert reaper.sweep() == {"requeued": 4, "failed": 0}
+    assert reaper.sweep() == {"requeued": 0, "resent": 4, "failed": 0}
     assert sorted(sent, key=lambda t: t.trajectory_id) == sorted(tasks, key=lambda t: t.trajectory_id)
     assert {ledger.state(t.trajectory_id) for t in tasks} == {"uploaded"}  # still waiting for a scorer, no attempt spent
     assert {ledger.attempts(t.trajectory_id, SCORING) for t in tasks} == {0}
-    assert reaper.sweep() == {"requeued": 0, "failed": 0}  # sent once
+    assert reaper.sweep() == {"requeued": 0, "resent": 0, "failed": 0}  # sent once; the next deadline is ahead
 
 
-def test_a_sent_batch_clears_its_entries_but_not_a_lease_a_scorer_already_holds(ledger, run_id):
+def test_a_sent_batch_moves_its_deadlines_ahead_but_not_a_lease_a_scorer_already_holds(ledger, run_id):
     first, second = uploaded_with_send_by(ledger, run_id, size=2, send_within_s=0.2)
     # a scorer took the first from the message before the worker cleared its entry
     assert ledger.claim(first.trajectory_id, "scorer", 0.2, SCORING, first.model_dump_json())[0]
-    assert ledger.scoring_sent([first.trajectory_id, second.trajectory_id]) == 1  # only the second's entry went
+    assert ledger.scoring_sent([first.trajectory_id, second.trajectory_id]) == 1  # only the second's deadline moved
     time.sleep(0.3)  # and the scorer died: its lease, not the send-by entry, expires
     resent: list[str] = []
-    reaper = Reaper(ledger, SCORING, 3, 1.0, lambda tid, _payload: resent.append(tid))
-    assert reaper.sweep() == {"requeued": 1, "failed": 0}
+    reaper = Reaper(ledger, SCORING, 3, 1.0, one_by_one(lambda tid, _payload: resent.append(tid)))
+    assert reaper.sweep() == {"requeued": 1, "resent": 0, "failed": 0}
     assert resent == [first.trajectory_id]
     assert ledger.scoring_sent([]) == 0
 
