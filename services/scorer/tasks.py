@@ -43,7 +43,8 @@ _scorer = Scorer(
     _leases,
 )
 _reaper = Reaper(
-    _ledger, SCORING, settings.ledger.max_attempts, settings.ledger.reaper_interval_s, one_by_one(_redispatch),
+    _ledger, SCORING, settings.ledger.max_attempts, settings.ledger.reaper_interval_s,
+    one_by_one(lambda tid, task_json: _redispatch(tid, task_json)),  # defined below
     settle_s=settle_s(settings.ledger.heartbeat_s, settings.outage),
 )
 
