@@ -87,13 +87,16 @@ def test_lora_trains_fewer_parameters_than_full_fine_tuning(tiny_run):
 def test_a_one_rank_fully_shard_step_equals_the_unsharded_step(tiny_run):
     r = tiny_run["checks"]["fsdp"]
     assert r["backend"] == "gloo" and r["same_parameter_names"]
-    assert r["loss_rel_diff"] <= 1e-6 and r["grad_norm_rel_diff"] <= 1e-6 and r["max_weight_abs_diff"] <= 1e-7
+    assert set(r["unsharded_vs_itself"].values()) == {0.0}  # on a CPU the step is deterministic
+    diff = r["sharded_vs_unsharded"]
+    assert diff["loss"] <= 1e-6 and diff["grad_norm"] <= 1e-6 and diff["max_weight"] <= 1e-7
 
 
 @pytest.mark.timeout(240)
 def test_the_exported_checkpoint_reads_back_as_the_model(tiny_run):
     r = tiny_run["checks"]["export"]
-    assert r["mismatched_weights"] == [] and r["weight_bytes"] > 0 and r["trainer_state_bytes"] > 0
+    assert r["mismatched_weights"] == [] and r["weights_compared"] > 0
+    assert r["weight_bytes"] > 0 and r["trainer_state_bytes"] > 0
     assert r["delta_encoder"].startswith("none")
 
 
