@@ -35,6 +35,11 @@ null for a figure with no bound):
 - ``export``: ``save_checkpoint`` (what the S3 weight path writes) into a local store, timed,
   and its weight files read back with ``from_pretrained`` equal the model's weights. Conveyor
   has no delta encoder for weight updates yet, so none is timed.
+- ``levers``: the trainer's logprob levers (issue 25, item 3) from the same weights: every
+  position's logits (as before), logits from the first loss-masked position only (the default),
+  and that with the float32 log-softmax in chunks; each variant's loss agrees within 1e-3 and the
+  chunked one holds less memory. On a GPU the full model; with ``--tiny`` a tiny one with a
+  32,768-entry vocabulary (the levers act on the vocabulary dimension).
 """
 
 from __future__ import annotations
@@ -132,15 +137,19 @@ class Scale:
     micro_batch_tokens: int
     timed_steps: int
     max_position: int
+    levers: dict  # the model of the levers check
+    logprob_chunk_tokens: int
 
 
 # micro-batches of 4,096 tokens, not the 8,192 of trainer.batching's default: the 1.5B step
 # without checkpointing holds about 100 KB of activations per token and layer plus ~14 bytes per
 # token and vocabulary entry of logits, which at 8,192 tokens is more than an H100's 80 GB
 GPU_SCALE = Scale(FULL_SHAPE, LARGE_SHAPE, fsdp_layers=4, seq_len=1024, speed_sequences=64, check_sequences=16,
-                  micro_batch_tokens=4096, timed_steps=3, max_position=32768)
+                  micro_batch_tokens=4096, timed_steps=3, max_position=32768, levers=FULL_SHAPE,
+                  logprob_chunk_tokens=1024)
 TINY_SCALE = Scale(TINY_FULL_SHAPE, TINY_LARGE_SHAPE, fsdp_layers=None, seq_len=64, speed_sequences=32,
-                   check_sequences=8, micro_batch_tokens=256, timed_steps=3, max_position=2048)
+                   check_sequences=8, micro_batch_tokens=256, timed_steps=3, max_position=2048,
+                   levers=TINY_FULL_SHAPE | {"vocab_size": 32768}, logprob_chunk_tokens=64)
 
 
 # ---------------------------------------------------------------- models and batches
@@ -192,10 +201,11 @@ def batching(scale: Scale) -> BatchingSettings:
 
 
 def trainer(model: PreTrainedModel, scale: Scale, dtype: str, lr: float = 1e-6,
-            max_grad_norm: float | None = 1.0) -> PolicyTrainer:
-    """The real trainer with the default alarm (action stop, threshold scaled to ``dtype``)."""
+            max_grad_norm: float | None = 1.0, **levers: Any) -> PolicyTrainer:
+    """The real trainer with the default alarm (action stop, threshold scaled to ``dtype``);
+    ``levers``: ``trim_prompt_logits``, ``logprob_chunk_tokens``."""
     return PolicyTrainer(model, pad_token_id=0, optim=OptimSettings(lr=lr, max_grad_norm=max_grad_norm),
-                         batching=batching(scale), dtype=dtype)
+                         batching=batching(scale), dtype=dtype, **levers)
 
 
 def release_memory() -> None:
@@ -448,6 +458,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def lever_variants(scale: Scale) -> dict[str, dict[str, Any]]:
+    return {"every_position": {"trim_prompt_logits": False},  # the trainer before issue 25
+            "needed_positions": {"trim_prompt_logits": True},  # the trainer's default now
+            "needed_chunked": {"trim_prompt_logits": True, "logprob_chunk_tokens": scale.logprob_chunk_tokens}}
+
+
+def check_levers(scale: Scale, device: torch.device) -> dict[str, Any]:
+    """The logprob levers on the full model's shapes (``--tiny``: the real vocabulary, tiny
+    otherwise): from the same weights, each variant's first step (loss, saved-activation and
+    allocator peaks), then its median step time over timed steps without hooks."""
+    model = build_model(scale.levers, scale, device)
+    batches = on_policy_batches(model, scale.check_sequences, scale.seq_len, seed=8)
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    runs: dict[str, Any] = {}
+    for name, levers in lever_variants(scale).items():
+        model.load_state_dict(initial)
+        policy_trainer = trainer(model, scale, "bf16", **levers)
+        first = measured_step(policy_trainer, batches)
+        timed = timed_steps(policy_trainer, batches, max(2, scale.timed_steps - 1), hooks=False)
+        runs[name] = {"levers": levers, "loss": first["metrics"]["loss"], "median_step_s": timed["median_s"],
+                      "peak_memory_bytes": first["peak_memory_bytes"],
+                      "saved_activation_peak_bytes": first["saved_activation_peak_bytes"]}
+        del policy_trainer
+        release_memory()
+    del model, initial
+    release_memory()
+    base = runs["every_position"]
+    memory_key = "peak_memory_bytes" if device.type == "cuda" else "saved_activation_peak_bytes"
+    for run in runs.values():
+        run["loss_rel_diff"] = rel_err(run["loss"], base["loss"])
+        run["memory_vs_every_position"] = run[memory_key] / base[memory_key]
+        run["time_vs_every_position"] = run["median_step_s"] / base["median_step_s"]
+    return runs | {"compared": memory_key, "passed": all(r["loss_rel_diff"] <= 1e-3 for r in runs.values())
+                   and runs["needed_chunked"][memory_key] < base[memory_key]}
+
+
 FSDP_LR = 1e-4
 
 
@@ -568,13 +614,16 @@ def table(results: dict[str, Any]) -> str:
         lambda r: f"{mem(r['large_lora_checkpointed'], r['compared']):.3f} ({r['compared']})")
     add("FSDP 1-rank max |dw|", "fsdp", lambda r: r["max_weight_abs_diff"], "{:.1e}")
     add("export s / MB/s", "export", lambda r: f"{r['save_s']:.2f} / {r['save_mb_per_s']:.0f}")
+    for variant in lever_variants(TINY_SCALE):
+        add(f"{variant}: step s, memory", "levers", lambda r, v=variant: f"{r[v]['median_step_s']:.3f} s, "
+            f"{r[v]['memory_vs_every_position']:.2f}x")
     passed = "  ".join(f"{k}={'ok' if v.get('passed') else ('-' if v.get('passed') is None else 'FAIL')}"
                        for k, v in c.items())
     width = max(len(label) for label, _ in rows) if rows else 0
     return "\n".join([f"{label:<{width}}  {value}" for label, value in rows] + [passed])
 
 
-CHECKS = ("bf16", "speed", "checkpointing", "lora", "fsdp", "export")
+CHECKS = ("bf16", "speed", "checkpointing", "lora", "fsdp", "export", "levers")
 
 
 def run_check(name: str, scale: Scale, device: torch.device, args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -586,7 +635,7 @@ def run_check(name: str, scale: Scale, device: torch.device, args: argparse.Name
             result = check_export(scale, device, work)
         else:
             result = {"bf16": check_bf16, "checkpointing": check_checkpointing, "lora": check_lora,
-                      "fsdp": check_fsdp}[name](scale, device)
+                      "fsdp": check_fsdp, "levers": check_levers}[name](scale, device)
     except Exception as exc:  # noqa: BLE001 - a failed check is reported, and the others still run
         result = {"passed": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
         gc.collect()

@@ -37,12 +37,12 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.mark.timeout(240)
 def test_the_tiny_check_runs_every_check_in_under_a_minute_and_prints_its_table(tiny_run):
-    assert set(tiny_run["checks"]) == {"bf16", "speed", "checkpointing", "lora", "fsdp", "export"}
+    assert set(tiny_run["checks"]) == {"bf16", "speed", "checkpointing", "lora", "fsdp", "export", "levers"}
     assert not [name for name, r in tiny_run["checks"].items() if "error" in r]
     assert tiny_run["total_s"] < 60
     assert tiny_run["wheels"] == "host"  # this venv has every package; the GPU host unpacks wheels/gpu
     last_line = tiny_run["stdout"].strip().splitlines()[-1]
-    assert last_line == "bf16=ok  speed=-  checkpointing=ok  lora=ok  fsdp=ok  export=ok"
+    assert last_line == "bf16=ok  speed=-  checkpointing=ok  lora=ok  fsdp=ok  export=ok  levers=ok"
 
 
 @pytest.mark.timeout(240)
@@ -175,3 +175,14 @@ def test_the_wheel_list_has_pyproject_bounds_and_the_bundle_is_not_in_git():
                        for dep in declared for spec in md.requires(dep) or []), req
     ignored = subprocess.run(["git", "check-ignore", "-q", "wheels/gpu/x.whl"], cwd=ROOT)
     assert ignored.returncode == 0, "wheels/ must be git-ignored"
+
+
+@pytest.mark.timeout(240)
+def test_the_logprob_levers_keep_the_loss_and_hold_fewer_activations(tiny_run):
+    r = tiny_run["checks"]["levers"]
+    every, needed, chunked = r["every_position"], r["needed_positions"], r["needed_chunked"]
+    assert r["compared"] == "saved_activation_peak_bytes" and every["peak_memory_bytes"] is None  # CPU
+    assert needed["loss_rel_diff"] <= 1e-3 and chunked["loss_rel_diff"] <= 1e-3
+    # a quarter of each sequence is prompt: no logits there; chunks: one chunk of float32 logits at a time
+    assert 0 < chunked["saved_activation_peak_bytes"] < needed["saved_activation_peak_bytes"] \
+        < every["saved_activation_peak_bytes"]
