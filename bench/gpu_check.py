@@ -304,6 +304,18 @@ def max_or_none(values: Any) -> int | None:
     return max(values) if values else None
 
 
+def step_figures(run: dict[str, Any]) -> dict[str, Any]:
+    """What the memory checks keep of a ``measured_step``."""
+    return {"loss": run["metrics"]["loss"], "peak_memory_bytes": run["peak_memory_bytes"],
+            "saved_activation_peak_bytes": run["saved_activation_peak_bytes"]}
+
+
+def compared_memory(device: torch.device) -> str:
+    """The memory figure a check compares: the allocator's peak on a GPU, the saved-activation
+    peak on a CPU (where torch keeps no allocator peak)."""
+    return "peak_memory_bytes" if device.type == "cuda" else "saved_activation_peak_bytes"
+
+
 def rel_err(value: float, reference: float) -> float:
     return abs(value - reference) / max(abs(reference), 1e-30)
 
@@ -395,14 +407,12 @@ def check_checkpointing(scale: Scale, device: torch.device) -> dict[str, Any]:
             model.gradient_checkpointing_enable()
         policy_trainer = trainer(model, scale, "bf16")
         run = measured_step(policy_trainer, batches)
-        runs[name] = {"loss": run["metrics"]["loss"], "step_s": run["seconds"],
-                      "peak_memory_bytes": run["peak_memory_bytes"],
-                      "saved_activation_peak_bytes": run["saved_activation_peak_bytes"]}
+        runs[name] = step_figures(run) | {"step_s": run["seconds"]}
         del policy_trainer
         release_memory()
     del model, initial
     release_memory()
-    memory_key = "peak_memory_bytes" if device.type == "cuda" else "saved_activation_peak_bytes"
+    memory_key = compared_memory(device)
     loss_diff = rel_err(runs["with"]["loss"], runs["without"]["loss"])
     return {
         "without": runs["without"], "with": runs["with"], "compared": memory_key, "loss_rel_diff": loss_diff,
@@ -442,7 +452,7 @@ def check_lora(scale: Scale, device: torch.device) -> dict[str, Any]:
     large = lora_run(with_lora(large_model, lora), scale, large_batches)
     del large_model
     release_memory()
-    memory_key = "peak_memory_bytes" if device.type == "cuda" else "saved_activation_peak_bytes"
+    memory_key = compared_memory(device)
     return {
         "lora": lora.model_dump(include={"rank", "alpha", "target_modules"}), "full_ft": full, "lora_ft": small,
         "large_lora_checkpointed": large, "compared": memory_key,
@@ -477,15 +487,13 @@ def check_levers(scale: Scale, device: torch.device) -> dict[str, Any]:
         policy_trainer = trainer(model, scale, "bf16", **levers)
         first = measured_step(policy_trainer, batches)
         timed = timed_steps(policy_trainer, batches, max(2, scale.timed_steps - 1), hooks=False)
-        runs[name] = {"levers": levers, "loss": first["metrics"]["loss"], "median_step_s": timed["median_s"],
-                      "peak_memory_bytes": first["peak_memory_bytes"],
-                      "saved_activation_peak_bytes": first["saved_activation_peak_bytes"]}
+        runs[name] = step_figures(first) | {"levers": levers, "median_step_s": timed["median_s"]}
         del policy_trainer
         release_memory()
     del model, initial
     release_memory()
     base = runs["every_position"]
-    memory_key = "peak_memory_bytes" if device.type == "cuda" else "saved_activation_peak_bytes"
+    memory_key = compared_memory(device)
     for run in runs.values():
         run["loss_rel_diff"] = rel_err(run["loss"], base["loss"])
         run["memory_vs_every_position"] = run[memory_key] / base[memory_key]
