@@ -56,41 +56,14 @@ import statistics
 import sys
 import tempfile
 import time
-import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-WHEELS = ROOT / "wheels" / "gpu"
-# the import names of scripts/gpu_wheels.sh's requirements: what the GPU host may lack
-NEEDED_IMPORTS = ("pydantic", "pydantic_settings", "redis", "tenacity", "dotenv")
+sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "bench"))  # last: for gpu_bootstrap when loaded other than as a script
 
-
-def ensure_trainer_imports() -> str:
-    """Where the trainer path's extra packages come from: the host, or wheels/gpu unpacked into a
-    temporary folder put first on sys.path (pure-Python wheels and pydantic-core's binary one;
-    a wheel with a ``.data`` folder would need pip, and is refused)."""
-    sys.path.insert(0, str(ROOT))
-    try:
-        for name in NEEDED_IMPORTS:
-            __import__(name)
-        return "host"
-    except ImportError as missing:
-        wheels = sorted(WHEELS.glob("*.whl"))
-        if not wheels:
-            raise SystemExit(f"{missing}; run scripts/gpu_wheels.sh where there is network, "
-                             "and carry wheels/gpu to this host") from None
-    site = Path(tempfile.mkdtemp(prefix="conveyor-gpu-site-"))
-    for wheel in wheels:
-        with zipfile.ZipFile(wheel) as archive:
-            if any(".data/" in name for name in archive.namelist()):
-                raise SystemExit(f"{wheel.name} has a .data folder; install it with pip instead")
-            archive.extractall(site)
-    sys.path.insert(0, str(site))
-    for name in NEEDED_IMPORTS:
-        __import__(name)
-    return f"wheels/gpu ({len(wheels)} wheels)"
-
+from gpu_bootstrap import ensure_trainer_imports  # noqa: E402
 
 WHEEL_SOURCE = ensure_trainer_imports()
 
@@ -119,7 +92,7 @@ TINY_FULL_SHAPE = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=
 TINY_LARGE_SHAPE = dict(hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False)
 # dense bf16 peak FLOP/s by device name, most specific first (NVIDIA's data sheets)
-PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12))
+PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12))
 BF16_MAX_REL_ERR = 1e-2  # bf16 operands: relative errors land between 1e-3 and 1e-2
 BF16_EXPECTED_BAND = (1e-3, 1e-2)
 
@@ -665,6 +638,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but torch sees no GPU; pass --device cpu (with --tiny)")
+    if device.type == "cuda" and device.index is None:  # nccl's device_id needs the index
+        device = torch.device("cuda", torch.cuda.current_device())
     scale = TINY_SCALE if args.tiny else GPU_SCALE
     if args.micro_batch_tokens:
         scale = dataclasses.replace(scale, micro_batch_tokens=args.micro_batch_tokens)

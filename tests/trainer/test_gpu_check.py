@@ -8,7 +8,9 @@ from __future__ import annotations
 import ast
 import importlib.metadata as md
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -135,7 +137,7 @@ def trainer_path_imports() -> set[str]:
             "if n.split('.')[0] in ('services', 'shared')))")
     files = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
                            timeout=120).stdout.split()
-    names = {"bench/gpu_check.py"} | set(files)
+    names = {"bench/gpu_check.py", "bench/gpu_bootstrap.py"} | set(files)
     tops: set[str] = set()
     for file in names:
         for node in ast.parse((ROOT / file).read_text() if not Path(file).is_absolute() else Path(file).read_text()).body:
@@ -143,7 +145,8 @@ def trainer_path_imports() -> set[str]:
                 tops |= {alias.name.split(".")[0] for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 tops.add(node.module.split(".")[0])
-    return tops - set(sys.stdlib_module_names) - {"services", "shared", "__future__"}
+    local = {path.stem for path in (ROOT / "bench").glob("*.py")}  # bench/'s own modules
+    return tops - set(sys.stdlib_module_names) - local - {"services", "shared", "__future__"}
 
 
 @pytest.mark.timeout(180)
@@ -157,7 +160,7 @@ def test_the_wheel_list_is_what_the_trainer_path_needs_beyond_the_gpu_host():
     assert needed - host_closure(GPU_HOST_PACKAGES) <= listed <= needed
     assert "pydantic" in listed
     # gpu_check.py probes the same packages before it unpacks the wheels
-    source = (ROOT / "bench" / "gpu_check.py").read_text()
+    source = (ROOT / "bench" / "gpu_bootstrap.py").read_text()
     probed = ast.literal_eval(re.search(r"^NEEDED_IMPORTS = (\(.*?\))", source, re.M).group(1))
     assert {canonicalize_name(d) for top in probed for d in distributions[top]} == listed
 
@@ -186,3 +189,31 @@ def test_the_logprob_levers_keep_the_loss_and_hold_fewer_activations(tiny_run):
     # a quarter of each sequence is prompt: no logits there; chunks: one chunk of float32 logits at a time
     assert 0 < chunked["saved_activation_peak_bytes"] < needed["saved_activation_peak_bytes"] \
         < every["saved_activation_peak_bytes"]
+
+
+def python312_without_pydantic() -> str | None:
+    """A Python 3.12 here that lacks pydantic, as the GPU host does (``CONVEYOR_PYTHON312``, else
+    ``python3.12`` on PATH), or None."""
+    found = os.environ.get("CONVEYOR_PYTHON312") or shutil.which("python3.12")
+    if found is None:
+        return None
+    real = subprocess.run([found, "-c", "import sys; print(sys.executable)"], capture_output=True, text=True)
+    if real.returncode != 0:  # e.g. a pyenv shim with no 3.12 selected
+        return None
+    python = real.stdout.strip()
+    lacks = subprocess.run([python, "-c", "import pydantic"], capture_output=True, env={"PATH": "/usr/bin:/bin"})
+    return python if lacks.returncode != 0 else None
+
+
+@pytest.mark.skipif(not list((ROOT / "wheels" / "gpu").glob("*.whl")), reason="no wheels/gpu: run scripts/gpu_wheels.sh")
+@pytest.mark.skipif(python312_without_pydantic() is None, reason="needs a Python 3.12 without pydantic: CONVEYOR_PYTHON312 or python3.12 on PATH")
+def test_the_bundle_gives_python_3_12_the_trainer_paths_packages(tmp_path):
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from gpu_bootstrap import ensure_trainer_imports; "
+            "print(ensure_trainer_imports()); import pydantic, pydantic_core; "
+            "print(pydantic.TypeAdapter(int).validate_python('3'), pydantic_core.__file__)")
+    proc = subprocess.run([python312_without_pydantic(), "-c", code, str(ROOT / "bench")], capture_output=True,
+                          text=True, cwd=tmp_path, env={"PATH": "/usr/bin:/bin"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    source, validated = proc.stdout.splitlines()
+    assert source.startswith("wheels/gpu (")
+    assert validated.startswith("3 ") and "conveyor-gpu-site-" in validated  # the binary wheel, unpacked
