@@ -44,7 +44,7 @@ def test_the_tiny_check_runs_every_check_in_under_a_minute_and_prints_its_table(
     assert tiny_run["total_s"] < 60
     assert tiny_run["wheels"] == "host"  # this venv has every package; the GPU host unpacks wheels/gpu
     last_line = tiny_run["stdout"].strip().splitlines()[-1]
-    assert last_line == "bf16=ok  speed=-  checkpointing=ok  lora=ok  fsdp=ok  export=ok  levers=ok"
+    assert last_line == "bf16=ok  speed=-  checkpointing=ok  lora=ok  fsdp=ok  levers=ok  export=ok"
 
 
 @pytest.mark.timeout(240)
