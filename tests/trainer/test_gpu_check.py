@@ -192,9 +192,9 @@ def test_the_logprob_levers_keep_the_loss_and_hold_fewer_activations(tiny_run):
 
 
 def python312_without_pydantic() -> str | None:
-    """A Python 3.12 here that lacks pydantic, as the GPU host does (``CONVEYOR_PYTHON312``, else
+    """A Python 3.12 here that lacks pydantic, as the GPU host does (``GPU_CHECK_PYTHON312``, else
     ``python3.12`` on PATH), or None."""
-    found = os.environ.get("CONVEYOR_PYTHON312") or shutil.which("python3.12")
+    found = os.environ.get("GPU_CHECK_PYTHON312") or shutil.which("python3.12")
     if found is None:
         return None
     real = subprocess.run([found, "-c", "import sys; print(sys.executable)"], capture_output=True, text=True)
@@ -206,7 +206,7 @@ def python312_without_pydantic() -> str | None:
 
 
 @pytest.mark.skipif(not list((ROOT / "wheels" / "gpu").glob("*.whl")), reason="no wheels/gpu: run scripts/gpu_wheels.sh")
-@pytest.mark.skipif(python312_without_pydantic() is None, reason="needs a Python 3.12 without pydantic: CONVEYOR_PYTHON312 or python3.12 on PATH")
+@pytest.mark.skipif(python312_without_pydantic() is None, reason="needs a Python 3.12 without pydantic: GPU_CHECK_PYTHON312 or python3.12 on PATH")
 def test_the_bundle_gives_python_3_12_the_trainer_paths_packages(tmp_path):
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from gpu_bootstrap import ensure_trainer_imports; "
             "print(ensure_trainer_imports()); import pydantic, pydantic_core; "
