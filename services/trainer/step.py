@@ -185,7 +185,7 @@ def trainer_from_settings(settings: Settings, shard: bool = False) -> tuple[Poli
     policy_trainer = PolicyTrainer(
         model, pad_token_id=tokenizer.pad_token_id or 0, optim=trainer.optim, loss=trainer.loss,
         batching=trainer.batching, temperature=settings.rollout.sampling.temperature or 1.0,
-        alarm=trainer.logprob_alarm, dtype=trainer.dtype,
+        alarm=trainer.logprob_alarm, dtype=trainer.dtype, logprob_chunk_tokens=trainer.logprob_chunk_tokens,
     )
     return policy_trainer, tokenizer
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from services.trainer.policy import sequence_logprobs
-from services.trainer.step import PolicyTrainer
-from shared.settings import BatchingSettings, LogprobAlarmSettings, OptimSettings
+from services.trainer.step import PolicyTrainer, trainer_from_settings
+from shared.settings import BatchingSettings, LogprobAlarmSettings, OptimSettings, SettingsError, load_settings
 
 SYNTHETIC_LOGPROBS = LogprobAlarmSettings(max_on_policy_mad=1e6)  # make_batch's logprobs are not the model's
 
@@ -64,3 +64,13 @@ def test_the_step_with_the_levers_equals_the_step_over_every_position(tiny_polic
         assert levers[key] == pytest.approx(every[key], rel=1e-5, abs=1e-7), key
     for a, b in zip(levers_model.parameters(), every_model.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_the_chunk_size_is_a_trainer_setting(tiny_dir):
+    assert load_settings().trainer.logprob_chunk_tokens is None
+    with pytest.raises(SettingsError, match="logprob_chunk_tokens"):
+        load_settings(trainer={"logprob_chunk_tokens": 0})
+    settings = load_settings(trainer={"logprob_chunk_tokens": 512, "device": "cpu"},
+                             inference={"model_path": str(tiny_dir)})
+    trainer, _ = trainer_from_settings(settings)
+    assert trainer.logprob_chunk_tokens == 512 and trainer.trim_prompt_logits
