@@ -1,15 +1,18 @@
 """The GPU check of issue 25 on CPU: ``bench/gpu_check.py --device cpu --tiny`` runs every check
-of the GPU run on tiny models in under a minute, and its JSON holds real figures within their
-bounds; and ``scripts/gpu_wheels.sh`` lists exactly the packages the trainer path imports that
-the GPU host lacks, with pyproject.toml's bounds."""
+of the GPU run on tiny models in under a minute, its JSON holds real figures within their
+bounds, and a check fails when what it checks is switched off. ``scripts/gpu_wheels.sh`` lists
+the packages the trainer path imports beyond the GPU host's, and only those, with
+pyproject.toml's bounds; given a Python 3.12 without pydantic, the bundle supplies them."""
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib.metadata as md
 import json
 import os
 import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -20,6 +23,9 @@ import pytest
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from transformers import PreTrainedModel
+
+import services.trainer.step as step
 
 ROOT = Path(__file__).resolve().parents[2]
 # what the GPU host has (issue 25), with everything they require
@@ -217,3 +223,18 @@ def test_the_bundle_gives_python_3_12_the_trainer_paths_packages(tmp_path):
     source, validated = proc.stdout.splitlines()
     assert source.startswith("wheels/gpu (")
     assert validated.startswith("3 ") and "conveyor-gpu-site-" in validated  # the binary wheel, unpacked
+
+
+@pytest.mark.timeout(120)
+def test_the_checks_fail_when_what_they_check_is_off(monkeypatch):
+    """No check that cannot fail: bf16 without autocast, and checkpointing that does nothing."""
+    gpu_check = runpy.run_path(str(ROOT / "bench" / "gpu_check.py"), run_name="gpu_check")
+    scale, cpu = gpu_check["TINY_SCALE"], gpu_check["torch"].device("cpu")
+    monkeypatch.setattr(step, "compute_precision", lambda device, dtype: contextlib.nullcontext())
+    bf16 = gpu_check["check_bf16"](scale, cpu)
+    assert bf16["passed"] is False and bf16["loss_rel_err"] == 0
+    monkeypatch.undo()
+    monkeypatch.setattr(PreTrainedModel, "gradient_checkpointing_enable", lambda self, **kwargs: None)
+    checkpointing = gpu_check["check_checkpointing"](scale, cpu)
+    assert checkpointing["passed"] is False
+    assert checkpointing["with"]["saved_activation_peak_bytes"] == checkpointing["without"]["saved_activation_peak_bytes"]
