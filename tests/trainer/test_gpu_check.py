@@ -98,6 +98,7 @@ def test_a_one_rank_fully_shard_step_equals_the_unsharded_step(tiny_run):
     assert set(r["unsharded_vs_itself"].values()) == {0.0}  # on a CPU the step is deterministic
     diff = r["sharded_vs_unsharded"]
     assert diff["loss"] <= 1e-6 and diff["grad_norm"] <= 1e-6 and diff["max_weight"] <= 1e-7
+    assert diff["update_rel"] <= 1e-6
 
 
 @pytest.mark.timeout(240)
@@ -227,7 +228,8 @@ def test_the_bundle_gives_python_3_12_the_trainer_paths_packages(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_the_checks_fail_when_what_they_check_is_off(monkeypatch):
-    """No check that cannot fail: bf16 without autocast, and checkpointing that does nothing."""
+    """No check that cannot fail: bf16 without autocast, checkpointing that does nothing, and
+    sharding that loses the gradient of the embedding (tied to the output head)."""
     gpu_check = runpy.run_path(str(ROOT / "bench" / "gpu_check.py"), run_name="gpu_check")
     scale, cpu = gpu_check["TINY_SCALE"], gpu_check["torch"].device("cpu")
     monkeypatch.setattr(step, "compute_precision", lambda device, dtype: contextlib.nullcontext())
@@ -238,3 +240,13 @@ def test_the_checks_fail_when_what_they_check_is_off(monkeypatch):
     checkpointing = gpu_check["check_checkpointing"](scale, cpu)
     assert checkpointing["passed"] is False
     assert checkpointing["with"]["saved_activation_peak_bytes"] == checkpointing["without"]["saved_activation_peak_bytes"]
+    real_shard = gpu_check["shard_policy"]
+
+    def shard_losing_a_gradient(model):  # noqa: ANN001, ANN202
+        model.get_input_embeddings().weight.requires_grad_(False)
+        return real_shard(model)
+
+    # run_path returns a copy of the script's globals; its functions read the originals
+    monkeypatch.setitem(gpu_check["check_fsdp"].__globals__, "shard_policy", shard_losing_a_gradient)
+    fsdp = gpu_check["check_fsdp"](scale, cpu)
+    assert fsdp["passed"] is False and fsdp["sharded_vs_unsharded"]["update_rel"] > 0.1
