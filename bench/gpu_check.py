@@ -30,16 +30,18 @@ null for a figure with no bound):
 - ``lora``: trainable parameters, median step time and peak memory of LoRA against full
   fine-tuning on the full-fine-tuning model, then LoRA with checkpointing on the large model.
 - ``fsdp``: torch.distributed with one rank (gloo on a CPU, nccl on a GPU), ``shard_policy``
-  (``fully_shard``) on a copy of the model: loss, gradient norm and updated weights equal the
-  unsharded step's. On a GPU the model has the 1.5B widths with 4 layers, to save time.
-- ``export``: ``save_checkpoint`` (what the S3 weight path writes) into a local store, timed,
-  and its weight files read back with ``from_pretrained`` equal the model's weights. Conveyor
-  has no delta encoder for weight updates yet, so none is timed.
+  (``fully_shard``) on the model, from the same weights as two unsharded steps: loss, gradient
+  norm and update equal the unsharded step's, up to its own run-to-run noise (``check_fsdp``).
+  On a GPU the model has the 1.5B widths with 4 layers, to save time.
 - ``levers``: the trainer's logprob levers (issue 25, item 3) from the same weights: every
   position's logits (as before), logits from the first loss-masked position only (the default),
   and that with the float32 log-softmax in chunks; each variant's loss agrees within 1e-3 and the
   chunked one holds less memory. On a GPU the full model; with ``--tiny`` a tiny one with a
   32,768-entry vocabulary (the levers act on the vocabulary dimension).
+- ``export`` (last: the slowest, about 40 GB written at 1.5B): ``save_checkpoint`` (what the S3
+  weight path writes) into a local store, timed, and its weight files read back with
+  ``from_pretrained`` equal the model's weights. Conveyor has no delta encoder for weight
+  updates yet, so none is timed.
 """
 
 from __future__ import annotations
