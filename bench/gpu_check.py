@@ -117,9 +117,8 @@ class Scale:
     logprob_chunk_tokens: int
 
 
-# micro-batches of 4,096 tokens, not the 8,192 of trainer.batching's default: the 1.5B step
-# without checkpointing holds about 100 KB of activations per token and layer plus ~14 bytes per
-# token and vocabulary entry of logits, which at 8,192 tokens is more than an H100's 80 GB
+# micro-batches of 4,096 tokens, not the 8,192 of trainer.batching's default: at 8,192 the 1.5B
+# step without checkpointing would hold about 71 GB (estimated, docs/gpu.md) before temporaries
 GPU_SCALE = Scale(FULL_SHAPE, LARGE_SHAPE, fsdp_layers=4, seq_len=1024, speed_sequences=64, check_sequences=16,
                   micro_batch_tokens=4096, timed_steps=3, max_position=32768, levers=FULL_SHAPE,
                   logprob_chunk_tokens=1024)
