@@ -12,6 +12,9 @@ Invariants:
   sampling temperature here, or on-policy ratios are not 1. (top_p < 1 truncates that
   distribution too; it is not replicated here, and ``logprob_mad_vs_inference`` would show it.)
 - Sequences are right-padded, so the positions of real tokens are 0..len-1 as at inference.
+- ``sequence_logprobs(..., needed=mask, chunk_tokens=n)`` gives the same value at every
+  position from the first one the mask needs in any row (0 before it); it only computes less
+  (the output head from that position on) and holds less (one chunk of float32 logits at a time).
 - The policy runs without dropout: ``load_policy`` zeroes every dropout module and dropout
   rate of the model (GPT-2's configs ask for 0.1, for instance). vLLM samples without dropout,
   so with it the trainer's logprobs of the same weights would be noisy, on-policy ratios would
@@ -28,6 +31,8 @@ import copy
 from pathlib import Path
 
 import torch
+from torch.utils.checkpoint import checkpoint
+
 from shared.logprob_probe import LogprobProbe, probe_token_ids
 from transformers import (
     AutoModelForCausalLM,
@@ -68,20 +73,57 @@ def frozen_reference(model: PreTrainedModel) -> PreTrainedModel:
 
 
 def sequence_logprobs(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
+    *, needed: torch.Tensor | None = None, chunk_tokens: int | None = None,
 ) -> torch.Tensor:
-    """``[B, T]`` logprob of each token given its prefix; 0 at position 0 and on padding."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    """``[B, T]`` logprob of each token given its prefix; 0 at position 0 and on padding.
+
+    ``needed`` (``[B, T]``, e.g. the loss mask): logits are computed only from the first position
+    any row needs (the model's ``logits_to_keep``: the output head and the float32 softmax skip
+    the shared prompt); earlier positions are 0. ``chunk_tokens``: the float32 log-softmax runs
+    over that many positions at a time, recomputed in backward, so only one chunk's float32
+    logits live at once. Every position computed has the same value either way."""
+    first = _first_needed(needed, input_ids.shape[1])
+    keep = input_ids.shape[1] - first + 1  # logits at first - 1 .. T - 1 predict tokens first .. T
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                   **({"logits_to_keep": keep} if first > 1 else {})).logits
     logits = logits[:, :-1]
+    targets = input_ids[:, first:]
+    shifted = _chunked_token_logprobs(logits, targets, temperature, chunk_tokens)
+    shifted = shifted * attention_mask[:, first:].to(shifted.dtype)
+    return torch.cat([shifted.new_zeros(shifted.shape[0], first), shifted], dim=1)
+
+
+def _first_needed(needed: torch.Tensor | None, length: int) -> int:
+    """The first position any row needs (at least 1: position 0 has no logprob)."""
+    if needed is None:
+        return 1
+    columns = needed.bool().any(dim=0).nonzero()
+    return max(1, int(columns[0])) if len(columns) else length  # none needed: no logits at all but the last
+
+
+def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()  # logsumexp in at least float32
     if temperature != 1.0:
         logits = logits / temperature
-    targets = input_ids[:, 1:].unsqueeze(-1)
-    token_logits = torch.gather(logits, -1, targets).squeeze(-1)
-    shifted = token_logits - torch.logsumexp(logits, dim=-1)
-    shifted = shifted * attention_mask[:, 1:].to(shifted.dtype)
-    return torch.cat([shifted.new_zeros(shifted.shape[0], 1), shifted], dim=1)
+    token_logits = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1)
+    return token_logits - torch.logsumexp(logits, dim=-1)
+
+
+def _chunked_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                            chunk_tokens: int | None) -> torch.Tensor:
+    """``_token_logprobs`` over ``[B, K, V]`` logits, ``chunk_tokens`` positions at a time."""
+    if chunk_tokens is None or logits.shape[0] * logits.shape[1] <= chunk_tokens:
+        return _token_logprobs(logits, targets, temperature)
+    rows, positions, vocab = logits.shape
+    flat, flat_targets = logits.reshape(rows * positions, vocab), targets.reshape(rows * positions)
+    parts = []
+    for start in range(0, rows * positions, chunk_tokens):
+        chunk = (flat[start:start + chunk_tokens], flat_targets[start:start + chunk_tokens], temperature)
+        parts.append(checkpoint(_token_logprobs, *chunk, use_reentrant=False) if torch.is_grad_enabled()
+                     else _token_logprobs(*chunk))
+    return torch.cat(parts).view(rows, positions)
 
 
 @torch.no_grad()

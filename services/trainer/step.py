@@ -13,6 +13,10 @@ Invariants:
   trainer was built (or the one passed in). For a LoRA policy (a ``PeftModel``) with none
   passed in, it is the base with the adapters switched off (``disable_adapter``), not a copy:
   the base never trains, so that is the initial policy, at no extra memory.
+- Logprobs are computed only from the first loss-masked position of each micro-batch on
+  (``sequence_logprobs(needed=loss_mask)``): the loss, its statistics and the alarm read only
+  loss-masked positions, so nothing changes but the work (``trim_prompt_logits=False`` computes
+  every position, for comparison). ``logprob_chunk_tokens`` bounds the float32 logits held at once.
 - The logprob alarm (``services.trainer.alarm``) is decided before the update: past
   ``alarm.max_on_policy_mad`` the step raises ``LogprobAlarm`` (``stop``) or applies no update
   and reports ``skipped=1, alarm=1`` (``skip_step``).
@@ -58,11 +62,15 @@ class PolicyTrainer:
         temperature: float = 1.0,
         alarm: LogprobAlarmSettings | None = None,
         dtype: str = "fp32",
+        logprob_chunk_tokens: int | None = None,
+        trim_prompt_logits: bool = True,
     ):
         """``dtype`` bf16: mixed precision, the model's own float32 weights as the master copy
         (``services.trainer.device``). The model's device is where the step computes."""
         self.model = model
         self.dtype = dtype
+        self.logprob_chunk_tokens = logprob_chunk_tokens
+        self.trim_prompt_logits = trim_prompt_logits
         self.device = next(model.parameters()).device
         self.alarm = alarm or LogprobAlarmSettings()
         if self.alarm.max_on_policy_mad is None:  # scaled to the precision, as settings do
@@ -107,8 +115,10 @@ class PolicyTrainer:
         rank, world_size = world()
         for mb, real in rank_share(mbs, rank, world_size, masked_copy) if world_size > 1 else [(mb, True) for mb in mbs]:
             mb = mb.to(self.device)
+            needed = {"needed": mb.loss_mask if self.trim_prompt_logits else None,
+                      "chunk_tokens": self.logprob_chunk_tokens}
             with compute_precision(self.device, self.dtype):
-                logprobs = sequence_logprobs(self.model, mb.input_ids, mb.attention_mask, self.temperature)
+                logprobs = sequence_logprobs(self.model, mb.input_ids, mb.attention_mask, self.temperature, **needed)
             # the correctness alarm: on rows sampled by exactly these weights, trainer and
             # inference logprobs must agree (off-policy rows differ by design)
             same = mb.loss_mask * (mb.policy_versions == self.step).unsqueeze(-1)
@@ -119,7 +129,7 @@ class PolicyTrainer:
                 adapters_off = self.model.disable_adapter() if self.base_is_reference else contextlib.nullcontext()
                 with torch.no_grad(), compute_precision(self.device, self.dtype), adapters_off:
                     ref = sequence_logprobs(self.reference or self.model, mb.input_ids, mb.attention_mask,
-                                            self.temperature)
+                                            self.temperature, **needed)
             loss, stats = policy_loss(
                 logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
                 clip_eps=self.loss.clip_eps, clip_eps_high=self.loss.clip_eps_high,
@@ -175,7 +185,7 @@ def trainer_from_settings(settings: Settings, shard: bool = False) -> tuple[Poli
     policy_trainer = PolicyTrainer(
         model, pad_token_id=tokenizer.pad_token_id or 0, optim=trainer.optim, loss=trainer.loss,
         batching=trainer.batching, temperature=settings.rollout.sampling.temperature or 1.0,
-        alarm=trainer.logprob_alarm, dtype=trainer.dtype,
+        alarm=trainer.logprob_alarm, dtype=trainer.dtype, logprob_chunk_tokens=trainer.logprob_chunk_tokens,
     )
     return policy_trainer, tokenizer
 
