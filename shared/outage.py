@@ -10,6 +10,10 @@ Invariants:
   saw since the last success, so the limit bounds the outage, not each call. The process logs
   one warning when the outage starts, one every ``outage.log_every_s`` while it lasts and one
   when the dependency is back, however many threads wait.
+- A dependency that answers some calls and fails others (Redis loading its dataset answers
+  PING and INFO, and ``LOADING`` to the rest) is not back: a failure within ``confirm_s`` of a
+  success carries on the same outage, from its start, without a new line. The "back" line is
+  written once the dependency has stayed up for ``confirm_s`` (``outage.backoff_max_s`` + 1 s).
 - Past the limit the call raises ``OutageTooLong``: one line naming the dependency, how long
   it has been down and the setting. A service exits on it with code 2; a Celery worker process
   does so through ``exit_on_limit``, because a task cannot raise out of its worker.
@@ -65,6 +69,13 @@ class Dependency:
         self.recovered_at: float | None = None  # monotonic, the end of the last outage
         self._last_logged = 0.0
         self._lock = threading.Lock()
+        self._unconfirmed: tuple[int, float] | None = None  # (back token, outage start) until confirmed
+        self._back_token = 0
+
+    @property
+    def confirm_s(self) -> float:
+        """How long the dependency must stay up before its outage is said to be over."""
+        return self.settings.backoff_max_s + 1.0
 
     @classmethod
     def named(cls, name: str, settings: OutageSettings) -> "Dependency":
@@ -138,6 +149,10 @@ class Dependency:
     def _failed(self, exc: BaseException) -> None:
         now = time.monotonic()
         with self._lock:
+            if self.down_since is None and self._unconfirmed is not None:
+                _token, start = self._unconfirmed  # up for less than confirm_s: the same outage goes on
+                self.down_since, self._unconfirmed = start, None
+                return
             if self.down_since is None:
                 self.down_since = self._last_logged = now
                 log.warning("%s is unreachable (%s): waiting for it, retrying with backoff up to %gs, for at most "
@@ -151,10 +166,24 @@ class Dependency:
             return
         with self._lock:
             if self.down_since is not None:
-                log.warning("%s is back after %.1fs", self.name, time.monotonic() - self.down_since)
+                self._back_token += 1
+                self._unconfirmed = (self._back_token, self.down_since)
                 self.down_since = None
                 self.recoveries += 1
                 self.recovered_at = time.monotonic()
+                timer = threading.Timer(self.confirm_s, self._confirm_back, args=(self._back_token,))
+                timer.daemon = True
+                timer.start()
+
+    def _confirm_back(self, token: int) -> None:
+        """Up for ``confirm_s`` since the success that ended the outage: say so, once."""
+        with self._lock:
+            if self._unconfirmed is None or self._unconfirmed[0] != token:
+                return  # it failed again meanwhile: the outage went on
+            _token, start = self._unconfirmed
+            self._unconfirmed = None
+            ended = self.recovered_at or time.monotonic()
+        log.warning("%s is back after %.1fs", self.name, ended - start)
 
 
 def _brief(exc: BaseException | None) -> str:

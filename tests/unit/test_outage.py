@@ -55,12 +55,45 @@ def test_threads_wait_out_one_outage_and_the_process_says_so_once(caplog):
     for thread in threads:
         thread.join(10)
     assert results == [42] * 4 and len(calls) > 8  # retried, not failed
+    time.sleep(dependency.confirm_s + 0.3)  # "back" is said once it stayed up that long
     lines = outage_lines(caplog)
     assert len(lines) == 2, lines
     assert lines[0].startswith(f"{dependency.name} is unreachable (ConnectionRefusedError: connection refused): waiting")
     assert "outage.limit_s" in lines[0]
     assert lines[1].startswith(f"{dependency.name} is back after ")
     assert dependency.recoveries == 1 and dependency.down_since is None
+
+
+def test_a_dependency_that_answers_some_calls_while_it_comes_back_is_one_outage_said_once(caplog):
+    """As Redis loading its dataset answers PING and INFO and ``LOADING`` to the rest: the
+    successes in between do not end the outage, and its lines are one each."""
+    caplog.set_level(logging.INFO)
+    dependency = Dependency(f"loading-{time.monotonic_ns()}", FAST)
+    started = time.monotonic()
+    outcomes = []
+
+    def call(kind: str) -> str:
+        elapsed = time.monotonic() - started
+        if elapsed < 0.5 or (elapsed < 2.0 and kind == "command"):  # down, then loading: PING answers, commands not
+            raise ConnectionError("Redis is loading the dataset in memory")
+        return kind
+
+    def client() -> None:
+        for _ in range(40):
+            outcomes.append(dependency.call(lambda: call("ping"), connection_error))
+            outcomes.append(dependency.call(lambda: call("command"), connection_error))
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    thread.join(30)
+    time.sleep(dependency.confirm_s + 0.3)
+    lines = outage_lines(caplog)
+    assert len(lines) == 2, lines
+    assert "is unreachable" in lines[0] and "is back after" in lines[1]
+    back_after = float(lines[1].split("is back after ")[1].rstrip("s"))
+    assert back_after >= 1.4  # the whole outage, loading included, not the first PING's answer
+    assert outcomes.count("command") == 40
 
 
 def test_a_long_outage_is_logged_periodically_and_given_up_past_the_limit(caplog):
