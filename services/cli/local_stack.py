@@ -122,9 +122,10 @@ class LocalStack:
         )
 
     # --- components -------------------------------------------------------------------------
-    def start_redis(self, port: int | None = None) -> str:
+    def start_redis(self, port: int | None = None, appendfsync: str = "everysec") -> str:
         """Redis with its append-only file in ``root/redis``; again on the same port and
-        directory (a restart), it reloads what it held."""
+        directory (a restart), it reloads what it held. ``appendfsync``: ``everysec`` (a crash
+        of the machine or a SIGKILL may lose the last second of writes) or ``always``."""
         binary = shutil.which("redis-server")
         if not binary:
             raise RuntimeError("redis-server is not installed (Debian/Ubuntu: apt-get install -y redis-server)")
@@ -133,7 +134,7 @@ class LocalStack:
         data_dir.mkdir(exist_ok=True)
         proc = self.spawn("redis", [
             binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir), "--save", "",
-            "--appendonly", "yes", "--appendfsync", "everysec",
+            "--appendonly", "yes", "--appendfsync", appendfsync,
         ])
         _wait_for_port(port, 10, proc.proc, proc.log_path)
         url = f"redis://127.0.0.1:{port}/0"
