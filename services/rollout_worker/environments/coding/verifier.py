@@ -8,7 +8,9 @@ Invariants:
 - Tests run from the grader's own runner as the sandbox user; the reward comes only from the
   signed report in the root-only control directory, checked against the exit status the root
   shell saw (threat model: ``grading``).
-- The verification sandbox is torn down before this returns or raises (``async with``).
+- The verdict is decided before the verification sandbox is torn down, and a teardown that
+  fails afterwards is logged and left to the janitor: it never changes the verdict nor turns
+  the episode into a retry.
 - A broken task (``test_patch`` does not apply to the base) raises ``EnvironmentError_``; anything
   the agent's code does (a diff that does not apply, a crash, a timeout, a killed sandbox) scores 0
   with the reason in the info.
@@ -16,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -28,21 +31,34 @@ from .config import CodingConfig
 from .task import CodingTask
 from .tools import clip
 
+log = logging.getLogger(__name__)
+
 
 async def run_hidden_tests(provision: Callable[[], Awaitable[Sandbox]], diff: bytes, task: CodingTask,
                            config: CodingConfig, on_sandbox: Callable[[Sandbox | None], None]) -> tuple[float, dict[str, Any]]:
     """``provision()`` gives a fresh sandbox holding the base workspace (the agent's starting state)."""
     info: dict[str, Any] = {"verifier": "tests"}
-    async with await provision() as sandbox:
-        on_sandbox(sandbox)
-        try:
-            reward = await _grade_in(sandbox, diff, task, config, info)
-        except (SandboxLost, EpisodeTimeout) as exc:
-            reward = 0.0
-            info["verifier_error"] = f"the verification sandbox stopped ({exc.reason}): {exc}"
-        finally:
-            on_sandbox(None)
+    sandbox = await provision()
+    on_sandbox(sandbox)
+    try:
+        reward = await _grade_in(sandbox, diff, task, config, info)
+    except (SandboxLost, EpisodeTimeout) as exc:
+        reward = 0.0
+        info["verifier_error"] = f"the verification sandbox stopped ({exc.reason}): {exc}"
+    except BaseException:
+        await _teardown(sandbox, on_sandbox)
+        raise
+    await _teardown(sandbox, on_sandbox)  # the verdict is decided: a failure here is the janitor's
     return reward, info
+
+
+async def _teardown(sandbox: Sandbox, on_sandbox: Callable[[Sandbox | None], None]) -> None:
+    try:
+        await sandbox.teardown()
+    except Exception as exc:  # the janitor removes it after its TTL
+        log.warning("could not tear down the verification sandbox %s: %s", sandbox.name, exc)
+    finally:
+        on_sandbox(None)
 
 
 async def _grade_in(sandbox: Sandbox, diff: bytes, task: CodingTask, config: CodingConfig, info: dict[str, Any]) -> float:
