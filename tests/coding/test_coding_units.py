@@ -129,20 +129,33 @@ def phase(nodeid: str, outcome: str, when: str = "call", xfail: bool = False) ->
     return {"kind": "phase", "nodeid": nodeid, "when": when, "outcome": outcome, "xfail": xfail}
 
 
+def ran(nodeid: str, outcome: str = "passed", *, xfail: bool = False, evidence: str = "ran") -> list[dict]:
+    """The records of one test: setup, the runner's evidence, call, teardown."""
+    return [phase(nodeid, "passed", "setup"), {"kind": evidence, "nodeid": nodeid},
+            phase(nodeid, outcome, xfail=xfail), phase(nodeid, "passed", "teardown")]
+
+
 def finish(status: int, **extra) -> dict:
-    return {"kind": "finish", "exitstatus": status, "tampered": False, "plugins_added": [], **extra}
+    return {"kind": "finish", "exitstatus": status, "tampered": [], "plugins_added": [], "problems": [], **extra}
 
 
 def test_the_signed_report_decides_and_must_agree_with_the_exit_status():
-    report = signed(phase("t.py::a", "passed"), phase("t.py::b", "failed"), phase("t.py::c", "skipped", xfail=True),
-                    phase("t.py::d", "passed"), phase("t.py::d", "failed", when="teardown"), finish(1))
+    report = signed(*ran("t.py::a"), phase("t.py::b", "failed"), phase("t.py::c", "skipped", xfail=True),
+                    *ran("t.py::d")[:3], phase("t.py::d", "failed", when="teardown"),
+                    phase("t.py::e", "passed", "setup"), phase("t.py::e", "passed"), phase("t.py::e", "passed", "teardown"),
+                    *ran("t.py::f", evidence="not_genuine"), phase("t.py::g", "skipped", "setup"), finish(1))
     outcomes, why = grading.read_report(report, KEY, 1)
     assert why is None
-    assert [grading.passed(outcomes, t) for t in ("t.py::a", "t.py::b", "t.py::c", "t.py::d", "t.py::x")] == [
-        True, False, True, False, False]
+    # a: passed; b: failed; c: xfail; d: teardown error; e: no evidence that the test's own code
+    # returned; f: the function was not the graded one; g: skipped; x: never ran
+    assert [grading.passed(outcomes, f"t.py::{t}") for t in "abcdefgx"] == [True] + [False] * 7
+    assert grading.passed(outcomes, "t.py::g", expect_skip=True)  # the task expects this skip
     assert grading.grade(outcomes, ("t.py::a", "t.py::b"), (), 1).reward == 0.5
-    assert grading.grade(outcomes, ("t.py::a",), ("t.py::x",), 1).reward == 0.0
+    assert grading.grade(outcomes, ("t.py::a",), ("t.py::c",), 1).reward == 0.0  # an XFAIL PASS_TO_PASS fails
     assert grading.grade(outcomes, ("t.py::a", "t.py::b"), (), 0).reward == 0.0  # exit 0 with a failure: forged
+    missing = grading.grade(outcomes, ("t.py::a",), ("t.py::x",), 1)
+    assert missing.reward == 0.0 and missing.missing == ("t.py::x",)  # an uncollected test fails the task
+    assert grading.grade(outcomes, ("t.py::a", "t.py::g"), (), 0, expected_skip=("t.py::g",)).reward == 1.0
 
     assert grading.read_report(report, KEY, 0)[1]  # the process exit status differs from pytest's
     assert grading.read_report(report, "other-key", 1)[1]  # not signed by this run's key
@@ -151,6 +164,9 @@ def test_the_signed_report_decides_and_must_agree_with_the_exit_status():
     assert "without finishing" in grading.read_report(signed(phase("t.py::a", "passed")), KEY, 0)[1]
     lines = report.splitlines()
     assert "sequence" in grading.read_report("\n".join([lines[0], *lines[2:]]), KEY, 1)[1]  # a dropped record
-    assert "altered" in grading.read_report(signed(phase("t.py::a", "passed"), finish(0, tampered=True)), KEY, 0)[1]
+    assert "altered" in grading.read_report(signed(*ran("t.py::a"), finish(0, tampered=["x was replaced"])), KEY, 0)[1]
+    assert "cannot be trusted" in grading.read_report(signed(*ran("t.py::a"), finish(0, problems=["p"])), KEY, 0)[1]
+    refused = {"kind": "refused", "event": "gc.get_objects", "detail": "", "where": "/w/shop.py:3"}
+    assert "gc.get_objects" in grading.read_report(signed(*ran("t.py::a"), refused), KEY, 86)[1]
     assert grading.read_report(signed(finish(5)), KEY, 5)[1]  # nothing collected
     assert grading.read_report("PASSED t.py::a\n", KEY, 0)[1]  # printed text is never a report

@@ -97,10 +97,12 @@ async def _grade_in(sandbox: Sandbox, diff: bytes, task: CodingTask, config: Cod
     info["test_output"] = clip(tail.output, config.info_output_bytes)
     outcomes, distrust = grading.read_report(report.output, key, run.exit_code)
     if distrust:
-        info["verifier_error"] = f"the test report is not trusted: {distrust}"
-    result = grading.grade(outcomes, task.fail_to_pass, task.pass_to_pass, run.exit_code)
+        info.update(report_untrusted=True, verifier_error=f"the test report is not trusted: {distrust}")
+    result = grading.grade(outcomes, task.fail_to_pass, task.pass_to_pass, run.exit_code, task.expected_skip)
     info.update(fail_to_pass=result.fail_to_pass, pass_to_pass_total=len(result.pass_to_pass),
                 pass_to_pass_failed=result.regressions)
+    if result.missing and not distrust:
+        info["not_collected"] = list(result.missing)
     return 0.0 if distrust else result.reward
 
 
