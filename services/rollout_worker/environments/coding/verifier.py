@@ -8,6 +8,9 @@ Invariants:
 - Tests run from the grader's own runner as the sandbox user; the reward comes only from the
   signed report in the root-only control directory, checked against the exit status the root
   shell saw (threat model: ``grading``).
+- A diff that ``diffscan`` flags scores 0 before any sandbox starts, its reasons in
+  ``info["diff_flags"]`` (``config.scan_diff``). ``CODING_VERDICTS`` counts flagged, untrusted
+  and graded episodes (the flag rate is flagged / all).
 - The verdict is decided before the verification sandbox is torn down, and a teardown that
   fails afterwards is logged and left to the janitor: it never changes the verdict nor turns
   the episode into a retry.
@@ -24,9 +27,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from shared.environments import EnvironmentError_
+from shared.prometheus import CODING_VERDICTS
 from services.rollout_worker.sandbox import EpisodeTimeout, Sandbox, SandboxLost, files
 
-from . import grading
+from . import diffscan, grading
 from .config import CodingConfig
 from .task import CodingTask
 from .tools import clip
@@ -38,6 +42,11 @@ async def run_hidden_tests(provision: Callable[[], Awaitable[Sandbox]], diff: by
                            config: CodingConfig, on_sandbox: Callable[[Sandbox | None], None]) -> tuple[float, dict[str, Any]]:
     """``provision()`` gives a fresh sandbox holding the base workspace (the agent's starting state)."""
     info: dict[str, Any] = {"verifier": "tests"}
+    flags = diffscan.scan(diff.decode(errors="replace")) if config.scan_diff else []
+    if flags:
+        info.update(diff_flags=flags, verifier_error=f"the diff was flagged by the static scan: {flags[0]}")
+        CODING_VERDICTS.labels("flagged").inc()
+        return 0.0, info
     sandbox = await provision()
     on_sandbox(sandbox)
     try:
@@ -48,6 +57,7 @@ async def run_hidden_tests(provision: Callable[[], Awaitable[Sandbox]], diff: by
     except BaseException:
         await _teardown(sandbox, on_sandbox)
         raise
+    CODING_VERDICTS.labels("untrusted" if "report_untrusted" in info else "graded").inc()
     await _teardown(sandbox, on_sandbox)  # the verdict is decided: a failure here is the janitor's
     return reward, info
 
