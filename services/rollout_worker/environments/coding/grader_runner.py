@@ -14,14 +14,15 @@ Design (threat model and remaining risks: ``grading``'s docstring and docs/secur
   ``sys.addaudithook``.
 - The signing capability (an HMAC object) lives only in the hook's closure. No module, class or
   object that test code can reach refers to it, and the hook never calls code of the workspace.
-- The hook blocks, from code under test: ``sys.settrace``/``sys.setprofile``, the ``gc``
-  introspection calls, ``sys._current_frames``, frames (``sys._getframe``, ``tb_frame``,
-  ``gi_frame``, ``cr_frame``, ``ag_frame``) except for a short list of standard-library call sites
-  that only read a module name or format a traceback, writes to ``__code__``, writes to
-  ``__defaults__``/``__kwdefaults__`` of trusted functions, ``__class__`` writes on pytest's or the
-  graded tests' modules, ``ctypes``, ``/proc/*/mem`` and new audit hooks; ``signal.signal`` refuses
-  a handler that is not trusted code. A refused event writes a signed ``refused`` record and
-  ends the process at once (status 86): no exception, no traceback, no second try.
+- The hook blocks: ``sys.settrace``/``sys.setprofile``, the ``gc`` introspection calls,
+  ``sys._current_frames``, every ``ctypes`` event, new audit hooks, opening ``/proc/*/mem``;
+  frames (``sys._getframe``, ``tb_frame``, ``gi_frame``, ``cr_frame``, ``ag_frame``) unless taken by
+  trusted code with only trusted code on the stack, or by one of a few standard-library sites
+  that only read a module name or format a traceback; writes to ``__code__`` (but
+  ``types.coroutine``'s flag), to ``__defaults__``/``__kwdefaults__`` of trusted functions, to
+  ``__class__`` of pytest's, pluggy's or the runner's modules; and ``signal.signal`` with a handler
+  that is not trusted code. A refused event writes a signed ``refused`` record and ends the
+  process at once (status 86): no exception, no traceback, no second try.
 - "Trusted code" is a code object that existed when the hook was armed (the standard library,
   pytest, pluggy, this runner), or one equal to what compiling its file gives, for files of the
   interpreter's own ``sys.path`` (never the workspace or a writable file) and for the graded test
