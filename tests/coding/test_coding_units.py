@@ -229,3 +229,21 @@ def test_the_diff_scan_flags_code_that_only_fools_the_tests():
 +mod = sys.modules[__name__]
 """
     assert diffscan.scan(honest) == []
+
+
+def test_the_viewer_shows_a_flagged_diff_on_the_trajectory_page():
+    from services.viewer.pages import trajectory_page
+    from shared.schemas import EpisodeTimings, RolloutRequest, StopReason, TaskProfile, Trajectory
+    from shared.trajectory_lookup import FoundTrajectory
+
+    task = TaskProfile(task_id="t-1", env_name="coding", task_data={}, env_config={}, source="rows.jsonl:1")
+    request = RolloutRequest(run_id="run", group_id=0, episode_index=0, episode_seed=0, trajectory_id="run_0_0_0",
+                             group_size=1, task=task, policy_version=0, dispatched_at=0.0)
+    flags = ["shop/__init__.py:6: __eq__ never looks at what it compares with"]
+    info = {"diff_flags": flags, "verifier_error": f"the diff was flagged by the static scan: {flags[0]}"}
+    flagged = Trajectory(request=request, turns=[], stop_reason=StopReason.done, env_reward=0.0, env_info=info,
+                         timings=EpisodeTimings(queue_wait_s=0, episode_s=1, inference_s=0, env_s=0))
+    page = trajectory_page(FoundTrajectory("k", flagged, None, None, None), None)
+    assert "id='diff-flagged'" in page and "__eq__ never looks at what it compares with" in page
+    clean = flagged.model_copy(update={"env_info": {}})
+    assert "diff-flagged" not in trajectory_page(FoundTrajectory("k", clean, None, None, None), None)

@@ -19,6 +19,7 @@ from security_support import F2P, P2P, SHOP, bash, play, prepend_to_shop, write
 
 from services.rollout_worker.sandbox import SandboxInfraError
 from shared.environments import AgentAction
+from shared.prometheus import CODING_VERDICTS
 from shared.schemas import ToolCall
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(300)]
@@ -92,8 +93,11 @@ def test_an_in_process_attack_earns_0_from_the_runtime_guard_alone(make_env, sho
 
 @pytest.mark.parametrize("name", sorted(ALWAYS_EQUAL))
 def test_an_always_equal_result_is_flagged_by_the_diff_scan(make_env, shop_task, name):
+    flagged = CODING_VERDICTS.labels("flagged")
+    before = flagged._value.get()
     observations, verdict = asyncio.run(play(make_env(), shop_task, ALWAYS_EQUAL[name]))
     assert_earned_0(observations, verdict)
+    assert flagged._value.get() == before + 1  # the flag rate's numerator
     assert verdict.info["diff_flags"] and "never looks at what it compares with" in verdict.info["diff_flags"][0]
     assert "tests_exit_code" not in verdict.info  # a flagged diff is not run
 

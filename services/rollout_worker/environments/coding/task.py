@@ -4,7 +4,8 @@ Two row formats:
 
 - SWE-bench: ``repo`` ("owner/name"), ``base_commit``, ``problem_statement``, ``test_patch``,
   ``FAIL_TO_PASS``, ``PASS_TO_PASS`` (lists of pytest node ids, or JSON strings of lists), and
-  optionally ``EXPECTED_SKIP`` (graded ids whose skip counts as a pass; any other skip fails), ``repo_url`` (a local path, ``file://`` or remote URL; otherwise the environment
+  optionally ``EXPECTED_SKIP`` (graded ids whose skip counts as a pass; any other skip fails),
+  ``repo_url`` (a local path, ``file://`` or remote URL; otherwise the environment
   builds one from ``env_config.repo_url_template``), ``language``, ``image``, ``test_command`` (kept in
   the task data but not used: the grader always runs its own pytest invocation, see ``grading``).
 - swe-agent-13k: ``repo_name``, ``repo_url``, ``language``, ``conversations`` (``conversations[1]``
