@@ -108,20 +108,21 @@ def _armed_codes():
 
 
 def _protected_state():
-    """(owner dict, name, value) of every function and class in pytest's, pluggy's and this
+    """[(owner dict, names, values)]: every function and class in pytest's, pluggy's and this
     runner's modules and classes, and every builtin: what must still be there at each check."""
-    entries = []
+    owners = {}
     for name, module in list(sys.modules.items()):
         if not name.startswith(_PROTECTED_PREFIXES):
             continue
         for attr, value in list(vars(module).items()):
             if callable(value):
-                entries.append((vars(module), attr, value))
+                owners.setdefault(id(vars(module)), (vars(module), {}))[1][attr] = value
             if isinstance(value, type) and getattr(value, "__module__", "").startswith(_PROTECTED_PREFIXES):
-                entries.extend((value.__dict__, a, v) for a, v in list(value.__dict__.items())
-                               if callable(v) or isinstance(v, (property, staticmethod, classmethod)))
-    entries.extend((vars(builtins), a, v) for a, v in list(vars(builtins).items()) if callable(v))
-    return tuple(entries)
+                members = {a: v for a, v in list(value.__dict__.items())
+                           if callable(v) or isinstance(v, (property, staticmethod, classmethod))}
+                owners.setdefault(id(value), (value.__dict__, {}))[1].update(members)
+    owners[id(builtins)] = (vars(builtins), {a: v for a, v in list(vars(builtins).items()) if callable(v)})
+    return [(owner, tuple(entries), tuple(entries.values())) for owner, entries in owners.values()]
 
 
 def _imports_of(tree):
@@ -172,6 +173,7 @@ def _make_hook(key, fd, texts, graded, trusted_dirs, workspace):
     gc_enable, gc_disable, gc_isenabled = __import__("gc").enable, __import__("gc").disable, __import__("gc").isenabled
     trusted = _armed_codes()
     protected = _protected_state()
+    is_, _map = __import__("operator").is_, map
     compiled = {path: _compile(texts[path], path, "exec", dont_inherit=True) for path in graded if path in texts}
     imports = {path: _imports_of(ast.parse(texts[path])) for path in graded if path in texts}
     inside = workspace + "/"
@@ -297,10 +299,17 @@ def _make_hook(key, fd, texts, graded, trusted_dirs, workspace):
         return _type(value) is function_type and genuine(value.__code__)
 
     def intact():
-        for owner, name, value in protected:
-            now = owner.get(name)
-            if now is not value and not trusted_value(now):
-                return name + " was replaced"
+        """None if every protected name still holds its armed value (or a trusted replacement,
+        which becomes the value to hold); else what was replaced. The loop over the names of
+        one owner runs in C (``map``, ``is_``): a check costs tens of microseconds."""
+        for index, (owner, names, values) in enumerate(protected):
+            if _all(_map(is_, _map(owner.get, names), values)):
+                continue
+            now = _tuple(_map(owner.get, names))
+            for name, old, new in zip(names, values, now):
+                if new is not old and not trusted_value(new):
+                    return name + " was replaced"
+            protected[index] = (owner, names, now)
         return None
 
     def namespace_ok(function):
