@@ -25,8 +25,10 @@ Design (threat model and remaining risks: ``grading``'s docstring and docs/secur
   process at once (status 86): no exception, no traceback, no second try.
 - "Trusted code" is a code object that existed when the hook was armed (the standard library,
   pytest, pluggy, this runner), or one equal to what compiling its file gives, for files of the
-  interpreter's own ``sys.path`` (never the workspace or a writable file) and for the graded test
-  files as read at arming. A code object forged with a trusted file name is not equal, so not trusted.
+  interpreter's own ``sys.path`` that the sandbox user cannot write, for the graded test files as
+  read at arming, and for the repository's own files: ``.py`` files of the workspace that the
+  agent's diff does not touch (``touched.txt``), with the bytes root hashed before the run
+  (``repo.sha256``). A code object forged with a trusted file name is not equal, so not trusted.
 - Evidence of a pass is written only by the hook, only in the original process and its main
   thread, only when every frame on the stack is trusted code and the caller is this runner's
   own call site. For a test function, the runner calls the test itself
@@ -155,7 +157,7 @@ def _read_sources(workspace, node_ids):
     return texts, [os.path.join(workspace, f) for f in files]
 
 
-def _make_hook(key, fd, texts, graded, trusted_dirs, workspace):
+def _make_hook(key, fd, texts, graded, trusted_dirs, workspace, repo_hashes):
     """The audit hook and the runner's call sites it accepts evidence from. Everything it uses
     is captured here, at arming (builtins and functions included): nothing that code under test
     rebinds later changes what it does."""
@@ -177,6 +179,7 @@ def _make_hook(key, fd, texts, graded, trusted_dirs, workspace):
     compiled = {path: _compile(texts[path], path, "exec", dont_inherit=True) for path in graded if path in texts}
     imports = {path: _imports_of(ast.parse(texts[path])) for path in graded if path in texts}
     inside = workspace + "/"
+    sha256 = hashlib.sha256
     state = {"seq": 0, "pending": None, "tampered": [], "walking": _set(), "file_cache": {}}
     call_sites = _set()  # code objects of the runner's emitting functions, filled by ``accept``
     safe_direct, safe_pairs = _stdlib_frame_sites()
@@ -221,13 +224,17 @@ def _make_hook(key, fd, texts, graded, trusted_dirs, workspace):
                     compiled[filename] = None
             return compiled[filename]
         real = realpath(filename)
-        if real.startswith(inside) or not real.startswith(trusted_dirs) or access(real, w_ok):
+        digest = repo_hashes.get(real[len(inside):]) if real.startswith(inside) else None
+        if digest is None and (real.startswith(inside) or not real.startswith(trusted_dirs) or access(real, w_ok)):
             return None
         cache = state["file_cache"]
         if real not in cache:
             try:
                 with _open(real, "rb") as source:
-                    cache[real] = _compile(source.read(), filename, "exec", dont_inherit=True)
+                    data = source.read()
+                # a file of the repository counts only with the bytes root hashed before the run
+                ok = digest is None or sha256(data).hexdigest() == digest
+                cache[real] = _compile(data, filename, "exec", dont_inherit=True) if ok else None
             except (OSError, SyntaxError, ValueError):
                 cache[real] = None
         return cache[real]
@@ -492,6 +499,26 @@ def _expected_hashes():
     return hashes
 
 
+def _repository_hashes(here):
+    """relative path -> sha256 of the workspace's ``.py`` files as root hashed them before the run,
+    less every path the agent's diff touches: the repository's own code, unchanged."""
+    def listing(name):
+        try:
+            with open(os.path.join(here, name)) as source:
+                return source.read().splitlines()
+        except OSError:
+            return []
+    touched = set(listing("touched.txt"))
+    hashes = {}
+    for entry in listing("repo.sha256"):
+        digest, _, name = entry.partition("  ")
+        if entry.startswith("\\") or not name.startswith("./"):
+            continue  # sha256sum escapes odd names: never trusted
+        if name[2:] not in touched:
+            hashes[name[2:]] = digest
+    return hashes
+
+
 def _changed_files(workspace, hashes, texts=None):
     """Graded test files whose contents differ from root's hashes (read now, or as read at arming)."""
     changed = []
@@ -598,7 +625,8 @@ def main():
     problems = [*_changed_files(workspace, hashes, texts)] + ([] if nondumpable else ["the runner stayed dumpable"])
     here = os.path.dirname(os.path.abspath(__file__))
     trusted_dirs = tuple(os.path.realpath(p) + "/" for p in [*sys.path, here] if p and os.path.isdir(p))
-    hook, accept, protect_module, signal_guard = _make_hook(key, 3, texts, graded, trusted_dirs, workspace)
+    hook, accept, protect_module, signal_guard = _make_hook(key, 3, texts, graded, trusted_dirs, workspace,
+                                                            _repository_hashes(here))
     guard_class = _make_guard(pytest, sys.audit, _pytest.unittest.TestCaseFunction)
     accept(guard_class.pytest_pyfunc_call.__code__, guard_class.pytest_runtest_call.__code__,
            guard_class.pytest_runtest_logreport.__code__, main.__code__)

@@ -11,8 +11,9 @@ exists where the verdict is made):
    files of the graded test ids and everything under their directories;
 3. applies ``test_patch``, then checks that every graded test file is a regular file reached
    through no symbolic link;
-4. installs the trusted runner (``grader_runner.py``), an empty pytest ini and a fresh HMAC key
-   in the root-only ``CONTROL_DIR`` (as root), hashes the graded test files, and runs the
+4. installs the trusted runner (``grader_runner.py``), an empty pytest ini, a fresh HMAC key and
+   the paths the diff touches in the root-only ``CONTROL_DIR`` (as root), hashes the graded test
+   files and the workspace's ``.py`` files, and runs the
    FAIL_TO_PASS and PASS_TO_PASS ids as the sandbox user, with the report on a descriptor the
    root shell opened;
 5. reads the signed report as root and checks it against the exit status the root shell saw.
@@ -55,8 +56,8 @@ Remaining risks, stated (docs/security.md has the list): an object whose ``__eq_
 everything fools any test at run time and is stopped only by the static scan, which a disguised
 one can pass; a change that is correct only while the tests run (a monkeypatch of the module
 under test that is consistent everywhere) counts as a fix; a thread racing the microseconds
-between the runner's check and the test's first global lookup; a decorator or test base class
-of the repository itself (e.g. Django's ``TestCase``) is code under test and can lie; pytest's
+between the runner's check and the test's first global lookup; a repository's test base class
+(e.g. Django's ``TestCase``) or untouched decorator calls code the diff changed; pytest's
 phase reports (not the ``ran`` evidence) can be bent by code that reaches pytest's objects
 through a fixture it is handed, so a setup or teardown error might be hidden that way.
 """
@@ -81,6 +82,8 @@ GRADER_DIR = f"{CONTROL_DIR}/grader"  # root-owned, readable by the sandbox user
 RUNNER = f"{GRADER_DIR}/runner.py"
 INI = f"{GRADER_DIR}/pytest.ini"
 HASHES = f"{GRADER_DIR}/tests.sha256"  # the graded test files as root found them before the run
+REPO_HASHES = f"{GRADER_DIR}/repo.sha256"  # every .py file of the workspace, as root found them before the run
+TOUCHED = f"{GRADER_DIR}/touched.txt"  # the paths the agent's diff touches: never trusted code
 KEY = f"{CONTROL_DIR}/report.key"  # root-only, like the two below
 REPORT = f"{CONTROL_DIR}/report.jsonl"
 TEST_OUTPUT = f"{CONTROL_DIR}/tests.txt"
@@ -180,20 +183,26 @@ def apply_test_patch_command(workspace_dir: str) -> str:
 
 
 def run_tests_command(workspace_dir: str, python: str, ids: list[str]) -> str:
-    """Root-shell command: hash the graded test files (``HASHES``, readable), then the runner as
-    the sandbox user (``DROP``), report on 3, key on 4."""
+    """Root-shell command: hash the graded test files (``HASHES``) and every ``.py`` file of the
+    workspace (``REPO_HASHES``; readable), then the runner as the sandbox user (``DROP``), report
+    on 3, key on 4."""
     script = f"exec env -i PATH={_PATH} HOME=/tmp LANG=C.UTF-8 PYTHONDONTWRITEBYTECODE=1 " \
              f"PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 {shlex.quote(python)} -I {RUNNER} \"$@\""
     quoted = " ".join(shlex.quote(i) for i in [workspace_dir, *ids])
     files = " ".join(shlex.quote(f) for f in test_files(ids)) or "/dev/null"
     return (f"cd {shlex.quote(workspace_dir)} && rm -f {REPORT} {TEST_OUTPUT} && umask 022 && "
-            f"sha256sum {files} > {HASHES} && umask 077 && "
+            f"sha256sum {files} > {HASHES} && "
+            f"find . -name '*.py' -type f -not -path './.git/*' -print0 | xargs -0 -r sha256sum > {REPO_HASHES} && "
+            f"umask 077 && "
             f"{DROP} {shlex.quote(script)} sh {quoted} 3>{REPORT} 4<{KEY} >{TEST_OUTPUT} 2>&1")
 
 
-def grader_files(key: str) -> dict[str, tuple[bytes, str]]:
-    """path -> (content, mode) of what the grader installs in CONTROL_DIR, as root."""
-    return {RUNNER: (RUNNER_SOURCE.read_bytes(), "644"), INI: (b"[pytest]\n", "644"), KEY: (key.encode(), "600")}
+def grader_files(key: str, touched: list[str] = ()) -> dict[str, tuple[bytes, str]]:
+    """path -> (content, mode) of what the grader installs in CONTROL_DIR, as root. ``touched``:
+    the paths of the agent's diff (the runner never counts their code as the repository's own)."""
+    listing = "".join(f"{p}\n" for p in touched if "\n" not in p).encode()
+    return {RUNNER: (RUNNER_SOURCE.read_bytes(), "644"), INI: (b"[pytest]\n", "644"), KEY: (key.encode(), "600"),
+            TOUCHED: (listing, "644")}
 
 
 def read_report(text: str, key: str, exit_code: int | None) -> tuple[dict[str, set[str]], str | None]:

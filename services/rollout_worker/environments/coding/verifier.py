@@ -97,7 +97,7 @@ async def _grade_in(sandbox: Sandbox, diff: bytes, task: CodingTask, config: Cod
         info["verifier_error"] = "a graded test file is missing or reached through a symbolic link"
         return 0.0
     key = secrets.token_hex(32)
-    await _install_grader(sandbox, key)
+    await _install_grader(sandbox, key, grading.patch_paths(diff.decode(errors="replace")))
     run = await sandbox.exec_trusted(grading.run_tests_command(ws, config.test_python, ids),
                                      timeout_s=config.test_timeout_s, max_output_bytes=4096)
     info.update(tests_exit_code=run.exit_code, tests_timed_out=run.timed_out, tests_duration_s=round(run.duration_s, 3))
@@ -116,10 +116,11 @@ async def _grade_in(sandbox: Sandbox, diff: bytes, task: CodingTask, config: Cod
     return 0.0 if distrust else result.reward
 
 
-async def _install_grader(sandbox: Sandbox, key: str) -> None:
-    """The runner, its ini and the report key, written by root into the control directory."""
+async def _install_grader(sandbox: Sandbox, key: str, touched: list[str]) -> None:
+    """The runner, its ini, the report key and the paths the agent's diff touches, written by
+    root into the control directory."""
     commands = [f"umask 022 && mkdir -p {grading.GRADER_DIR} && chmod 755 {grading.GRADER_DIR}"]
-    for path, (data, mode) in grading.grader_files(key).items():
+    for path, (data, mode) in grading.grader_files(key, touched).items():
         commands += [*files.write_commands(path, data), f"chmod {mode} {path}"]
     for command in commands:
         done = await sandbox.exec_trusted(command)
