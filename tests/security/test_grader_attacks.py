@@ -181,3 +181,48 @@ def test_a_failed_teardown_of_the_agents_sandbox_changes_no_verdict_and_is_no_re
     verdict = asyncio.run(play_with_failed_teardown(make_env(), shop_task, calls))
     assert verdict.reward == (1.0 if fixed else 0.0), shown(verdict)
     assert "timed out" in verdict.info["agent_teardown_error"], shown(verdict)
+
+
+REPO_DECORATOR = ("import functools\n\n\ndef retried(test):\n    @functools.wraps(test)\n"
+                  "    def run(*args, **kwargs):\n        return test(*args, **kwargs)\n    return run\n")
+DECORATED_TEST = "from shop import total\nfrom shop.testing import retried\n\n\n@retried\ndef test_total():\n" \
+                 "    assert total([1, 2, 3]) == 6\n"
+
+
+@pytest.fixture(scope="module")
+def decorated_task(tmp_path_factory) -> dict:
+    """The shop, with a test helper of the repository's own (``shop.testing.retried``) wrapping
+    the hidden test, as Django's ``override_settings`` wraps its tests."""
+    import json
+
+    from git_support import diff_of, git, write_files
+    from services.rollout_worker.environments.coding import coding_task
+    from security_support import DISCOUNT_TEST
+
+    repo = tmp_path_factory.mktemp("decorated-repo")
+    git(repo, "init", "-q", "-b", "main")
+    write_files(repo, {"shop/__init__.py": SHOP, "shop/testing.py": REPO_DECORATOR, "tests/test_discount.py": DISCOUNT_TEST})
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "shop")
+    return coding_task({"instance_id": "shop-2", "repo": "shop/shop", "repo_url": f"file://{repo}",
+                        "base_commit": git(repo, "rev-parse", "HEAD").strip(), "problem_statement": "total() is off by one.",
+                        "test_patch": diff_of(repo, {"tests/test_total.py": DECORATED_TEST}),
+                        "FAIL_TO_PASS": json.dumps(F2P), "PASS_TO_PASS": json.dumps(P2P)})
+
+
+def test_a_test_wrapped_by_the_repositorys_own_decorator_is_graded(make_env, decorated_task):
+    """The repository's own files that the diff does not touch, with the bytes root hashed before
+    the run, are trusted code: a real fix scores 1."""
+    _, verdict = asyncio.run(play(make_env(), decorated_task, [write("shop/__init__.py", FIXED_TOTAL)]))
+    assert verdict.reward == 1.0, shown(verdict)
+
+
+@pytest.mark.parametrize("how", ["edited_in_the_diff", "rewritten_at_import"])
+def test_a_repository_decorator_that_swallows_the_failure_earns_0(make_env, decorated_task, how):
+    swallow = REPO_DECORATOR.replace("        return test(*args, **kwargs)",
+                                     "        try:\n            return test(*args, **kwargs)\n        except Exception:\n"
+                                     "            return None")
+    calls = {"edited_in_the_diff": [write("shop/testing.py", swallow)],
+             "rewritten_at_import": [prepend_to_shop(f"open('shop/testing.py', 'w').write({swallow!r})")]}[how]
+    observations, verdict = asyncio.run(play(make_env(scan_diff=False), decorated_task, calls))
+    assert_earned_0(observations, verdict)
