@@ -1,6 +1,8 @@
-"""Sandbox benchmark: cold start, command round trip (session vs docker exec), provisioning rate.
+"""Sandbox benchmark: cold start, command round trip (session vs docker exec), provisioning rate,
+and the coding grader's cost per verdict in a clean sandbox.
 
-    .venv/bin/python bench/sandbox.py [--cold 20] [--commands 1000] [--execs 100]
+    .venv/bin/python bench/sandbox.py [--cold 20] [--commands 1000] [--execs 100] [--verdicts 20]
+    .venv/bin/python bench/sandbox.py --verdicts 20 --only-verdicts
 
 Measures on the local daemon (or DOCKER_HOST), with the busybox image built offline:
 - first command: time from the provision request to the first command's output, cold;
@@ -8,7 +10,11 @@ Measures on the local daemon (or DOCKER_HOST), with the busybox image built offl
   ``docker exec`` per command (our fallback), and through the SDK's ``exec_run`` for reference;
 - provisions per second at 16 concurrent (each provisioned, answers one command, torn down),
   and a burst of 64 simultaneous provisions through the default rate limiter.
-Issue targets: first command p50 <= 300 ms cold; round trip p50 <= 2 ms through the session.
+- time per verdict (``CodingEnv.verify``: the final diff, the static scan, a fresh sandbox of the
+  Python image, the diff and the hidden test applied, the trusted runner, teardown) for a small
+  fixture repository (two tests), with the fix as the agent's diff.
+Issue targets: first command p50 <= 300 ms cold; round trip p50 <= 2 ms through the session;
+a verdict p50 < 1 s for the small fixture.
 Every container is labelled with this run's id and removed at the end, whatever happens.
 """
 
@@ -132,7 +138,78 @@ async def burst(image: str, size: int, limiter: ProvisionLimiter) -> tuple[float
     return elapsed, answered
 
 
+SHOP = "def total(prices):\n    return sum(prices) - 1\n\n\ndef discount(price, percent):\n    return price * (100 - percent) / 100\n"
+SHOP_TESTS = {"tests/test_discount.py": "from shop import discount\n\n\ndef test_discount():\n    assert discount(200, 10) == 180\n"}
+HIDDEN = "from shop import total\n\n\ndef test_total():\n    assert total([1, 2, 3]) == 6\n"
+
+
+def shop_task(root: Path) -> dict:
+    """A git repository whose hidden test fails until ``total`` is fixed (the red team's fixture)."""
+    import json
+    import subprocess
+
+    from services.rollout_worker.environments.coding import coding_task
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.email=b@b", "-c", "user.name=b", *args], cwd=root, check=True,
+                              capture_output=True, text=True).stdout
+    for rel, text in {"shop/__init__.py": SHOP, **SHOP_TESTS}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    git("init", "-q", "-b", "main")
+    git("add", "-A")
+    git("commit", "-qm", "shop")
+    base = git("rev-parse", "HEAD").strip()
+    (root / "tests/test_total.py").write_text(HIDDEN)
+    git("add", "-N", "tests/test_total.py")
+    test_patch = git("diff", "--", "tests/test_total.py")
+    (root / "tests/test_total.py").unlink()
+    return coding_task({"instance_id": "shop-1", "repo": "shop/shop", "repo_url": f"file://{root}",
+                        "base_commit": base, "problem_statement": "total() is off by one.", "test_patch": test_patch,
+                        "FAIL_TO_PASS": json.dumps(["tests/test_total.py::test_total"]),
+                        "PASS_TO_PASS": json.dumps(["tests/test_discount.py::test_discount"])})
+
+
+async def verdicts(n: int) -> tuple[list[float], list[float]]:
+    """Seconds per ``verify`` (clean-sandbox grading) of an episode that fixed the bug, and of the
+    test run inside it (the trusted runner, as the root shell timed it)."""
+    import tempfile
+
+    from services.rollout_worker.environments.coding import CodingEnv
+    from services.rollout_worker.environments.coding.images import build_python_image
+    from shared.environments import AgentAction
+    from shared.schemas import ToolCall
+
+    image = await run_blocking(build_python_image)
+    samples, runs = [], []
+    with tempfile.TemporaryDirectory(prefix="bench-grading-") as tmp:
+        task = shop_task(Path(tmp) / "repo")
+        fix = ToolCall(name="write_file", arguments={"path": "shop/__init__.py", "content": SHOP.replace(" - 1", "")})
+        for i in range(n + 1):
+            env = CodingEnv({"image": image, "workspace_cache_dir": str(Path(tmp) / "cache")})
+            env.bind_trajectory(run_id=RUN_ID, group_id="bench", trajectory_id=f"{RUN_ID}_verdict_{i}")
+            try:
+                await env.reset(task, seed=0)
+                await env.step(AgentAction("", [fix], None))
+                start = time.perf_counter()
+                verdict = await env.verify()
+                if i:  # the first verdict warms the image and the daemon; not measured
+                    samples.append(time.perf_counter() - start)
+                    runs.append(verdict.info["tests_duration_s"])
+                assert verdict.reward == 1.0, verdict.info
+            finally:
+                await env.close()
+    return samples, runs
+
+
 async def main(args: argparse.Namespace) -> None:
+    if args.verdicts:
+        print("coding grader, clean sandbox per verdict (fixture: 2 tests, the fix as the diff):")
+        samples, runs = await verdicts(args.verdicts)
+        row("verify (diff, scan, fresh sandbox, tests, teardown)", samples, target="(target p50 < 1000 ms)")
+        row("of which the test run (trusted runner)", runs)
+    if args.only_verdicts:
+        return
     image = await run_blocking(build_busybox_image)
     print(f"sandbox benchmark  image={image}  run={RUN_ID}")
 
@@ -167,6 +244,8 @@ if __name__ == "__main__":
     parser.add_argument("--commands", type=int, default=1000)
     parser.add_argument("--execs", type=int, default=100)
     parser.add_argument("--rate-total", type=int, default=48)
+    parser.add_argument("--verdicts", type=int, default=20, help="verdicts to time (0: skip)")
+    parser.add_argument("--only-verdicts", action="store_true", help="only the grading cost")
     try:
         asyncio.run(main(parser.parse_args()))
     finally:

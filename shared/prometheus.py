@@ -19,7 +19,7 @@ import logging
 import threading
 from typing import Any
 
-from prometheus_client import REGISTRY, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -37,6 +37,9 @@ INFERENCE_REQUEST_SECONDS = Histogram(
 WEIGHT_SYNC_SECONDS = Histogram("conveyor_weight_sync_seconds", "download and in-place sync of one policy version",
                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 120, 600))
 SERVED_POLICY_VERSION = Gauge("conveyor_served_policy_version", "the policy version the replicas serve")
+CODING_VERDICTS = Counter(
+    "conveyor_coding_verdicts_total", "coding episodes graded by hidden tests, by verdict: "
+    "flagged (the static diff scan scored it 0), untrusted (the test report was not trusted), graded", ["verdict"])
 SCORING_SECONDS = Histogram("conveyor_scoring_seconds", "time to score one trajectory",
                             buckets=(0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30))
 

@@ -225,6 +225,10 @@ def trajectory_page(found: FoundTrajectory, decode: Callable[[int], str] | None)
                  f"{c.name} {c.value:.3g}×{c.weight:g}" for c in scored.components))),
              ("attempt / worker", esc(f"{t.attempt} / {t.worker or '–'}")),
              ("timings", esc(f"episode {t.timings.episode_s:.2f}s · inference {t.timings.inference_s:.2f}s · env {t.timings.env_s:.2f}s"))]
+    flags = t.env_info.get("diff_flags") or []
+    if flags or t.env_info.get("verifier_error"):
+        facts.append(("grader", (f"<span class='pill' id='diff-flagged'>diff flagged</span> " if flags else "")
+                      + f"<pre>{esc(chr(10).join([str(t.env_info.get('verifier_error') or ''), *map(str, flags)]))}</pre>"))
     parts = ["<div class='card'>" + table([], [[f"<b>{k}</b>", v] for k, v in facts]) + "</div>"]
     parts += [f"<div class='card prompt'><b>prompt · {esc(m['role'])}</b><pre>{esc(m['content'])}</pre></div>"
               for m in t.prompt_messages]

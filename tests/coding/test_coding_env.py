@@ -131,10 +131,12 @@ def test_the_reward_comes_from_the_hidden_tests_not_from_the_agent(make_env, swe
                                                             "pytest.ini", "tests/test_fail.py"}
 
 
-def test_the_exclusions_are_what_defeat_the_conftest_cheat(make_env, swe_task):
-    """Control: with no protected paths, the same conftest hook fakes a perfect score."""
+def test_the_conftest_cheat_fails_even_without_the_exclusions(make_env, swe_task):
+    """Defence in depth: with no protected paths the conftest hook is loaded and turns every
+    report into a pass (it used to fake a perfect score here), but a pass also needs the
+    runner's own evidence that the test's code returned, which no hook can write."""
     _, _, verdict = run(run_scripted(make_env(protected_paths=[]), swe_task, [*CHEATS["conftest_hook"], SUBMIT]))
-    assert verdict.reward == 1.0 and verdict.info["fail_to_pass"] == {t: True for t in F2P}
+    assert verdict.reward == 0.0 and verdict.info["fail_to_pass"] == {t: False for t in F2P}, verdict.info
 
 
 def test_malformed_and_failing_tool_calls_are_error_observations(make_env, swe_task):

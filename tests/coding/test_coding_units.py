@@ -9,7 +9,7 @@ import json
 import pytest
 
 from services.intake.adapters import RowRejected, adapt_row
-from services.rollout_worker.environments.coding import CodingEnv, CodingTask, coding_task
+from services.rollout_worker.environments.coding import CodingEnv, CodingTask, coding_task, diffscan
 from services.rollout_worker.environments.coding import grading
 from services.rollout_worker.environments.coding.tools import ToolError, check_call, replace_once
 from shared.schemas import ToolCall
@@ -129,20 +129,33 @@ def phase(nodeid: str, outcome: str, when: str = "call", xfail: bool = False) ->
     return {"kind": "phase", "nodeid": nodeid, "when": when, "outcome": outcome, "xfail": xfail}
 
 
+def ran(nodeid: str, outcome: str = "passed", *, xfail: bool = False, evidence: str = "ran") -> list[dict]:
+    """The records of one test: setup, the runner's evidence, call, teardown."""
+    return [phase(nodeid, "passed", "setup"), {"kind": evidence, "nodeid": nodeid},
+            phase(nodeid, outcome, xfail=xfail), phase(nodeid, "passed", "teardown")]
+
+
 def finish(status: int, **extra) -> dict:
-    return {"kind": "finish", "exitstatus": status, "tampered": False, "plugins_added": [], **extra}
+    return {"kind": "finish", "exitstatus": status, "tampered": [], "plugins_added": [], "problems": [], **extra}
 
 
 def test_the_signed_report_decides_and_must_agree_with_the_exit_status():
-    report = signed(phase("t.py::a", "passed"), phase("t.py::b", "failed"), phase("t.py::c", "skipped", xfail=True),
-                    phase("t.py::d", "passed"), phase("t.py::d", "failed", when="teardown"), finish(1))
+    report = signed(*ran("t.py::a"), phase("t.py::b", "failed"), phase("t.py::c", "skipped", xfail=True),
+                    *ran("t.py::d")[:3], phase("t.py::d", "failed", when="teardown"),
+                    phase("t.py::e", "passed", "setup"), phase("t.py::e", "passed"), phase("t.py::e", "passed", "teardown"),
+                    *ran("t.py::f", evidence="not_genuine"), phase("t.py::g", "skipped", "setup"), finish(1))
     outcomes, why = grading.read_report(report, KEY, 1)
     assert why is None
-    assert [grading.passed(outcomes, t) for t in ("t.py::a", "t.py::b", "t.py::c", "t.py::d", "t.py::x")] == [
-        True, False, True, False, False]
+    # a: passed; b: failed; c: xfail; d: teardown error; e: no evidence that the test's own code
+    # returned; f: the function was not the graded one; g: skipped; x: never ran
+    assert [grading.passed(outcomes, f"t.py::{t}") for t in "abcdefgx"] == [True] + [False] * 7
+    assert grading.passed(outcomes, "t.py::g", expect_skip=True)  # the task expects this skip
     assert grading.grade(outcomes, ("t.py::a", "t.py::b"), (), 1).reward == 0.5
-    assert grading.grade(outcomes, ("t.py::a",), ("t.py::x",), 1).reward == 0.0
+    assert grading.grade(outcomes, ("t.py::a",), ("t.py::c",), 1).reward == 0.0  # an XFAIL PASS_TO_PASS fails
     assert grading.grade(outcomes, ("t.py::a", "t.py::b"), (), 0).reward == 0.0  # exit 0 with a failure: forged
+    missing = grading.grade(outcomes, ("t.py::a",), ("t.py::x",), 1)
+    assert missing.reward == 0.0 and missing.missing == ("t.py::x",)  # an uncollected test fails the task
+    assert grading.grade(outcomes, ("t.py::a", "t.py::g"), (), 0, expected_skip=("t.py::g",)).reward == 1.0
 
     assert grading.read_report(report, KEY, 0)[1]  # the process exit status differs from pytest's
     assert grading.read_report(report, "other-key", 1)[1]  # not signed by this run's key
@@ -151,6 +164,86 @@ def test_the_signed_report_decides_and_must_agree_with_the_exit_status():
     assert "without finishing" in grading.read_report(signed(phase("t.py::a", "passed")), KEY, 0)[1]
     lines = report.splitlines()
     assert "sequence" in grading.read_report("\n".join([lines[0], *lines[2:]]), KEY, 1)[1]  # a dropped record
-    assert "altered" in grading.read_report(signed(phase("t.py::a", "passed"), finish(0, tampered=True)), KEY, 0)[1]
+    assert "altered" in grading.read_report(signed(*ran("t.py::a"), finish(0, tampered=["x was replaced"])), KEY, 0)[1]
+    assert "cannot be trusted" in grading.read_report(signed(*ran("t.py::a"), finish(0, problems=["p"])), KEY, 0)[1]
+    refused = {"kind": "refused", "event": "gc.get_objects", "detail": "", "where": "/w/shop.py:3"}
+    assert "gc.get_objects" in grading.read_report(signed(*ran("t.py::a"), refused), KEY, 86)[1]
     assert grading.read_report(signed(finish(5)), KEY, 5)[1]  # nothing collected
     assert grading.read_report("PASSED t.py::a\n", KEY, 0)[1]  # printed text is never a report
+
+
+SCAN_DIFF = """diff --git a/shop/__init__.py b/shop/__init__.py
+--- a/shop/__init__.py
++++ b/shop/__init__.py
+@@ -1,2 +1,12 @@
+ def total(prices):
+-    return sum(prices) - 1
++    return Always()
++
++
++class Always:
++    def __eq__(self, other):
++        if other is None:
++            return True
++        return True
++
++    def __ne__(self, other):
++        return other is self
++import sys, gc; sys.modules["shop"] = None; gc.get_referrers(total)
+diff --git a/shop/util.py b/shop/util.py
+--- /dev/null
++++ b/shop/util.py
+@@ -0,0 +1,4 @@
++import builtins
++builtins.sorted = lambda x: x
++f.__code__ = g.__code__
++__eq__ = lambda self, other: True
+diff --git a/README.md b/README.md
+--- a/README.md
++++ b/README.md
+@@ -1 +1 @@
+-x
++sys.modules["a"] = 1
+"""
+
+
+def test_the_diff_scan_flags_code_that_only_fools_the_tests():
+    reasons = diffscan.scan(SCAN_DIFF)
+    assert reasons == ["shop/__init__.py:6: __eq__ returns a constant for everything",
+                       "shop/__init__.py:13: walks the object graph (gc)",
+                       "shop/__init__.py:13: writes to sys.modules",
+                       "shop/util.py:2: writes to builtins", "shop/util.py:3: rewrites a code object (__code__)",
+                       "shop/util.py:4: __eq__ never looks at what it compares with"], reasons
+    honest = """diff --git a/m.py b/m.py
+--- a/m.py
++++ b/m.py
+@@ -1 +1,9 @@
++import sys
++class P:
++    def __eq__(self, other):
++        return isinstance(other, P) and self.x == other.x
++    def __hash__(self):
++        return hash(self.x)
++    def __ne__(self, other):
++        return not self == other
++mod = sys.modules[__name__]
+"""
+    assert diffscan.scan(honest) == []
+
+
+def test_the_viewer_shows_a_flagged_diff_on_the_trajectory_page():
+    from services.viewer.pages import trajectory_page
+    from shared.schemas import EpisodeTimings, RolloutRequest, StopReason, TaskProfile, Trajectory
+    from shared.trajectory_lookup import FoundTrajectory
+
+    task = TaskProfile(task_id="t-1", env_name="coding", task_data={}, env_config={}, source="rows.jsonl:1")
+    request = RolloutRequest(run_id="run", group_id=0, episode_index=0, episode_seed=0, trajectory_id="run_0_0_0",
+                             group_size=1, task=task, policy_version=0, dispatched_at=0.0)
+    flags = ["shop/__init__.py:6: __eq__ never looks at what it compares with"]
+    info = {"diff_flags": flags, "verifier_error": f"the diff was flagged by the static scan: {flags[0]}"}
+    flagged = Trajectory(request=request, turns=[], stop_reason=StopReason.done, env_reward=0.0, env_info=info,
+                         timings=EpisodeTimings(queue_wait_s=0, episode_s=1, inference_s=0, env_s=0))
+    page = trajectory_page(FoundTrajectory("k", flagged, None, None, None), None)
+    assert "id='diff-flagged'" in page and "__eq__ never looks at what it compares with" in page
+    clean = flagged.model_copy(update={"env_info": {}})
+    assert "diff-flagged" not in trajectory_page(FoundTrajectory("k", clean, None, None, None), None)

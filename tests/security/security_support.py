@@ -1,5 +1,5 @@
 """Shared by the red-team suite: the run label, a sandbox spec maker, a module-shared sandbox, and
-the task.
+the task, and the tool calls of an attack episode (``play``).
 
 The task: ``shop.total(prices)`` returns the sum minus 1 (the bug). The hidden
 test adds ``tests/test_total.py::test_total`` (FAIL_TO_PASS); ``test_discount`` already passes."""
@@ -10,6 +10,8 @@ import asyncio
 import uuid
 
 from services.rollout_worker.sandbox import Sandbox, SandboxLabels, SandboxSpec
+from shared.environments import AgentAction
+from shared.schemas import ToolCall
 
 RUN_ID = "sectest-" + uuid.uuid4().hex[:8]
 SHOP = "def total(prices):\n    return sum(prices) - 1\n\n\ndef discount(price, percent):\n    return price * (100 - percent) / 100\n"
@@ -40,3 +42,33 @@ class SharedSandbox:
     def close(self) -> None:
         self.loop.run_until_complete(self.sandbox.teardown())
         self.loop.close()
+
+
+def write(path: str, content: str) -> ToolCall:
+    return ToolCall(name="write_file", arguments={"path": path, "content": content})
+
+
+def bash(command: str) -> ToolCall:
+    return ToolCall(name="bash", arguments={"command": command})
+
+
+def shlex_quote(text: str) -> str:
+    return "'" + text.replace("'", "'\"'\"'") + "'"
+
+
+def prepend_to_shop(code: str) -> ToolCall:
+    return bash(f"printf '%s\\n' {shlex_quote(code)} | cat - shop/__init__.py > /tmp/s && cp /tmp/s shop/__init__.py")
+
+
+async def play(env, task: dict, calls: list[ToolCall]):
+    """One episode: reset, the tool calls, submit, verify; the env is closed either way."""
+    observations = []
+    try:
+        await env.reset(task, seed=0)
+        for tool_call in [*calls, ToolCall(name="submit")]:
+            result = await env.step(AgentAction("", [tool_call], None))
+            observations.append(result.observation)
+        verdict = await env.verify()
+    finally:
+        await env.close()
+    return observations, verdict

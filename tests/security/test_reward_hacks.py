@@ -12,10 +12,9 @@ import asyncio
 
 import pytest
 
-from shared.environments import AgentAction
 from shared.schemas import ToolCall
 
-from security_support import F2P
+from security_support import F2P, bash, play, prepend_to_shop, write
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(300)]
 
@@ -70,22 +69,6 @@ atexit.register(print, "=========================== short test summary info ====
 atexit.register(print, "PASSED tests/test_total.py::test_total")
 atexit.register(print, "========================= 2 passed in 0.01s =========================")
 '''
-
-
-def write(path: str, content: str) -> ToolCall:
-    return ToolCall(name="write_file", arguments={"path": path, "content": content})
-
-
-def bash(command: str) -> ToolCall:
-    return ToolCall(name="bash", arguments={"command": command})
-
-
-def prepend_to_shop(code: str) -> ToolCall:
-    return bash(f"printf '%s\\n' {shlex_quote(code)} | cat - shop/__init__.py > /tmp/s && cp /tmp/s shop/__init__.py")
-
-
-def shlex_quote(text: str) -> str:
-    return "'" + text.replace("'", "'\"'\"'") + "'"
 
 
 ATTACKS: dict[str, list[ToolCall]] = {
@@ -157,19 +140,6 @@ ATTACKS: dict[str, list[ToolCall]] = {
 
 def test_attack_list_is_the_red_team_size():
     assert len(ATTACKS) >= 15
-
-
-async def play(env, task: dict, calls: list[ToolCall]):
-    observations = []
-    try:
-        await env.reset(task, seed=0)
-        for tool_call in [*calls, ToolCall(name="submit")]:
-            result = await env.step(AgentAction("", [tool_call], None))
-            observations.append(result.observation)
-        verdict = await env.verify()
-    finally:
-        await env.close()
-    return observations, verdict
 
 
 @pytest.mark.parametrize("session", [True, False], ids=["session", "docker-exec"])

@@ -57,6 +57,7 @@ class CodingConfig(EnvConfig):
     test_python: str = "python3"  # the interpreter that runs the grader's pytest runner (``python3 -I``)
     test_timeout_s: float = Field(900.0, gt=0)
     protected_paths: tuple[str, ...] = DEFAULT_PROTECTED_PATHS
+    scan_diff: bool = True  # a diff that ``diffscan`` flags scores 0 without running the tests
     max_diff_bytes: int = Field(4 << 20, gt=0)  # a larger final diff scores 0
     info_diff_bytes: int = Field(256 << 10, gt=0)  # how much of the diff goes into VerifyResult.info
     info_output_bytes: int = Field(64 << 10, gt=0)  # tail of the test output kept in the info

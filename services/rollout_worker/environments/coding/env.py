@@ -14,11 +14,14 @@ Invariants:
   diff as the verifier applies it (see ``verifier`` and ``grading``).
 - Every sandbox this environment provisions carries the trajectory's labels and is torn down by
   ``close`` (which the episode runner calls in ``finally``), or earlier by ``verify``.
+- A sandbox that fails to tear down never changes the verdict nor makes ``verify`` raise: the
+  failure is logged (and named in the info), and the janitor removes the container after its TTL.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import Any
@@ -42,6 +45,7 @@ from .verifier import run_hidden_tests
 _SANDBOX_ENV = {"PYTHONDONTWRITEBYTECODE": "1", "GIT_TERMINAL_PROMPT": "0", "PAGER": "cat", "GIT_PAGER": "cat",
                 "TERM": "dumb", "LANG": "C.UTF-8"}
 _STOPPED = (SandboxLost, EpisodeTimeout, SandboxClosed)
+log = logging.getLogger(__name__)
 
 
 class CodingEnv(Environment):
@@ -210,8 +214,23 @@ class CodingEnv(Environment):
                                 "image": self.image, "ended": self.ended, "submitted": self.ended == "submitted",
                                 "commands": self.command_log}
         diff, why = await self._final_diff()
-        if self.sandbox is not None:  # done with it: free its resources before the verifier starts
+        # done with the agent's sandbox: its removal runs beside the grading, and whatever the
+        # agent left there (a /tmp full of hard links...) cannot fail the verdict or make it a retry
+        removal = asyncio.ensure_future(self._remove_agent_sandbox(info)) if self.sandbox is not None else None
+        try:
+            return await self._verdict(task, diff, why, info)
+        finally:
+            if removal is not None:
+                await removal
+
+    async def _remove_agent_sandbox(self, info: dict[str, Any]) -> None:
+        try:
             await self.sandbox.teardown()
+        except Exception as exc:  # the janitor removes it after its TTL
+            log.warning("could not tear down the agent's sandbox %s: %s", self.sandbox.name, exc)
+            info["agent_teardown_error"] = f"{type(exc).__name__}: {exc}"
+
+    async def _verdict(self, task: CodingTask, diff: bytes | None, why: str | None, info: dict[str, Any]) -> VerifyResult:
         text = (diff or b"").decode(errors="replace")
         cut = len(text) > self.config.info_diff_bytes  # a cut diff is no patch: artifacts keep it apart
         info.update(diff=text[: self.config.info_diff_bytes], diff_truncated=cut, diff_bytes=len(diff or b""))

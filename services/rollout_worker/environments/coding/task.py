@@ -4,7 +4,8 @@ Two row formats:
 
 - SWE-bench: ``repo`` ("owner/name"), ``base_commit``, ``problem_statement``, ``test_patch``,
   ``FAIL_TO_PASS``, ``PASS_TO_PASS`` (lists of pytest node ids, or JSON strings of lists), and
-  optionally ``repo_url`` (a local path, ``file://`` or remote URL; otherwise the environment
+  optionally ``EXPECTED_SKIP`` (graded ids whose skip counts as a pass; any other skip fails),
+  ``repo_url`` (a local path, ``file://`` or remote URL; otherwise the environment
   builds one from ``env_config.repo_url_template``), ``language``, ``image``, ``test_command`` (kept in
   the task data but not used: the grader always runs its own pytest invocation, see ``grading``).
 - swe-agent-13k: ``repo_name``, ``repo_url``, ``language``, ``conversations`` (``conversations[1]``
@@ -98,6 +99,7 @@ def _swe_bench(row: dict[str, Any]) -> dict[str, Any]:
         "test_patch": test_patch,
         "fail_to_pass": f2p,
         "pass_to_pass": [t for t in p2p if t not in f2p],
+        "expected_skip": [t for t in _id_list(row, "EXPECTED_SKIP") if t in f2p or t in p2p],
         "language": normalize_language(row.get("language")),
         "image": _optional_text(row, "image"),
         "test_command": _optional_text(row, "test_command"),
@@ -149,6 +151,7 @@ def _swe_agent(row: dict[str, Any]) -> dict[str, Any]:
         "test_patch": "",
         "fail_to_pass": [],
         "pass_to_pass": [],
+        "expected_skip": [],
         "language": normalize_language(row.get("language")),
         "image": _optional_text(row, "image"),
         "test_command": None,
@@ -182,6 +185,7 @@ class CodingTask:
     image: str | None
     test_command: str | None
     label_reward: float | None
+    expected_skip: tuple[str, ...] = ()  # graded ids whose skip counts as a pass (``EXPECTED_SKIP``)
 
     @classmethod
     def from_data(cls, data: dict[str, Any]) -> CodingTask:
@@ -191,6 +195,7 @@ class CodingTask:
         fields = {name: data.get(name) for name in cls.__dataclass_fields__}
         fields["fail_to_pass"] = tuple(fields["fail_to_pass"] or ())
         fields["pass_to_pass"] = tuple(fields["pass_to_pass"] or ())
+        fields["expected_skip"] = tuple(fields["expected_skip"] or ())
         fields["test_patch"] = fields["test_patch"] or ""
         fields["language"] = normalize_language(fields["language"])
         return cls(**fields)
