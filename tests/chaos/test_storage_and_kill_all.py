@@ -54,8 +54,10 @@ def test_everything_killed_at_once_at_seeded_points_drains_with_nothing_lost_stu
 
 def test_the_object_stores_disk_full_then_its_volume_gone_are_waited_out(served_model, tmp_path):
     require_mount()
-    config = ChaosConfig(groups=20, group_size=4, seed=3, faults=["disk_full", "store_unavailable"], fault_s=10.0,
-                         gap_s=(3.5, 4.0), span=(0.1, 0.4))  # both land while the run has work left, apart
+    # both land while the run has work left (its uploads wait through each), apart: a fault
+    # within a few seconds of the last one's end would be the same outage (shared.outage)
+    config = ChaosConfig(groups=32, group_size=4, seed=3, faults=["disk_full", "store_unavailable"], fault_s=10.0,
+                         gap_s=(3.5, 4.0), span=(0.05, 0.15), step_latency_s=1.0)
     _run(served_model, tmp_path, config, "storefaults", mount_store=True)
     worker_log = (tmp_path / "logs" / "worker-rollout.log").read_text()  # the faults hit it, and it waited
     store = f"object store at {tmp_path.resolve() / 'objects'}"
