@@ -7,11 +7,12 @@ fault and at the end (``services.cli.chaos``). It prints the table ``docs/reliab
     .venv/bin/python bench/chaos.py                                   # 20 kill-all points, AOF everysec
     .venv/bin/python bench/chaos.py --faults kill_all:20 --appendfsync always
     .venv/bin/python bench/chaos.py --faults disk_full store_unavailable freeze_worker redis_kill --store-mount
+    .venv/bin/python bench/chaos.py --faults inference_outage s3_outage redis_restart --storage s3
     .venv/bin/python bench/chaos.py --seeds 1 2 3 --groups 24
 
 ``--store-mount`` puts the object store on a tmpfs of its own (root: it mounts), which the disk
 faults need. vLLM is not killed by ``kill_all``: an inference outage is its own fault
-(``tests/chaos/test_inference_outage.py``), and vLLM holds nothing of the ledger.
+(``inference_outage``), and vLLM holds nothing of the ledger.
 Exit code 1 when any run found a problem.
 """
 
@@ -50,6 +51,7 @@ def main() -> int:
     parser.add_argument("--gap", nargs=2, type=float, default=[0.0, 3.0], metavar=("MIN_S", "MAX_S"))
     parser.add_argument("--fault-s", type=float, default=15.0)
     parser.add_argument("--store-mount", action="store_true")
+    parser.add_argument("--storage", choices=["local", "s3"], default="local")
     args = parser.parse_args()
 
     from pipeline_support import tiny_vllm
@@ -59,7 +61,7 @@ def main() -> int:
         for seed in args.seeds:
             config = ChaosConfig(groups=args.groups, group_size=args.group_size, seed=seed, faults=faults_of(args.faults),
                                  appendfsync=args.appendfsync, gap_s=tuple(args.gap), fault_s=args.fault_s,
-                                 drain_timeout_s=600.0)
+                                 drain_timeout_s=600.0, storage=args.storage)
             stack = LocalStack(Path(tmp) / f"seed{seed}", run_id=f"chaos{seed}")
             chaos = ChaosRun(stack, config, lambda s: s.use_inference(served.base_url, served.model_dir, "tiny"))
             try:

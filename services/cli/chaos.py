@@ -19,9 +19,11 @@ while it runs, then everything started again, Redis from its append-only file),
 for ``fault_s``), ``freeze_worker`` (the rollout worker
 stopped past its leases, then woken), ``disk_full`` (the object store's filesystem filled, then
 freed) and ``store_unavailable`` (the object store's volume unmounted, then mounted again). The
-last two need the store on its own mount (``ChaosRun.mount_store``, as root). Not here yet: S3
-and vLLM outages (``tests/chaos/test_dependency_outages.py`` and ``test_inference_outage.py``
-cover them on their own).
+last two need the store on its own mount (``ChaosRun.mount_store``, as root);
+``inference_outage`` (inference unreachable: the workers reach it through a TCP gate, closed for
+``fault_s``) and ``s3_outage`` (the same for the S3 server, with ``storage: s3``). ``kill_all``
+spares moto, which keeps its objects in memory (a real S3 server keeps them on disk), and vLLM,
+which holds nothing of the ledger (an inference outage is its own fault).
 """
 
 from __future__ import annotations
@@ -37,11 +39,13 @@ from typing import Callable
 
 from services.cli.demo import DEMO_REWARD_WEIGHTS, write_demo_dataset
 from services.cli.local_stack import LocalStack, ManagedProcess
+from services.cli.tcp_gate import TcpGate
 from shared.ledger import Ledger
 from shared.names import RedisKeys
 from shared.outcomes import FailureKind, kind_of
 from shared.schemas import GroupRecord, TrainerEvent, parse_message
-from shared.storage import LocalStore, get_models_under
+from shared.settings import StorageSettings
+from shared.storage import LocalStore, ObjectStore, S3Store, get_models_under
 
 FAULT_KINDS = {FailureKind.infra_error.value, "lease_expired", "scoring_lease_expired", "inference_outage", "scoring_error"}
 SERVICES = ("worker-rollout", "worker-scoring", "trainer")
@@ -58,6 +62,7 @@ class ChaosConfig:
     gap_s: tuple[float, float] = (0.0, 3.0)
     span: tuple[float, float] = (0.05, 0.9)  # the shares of the run the faults are drawn within
     step_latency_s: float = 0.3  # each environment step takes this long, as tool use does
+    storage: str = "local"  # "local": the filesystem store; "s3": moto, reached through a gate (s3_outage)
     fault_s: float = 10.0  # how long a fault that lasts (disk full, store unavailable, freeze) lasts
     appendfsync: str = "everysec"
     lease_ttl_s: float = 4.0
@@ -118,12 +123,29 @@ class ChaosRun:
             "CONVEYOR_INTAKE__ENV_CONFIG": json.dumps({"step_latency_s": config.step_latency_s}),
         })
         inference(stack)
+        self.inference_gate = self._gate("CONVEYOR_INFERENCE__BASE_URL")  # the workers reach inference through it
+        self.s3_gate: TcpGate | None = None
         self.started = time.time()
+
+    def _gate(self, variable: str) -> TcpGate:
+        """A gate in front of the server the variable names (``http://host:port``); the variable
+        then names the gate."""
+        url = self.stack.env[variable]
+        scheme, _, rest = url.partition("://")
+        gate = TcpGate(int(rest.split("/")[0].rpartition(":")[2]))
+        gate.open()
+        self.stack.env[variable] = f"{scheme}://127.0.0.1:{gate.port}"
+        return gate
 
     # --- the stack ----------------------------------------------------------------------
     def start(self) -> None:
         self.stack.start_redis(self.stack.redis_port, appendfsync=self.config.appendfsync)
-        if "CONVEYOR_STORAGE__LOCAL_ROOT" not in self.stack.env:
+        if self.config.storage == "s3":
+            endpoint = self.stack.start_s3()
+            self.s3_gate = TcpGate(int(endpoint.rpartition(":")[2]))
+            self.s3_gate.open()
+            self.stack.env["CONVEYOR_STORAGE__ENDPOINT"] = f"127.0.0.1:{self.s3_gate.port}"
+        elif "CONVEYOR_STORAGE__LOCAL_ROOT" not in self.stack.env:
             self.stack.start_object_store()
         self._start_services()
         self.intake = self.stack.conveyor("intake", "intake", "--dataset", str(self.dataset))
@@ -146,7 +168,7 @@ class ChaosRun:
         finished: registering is idempotent, and what it registered and never published goes
         out at its dispatch deadline)."""
         intake_running = self.intake is not None and self.intake.alive()
-        victims = [p for p in self.stack.processes if p.alive()]
+        victims = [p for p in self.stack.processes if p.alive() and p.name != "s3"]  # moto holds objects in memory only
         for proc in victims:
             proc.kill(signal.SIGKILL)
         for proc in victims:
@@ -174,6 +196,21 @@ class ChaosRun:
     def start_redis_again(self) -> None:
         self.stack.start_redis(self.stack.redis_port, appendfsync=self.config.appendfsync)
 
+    def inference_outage(self) -> None:
+        """Inference unreachable for ``fault_s``: connections refused, open ones cut."""
+        self._gate_closed(self.inference_gate)
+
+    def s3_outage(self) -> None:
+        """The S3 server unreachable for ``fault_s`` (``storage: s3``)."""
+        if self.s3_gate is None:
+            raise ValueError("s3_outage needs the S3 store: ChaosConfig(storage='s3')")
+        self._gate_closed(self.s3_gate)
+
+    def _gate_closed(self, gate: TcpGate) -> None:
+        gate.close()
+        time.sleep(self.config.fault_s)
+        gate.open()
+
     def freeze_worker(self) -> None:
         worker = self.stack.process("worker-rollout")
         worker.kill(signal.SIGSTOP)
@@ -197,6 +234,14 @@ class ChaosRun:
         subprocess.run(["umount", "-l", str(root)], check=True)
         time.sleep(self.config.fault_s)
         subprocess.run(["mount", "--bind", str(self._store_volume()), str(root)], check=True)
+
+    def _store(self) -> ObjectStore:
+        """The run's object store, read directly (not through a gate)."""
+        env = self.stack.env
+        if self.config.storage == "s3":
+            endpoint = f"127.0.0.1:{self.s3_gate.target_port}" if self.s3_gate else env["CONVEYOR_STORAGE__ENDPOINT"]
+            return S3Store(StorageSettings(endpoint=endpoint, access_key="testing", secret_key="testing"))
+        return LocalStore(Path(env["CONVEYOR_STORAGE__LOCAL_ROOT"]))
 
     def _store_root(self) -> Path:
         return Path(self.stack.env["CONVEYOR_STORAGE__LOCAL_ROOT"])
@@ -312,7 +357,7 @@ class ChaosRun:
             doubled = sorted({t for t in events if events.count(t) > 1})
             problems.append(f"trainer events: {len(events)} for {len(tids)} trajectories; doubled {doubled[:5]}, "
                             f"missing {sorted(set(tids) - set(events))[:5]}")
-        store = LocalStore(Path(self.stack.env["CONVEYOR_STORAGE__LOCAL_ROOT"]))
+        store = self._store()
         members = [m.trajectory_id for record in get_models_under(store, f"groups/{self.run_id}/", GroupRecord)
                    for m in record.members]
         if sorted(members) != tids:
@@ -323,4 +368,5 @@ class ChaosRun:
         return problems
 
 
-FAULTS = ("kill_all", "redis_kill", "redis_restart", "freeze_worker", "disk_full", "store_unavailable")
+FAULTS = ("kill_all", "redis_kill", "redis_restart", "freeze_worker", "inference_outage", "s3_outage", "disk_full",
+          "store_unavailable")

@@ -25,10 +25,10 @@ from typing import Callable
 
 import pytest
 from pipeline_support import REWARD_WEIGHTS, ServedModel, poll, stream_events, wait_terminal
-from tcp_gate import TcpGate
 
 from services.cli.demo import write_demo_dataset
 from services.cli.local_stack import LocalStack, ManagedProcess
+from services.cli.tcp_gate import TcpGate
 from shared.celery_app import make_celery, publish_rollouts, publish_scoring
 from shared.ledger import SCORING, Ledger
 from shared.names import RedisKeys

@@ -1,4 +1,4 @@
-"""A TCP gate in front of a server, for chaos tests. Open, it forwards every connection to the
+"""A TCP gate in front of a server, for fault injection (``services.cli.chaos``, the chaos tests). Open, it forwards every connection to the
 server; closed, nothing listens on its port (new connections are refused) and every open
 connection is cut, as when the server stops, while the server behind it keeps its data."""
 
