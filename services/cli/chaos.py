@@ -40,7 +40,7 @@ from typing import Callable
 from services.cli.demo import DEMO_REWARD_WEIGHTS, write_demo_dataset
 from services.cli.local_stack import LocalStack, ManagedProcess
 from services.cli.tcp_gate import TcpGate
-from shared.ledger import Ledger
+from shared.ledger import ROLLOUT, SCORING, Ledger
 from shared.names import RedisKeys
 from shared.outcomes import FailureKind, kind_of
 from shared.schemas import GroupRecord, TrainerEvent, parse_message
@@ -85,6 +85,7 @@ class ChaosReport:
     counts: dict[str, int]
     drained_s: float  # the last fault's end -> every trajectory terminal
     problems: list[str]
+    rerun: dict[str, int] = field(default_factory=dict)  # stage -> trajectories it ran more than once (work redone)
 
     @property
     def ok(self) -> bool:
@@ -97,7 +98,8 @@ class ChaosReport:
         c = self.counts
         total = self.config.groups * self.config.group_size
         rows.append(f"\n{total} trajectories, AOF appendfsync {self.config.appendfsync}: consumed {c.get('consumed')}, "
-                    f"failed {c.get('failed')}, drained {self.drained_s:.1f}s after the last fault; "
+                    f"failed {c.get('failed')}, drained {self.drained_s:.1f}s after the last fault; rolled out again "
+                    f"{self.rerun.get('rollout', 0)}, scored again {self.rerun.get('scoring', 0)} (work redone, not doubled); "
                     + ("no problem found" if self.ok else "PROBLEMS: " + "; ".join(self.problems)))
         return "\n".join(rows)
 
@@ -288,7 +290,12 @@ class ChaosRun:
         else:
             problems += self.check_exactly_once()
         problems += self.check_accounting("at the end")
-        return ChaosReport(self.config, records, counts, drained_s, problems)
+        return ChaosReport(self.config, records, counts, drained_s, problems, self.rerun())
+
+    def rerun(self) -> dict[str, int]:
+        """Per stage, the trajectories with more than one attempt: work a fault made redo."""
+        redis = self.ledger.redis
+        return {stage.name: sum(int(n) > 1 for n in redis.hvals(stage.attempts(self.run_id))) for stage in (ROLLOUT, SCORING)}
 
     def _wait_for_a_point(self, share: float, timeout_s: float = 180.0) -> None:
         """Until that share of the run's trajectories is terminal, then a seeded pause within
