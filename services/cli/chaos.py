@@ -275,6 +275,10 @@ class ChaosRun:
         for name, point in zip(self.config.faults, points):
             self._wait_for_a_point(point)
             before = self.counts()
+            if before["consumed"] + before["failed"] >= self.total:
+                problems.append(f"the run ended before fault {len(records) + 1} of {len(self.config.faults)}: only "
+                                f"{len(records)} landed mid-run (give it more groups, or slower steps)")
+                break
             record = FaultRecord(name, time.time() - self.started, before)
             faults[name]()
             ended = time.time()
