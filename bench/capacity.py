@@ -71,6 +71,7 @@ from services.intake.publisher import build_group  # noqa: E402
 from shared.celery_app import publish_rollouts  # noqa: E402
 from shared.group_registry import GroupRegistry  # noqa: E402
 from shared.object_bundles import decode_bundle, is_bundle_key  # noqa: E402
+from shared.rates import per_second  # noqa: E402
 from shared.schemas import FlatSequence, GroupRecord, GroupRegistration, ScoredTrajectory, TaskProfile, Trajectory  # noqa: E402
 
 REWARD_FN = "services.rollout_worker.environments.toy_rewards:digit_share"
@@ -201,7 +202,7 @@ def run_config(base: LocalStack, root: Path, workers: int, group_size: int, traj
     from_upload, from_scoring = written.trainer_side_latencies()
     result = {
         "workers": workers, "group_size": group_size, "scoring_batch_max": scoring_batch_max, "bundle_max": bundle_max,
-        "offered_traj_per_s": offered_rate, "published_traj_per_s": total / published_s if published_s else float("inf"),
+        "offered_traj_per_s": offered_rate, "published_traj_per_s": per_second(total, published_s),
         "trajectories": total, "failed": counts["failed"], "load_1m_before_after": [load_before, load_after],
         "traj_per_s": total / wall, "group_latency_p50_ms": 1000 * pct(latencies, 0.5),
         "group_latency_p99_ms": 1000 * pct(latencies, 0.99), "trainer_side_p50_ms": 1000 * pct(from_upload, 0.5),

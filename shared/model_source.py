@@ -8,9 +8,12 @@ Invariants:
 - Otherwise a value shaped like ``org/name`` (the Hub's own rules: letters, digits, ``-``,
   ``_``, ``.``, no ``--`` or ``..``, at most 96 characters) is a Hugging Face model name; any
   other value is refused. Every refusal is a ``ModelSourceError`` naming the setting.
-- ``require_available`` refuses a model name the Hub cannot give: offline (``HF_HUB_OFFLINE``)
-  and not in the local cache. Online, a name is not looked up here; the first
-  ``from_pretrained`` (vLLM's, the trainer's) downloads it into the cache.
+- ``require_available`` refuses a model name that is not in the local cache when the Hub
+  cannot give it: offline (``HF_HUB_OFFLINE``), or online with no answer from the Hub's endpoint
+  (``HF_ENDPOINT``) within ``HUB_PROBE_TIMEOUT_S`` (one HEAD request; ``probe_hub=False`` skips
+  it where nothing is loaded). The refusal is one ``ModelSourceError`` naming the model, the
+  cache, why the Hub cannot give it and the cure. A name the Hub answers for is not looked up
+  further here; the first ``from_pretrained`` (vLLM's, the trainer's) downloads it into the cache.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 
 SETTING = "inference.model_path"
 TINY_MODEL_HINT = "`conveyor tiny-model DIR` writes a test checkpoint"
+HUB_PROBE_TIMEOUT_S = 5.0
 
 
 class ModelSourceError(ValueError):
@@ -42,17 +46,20 @@ class ModelSource:
         return (f"{SETTING}: {self.value} is not a local directory: it is used as a Hugging Face model name "
                 f"(vLLM and transformers load it from the Hub cache, downloading it there if it is missing)")
 
-    def require_available(self) -> ModelSource:
-        """Return self, or raise ``ModelSourceError`` when offline and the name is not cached."""
-        if self.local_dir is not None or not _hub_offline():
+    def require_available(self, probe_hub: bool = True) -> ModelSource:
+        """Return self, or raise ``ModelSourceError`` when the name is not cached and the Hub cannot give it."""
+        if self.local_dir is not None:
             return self
         from huggingface_hub import constants, try_to_load_from_cache
 
         if isinstance(try_to_load_from_cache(self.value, "config.json"), str):
             return self
+        why = _why_the_hub_cannot_give_it(probe_hub)
+        if why is None:
+            return self
         raise ModelSourceError(
-            f"{SETTING}: {self.value} is a Hugging Face model name that is not in the local cache "
-            f"({constants.HF_HUB_CACHE}), and the Hub is offline (HF_HUB_OFFLINE): download it first "
+            f"{SETTING}: {self.value} is neither a local directory nor in the local Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}), and {why}: download it first "
             f"(`hf download {self.value}`) or set {SETTING} to a local checkpoint directory")
 
 
@@ -88,6 +95,25 @@ def _is_hub_name(text: str) -> bool:
     except HFValidationError:
         return False
     return True
+
+
+def _why_the_hub_cannot_give_it(probe_hub: bool) -> str | None:
+    if _hub_offline():
+        return "the Hub is offline (HF_HUB_OFFLINE)"
+    return _hub_unreachable() if probe_hub else None
+
+
+def _hub_unreachable() -> str | None:
+    """Why the Hub's endpoint gave no answer, or None where it answered (any HTTP status)."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=HUB_PROBE_TIMEOUT_S)
+    except Exception as exc:  # no answer, whatever the transport names as the reason
+        return (f"the Hub at {constants.ENDPOINT} is unreachable ({type(exc).__name__}: {exc}; "
+                f"HF_HUB_OFFLINE=1 says offline at once)")
+    return None
 
 
 def _hub_offline() -> bool:

@@ -28,10 +28,11 @@ from shared.model_source import ModelSourceError, resolve_model_source
 from shared.settings import SettingsError, load_settings
 
 
-def gpu_command() -> tuple[list[str], dict[str, str]]:
-    """``(argv, env_overrides)`` of the GPU launch from the settings; raises on a bad one."""
+def gpu_command(probe_hub: bool = True) -> tuple[list[str], dict[str, str]]:
+    """``(argv, env_overrides)`` of the GPU launch from the settings; raises on a bad one.
+    ``probe_hub``: ask the Hub whether it answers for a model name not in the cache (not for ``--print``)."""
     settings = load_settings()
-    source = resolve_model_source(settings.inference.model_path).require_available()
+    source = resolve_model_source(settings.inference.model_path).require_available(probe_hub)
     if source.is_hub_name:
         print(source.describe(), file=sys.stderr)
     return build_command(**settings_options(settings.inference, settings.trainer.lora.served_rank), gpu=True)
@@ -42,7 +43,7 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument("--print", dest="print_only", action="store_true", help="print the command as JSON, start nothing")
     options = parser.parse_args(args)
     try:
-        argv, env = gpu_command()
+        argv, env = gpu_command(probe_hub=not options.print_only)
     except (SettingsError, ModelSourceError, InferenceServerError) as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         raise SystemExit(2) from None

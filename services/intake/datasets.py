@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shared.json_errors import json_problem
+
 
 class DatasetError(ValueError):
     pass
@@ -89,7 +91,7 @@ def _read_jsonl(path: Path, max_row_bytes: int, digest):
             try:
                 yield Row(source, json.loads(line))
             except json.JSONDecodeError as exc:
-                yield BadRow(source, f"not valid JSON: {exc.msg} at column {exc.colno}")
+                yield BadRow(source, f"not valid JSON: {json_problem(exc)}")
             except ValueError as exc:  # valid JSON Python will not read: an integer of more than 4300 digits
                 yield BadRow(source, f"not readable JSON: {exc}")
             except RecursionError:

@@ -19,6 +19,9 @@ Invariants, per trajectory:
   ``outage.limit_s`` fails the trajectory at once: ``inference_outage``, naming the outage.
 - A request whose run Redis lost (``shared.run_marker``) is refused, with one error line per
   run: nothing of the run is recreated.
+- An environment that needs the main thread (a signal handler: ``signal only works in main
+  thread`` on the event-loop thread) moves to a host process's main thread and its episode goes
+  on (``environments.main_thread``); it is not an ``env_error``.
 - Failures are classified (``shared.outcomes.FailureKind``), narrowly:
   - a known infra error (``INFRA_ERRORS``) puts the trajectory back in the queue after a
     backoff (``rollout.retry_backoff_s``, doubling per attempt) while attempts remain, then
@@ -50,6 +53,7 @@ from services.rollout_worker.agent_episode import is_agent_driven, run_agent_epi
 from services.rollout_worker.agent_proxy import AgentProxy
 from services.rollout_worker.chat_tokens import ChatTokens
 from services.rollout_worker.environments.coding.artifacts import write_artifacts
+from services.rollout_worker.environments.main_thread import on_main_thread
 from services.rollout_worker.episode import EpisodeLimits, run_episode
 from services.rollout_worker.in_flight import HandBack, InFlight, LeaseLost
 from services.rollout_worker.inference_client import InferenceClient, InferenceOutage, InferenceRejected, InferenceUnavailable
@@ -170,7 +174,7 @@ async def _episode(ctx: RolloutContext, request: RolloutRequest, attempt: int) -
         return await run_agent_episode(request, env, await agent_proxy_of(ctx), limits, policy_version=served.get,
                                        attempt=attempt, worker=ctx.worker_name, store=ctx.store)
     return await run_episode(
-        request, env, ctx.inference, ctx.chat, limits,
+        request, on_main_thread(env), ctx.inference, ctx.chat, limits,
         policy_version=served.get,
         attempt=attempt, worker=ctx.worker_name,
     )

@@ -14,6 +14,7 @@ import re
 
 from pydantic import ValidationError
 
+from shared.json_errors import json_problem
 from shared.schemas import ToolCall
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -27,7 +28,7 @@ def parse_tool_calls(text: str) -> tuple[list[ToolCall], str | None]:
         try:
             payload = json.loads(body)
         except json.JSONDecodeError as exc:
-            return calls, f"tool call {number} is not valid JSON ({exc.msg} at char {exc.pos})"
+            return calls, f"tool call {number} is not valid JSON ({json_problem(exc)})"
         except ValueError as exc:  # valid JSON Python will not read: a number of too many digits
             return calls, f"tool call {number} cannot be read: {exc}"
         except RecursionError:

@@ -61,6 +61,7 @@ from services.trainer.selection import Selection, select
 from services.trainer.step import train_version, trainer_from_settings
 from services.trainer.weight_push import BroadcastPublisher
 from shared.names import RedisKeys, checkpoint_prefix
+from shared.rates import per_second, show
 from shared.schemas import CheckpointAnnouncement, TrainingBatch
 from shared.settings import Settings
 from shared.staleness import StalenessBudget
@@ -203,11 +204,11 @@ class TrainingLoop:
         self._record_step(version, metrics)
         plot_reward_curve(self.metrics.jsonl_path, self.settings.trainer.reward_curve_path, f"{self.run_id}: mean reward per step")
         now = time.time()
-        wall = now - self._last_step_at if self._last_step_at else math.nan
+        wall = now - self._last_step_at if self._last_step_at else None  # step 1 has no step before it
         self._last_step_at = now
-        log.info("step %d: reward %.3f loss %.4f | train %.2fs, %.0f tokens/s | %.1fs since the last step, %.1f trajectories/s",
-                 version, metrics["reward_mean"], metrics["loss"], metrics["step_time_s"], metrics["tokens_per_s"],
-                 wall, metrics["sequences"] / wall if wall == wall and wall > 0 else math.nan)
+        log.info("step %d: reward %.3f loss %.4f | train %.2fs, %s tokens/s | %s since the last step, %s trajectories/s",
+                 version, metrics["reward_mean"], metrics["loss"], metrics["step_time_s"], show(metrics["tokens_per_s"], ".0f"),
+                 show(wall, ".1f", "s"), show(per_second(metrics["sequences"], wall)))
         self.evaluate_if_due()
         return metrics
 

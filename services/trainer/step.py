@@ -40,6 +40,7 @@ from services.trainer.batching import masked_copy, micro_batches, prepare_sample
 from services.trainer.loss import loss_denominator, policy_loss
 from services.trainer.policy import frozen_reference, load_policy, sequence_logprobs
 from shared.model_source import resolve_model_source
+from shared.rates import per_second
 from shared.schemas import TrainingBatch
 from shared.settings import (ALARM_MAD_BY_DTYPE, BatchingSettings, LogprobAlarmSettings, LossSettings, OptimSettings,
                              Settings)
@@ -163,9 +164,14 @@ class PolicyTrainer:
         elapsed = time.perf_counter() - started
         return metrics | {k: v / loss_tokens for k, v in weighted.items()} | {
             "skipped": float(alarm), "alarm": float(alarm), "loss": total_loss, "grad_norm": float(grad_norm),
-            "tokens": float(tokens), "loss_tokens": loss_tokens, "tokens_per_s": tokens / elapsed,
+            "tokens": float(tokens), "loss_tokens": loss_tokens, "tokens_per_s": _unknown_as_nan(per_second(tokens, elapsed)),
             "step_time_s": elapsed, "step": float(self.step), "logprob_mad_on_policy": mad,
         }
+
+
+def _unknown_as_nan(rate: float | None) -> float:
+    """A metric is a number: an unknown rate is NaN there (the sinks write it as null)."""
+    return math.nan if rate is None else rate
 
 
 def trainer_from_settings(settings: Settings, shard: bool = False) -> tuple[PolicyTrainer, PreTrainedTokenizerBase]:

@@ -100,15 +100,41 @@ def test_a_malformed_model_path_names_the_setting(tmp_path):
                            "model name (org/name")
 
 
-def test_inference_with_a_hub_name_not_cached_offline_says_so_in_one_line(tmp_path):
-    """``conveyor inference`` takes a Hugging Face model name; offline (HF_HUB_OFFLINE), one that is
-    not in the cache stops the command before vLLM starts, naming the setting, the cache and the cure."""
+def conveyor_from_here(*args: str, cwd: Path, timeout_s: float = 60, **env: str) -> subprocess.CompletedProcess:
+    """``conveyor`` as ``python -m services.cli.app`` from this checkout, like ``conveyor``."""
+    base = {k: v for k, v in os.environ.items() if not k.upper().startswith(("CONVEYOR_", "HF_"))}
+    return subprocess.run([sys.executable, "-m", "services.cli.app", *args], cwd=cwd, capture_output=True, text=True,
+                          env={**base, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), **env}, timeout=timeout_s)
+
+
+def not_available(name: str, hf_home: Path, why: str) -> str:
+    return (f"inference.model_path: {name} is neither a local directory nor in the local Hugging Face cache "
+            f"({hf_home / 'hub'}), and {why}: download it first (`hf download {name}`) or set inference.model_path "
+            "to a local checkpoint directory")
+
+
+@pytest.mark.parametrize("args", [["inference"], ["trainer"], ["worker", "rollout"]])
+def test_a_hub_name_not_cached_offline_is_one_line_naming_it(tmp_path, args):
+    """Offline (HF_HUB_OFFLINE), a made-up model name stops every command that loads the model
+    before anything starts, naming the model, the cache and the cure (issue 24: a 278-line traceback)."""
     hf_home = tmp_path / "hf-home"
-    line = one_error_line(conveyor("inference", cwd=tmp_path, CONVEYOR_INFERENCE__MODEL_PATH="conveyor-test/not-cached",
-                                   HF_HUB_OFFLINE="1", HF_HOME=str(hf_home)))
-    assert line == (f"inference.model_path: conveyor-test/not-cached is a Hugging Face model name that is not in the "
-                    f"local cache ({hf_home / 'hub'}), and the Hub is offline (HF_HUB_OFFLINE): download it first "
-                    "(`hf download conveyor-test/not-cached`) or set inference.model_path to a local checkpoint directory")
+    line = one_error_line(conveyor_from_here(*args, cwd=tmp_path, CONVEYOR_INFERENCE__MODEL_PATH="conveyor-test/not-cached",
+                                             CONVEYOR_TRAINER__MAX_OFF_POLICY_STEPS="1", HF_HUB_OFFLINE="1",
+                                             HF_HOME=str(hf_home)))
+    assert line == not_available("conveyor-test/not-cached", hf_home, "the Hub is offline (HF_HUB_OFFLINE)")
+
+
+def test_a_hub_name_not_cached_with_the_hub_unreachable_is_one_line_naming_it(tmp_path):
+    """No HF_HUB_OFFLINE, but nothing answers at the Hub's endpoint: the same one line, saying so."""
+    hf_home, endpoint = tmp_path / "hf-home", f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    line = one_error_line(conveyor_from_here("trainer", cwd=tmp_path, CONVEYOR_INFERENCE__MODEL_PATH="conveyor-test/made-up",
+                                             CONVEYOR_TRAINER__MAX_OFF_POLICY_STEPS="1", CONVEYOR_OUTAGE__LIMIT_S="1",
+                                             HF_ENDPOINT=endpoint, HF_HOME=str(hf_home)))
+    prefix, _, rest = line.partition(f", and the Hub at {endpoint} is unreachable (")
+    assert prefix == not_available("conveyor-test/made-up", hf_home, "").split(", and ")[0], line
+    assert "HF_HUB_OFFLINE=1 says offline at once): download it first (`hf download conveyor-test/made-up`)" in rest
+    assert time.monotonic() - started < 30
 
 
 def test_the_gpu_launch_takes_a_hub_name_from_the_cache_offline(tmp_path):

@@ -369,3 +369,16 @@ def test_a_trial_counts_the_episodes_after_its_free_shots():
     assert reward == pytest.approx(0.25) and info["episode_rewards"] == [1.0, 0.5] and info["last_episode"] == {"n": 2}
     with pytest.raises(EnvironmentConfigError, match=r"free_shots \(2\) must be below episodes_per_trial \(2\)"):
         EnvironmentRegistry(entry_points=False).config("qa", {"episodes_per_trial": 2, "free_shots": 2})
+
+
+def test_a_textarena_observation_carries_the_games_messages_not_the_agents_own_move_back():
+    """TowerOfHanoi sends the agent's move back as the game (sender -1), typed PLAYER_ACTION:
+    observations are chosen by type, so no turn starts with the move the agent just made."""
+    registry = EnvironmentRegistry(entry_points=False)
+    solution = ["[A C]", "[A B]", "[C B]", "[A C]", "[B A]", "[B C]", "[A C]"]  # the default 3 disks
+    messages, results, verdict = asyncio.run(_play("textarena", {"env_id": "TowerOfHanoi-v0-raw"}, 5, solution, registry))
+    assert "Tower of Hanoi" in messages[0]["content"] and "Current Board" in messages[0]["content"]
+    for move, result in zip(solution, results[:-1]):
+        assert not result.observation.startswith(move) and move not in result.observation, (move, result.observation)
+        assert result.observation.startswith("You moved disk"), result.observation
+    assert results[-1].done and verdict.reward == 1.0

@@ -3,6 +3,8 @@ model: which groups a step trains on, staleness at training time, and restart sa
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from services.trainer.checkpoints import latest_checkpoint
@@ -156,3 +158,19 @@ def test_mixing_defers_surplus_groups_to_the_queue_tail_once_and_a_restart_selec
     queue_group(redis_client, store, make_batch, run_id, 3, 1, env="b")
     trained = second._select()
     assert trained.keys == [queue[1].key, f"batches/{run_id}/000003.json.gz"]  # the deferred group, then the new b
+
+
+def test_a_steps_log_line_says_a_rate_with_no_interval_is_unknown_never_nan(setup, redis_client, make_batch, run_id, caplog):
+    """Step 1 has no step before it: its time since the last step and its trajectories/s are
+    unknown ("-"); step 2 has both."""
+    _, store, _, make_loop = setup
+    for group_id in range(4):
+        queue_group(redis_client, store, make_batch, run_id, group_id, 0)
+    loop = make_loop()
+    caplog.set_level("INFO", logger="services.trainer.loop")
+    loop.train_once()
+    loop.train_once()
+    lines = {int(r.getMessage().split(":")[0].removeprefix("step ")): r.getMessage()
+             for r in caplog.records if r.getMessage().startswith("step ")}
+    assert "nan" not in lines[1].lower() and "- since the last step, - trajectories/s" in lines[1], lines[1]
+    assert re.search(r"\d+\.\ds since the last step, \d+\.\d trajectories/s", lines[2]), lines[2]

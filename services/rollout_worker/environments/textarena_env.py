@@ -2,8 +2,9 @@
 
 ``env_config.env_id`` names the game (``GuessTheNumber-v0-raw``, ``Wordle-v0-raw``, ...),
 ``env_config.kwargs`` are passed to ``textarena.make``. The ``-raw`` ids give the game's own
-messages; each observation is then the game's messages since the agent's last action. A
-wrapped id gives textarena's rendered string, passed on as it is.
+messages; each observation is then the game's messages since the agent's last action, every
+``ObservationType`` but ``PLAYER_ACTION`` (the agent's own move, which some games echo as the
+game's). A wrapped id gives textarena's rendered string, passed on as it is.
 
 The game ends when textarena says so; its reward for player 0 (from ``env.close()``) is the
 last turn's reward and the episode's. textarena seeds the process-global ``random`` in
@@ -29,8 +30,16 @@ class TextArenaConfig(HostedConfig):
 def _as_text(observation: Any) -> str:
     if isinstance(observation, str):
         return observation
-    lines = [str(item[1]) for item in observation if isinstance(item, tuple) and len(item) >= 2 and item[0] != PLAYER]
-    return "\n".join(lines)
+    return "\n".join(str(item[1]) for item in observation if _for_the_agent(item))
+
+
+def _for_the_agent(item: Any) -> bool:
+    """Whether a ``(sender, text, ObservationType)`` message is news to the agent: every type but
+    ``PLAYER_ACTION``, the agent's own move, which some games (TowerOfHanoi) send back as the
+    game (sender -1). Chosen by what a message is, not by who sent it."""
+    from textarena.core import ObservationType
+
+    return isinstance(item, tuple) and len(item) >= 3 and item[2] != ObservationType.PLAYER_ACTION
 
 
 class TextArenaDriver:
