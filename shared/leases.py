@@ -11,6 +11,11 @@ Invariants:
   not renewed yet and every lease may look expired: the reaper takes none until Redis has
   been up for ``settle_s`` (a heartbeat plus the longest outage backoff), so an outage of
   Redis costs no attempt and no re-run, only the wait.
+- A lease last renewed before the Redis server now answering started was lost in a crash of
+  Redis (with its holders, when a machine or a whole stack went down), not by anything its
+  trajectory did: it is re-dispatched without counting the attempt. A trajectory fails
+  ``lease_expired`` only for holders that died while Redis stayed up (``max_attempts`` of them),
+  so crashes of everything never fail work, however many.
 - Nothing is sent again merely because Redis was down: a message lost with it (a delivery whose
   reply never arrived, the last second of writes before a crash) is found by its dispatch
   deadline, which every state that waits for a stage holds (``shared.ledger``). So a broker
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from typing import Callable
 
@@ -110,11 +116,19 @@ class LeaseKeeper:
 
 class Reaper:
     def __init__(self, ledger: Ledger, stage: LeaseStage, max_attempts: int, interval_s: float, redispatch: Redispatch,
-                 settle_s: float = 0.0):
+                 settle_s: float = 0.0, lease_ttl_s: float = 0.0):
+        """``lease_ttl_s`` (the holders' TTL): a lease last renewed before Redis restarted is
+        expired without counting its attempt (0: every expiry counts)."""
         self.ledger, self.stage, self.max_attempts, self.interval_s = ledger, stage, max_attempts, interval_s
         self.redispatch = redispatch
         self.settle_s = settle_s
+        self.lease_ttl_s = lease_ttl_s
         self._stop = threading.Event()
+
+    def _redis_started_at(self) -> float:
+        """When the Redis server now answering started (its uptime, in this host's clock)."""
+        uptime = float(self.ledger.redis.info("server").get("uptime_in_seconds", 0))
+        return time.time() - uptime + 1.0  # whole seconds, counted from the process's start: give it one
 
     def settling(self) -> bool:
         """Redis came back less than ``settle_s`` ago: holders may not have renewed yet."""
@@ -131,8 +145,9 @@ class Reaper:
         if self.settling():
             return outcome
         to_send: dict[str, str] = {}  # per sweep: each trajectory goes out once
+        forgive_before = self._redis_started_at() + self.lease_ttl_s if self.lease_ttl_s else 0.0
         for trajectory_id in self.ledger.expired_leases(stage=self.stage):
-            result = self.ledger.expire(trajectory_id, self.max_attempts, stage=self.stage)
+            result = self.ledger.expire(trajectory_id, self.max_attempts, stage=self.stage, forgive_before=forgive_before)
             if result in ("requeued", "resent"):
                 self._add_payload(trajectory_id, to_send)
                 log.warning("%s of %s: %s", self.stage.name, trajectory_id, _SAID[result])

@@ -186,10 +186,12 @@ class Ledger:
         now = time.time() if now is None else now
         return self.redis.zrangebyscore(stage.leases, "-inf", now, start=0, num=limit)
 
-    def expire(self, trajectory_id: str, max_attempts: int, now: float | None = None, stage: LeaseStage = ROLLOUT) -> str:
+    def expire(self, trajectory_id: str, max_attempts: int, now: float | None = None, stage: LeaseStage = ROLLOUT,
+               forgive_before: float = 0.0) -> str:
         """A deadline passed. A lease: 'requeued' (publish the payload again) or 'failed'. A
         dispatch deadline of a trajectory still unclaimed: 'resent' (publish the payload again;
-        no attempt counts). Else 'skip'."""
+        no attempt counts). Else 'skip'. A lease whose deadline is before ``forgive_before``
+        (it was last renewed before Redis restarted) does not count its attempt."""
         ids = parse_trajectory_id(trajectory_id)
         now = time.time() if now is None else now
         reason = f"{stage.expired_reason} after {max_attempts} attempts"
@@ -200,7 +202,7 @@ class Ledger:
         keys = [k.states(run), k.counts(run), stage.owners(run), stage.leases, stage.attempts(run), k.failures(run),
                 k.trainer_stream(run), stage.resends(run)]
         args = [trajectory_id, now, max_attempts, event.model_dump_json(), stage.held.value, stage.claim_from.value,
-                stage.expired_reason, self.dispatch_ttl_s]
+                stage.expired_reason, self.dispatch_ttl_s, repr(forgive_before)]
         return self._expire(keys=keys, args=args)
 
     # --- transitions ------------------------------------------------------------------------

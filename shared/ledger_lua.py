@@ -132,8 +132,11 @@ return moved
 #   never sent, or lost. No attempt was made, so none counts ('resent'); the next deadline is
 #   further ahead each time (dispatch TTL x 2^resends, up to x32), so a message that only waits
 #   in a long queue is copied a few times at most.
+# - A lease last renewed before Redis itself restarted (deadline < ARGV[9]) was lost in a crash
+#   of Redis, not by anything the trajectory did: its attempt does not count ('requeued').
 # KEYS: states, counts, owners, leases, attempts, failures, stream, resends
-# ARGV: tid, now, max_attempts, failed_event_json, held, claim_from, expired_reason, dispatch TTL (s)
+# ARGV: tid, now, max_attempts, failed_event_json, held, claim_from, expired_reason, dispatch TTL (s),
+#       forgive deadlines before (0: none)
 # -> "requeued" | "resent" | "failed" | "skip"
 EXPIRE = _SET_STATE + """
 local deadline = redis.call('ZSCORE', KEYS[4], ARGV[1])
@@ -153,6 +156,9 @@ if state ~= ARGV[5] then
   return 'skip'
 end
 local attempts = tonumber(redis.call('HGET', KEYS[5], ARGV[1]) or '0')
+if tonumber(deadline) < tonumber(ARGV[9]) and attempts > 0 then
+  attempts = redis.call('HINCRBY', KEYS[5], ARGV[1], -1)
+end
 local to = ARGV[6]
 if attempts >= tonumber(ARGV[3]) then
   to = 'failed'

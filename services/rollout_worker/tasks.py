@@ -142,7 +142,7 @@ def _start_background(sender: object = None, **_: object) -> None:
     _reaper = Reaper(
         ctx.ledger, ROLLOUT, settings.ledger.max_attempts, settings.ledger.reaper_interval_s,
         lambda items: publish_rollouts_by_group(app, [RolloutRequest.model_validate_json(r) for _, r in items]),
-        settle_s=settle_s(settings.ledger.heartbeat_s, settings.outage),
+        settle_s=settle_s(settings.ledger.heartbeat_s, settings.outage), lease_ttl_s=settings.ledger.lease_ttl_s,
     )
     _reaper.sweep()  # leases left by a worker that died while this one was down
     _reaper.start()

@@ -45,7 +45,7 @@ _scorer = Scorer(
 _reaper = Reaper(
     _ledger, SCORING, settings.ledger.max_attempts, settings.ledger.reaper_interval_s,
     one_by_one(lambda tid, task_json: _redispatch(tid, task_json)),  # defined below
-    settle_s=settle_s(settings.ledger.heartbeat_s, settings.outage),
+    settle_s=settle_s(settings.ledger.heartbeat_s, settings.outage), lease_ttl_s=settings.ledger.lease_ttl_s,
 )
 
 

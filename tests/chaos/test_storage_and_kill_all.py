@@ -25,7 +25,7 @@ from services.cli.local_stack import LocalStack
 
 pytestmark = pytest.mark.slow
 
-KILLS = int(os.environ.get("CONVEYOR_CHAOS_KILLS", "3"))  # bench/chaos.py runs 20 and more
+KILLS = int(os.environ.get("CHAOS_TEST_KILLS", "3"))  # bench/chaos.py runs 20 and more
 
 
 def _run(served_model, root, config: ChaosConfig, run_id: str, mount_store: bool = False):

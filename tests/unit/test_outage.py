@@ -207,3 +207,25 @@ def test_a_claim_sent_again_after_its_reply_was_lost_is_answered_as_the_first(le
     assert ledger.claim(scoring, "s", 30, SCORING) == (True, "1")
     assert ledger.claim(scoring, "late", 30, SCORING) == (False, "leased")
     assert ledger.attempts(rollout) == 1 and ledger.attempts(scoring, SCORING) == 1
+
+
+def test_a_lease_lost_with_a_crash_of_redis_costs_no_attempt_and_one_lost_while_redis_stayed_up_does(tmp_path, run_id):
+    """A crash of everything (Redis and the holders) is not the trajectory's doing: however many
+    there are, it never fails ``lease_expired``; a holder that died while Redis stayed up counts."""
+    with LocalStack(tmp_path) as stack:
+        ledger = Ledger(redis_client(stack.start_redis(), FAST))
+        crashed, died_alone = (r.trajectory_id for r in requests_for(run_id, size=2))
+        ledger.register(requests_for(run_id, size=2))
+        reaper = Reaper(ledger, ROLLOUT, 1, 0.2, one_by_one(lambda tid, _payload: None), settle_s=0.5, lease_ttl_s=1.0)
+        assert ledger.claim(crashed, "holder-killed-with-redis", 1.0)[0]
+        stack.process("redis").kill()  # SIGKILL, as with everything at once; the holder is gone too
+        stack.processes.remove(stack.process("redis"))
+        stack.start_redis(stack.redis_port)
+        time.sleep(2.2)  # settled, and the lease has run out
+        assert reaper.sweep() == {"requeued": 1, "resent": 0, "failed": 0}  # max_attempts is 1, and it is not failed
+        assert ledger.state(crashed) == "queued" and ledger.attempts(crashed) == 0
+        time.sleep(1.5)  # Redis has been up longer than a lease now
+        assert ledger.claim(died_alone, "holder-that-died-alone", 0.5)[0]
+        time.sleep(0.7)
+        assert reaper.sweep() == {"requeued": 0, "resent": 0, "failed": 1}  # its one attempt counted
+        assert ledger.state(died_alone) == "failed"
