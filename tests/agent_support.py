@@ -22,12 +22,15 @@ from shared.settings import AgentProxySettings
 
 
 class StubInference:
-    """Stands in for ``InferenceClient``: ``tokens`` ids (the last one ``eos``) after ``delay_s``."""
+    """Stands in for ``InferenceClient``: ``tokens`` ids (the last one ``eos``) after ``delay_s``;
+    ``calls`` counts the calls it got."""
 
     def __init__(self, eos: int, tokens: int = 4, delay_s: float = 0.02):
         self.eos, self.tokens, self.delay_s = eos, tokens, delay_s
+        self.calls = 0
 
     async def complete(self, prompt_ids, max_tokens, seed, temperature=1.0, top_p=1.0, budget_s=None, policy_version=None):
+        self.calls += 1
         await asyncio.sleep(self.delay_s)
         ids = [self.eos - 1] * (min(self.tokens, max_tokens) - 1) + [self.eos]
         return Completion(ids, [-0.5] * len(ids), "stop", None)

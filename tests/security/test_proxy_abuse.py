@@ -237,6 +237,27 @@ def test_a_body_that_arrives_after_close_is_refused_and_not_recorded(proxy):
     assert session.turns == []
 
 
+def test_an_answer_that_arrives_after_close_is_dropped(proxy):
+    session = proxy.loop.run(proxy.open_session("traj-slow", ROOMY, lambda: 0))
+    calls, proxy.client.delay_s = proxy.client.calls, 1.0  # vLLM still sampling when the episode ends
+    answers = []
+    try:
+        caller = threading.Thread(target=lambda: answers.append(httpx.post(
+            f"{proxy.url}/chat/completions", json={"model": "tiny", "messages": HI},
+            headers={"Authorization": f"Bearer {session.key}"}, timeout=30)))
+        caller.start()
+        deadline = time.monotonic() + 10
+        while proxy.client.calls == calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert proxy.client.calls == calls + 1  # the call reached inference before the close
+        proxy.loop.run(proxy.close_session(session))
+        caller.join(30)
+    finally:
+        proxy.client.delay_s = 0.02
+    assert answers[0].status_code == 401 and "closed" in answers[0].json()["error"]["message"]
+    assert session.turns == []
+
+
 def test_no_call_is_recorded_after_the_budget_stop(proxy):
     small = RecordingLimits(max_tokens_per_turn=8, max_episode_tokens=100, max_model_len=200, max_turns=10)
     session = proxy.loop.run(proxy.open_session("traj-stopped", small, lambda: 0, with_socket=True))
