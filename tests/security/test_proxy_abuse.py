@@ -203,7 +203,9 @@ def test_the_event_loop_stays_responsive_while_a_near_limit_prompt_tokenizes(pro
     assert answer.status_code == 200 and len(session.turns) == 1
     assert len(session.turns[0].prompt_token_ids) > 100_000  # it was tokenized, and that took a while ...
     assert took > 0.3, took
-    assert worst < 0.1, (worst, took)  # ... off the event loop
+    # ... off the event loop: on it, the loop would stall for most of the call (a busy machine
+    # stretches both, so the bound is relative)
+    assert worst < took / 4, (worst, took)
 
 
 def test_a_prompt_over_the_limit_is_refused_before_it_is_tokenized(proxy, session):
