@@ -145,7 +145,7 @@ class AgentProxy:
         401 and its answer is dropped. Closing a closed session does nothing."""
         session.closed = True
         self._by_key.pop(session.key, None)
-        self.chat.forget(session.recording.prompt_keys)
+        self.chat.forget(set(session.recording.prompt_keys))  # a copy: a call's thread may still add one
         site, session._site = session._site, None
         if site is not None:
             self._by_socket.pop(str(session.socket_path), None)
@@ -214,6 +214,11 @@ class AgentProxy:
                 if session.socket_path is not None and not session.closed:  # the sandbox's wrapper stops the agent (agent_coding)
                     session.socket_path.with_name(STOP_FILE).write_text(f"{exc.reason.value}: {exc}\n")
                 return _error(400, str(exc), code="context_length_exceeded")
+            finally:
+                if session.closed:  # closed while the prompt was tokenized: its key came after the close's forget
+                    self.chat.forget(set(session.recording.prompt_keys))
+            if session.closed:
+                return _closed()
             try:
                 completion = await self.client.complete(
                     call.context, call.max_tokens, turn_seed(session.trajectory_id, len(session.turns)), self.temperature, self.top_p,
