@@ -122,6 +122,30 @@ class SamplingSettings(Section):
     top_p: Float = Field(1.0, gt=0, le=1)
 
 
+class AgentProxySettings(Section):
+    """Bounds of the recording proxy (``services.rollout_worker.agent_proxy``) per trajectory's
+    session, so that one sandbox cannot starve the worker's other trajectories."""
+    # a body over this is refused with 413 before it is read (declared length), or as soon as
+    # the bytes read pass it (chunked)
+    max_body_bytes: Int = Field(8 * 1024 * 1024, gt=0)
+    # bytes of request bodies a session holds at once, over all its connections (read, parsed or
+    # waiting for its turn); a body that would pass it is refused with 429
+    session_bytes_in_flight: Int = Field(16 * 1024 * 1024, gt=0)
+    # connections open at once on a session's socket; one more is closed as soon as it is accepted
+    session_connections: Int = Field(16, gt=0)
+    # a connection that has not sent a whole request head this long after it opened (or after its
+    # last answer) is closed: slow headers, and idle keep-alive connections
+    header_timeout_s: Float = Field(15.0, gt=0)
+    # the longest pause while a body is read; a body that stalls longer is dropped (408)
+    idle_timeout_s: Float = Field(30.0, gt=0)
+    # the text of a call's messages and tools, in characters: a longer one is refused (400)
+    # before it is tokenized; tokenizing runs in a thread, off the event loop
+    max_prompt_chars: Int = Field(1_000_000, gt=0)
+    # the worker's cache of rendered initial prompts (chat_tokens.ChatTokens), in bytes of keys
+    # and ids; a session's prompts leave it when the session closes
+    prompt_cache_bytes: Int = Field(64 * 1024 * 1024, gt=0)
+
+
 class RolloutSettings(Section):
     group_size: Int = Field(4, gt=0)
     # group redundancy: dispatch group_size + redundancy members, keep the first group_size
@@ -156,6 +180,7 @@ class RolloutSettings(Section):
     # under this one (per worker process), which that trajectory's sandbox mounts. Keep it short:
     # a Unix socket path has at most 107 bytes. The Docker daemon must see it at the same path.
     agent_socket_dir: Path = Path("/tmp/conveyor-agents")
+    agent_proxy: AgentProxySettings = AgentProxySettings()
 
 
 class LedgerSettings(Section):

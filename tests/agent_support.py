@@ -1,8 +1,10 @@
-"""A recording proxy (``services.rollout_worker.agent_proxy``) on a real vLLM, in a background
-event loop of its own, for tests that call it from the test's thread."""
+"""A recording proxy (``services.rollout_worker.agent_proxy``) on a real vLLM, or on
+``StubInference`` (answers of a fixed length after a fixed delay, for tests of the proxy's own
+bounds), in a background event loop of its own, for tests that call it from the test's thread."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,16 +17,33 @@ from services.inference.tiny_model import generate_tiny_model
 from services.rollout_worker.agent_proxy import AgentProxy
 from services.rollout_worker.chat_tokens import load_chat_tokens
 from services.rollout_worker.event_loop import BackgroundLoop
-from services.rollout_worker.inference_client import InferenceClient
+from services.rollout_worker.inference_client import Completion, InferenceClient
+from shared.settings import AgentProxySettings
+
+
+class StubInference:
+    """Stands in for ``InferenceClient``: ``tokens`` ids (the last one ``eos``) after ``delay_s``;
+    ``calls`` counts the calls it got."""
+
+    def __init__(self, eos: int, tokens: int = 4, delay_s: float = 0.02):
+        self.eos, self.tokens, self.delay_s = eos, tokens, delay_s
+        self.calls = 0
+
+    async def complete(self, prompt_ids, max_tokens, seed, temperature=1.0, top_p=1.0, budget_s=None, policy_version=None):
+        self.calls += 1
+        await asyncio.sleep(self.delay_s)
+        ids = [self.eos - 1] * (min(self.tokens, max_tokens) - 1) + [self.eos]
+        return Completion(ids, [-0.5] * len(ids), "stop", None)
 
 
 @contextmanager
-def running_proxy(model_dir: Path, vllm_url: str, served: str, socket_dir: Path) -> Iterator[AgentProxy]:
+def running_proxy(model_dir: Path, inference: InferenceClient | StubInference, served: str, socket_dir: Path,
+                  limits: AgentProxySettings | None = None) -> Iterator[AgentProxy]:
     """The proxy, with ``.loop`` (a ``BackgroundLoop``) to run its coroutines from the test."""
     loop = BackgroundLoop()
 
     async def start() -> AgentProxy:
-        proxy = AgentProxy(InferenceClient(vllm_url, served), load_chat_tokens(model_dir), served, socket_dir=socket_dir)
+        proxy = AgentProxy(inference, load_chat_tokens(model_dir, (limits or AgentProxySettings()).prompt_cache_bytes), served, socket_dir=socket_dir, limits=limits)
         await proxy.start()
         return proxy
 
@@ -59,7 +78,7 @@ def proxy_on_tiny_vllm(root: Path, served: str = "tiny", max_model_len: int = 10
     model_dir = long_context_tiny_model(root / "tiny", max_model_len)
     extra = long_context_vllm_args(max_model_len) if max_model_len > 1024 else ()
     with running_vllm(model_dir, served, root / "vllm.log", max_model_len=max_model_len, extra_args=extra) as vllm, \
-            running_proxy(model_dir, vllm.base_url, served, root / "sockets") as proxy:
+            running_proxy(model_dir, InferenceClient(vllm.base_url, served), served, root / "sockets") as proxy:
         proxy.vllm = vllm
         yield proxy
 
@@ -67,6 +86,15 @@ def proxy_on_tiny_vllm(root: Path, served: str = "tiny", max_model_len: int = 10
 @contextmanager
 def proxy_on_served(model: ServedModel, root: Path) -> Iterator[AgentProxy]:
     """A proxy in front of an already running vLLM (the session's, ``served_model``), ``.vllm`` set to it."""
-    with running_proxy(model.model_dir, model.base_url, "tiny", root / "sockets") as proxy:
+    with running_proxy(model.model_dir, InferenceClient(model.base_url, "tiny"), "tiny", root / "sockets") as proxy:
         proxy.vllm = model
+        yield proxy
+
+
+@contextmanager
+def proxy_on_stub(root: Path, limits: AgentProxySettings, delay_s: float = 0.02) -> Iterator[AgentProxy]:
+    """The tiny model's tokenizer behind a proxy bounded by ``limits``, answered by ``StubInference``."""
+    model_dir = generate_tiny_model(root / "tiny", end_of_turn_bias=4.0)
+    eos = load_chat_tokens(model_dir).eos_token_id
+    with running_proxy(model_dir, StubInference(eos, delay_s=delay_s), "tiny", root / "sockets", limits) as proxy:
         yield proxy

@@ -6,15 +6,19 @@ observation and opens the next assistant turn. That text is derived from the mod
 template (render a conversation around a placeholder and cut at it), so any template that
 renders an assistant message as its content followed by an end marker works.
 
-The ids of the last ``PROMPTS_KEPT`` initial prompts are kept, by their messages and tools as
-JSON (key order included, as the template may render it): a group's members all start from
-the same prompt, rendered once for the group. Every caller gets a list of its own.
+The ids of recent initial prompts are kept, by their messages and tools as JSON (key order
+included, as the template may render it): a group's members all start from the same prompt,
+rendered once for the group. Every caller gets a list of its own. The cache holds at most
+``cache_bytes`` (each entry counts its key's length plus 8 bytes an id, as stored), the least
+recently used leaving first; a prompt bigger than that is not kept. ``forget`` drops the
+entries of given keys (the proxy's, when a session ends).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from array import array
 from collections import OrderedDict
 from functools import lru_cache
 from pathlib import Path
@@ -25,18 +29,20 @@ from services.rollout_worker.tokenizer_loading import load_tokenizer
 
 _PLACEHOLDER = "\u2063PLACEHOLDER\u2063"
 _OBSERVATION = "\u2063OBSERVATION\u2063"
-PROMPTS_KEPT = 256
+CACHE_BYTES = 64 * 1024 * 1024
 
 
 class ChatTokens:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, observation_role: str = "user"):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, observation_role: str = "user", cache_bytes: int = CACHE_BYTES):
         self.tokenizer = tokenizer
         self.observation_role = observation_role
         self.eos_token_id = tokenizer.eos_token_id
         self.eos_text = tokenizer.eos_token or ""
         # observation frame per role, found on first use
         self._frames: dict[str, tuple[str, str] | tuple[()]] = {}
-        self._prompts: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # the last PROMPTS_KEPT initial prompts
+        self.cache_bytes = cache_bytes
+        self._prompts: OrderedDict[str, array] = OrderedDict()  # recent initial prompts, at most cache_bytes
+        self._prompts_size = 0
         self._prompts_lock = threading.Lock()
 
     @property
@@ -44,23 +50,52 @@ class ChatTokens:
         """Whether the chat template renders a ``tools`` argument (else tools must go in a message)."""
         return "tools" in (self.tokenizer.chat_template or "")
 
-    def initial_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """``tools``: passed to the template (only for one that ``renders_tools``)."""
+    def initial_prompt(self, messages: list[dict], tools: list[dict] | None = None, keys: set[str] | None = None) -> list[int]:
+        """``tools``: passed to the template (only for one that ``renders_tools``). ``keys``: gets
+        this prompt's cache key (for ``forget``)."""
         try:
             key = json.dumps([messages, tools or None])
         except (TypeError, ValueError):  # not JSON: rendered each time
             return self._render_prompt(messages, tools)
+        if keys is not None:
+            keys.add(key)
         with self._prompts_lock:
             ids = self._prompts.get(key)
             if ids is not None:
                 self._prompts.move_to_end(key)
-                return list(ids)
-        ids = tuple(self._render_prompt(messages, tools))
+                return ids.tolist()
+        ids = array("q", self._render_prompt(messages, tools))
+        self._keep(key, ids)
+        return ids.tolist()
+
+    @staticmethod
+    def _entry_bytes(key: str, ids: array) -> int:
+        return len(key) + ids.itemsize * len(ids)
+
+    def _keep(self, key: str, ids: array) -> None:
+        size = self._entry_bytes(key, ids)
+        if size > self.cache_bytes:
+            return
         with self._prompts_lock:
+            self._drop(key)
             self._prompts[key] = ids
-            while len(self._prompts) > PROMPTS_KEPT:
-                self._prompts.popitem(last=False)
-        return list(ids)
+            self._prompts_size += size
+            while self._prompts_size > self.cache_bytes:
+                self._drop(next(iter(self._prompts)))
+
+    def _drop(self, key: str) -> None:
+        ids = self._prompts.pop(key, None)
+        if ids is not None:
+            self._prompts_size -= self._entry_bytes(key, ids)
+
+    def forget(self, keys: set[str]) -> None:
+        with self._prompts_lock:
+            for key in keys:
+                self._drop(key)
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._prompts_size
 
     def _render_prompt(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         extra = {"tools": tools} if tools else {}
@@ -111,5 +146,5 @@ class ChatTokens:
 
 
 @lru_cache(maxsize=4)
-def load_chat_tokens(model_path: str | Path) -> ChatTokens:
-    return ChatTokens(load_tokenizer(model_path))
+def load_chat_tokens(model_path: str | Path, cache_bytes: int = CACHE_BYTES) -> ChatTokens:
+    return ChatTokens(load_tokenizer(model_path), cache_bytes=cache_bytes)

@@ -186,7 +186,8 @@ async def agent_proxy_of(ctx: RolloutContext) -> AgentProxy:
         if ctx.agent_proxy is None:
             rollout = ctx.settings.rollout
             proxy = AgentProxy(ctx.inference, ctx.chat, ctx.settings.inference.model, rollout.sampling.temperature,
-                               rollout.sampling.top_p, socket_dir=rollout.agent_socket_dir / f"w{os.getpid()}")
+                               rollout.sampling.top_p, socket_dir=rollout.agent_socket_dir / f"w{os.getpid()}",
+                               limits=rollout.agent_proxy)
             await proxy.start()
             ctx.agent_proxy = proxy
         return ctx.agent_proxy

@@ -311,3 +311,13 @@ def test_conveyor_config_naming_a_missing_file_is_an_error(monkeypatch, tmp_path
     monkeypatch.setenv("CONVEYOR_CONFIG", str(tmp_path / "nope.yaml"))
     with pytest.raises(SettingsError, match="nope.yaml \\(CONVEYOR_CONFIG\\) does not exist"):
         load_settings()
+
+
+def test_the_agent_proxys_bounds_load_from_the_environment_and_name_a_bad_one(monkeypatch):
+    monkeypatch.setenv("CONVEYOR_ROLLOUT__AGENT_PROXY__SESSION_CONNECTIONS", "4")
+    assert load_settings().rollout.agent_proxy.session_connections == 4
+    assert load_settings().rollout.agent_proxy.max_body_bytes == 8 * 1024 * 1024  # siblings keep their defaults
+    monkeypatch.setenv("CONVEYOR_ROLLOUT__AGENT_PROXY__HEADER_TIMEOUT_S", "0")
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    assert "rollout.agent_proxy.header_timeout_s" in str(info.value) and "greater than 0" in str(info.value)

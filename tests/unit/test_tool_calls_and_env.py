@@ -354,7 +354,6 @@ def test_initial_prompt_kept_gives_the_rendered_ids_each_to_its_own(tmp_path, mo
     from transformers import AutoTokenizer
 
     from services.inference.tiny_model import generate_tiny_model
-    from services.rollout_worker import chat_tokens
     from services.rollout_worker.chat_tokens import ChatTokens
 
     tokenizer = AutoTokenizer.from_pretrained(str(generate_tiny_model(tmp_path / "m")))
@@ -371,6 +370,13 @@ def test_initial_prompt_kept_gives_the_rendered_ids_each_to_its_own(tmp_path, mo
     chat.initial_prompt([{"content": "Say a number.", "role": "user"}])  # the key order counts
     chat.initial_prompt([{"role": "user", "content": "Say another."}])
     assert len(renders) == 3
-    monkeypatch.setattr(chat_tokens, "PROMPTS_KEPT", 1)
-    chat.initial_prompt([{"role": "user", "content": "Say a third."}])
-    assert list(chat._prompts) == ['[[{"role": "user", "content": "Say a third."}], null]']  # the older ones went
+    third = '[[{"role": "user", "content": "Say a third."}], null]'
+    chat.cache_bytes = len(third) + 8 * len(rendered)  # room for one entry (every render here has the same ids)
+    keys: set[str] = set()
+    chat.initial_prompt([{"role": "user", "content": "Say a third."}], keys=keys)
+    assert list(chat._prompts) == [third] and chat.cached_bytes == chat.cache_bytes  # the older ones went
+    chat.cache_bytes = 10  # a prompt bigger than the whole cache is not kept
+    chat.initial_prompt([{"role": "user", "content": "Say a fourth."}])
+    assert list(chat._prompts) == [third]
+    chat.forget(keys)
+    assert chat._prompts == {} and chat.cached_bytes == 0

@@ -3,7 +3,8 @@
 An agent that only knows an OpenAI base URL (Cline, mini-swe-agent, any script) talks to it;
 the proxy renders the chat template itself, calls vLLM token-in/token-out, and records every
 sampled id with its logprob and policy version as the trajectory's turns (``recording``). The
-HTTP side and the per-trajectory sessions are ``server``.
+HTTP side and the per-trajectory sessions are ``server``; what one session may take of the
+worker (connections, body bytes) is ``bounds``.
 """
 
 from services.rollout_worker.agent_proxy.recording import AgentRecording, BudgetExhausted, RecordingLimits

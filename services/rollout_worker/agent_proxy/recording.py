@@ -14,7 +14,10 @@ Invariants:
 - Sampling is the rollout's, not the agent's: the agent's temperature and top_p are not used,
   each call's seed is ``turn_seed(trajectory, turn)``, and ``max_tokens`` can only lower the
   per-turn limit. A call past the episode's token budget or the model's context raises
-  ``BudgetExhausted`` and records nothing; the recording keeps the stop reason.
+  ``BudgetExhausted`` and records nothing; the recording keeps the stop reason, and every later
+  call is refused with it too (a smaller prompt after the stop is not a turn).
+- ``prompt_keys``: the prompt-cache keys of the initial prompts this recording rendered
+  (``ChatTokens.forget`` them when the session ends).
 """
 
 from __future__ import annotations
@@ -77,11 +80,14 @@ class AgentRecording:
         self._tools_key = ""
         self._ended_with_eos = False
         self._sampled_total = 0
+        self.prompt_keys: set[str] = set()
 
     # --- before the call -------------------------------------------------------------------
     def prepare(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], requested_max_tokens: int | None,
                 policy_version: int) -> PendingCall:
         """``policy_version``: the served version, read just before the call."""
+        if self.exhausted is not None:
+            raise BudgetExhausted(self.exhausted, f"the episode was stopped ({self.exhausted.value}): no call is taken after the stop")
         if len(self.turns) >= self.limits.max_turns:
             self._exhaust(StopReason.max_turns, f"the episode's {self.limits.max_turns} model calls are used up")
         keys = [message_key(m) for m in messages]
@@ -95,8 +101,8 @@ class AgentRecording:
             context = self._context + new_ids
             observation = "\n".join(str(m["content"]) for m in delta)
         else:
-            new_ids = (self.chat.initial_prompt(messages, tools) if self.chat.renders_tools
-                       else self.chat.initial_prompt(with_tools_in_system(messages, tools)))
+            new_ids = (self.chat.initial_prompt(messages, tools, keys=self.prompt_keys) if self.chat.renders_tools
+                       else self.chat.initial_prompt(with_tools_in_system(messages, tools), keys=self.prompt_keys))
             context = new_ids
         budget, reason = self._budget(len(context), requested_max_tokens)
         if budget <= 0:

@@ -13,6 +13,15 @@ Invariants:
 - A call refused for the episode's budget (tokens, context, turns) also writes ``stop`` (the
   reason) next to the session's socket: the sandbox sees it in its mounted directory, and the
   agent's wrapper stops the agent there, so an agent that retries refusals cannot run on.
+- A session takes a bounded share of the worker (``bounds``, ``AgentProxySettings``): so many
+  connections on its socket, so many body bytes at once and per body (refused before they are
+  read), request heads cut at ``header_timeout_s``, stalled bodies at ``idle_timeout_s``. Parsing
+  and tokenizing run in threads, never on the event loop, and only for prompts within
+  ``max_prompt_chars``. The connection bound holds on a session's socket (a sandbox's only way in);
+  TCP callers are the worker host's own.
+- Nothing is recorded for a closed session: a call whose body or answer arrives after
+  ``close_session`` gets 401, and its answer is dropped. The session's prompts leave the prompt
+  cache when it closes.
 - Calls of one session run one at a time, in arrival order (the recording joins each call to
   the previous one).
 - Inference goes through the worker's ``InferenceClient``: an outage is waited out as for the
@@ -36,11 +45,13 @@ from typing import Any, Callable
 
 from aiohttp import web
 
+from services.rollout_worker.agent_proxy.bounds import BodyRefused, BytesInFlight, SessionSite, read_body, refusal
 from services.rollout_worker.agent_proxy.messages import BadChatRequest, check_tools, template_messages
 from services.rollout_worker.agent_proxy.recording import AgentRecording, BudgetExhausted, RecordingLimits, Reply
 from services.rollout_worker.chat_tokens import ChatTokens
 from services.rollout_worker.episode import turn_seed
 from services.rollout_worker.inference_client import InferenceClient, InferenceOutage, InferenceRejected, InferenceUnavailable
+from shared.settings import AgentProxySettings
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +64,14 @@ class ProxySession:
     key: str
     recording: AgentRecording
     policy_version: Callable[[], int]
+    in_flight: BytesInFlight
     socket_path: Path | None = None
+    closed: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     opened_at: float = field(default_factory=time.time)
     first_call_at: float | None = None
     refused: int = 0  # calls refused for a bad request or a used-up budget
-    _site: web.UnixSite | None = None
+    _site: SessionSite | None = None
 
     @property
     def turns(self):
@@ -73,8 +86,10 @@ class AgentProxy:
     """Start it (``await start()``) inside the event loop that runs the episodes."""
 
     def __init__(self, client: InferenceClient, chat: ChatTokens, model_name: str, temperature: float = 1.0,
-                 top_p: float = 1.0, host: str = "127.0.0.1", port: int = 0, socket_dir: Path | None = None):
+                 top_p: float = 1.0, host: str = "127.0.0.1", port: int = 0, socket_dir: Path | None = None,
+                 limits: AgentProxySettings | None = None):
         self.client, self.chat, self.model_name = client, chat, model_name
+        self.limits = limits or AgentProxySettings()
         self.temperature, self.top_p = temperature, top_p
         self.host, self.port = host, port
         self.socket_dir = socket_dir
@@ -88,11 +103,14 @@ class AgentProxy:
         return f"http://{self.host}:{self.port}/v1"
 
     async def start(self) -> None:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=self.limits.max_body_bytes)
         for prefix in ("", "/s/{key}"):
             app.router.add_get(f"{prefix}/v1/models", self._models)
             app.router.add_post(f"{prefix}/v1/chat/completions", self._chat)
-        self._runner = web.AppRunner(app, access_log=None)
+        # aiohttp closes a connection that has no whole request head this long after it opened
+        # or after its last answer (its keep-alive timeout); one answered before its body was
+        # read is closed at once (no lingering: the rest of the body is not read)
+        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=self.limits.header_timeout_s, lingering_time=0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
@@ -106,7 +124,8 @@ class AgentProxy:
 
     async def open_session(self, trajectory_id: str, limits: RecordingLimits, policy_version: Callable[[], int],
                            with_socket: bool = False) -> ProxySession:
-        session = ProxySession(trajectory_id, secrets.token_urlsafe(24), AgentRecording(self.chat, limits), policy_version)
+        session = ProxySession(trajectory_id, secrets.token_urlsafe(24), AgentRecording(self.chat, limits), policy_version,
+                               BytesInFlight(self.limits.session_bytes_in_flight))
         if with_socket:
             if self.socket_dir is None:
                 raise ValueError("this proxy has no socket_dir: it cannot give a session a socket")
@@ -114,7 +133,7 @@ class AgentProxy:
             own_dir.mkdir(parents=True)
             own_dir.chmod(0o755)
             session.socket_path = own_dir / "proxy.sock"
-            session._site = web.UnixSite(self._runner, str(session.socket_path))
+            session._site = SessionSite(self._runner, str(session.socket_path), self.limits.session_connections)
             await session._site.start()
             session.socket_path.chmod(0o666)  # the sandbox's user is not the worker's
             self._by_socket[str(session.socket_path)] = session
@@ -122,13 +141,16 @@ class AgentProxy:
         return session
 
     async def close_session(self, session: ProxySession) -> None:
-        """The key stops working at once; a call already running finishes and is recorded.
-        Closing a closed session does nothing."""
+        """The key stops working at once, and nothing more is recorded: a call still running gets
+        401 and its answer is dropped. Closing a closed session does nothing."""
+        session.closed = True
         self._by_key.pop(session.key, None)
+        self.chat.forget(set(session.recording.prompt_keys))  # a copy: a call's thread may still add one
         site, session._site = session._site, None
         if site is not None:
             self._by_socket.pop(str(session.socket_path), None)
             await site.stop()
+            site.abort()
             session.socket_path.unlink(missing_ok=True)
             session.socket_path.with_name(STOP_FILE).unlink(missing_ok=True)
             try:
@@ -163,32 +185,40 @@ class AgentProxy:
         if isinstance(session, web.Response):
             return session
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            body = await read_body(request, session.in_flight, self.limits)
+        except BodyRefused as exc:
             session.refused += 1
-            return _error(400, f"the body is not JSON: {exc}")
+            return refusal(exc)
         try:
-            if not isinstance(body, dict):
-                raise BadChatRequest("the body must be a JSON object")
-            messages, tools = template_messages(body.get("messages")), check_tools(body.get("tools"))
-            if body.get("n", 1) != 1:
-                raise BadChatRequest("n must be 1: each call is one turn of one trajectory")
-            max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-            if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0):
-                raise BadChatRequest(f"max_tokens must be a positive integer, got {max_tokens!r}")
+            return await self._answer(request, session, body)
+        finally:
+            session.in_flight.release(len(body))
+
+    async def _answer(self, request: web.Request, session: ProxySession, raw: bytearray) -> web.StreamResponse:
+        if session.closed:
+            return _closed()
+        try:
+            body, messages, tools, max_tokens = await asyncio.to_thread(_parse_call, raw, self.limits.max_prompt_chars)
         except BadChatRequest as exc:
             session.refused += 1
             return _error(400, str(exc))
         session.first_call_at = session.first_call_at or time.time()
         async with session.lock:
+            if session.closed:
+                return _closed()
             try:
                 version = await asyncio.to_thread(session.policy_version)
-                call = session.recording.prepare(messages, tools, max_tokens, version)
+                call = await asyncio.to_thread(session.recording.prepare, messages, tools, max_tokens, version)
             except BudgetExhausted as exc:
                 session.refused += 1
-                if session.socket_path is not None:  # the sandbox's wrapper stops the agent (agent_coding)
+                if session.socket_path is not None and not session.closed:  # the sandbox's wrapper stops the agent (agent_coding)
                     session.socket_path.with_name(STOP_FILE).write_text(f"{exc.reason.value}: {exc}\n")
                 return _error(400, str(exc), code="context_length_exceeded")
+            finally:
+                if session.closed:  # closed while the prompt was tokenized: its key came after the close's forget
+                    self.chat.forget(set(session.recording.prompt_keys))
+            if session.closed:
+                return _closed()
             try:
                 completion = await self.client.complete(
                     call.context, call.max_tokens, turn_seed(session.trajectory_id, len(session.turns)), self.temperature, self.top_p,
@@ -197,12 +227,40 @@ class AgentProxy:
                 return _error(400, str(exc))
             except (InferenceUnavailable, InferenceOutage) as exc:
                 return _error(503, str(exc), "server_error")
+            if session.closed:
+                return _closed()
             reply = session.recording.record(call, completion, tools)
         answer = _chat_completion(reply, self.model_name, session.trajectory_id, len(call.context))
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return await _stream(request, answer, include_usage)
         return web.json_response(answer)
+
+
+def _closed() -> web.Response:
+    return _error(401, "the proxy session closed: nothing more is recorded for this trajectory", "authentication_error")
+
+
+def _parse_call(raw: bytearray, max_prompt_chars: int) -> tuple[dict[str, Any], list[dict], list[dict], int | None]:
+    """The body, its messages as the template sees them, its tools and max_tokens (in a thread:
+    a large body takes long to parse)."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadChatRequest(f"the body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadChatRequest("the body must be a JSON object")
+    messages, tools = template_messages(body.get("messages")), check_tools(body.get("tools"))
+    if body.get("n", 1) != 1:
+        raise BadChatRequest("n must be 1: each call is one turn of one trajectory")
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0):
+        raise BadChatRequest(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    chars = len(json.dumps([messages, tools]))
+    if chars > max_prompt_chars:
+        raise BadChatRequest(f"the prompt's {chars} characters pass the proxy's limit of {max_prompt_chars}: "
+                             "it is not tokenized (context_length_exceeded)")
+    return body, messages, tools, max_tokens
 
 
 def _chat_completion(reply: Reply, model: str, trajectory_id: str, prompt_tokens: int) -> dict[str, Any]:
