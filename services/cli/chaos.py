@@ -44,7 +44,8 @@ from shared.ledger import ROLLOUT, SCORING, Ledger
 from shared.names import RedisKeys
 from shared.outcomes import FailureKind, kind_of
 from shared.schemas import GroupRecord, TrainerEvent, parse_message
-from shared.settings import StorageSettings
+from shared.outage import redis_client
+from shared.settings import OutageSettings, StorageSettings
 from shared.storage import LocalStore, ObjectStore, S3Store, get_models_under
 
 FAULT_KINDS = {FailureKind.infra_error.value, "lease_expired", "scoring_lease_expired", "inference_outage", "scoring_error"}
@@ -114,6 +115,7 @@ class ChaosRun:
         self.total = config.groups * config.group_size
         self.dataset = write_demo_dataset(stack.root / "chaos.jsonl", config.groups, seed=config.seed)
         self.intake: ManagedProcess | None = None
+        self._ledger: Ledger | None = None
         stack.env.update({
             "CONVEYOR_ROLLOUT__GROUP_SIZE": str(config.group_size), "CONVEYOR_ROLLOUT__MAX_TURNS": "3",
             "CONVEYOR_ROLLOUT__MAX_TOKENS_PER_TURN": "16",
@@ -159,7 +161,11 @@ class ChaosRun:
 
     @property
     def ledger(self) -> Ledger:
-        return Ledger(self.stack.redis_client())
+        """The run's ledger, read through a client that waits out Redis restarting and loading."""
+        if self._ledger is None:
+            self._ledger = Ledger(redis_client(self.stack.env["CONVEYOR_REDIS__URL"],
+                                               OutageSettings(limit_s=300, backoff_max_s=0.5, log_every_s=60)))
+        return self._ledger
 
     def counts(self) -> dict[str, int]:
         return self.ledger.counts(self.run_id)
