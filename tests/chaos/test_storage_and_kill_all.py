@@ -47,8 +47,9 @@ def _run(served_model, root, config: ChaosConfig, run_id: str, mount_store: bool
 
 @pytest.mark.parametrize("appendfsync", ["everysec", "always"])
 def test_everything_killed_at_once_at_seeded_points_drains_with_nothing_lost_stuck_or_doubled(served_model, tmp_path, appendfsync):
-    config = ChaosConfig(groups=12, group_size=4, seed=7 if appendfsync == "everysec" else 8, faults=["kill_all"] * KILLS,
-                         appendfsync=appendfsync, gap_s=(0.0, 3.0))
+    # two groups at a time, slow steps: the run outlasts its kills, and none lands after its end
+    config = ChaosConfig(groups=16, group_size=4, seed=7 if appendfsync == "everysec" else 8, faults=["kill_all"] * KILLS,
+                         appendfsync=appendfsync, gap_s=(0.0, 2.0), span=(0.1, 0.75), step_latency_s=0.8, concurrency=2)
     _run(served_model, tmp_path, config, f"killall{appendfsync}")
 
 
