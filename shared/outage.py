@@ -23,6 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -175,15 +176,24 @@ class Dependency:
                 timer.daemon = True
                 timer.start()
 
-    def _confirm_back(self, token: int) -> None:
-        """Up for ``confirm_s`` since the success that ended the outage: say so, once."""
+    def _confirm_back(self, token: int | None = None) -> None:
+        """Up for ``confirm_s`` since the success that ended the outage (or the process exits
+        first: ``token`` None): say so, once."""
         with self._lock:
-            if self._unconfirmed is None or self._unconfirmed[0] != token:
+            if self._unconfirmed is None or token not in (None, self._unconfirmed[0]):
                 return  # it failed again meanwhile: the outage went on
             _token, start = self._unconfirmed
             self._unconfirmed = None
             ended = self.recovered_at or time.monotonic()
         log.warning("%s is back after %.1fs", self.name, ended - start)
+
+
+@atexit.register
+def _say_back_before_exit() -> None:
+    """A process that ends within ``confirm_s`` of an outage's end (intake, a one-shot command)
+    still says the dependency came back."""
+    for dependency in list(Dependency._known.values()):
+        dependency._confirm_back()
 
 
 def _brief(exc: BaseException | None) -> str:

@@ -6,8 +6,11 @@ right after Redis came back."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -229,3 +232,25 @@ def test_a_lease_lost_with_a_crash_of_redis_costs_no_attempt_and_one_lost_while_
         time.sleep(0.7)
         assert reaper.sweep() == {"requeued": 0, "resent": 0, "failed": 1}  # its one attempt counted
         assert ledger.state(died_alone) == "failed"
+
+
+def test_a_process_that_exits_right_after_an_outage_still_says_it_is_back(tmp_path):
+    """Intake publishes and exits within a second of Redis' return: its "back" line is written at exit."""
+    script = tmp_path / "short.py"
+    script.write_text(
+        "import logging, time\n"
+        "from shared.outage import Dependency\n"
+        "from shared.settings import OutageSettings\n"
+        "logging.basicConfig(level=logging.INFO, format='%(message)s')\n"
+        "d = Dependency.named('short-lived', OutageSettings(limit_s=30, backoff_max_s=5, log_every_s=1000))\n"
+        "until = time.monotonic() + 0.3\n"
+        "def call():\n"
+        "    if time.monotonic() < until:\n"
+        "        raise ConnectionRefusedError('refused')\n"
+        "    return 1\n"
+        "d.call(call, lambda e: isinstance(e, ConnectionError))\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=Path.cwd())
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 0 and len(lines) == 2, done.stderr
+    assert "short-lived is unreachable" in lines[0] and "short-lived is back after" in lines[1]
