@@ -36,14 +36,17 @@ LINGER_S = 8  # the send-by entry: lease + linger = 12 s after the upload
 
 
 def in_unsent_batch(ledger: Ledger, run_id: str) -> list[str]:
-    """Uploaded, with the send-by entry its upload wrote and no scorer on it: its message is
-    still in its worker's outbox."""
+    """Uploaded, with the short send-by deadline its upload wrote (a sent batch's deadline has
+    moved ``dispatch_ttl_s`` ahead) and no scorer on it: its message is still in its worker's
+    outbox."""
     uploaded = [t for t, s in ledger.states(run_id).items() if s == "uploaded"]
     scorers = set(ledger.redis.hkeys(SCORING.owners(run_id)))
     pipe = ledger.redis.pipeline(transaction=False)
     for t in uploaded:
         pipe.zscore(SCORING.leases, t)
-    return sorted(t for t, send_by in zip(uploaded, pipe.execute()) if send_by is not None and t not in scorers)
+    unsent_until = time.time() + LEASE_TTL_S + LINGER_S + 1
+    return sorted(t for t, send_by in zip(uploaded, pipe.execute())
+                  if send_by is not None and send_by <= unsent_until and t not in scorers)
 
 
 def kill_with_a_batch_in_flight(victim, ledger: Ledger, run_id: str, deadline: float) -> list[str]:
