@@ -11,7 +11,8 @@ Invariants:
   ``max_batch`` tasks, or ``linger_s`` after its first task arrived, whichever comes first;
   ``linger_s`` is well inside ``send_within_s``, so the reaper sends only what a dead process
   left.
-- After a batch is published its send-by entries are cleared (``Ledger.scoring_sent``); a
+- After a batch is published its send-by entries move ``ledger.dispatch_ttl_s`` ahead
+  (``Ledger.scoring_sent``): a message lost by the broker after that is sent again then. A
   process dying in between leaves a duplicate message at worst, a no-op at the scoring claim.
 - All methods run in the episodes' event loop; publishing (blocking Redis calls) runs in a
   thread.

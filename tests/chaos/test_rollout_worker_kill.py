@@ -5,7 +5,7 @@ Celery rollout and scoring workers, the trainer, intake).
 What a user relies on: the dead worker's trajectories come back by their leases, members of
 its groups it never claimed come back with them (the reaper sends them), and tasks it received
 but had not begun to claim come back by the broker's visibility timeout (15 s here, 5 minutes
-by default); each is rolled out again by another worker, once; nothing is lost, nothing reaches
+by default) or their dispatch deadlines, whichever comes first; each is rolled out again by another worker, once; nothing is lost, nothing reaches
 the trainer twice, and no one steps in. The kill comes with a scoring batch in flight: members
 the victim had uploaded sit in its outbox, their message not yet sent (a long
 ``rollout.scoring_linger_s`` keeps them there until their group's task ends); the scoring
