@@ -41,6 +41,9 @@ def in_thread(fn) -> tuple[threading.Thread, list]:
 
 
 def outage_lines(caplog, name: str) -> tuple[int, int]:
+    """(unreachable lines, back lines) of the dependency, once its "back" line is due: it is said
+    after the dependency stayed up ``backoff_max_s + 1`` s (``shared.outage``)."""
+    time.sleep(FAST.backoff_max_s + 1.5)
     text = [r.getMessage() for r in caplog.records]
     return (sum(f"{name} is unreachable" in t for t in text), sum(f"{name} is back after" in t for t in text))
 
