@@ -100,8 +100,9 @@ class ChaosReport:
         c = self.counts
         total = self.config.groups * self.config.group_size
         rows.append(f"\n{total} trajectories, AOF appendfsync {self.config.appendfsync}: consumed {c.get('consumed')}, "
-                    f"failed {c.get('failed')}, drained {self.drained_s:.1f}s after the last fault; rolled out again "
-                    f"{self.rerun.get('rollout', 0)}, scored again {self.rerun.get('scoring', 0)} (work redone, not doubled); "
+                    f"failed {c.get('failed')}, drained {self.drained_s:.1f}s after the last fault; with a second attempt "
+                    f"counted: rollout {self.rerun.get('rollout', 0)}, scoring {self.rerun.get('scoring', 0)} (a crash of "
+                    f"Redis counts none); "
                     + ("no problem found" if self.ok else "PROBLEMS: " + "; ".join(self.problems)))
         return "\n".join(rows)
 

@@ -57,8 +57,8 @@ def test_the_object_stores_disk_full_then_its_volume_gone_are_waited_out(served_
     require_mount()
     # both land while the run has work left (its uploads wait through each), apart: a fault
     # within a few seconds of the last one's end would be the same outage (shared.outage)
-    config = ChaosConfig(groups=32, group_size=4, seed=3, faults=["disk_full", "store_unavailable"], fault_s=10.0,
-                         gap_s=(3.5, 4.0), span=(0.05, 0.15), step_latency_s=1.0)
+    config = ChaosConfig(groups=24, group_size=4, seed=3, faults=["disk_full", "store_unavailable"], fault_s=10.0,
+                         gap_s=(3.5, 4.0), span=(0.05, 0.2), step_latency_s=1.0, concurrency=2)
     _run(served_model, tmp_path, config, "storefaults", mount_store=True)
     worker_log = (tmp_path / "logs" / "worker-rollout.log").read_text()  # the faults hit it, and it waited
     store = f"object store at {tmp_path.resolve() / 'objects'}"
