@@ -125,27 +125,34 @@ class Reaper:
         self.lease_ttl_s = lease_ttl_s
         self._stop = threading.Event()
 
-    def _redis_started_at(self) -> float:
-        """When the Redis server now answering started (its uptime, in this host's clock)."""
-        uptime = float(self.ledger.redis.info("server").get("uptime_in_seconds", 0))
-        return time.time() - uptime + 1.0  # whole seconds, counted from the process's start: give it one
+    def _uptime_s(self) -> float:
+        """How long the Redis server now answering has run (whole seconds, from its process's start)."""
+        return float(self.ledger.redis.info("server").get("uptime_in_seconds", "inf"))
 
-    def settling(self) -> bool:
+    def settling(self, uptime_s: float | None = None) -> bool:
         """Redis came back less than ``settle_s`` ago: holders may not have renewed yet."""
         if self.settle_s <= 0:
             return False
-        uptime = float(self.ledger.redis.info("server").get("uptime_in_seconds", "inf"))
+        uptime = self._uptime_s() if uptime_s is None else uptime_s
         return min(uptime, seconds_since_recovery(self.ledger.redis)) < self.settle_s
+
+    def _forgive_before(self, uptime_s: float) -> float:
+        """Leases with an earlier deadline were last renewed before this Redis server started
+        (one second of slack for its whole-second uptime): their attempts do not count."""
+        if not self.lease_ttl_s or uptime_s == float("inf"):
+            return 0.0
+        return time.time() - uptime_s + 1.0 + self.lease_ttl_s
 
     def sweep(self) -> dict[str, int]:
         """One pass over the stage's passed deadlines: ``requeued`` (a lease ran out), ``resent``
         (a trajectory waited unclaimed past its dispatch deadline) and ``failed``. What goes out
         again is published in one ``redispatch`` call, in the order found."""
         outcome = {"requeued": 0, "resent": 0, "failed": 0}
-        if self.settling():
+        uptime = self._uptime_s()  # one INFO per sweep, for both uses
+        if self.settling(uptime):
             return outcome
         to_send: dict[str, str] = {}  # per sweep: each trajectory goes out once
-        forgive_before = self._redis_started_at() + self.lease_ttl_s if self.lease_ttl_s else 0.0
+        forgive_before = self._forgive_before(uptime)
         for trajectory_id in self.ledger.expired_leases(stage=self.stage):
             result = self.ledger.expire(trajectory_id, self.max_attempts, stage=self.stage, forgive_before=forgive_before)
             if result in ("requeued", "resent"):

@@ -33,6 +33,7 @@ import random
 import signal
 import subprocess
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -373,7 +374,7 @@ class ChaosRun:
         events = [parse_message(TrainerEvent, fields["event"]).trajectory_id for _, fields in entries]
         tids = sorted(ledger.states(self.run_id))
         if sorted(events) != tids:
-            doubled = sorted({t for t in events if events.count(t) > 1})
+            doubled = sorted(t for t, n in Counter(events).items() if n > 1)
             problems.append(f"trainer events: {len(events)} for {len(tids)} trajectories; doubled {doubled[:5]}, "
                             f"missing {sorted(set(tids) - set(events))[:5]}")
         store = self._store()
