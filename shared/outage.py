@@ -189,9 +189,10 @@ class Dependency:
 
 
 @atexit.register
-def _say_back_before_exit() -> None:
+def say_back_now() -> None:
     """A process that ends within ``confirm_s`` of an outage's end (intake, a one-shot command)
-    still says the dependency came back."""
+    still says the dependency came back; a command that fails calls this before its error line,
+    so that the error stays the last line it writes."""
     for dependency in list(Dependency._known.values()):
         dependency._confirm_back()
 

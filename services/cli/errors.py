@@ -20,7 +20,7 @@ from services.intake.datasets import DatasetError
 from services.scorer.rewards import RewardError
 from shared.environments import EnvironmentConfigError, EnvironmentUnavailable
 from shared.model_source import ModelSourceError
-from shared.outage import OutageTooLong, redact_url
+from shared.outage import OutageTooLong, redact_url, say_back_now
 from shared.run_marker import RedisDataLost
 from shared.settings import Settings, SettingsError
 from shared.storage import StorageError
@@ -82,5 +82,6 @@ def run(command: Callable[[], object]) -> None:
         line = explain(exc)
         if line is None or state.debug:
             raise
+        say_back_now()  # a pending "is back" line goes first: the error is the last line
         sys.stderr.write(f"error: {line}\n")
         sys.exit(2)

@@ -58,10 +58,20 @@ def stack_resources(name: str) -> dict[str, list[str]]:
 
 
 def remove_stack(name: str) -> dict[str, list[str]]:
-    """``docker stack rm``, then the volumes (a stack keeps them); returns what is left."""
+    """``docker stack rm``, then the volumes (a stack keeps them); returns what is left.
+
+    Swarm removes a stack's networks once, right after its services: a network whose last task
+    container is still stopping then stays ("has active endpoints"). Once the containers are
+    gone, ``docker stack rm`` again removes it, as a user would do."""
     docker("stack", "rm", name, check=False)
-    deadline = time.time() + 180
-    while time.time() < deadline and any(stack_resources(name)[k] for k in ("service", "container", "network")):
+    deadline, again_at = time.time() + 180, 0.0
+    while time.time() < deadline:
+        left = stack_resources(name)
+        if not any(left[k] for k in ("service", "container", "network")):
+            break
+        if left["network"] and not left["service"] and not left["container"] and time.time() >= again_at:
+            docker("stack", "rm", name, check=False)
+            again_at = time.time() + 10
         time.sleep(2)
     for volume in stack_resources(name)["volume"]:
         docker("volume", "rm", volume, check=False)
