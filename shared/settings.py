@@ -86,6 +86,10 @@ class InferenceSettings(Section):
     max_retries: Int = Field(3, ge=0)
     startup_timeout_s: Float = Field(300.0, gt=0)
     kv_cache_space_gib: Int = Field(1, gt=0)  # VLLM_CPU_KVCACHE_SPACE on CPU hosts
+    # vLLM without torch.compile or CUDA graphs (--enforce-eager). On CPU with the tiny model it
+    # serves in 0.37x the start-up time and decodes at 0.63x the rate (bench/vllm_startup.py):
+    # right for short runs and demos, wrong for long ones
+    eager: bool = False
     gpu_memory_utilization: Float = Field(0.85, gt=0, le=1)  # GPU hosts: vLLM's share of each GPU's memory
     tensor_parallel_size: Int = Field(1, gt=0)  # GPU hosts: GPUs one vLLM server shards the model over
     # After every weight sync, each replica must reproduce the trainer's logprobs of a fixed

@@ -41,6 +41,17 @@ def test_build_command_cpu_host() -> None:
     assert not any(a.startswith("--gpu") for a in argv)
 
 
+def test_eager_is_compiled_unless_asked_for_and_comes_from_settings() -> None:
+    assert "--enforce-eager" not in build_command("/m", "tiny", gpu=False)[0]
+    assert "--enforce-eager" in build_command("/m", "tiny", gpu=False, eager=True)[0]
+    from services.inference.vllm_command import settings_options
+
+    hub = {"model_path": "Qwen/Qwen2.5-0.5B-Instruct"}
+    eager = load_settings(inference={**hub, "eager": True}).inference
+    assert "--enforce-eager" in build_command(**settings_options(eager), gpu=True)[0]
+    assert "--enforce-eager" not in build_command(**settings_options(load_settings(inference=hub).inference), gpu=True)[0]
+
+
 def test_build_command_gpu_host() -> None:
     argv, env = build_command("/m", "tiny", gpu=True, dev_mode=False)
     assert "--gpu-memory-utilization" in argv

@@ -1,5 +1,6 @@
 """A real vLLM server for a test module: started on a free port, and stopped with nothing of its
-process group surviving (asserted)."""
+process group surviving (asserted). Eager unless a test says otherwise: the tests decode little,
+and eager vLLM serves in about a third of the start-up time (bench/vllm_startup.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def running_vllm(model_dir: Path, served_name: str, log_path: Path, max_model_le
                  extra_args: tuple[str, ...] = (), **options: Any) -> Iterator[VllmServer]:
     """``options``: more of ``VllmServer``'s keyword arguments (``lora_rank``, ...)."""
     srv = VllmServer(model_dir, served_name, port=free_port(), log_path=log_path, max_model_len=max_model_len,
-                     extra_args=extra_args, **options)
+                     extra_args=extra_args, **{"eager": True, **options})
     srv.start()
     pgid = srv.process.pid
     try:

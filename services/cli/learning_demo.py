@@ -96,7 +96,7 @@ def run_learning(
                                      for name, value in settings.items() if name.startswith("CONVEYOR_INFERENCE__")})
     vllm = VllmServer(model_dir, "tiny", port=free_port(), log_path=workdir / "vllm.log", worker_extension=worker_extension,
                       lora_rank=lora_rank, gpu=vllm_gpu, dtype=inference.dtype,
-                      gpu_memory_utilization=inference.gpu_memory_utilization)
+                      gpu_memory_utilization=inference.gpu_memory_utilization, eager=inference.eager)
     try:
         stack.start_redis()
         stack.start_s3()

@@ -15,6 +15,8 @@ Invariants:
 - With ``lora_rank`` the server serves LoRA adapters loaded at runtime (``--enable-lora``,
   ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, the smallest ``--max-lora-rank`` vLLM accepts that holds
   the rank, and two adapters per batch: a version's and the one before it, during a sync).
+- ``eager`` passes ``--enforce-eager``: no torch.compile and no CUDA graphs, so the server
+  starts in seconds rather than minutes and decodes slower (``inference.eager``).
 - ``settings_options`` is the only mapping from settings to these options, and takes the
   model from ``inference.model_path`` through ``shared.model_source`` (a local directory or a
   Hugging Face model name; anything else is refused naming the setting).
@@ -83,6 +85,7 @@ def build_command(
     tensor_parallel_size: int = 1,
     worker_extension: bool = True,
     lora_rank: int | None = None,
+    eager: bool = False,
     extra_args: tuple[str, ...] | list[str] = (),
 ) -> tuple[list[str], dict[str, str]]:
     """Return ``(argv, env_overrides)`` for the server; ``gpu=None`` detects the host.
@@ -123,6 +126,8 @@ def build_command(
             raise InferenceServerError(f"vLLM serves LoRA adapters up to rank {VLLM_LORA_RANKS[-1]}, not {lora_rank}")
         argv += ["--enable-lora", "--max-lora-rank", str(ceiling), "--max-loras", "2"]
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    if eager:
+        argv.append("--enforce-eager")  # no torch.compile and no CUDA graphs: start-up in seconds
     argv += list(extra_args)
     return argv, env
 
@@ -135,5 +140,5 @@ def settings_options(inference: Any, lora_rank: int | None = None) -> dict[str, 
         "host": inference.host, "port": inference.port, "dtype": inference.dtype,
         "max_model_len": inference.max_model_len, "kv_cache_gib": inference.kv_cache_space_gib,
         "gpu_memory_utilization": inference.gpu_memory_utilization,
-        "tensor_parallel_size": inference.tensor_parallel_size, "lora_rank": lora_rank,
+        "tensor_parallel_size": inference.tensor_parallel_size, "lora_rank": lora_rank, "eager": inference.eager,
     }
