@@ -29,9 +29,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.docker]
 def stack(images: StackImages, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     compose = compose_command()
     ports = {name: free_port() for name in ("redis", "s3", "inference", "flower", "viewer")}
-    env = stack_env(images, ports, CONVEYOR_MAX_STEPS="3", CONVEYOR_DEMO_TASKS="6")  # traversal: 6 groups of 4
+    project = f"conveyortest{uuid.uuid4().hex[:6]}"
+    env = stack_env(images, ports, CONVEYOR_MAX_STEPS="3", CONVEYOR_DEMO_TASKS="6",  # traversal: 6 groups of 4
+                    CONVEYOR_STACK_ID=project)
     env_file = write_env(tmp_path_factory.mktemp("compose") / "stack.env", env)
-    stack = Stack(f"conveyortest{uuid.uuid4().hex[:6]}", env_file, ports, compose)
+    stack = Stack(project, env_file, ports, compose)
     try:
         stack.dc("up", "-d", timeout=900)
         yield stack
