@@ -17,6 +17,7 @@ import docker
 import pytest
 
 from compose_support import ROOT
+from services.rollout_worker.sandbox.images import build_busybox_image
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(60)]
 
@@ -62,10 +63,7 @@ def test_down_stops_the_worker_hosts_this_checkout_started_then_the_head(checkou
     # a worker-host project started before the record existed: only compose's labels tell
     unrecorded = f"stkidtest{uuid.uuid4().hex[:6]}"
     client = docker.from_env()
-    images = [t for image in client.images.list("conveyor/busybox") for t in image.tags]
-    if not images:
-        pytest.skip("needs the conveyor/busybox image (the sandbox tests build it)")
-    container = client.api.create_container(images[0], command=["true"], labels={
+    container = client.api.create_container(build_busybox_image(client), command=["true"], labels={
         "com.docker.compose.project": unrecorded,
         "com.docker.compose.project.working_dir": f"{checkout.resolve()}/compose",
         "com.docker.compose.project.config_files": "compose/docker-compose.yml,compose/worker-host.yml"})["Id"]
