@@ -41,6 +41,7 @@ from services.rollout_worker.sandbox import (  # noqa: E402
 from services.rollout_worker.sandbox.blocking import run_blocking  # noqa: E402
 from services.rollout_worker.sandbox.client import default_client  # noqa: E402
 from services.rollout_worker.sandbox.images import build_busybox_image  # noqa: E402
+from shared.stack_id import current_stack_id  # noqa: E402
 
 RUN_ID = "bench-" + uuid.uuid4().hex[:8]
 
@@ -249,6 +250,6 @@ if __name__ == "__main__":
     try:
         asyncio.run(main(parser.parse_args()))
     finally:
-        leaked = reap(default_client(), run_id=RUN_ID, now=float("inf"))
+        leaked = reap(default_client(), stack_id=current_stack_id(), run_id=RUN_ID, now=float("inf"))
         if leaked:
             print(f"removed {len(leaked)} containers left by this run", file=sys.stderr)

@@ -4,7 +4,12 @@
 # trainer's log until the demo run's last step; then prints the ledger.
 #   scripts/stack.sh up | down | images | status | env | worker-host [up args]
 # `worker-host` starts only rollout workers, pointed at the head host CONVEYOR_HEAD through its
-# published ports (compose/worker-host.yml); PROJECT defaults to conveyor-workers there.
+# published ports (compose/worker-host.yml); PROJECT defaults to conveyor-workers there. It
+# records the project in compose/.worker-hosts, and `down` stops every worker-host project
+# started from this checkout on this daemon (recorded, or found by compose's labels) first.
+# Stack id: CONVEYOR_STACK_ID, default <PROJECT>-<hash of this checkout's path>; every image,
+# sandbox and volume the stack makes is labelled conveyor.stack=<it>, and cleanup (image
+# pruning, the sandbox janitor) touches only its own stack's (docs/compose.md, shared/stack_id.py).
 # `swarm` deploys the same stack with `docker stack deploy` (a swarm must exist: docker swarm init).
 # Settings: compose/.env (copied from compose/.env.example on first use).
 # COMPOSE (default: `docker compose` if present, else docker-compose), PROFILE (cpu|gpu).
@@ -20,12 +25,38 @@ fi
 env_file() {
   [ -f compose/.env ] || { cp compose/.env.example compose/.env; echo "[stack] wrote compose/.env from .env.example: change its secrets"; }
   [ -f compose/images.env ] || images
-  { cat compose/.env; cat compose/images.env; echo "DOCKER_GID=$(stat -c %g /var/run/docker.sock)"; } > compose/.stack.env
+  { cat compose/.env; cat compose/images.env; echo "DOCKER_GID=$(stat -c %g /var/run/docker.sock)"
+    echo "CONVEYOR_STACK_ID=$(stack_id)"; } > compose/.stack.env
 }
 
-images() { "$PY" -m services.cli.stack_images --env-file compose/images.env; }
+# the stack id of PROJECT from this checkout: two checkouts, or two projects, differ
+stack_id() { echo "${CONVEYOR_STACK_ID:-$PROJECT-$(pwd -P | sha256sum | cut -c1-8)}"; }
+
+images() { CONVEYOR_STACK_ID=$(stack_id) "$PY" -m services.cli.stack_images --env-file compose/images.env; }
 
 dc() { $COMPOSE -p "$PROJECT" --env-file compose/.stack.env -f compose/docker-compose.yml ${OVERRIDE:+-f "$OVERRIDE"} --profile "$PROFILE" "$@"; }
+
+WORKER_HOSTS=compose/.worker-hosts  # worker-host projects started from this checkout, one a line
+
+# worker-host projects of this checkout on this daemon: recorded by `worker-host`, or (started
+# before the record existed) found by the working_dir and config_files labels compose puts on them
+worker_host_projects() {
+  { [ ! -f "$WORKER_HOSTS" ] || cat "$WORKER_HOSTS"
+    docker ps -a --filter "label=com.docker.compose.project.working_dir=$(pwd -P)/compose" \
+      --format '{{.Label "com.docker.compose.project"}} {{.Label "com.docker.compose.project.config_files"}}' |
+      awk '$2 ~ /worker-host\.yml/ {print $1}'; } | sort -u
+}
+
+# worker-host.yml only re-points the workers' endpoints: the base file alone brings one down
+down_worker_hosts() {
+  local project
+  for project in $(worker_host_projects); do
+    [ "$project" != "$PROJECT" ] || continue
+    echo "[stack] stopping worker-host project $project"
+    PROJECT=$project dc down "$@" || { echo "[stack] could not stop $project: PROJECT=$project $0 down" >&2; return 1; }
+    sed -i "/^$project\$/d" "$WORKER_HOSTS" 2>/dev/null || true
+  done
+}
 
 # agent_coding: the rollout workers' proxy sockets, bind-mounted at the same path on both sides
 # (the daemon resolves the sandboxes' mounts on the host); sticky and writable by all, like /tmp
@@ -49,7 +80,13 @@ case "${1:-up}" in
     exit "$status"
     ;;
   status) env_file; dc exec -T scorer conveyor status ;;
-  down) env_file; dc down "${@:2}" ;;
+  down)
+    env_file
+    # a head's down stops this checkout's worker-host projects first; a worker-host's, only itself
+    grep -qx "$PROJECT" <<< "$(worker_host_projects)" || down_worker_hosts "${@:2}"
+    dc down "${@:2}"
+    sed -i "/^$PROJECT\$/d" "$WORKER_HOSTS" 2>/dev/null || true
+    ;;
   worker-host)
     : "${CONVEYOR_HEAD:?set CONVEYOR_HEAD to the address of the head host}"
     images
@@ -58,6 +95,7 @@ case "${1:-up}" in
     [ "$PROJECT" != conveyor ] || PROJECT=conveyor-workers
     OVERRIDE=compose/worker-host.yml
     dc run --rm model-init
+    grep -qx "$PROJECT" "$WORKER_HOSTS" 2>/dev/null || echo "$PROJECT" >> "$WORKER_HOSTS"
     dc up -d --no-deps "${@:2}" rollout-worker
     echo "[stack] rollout workers of project $PROJECT joined $CONVEYOR_HEAD"
     ;;

@@ -45,6 +45,7 @@ RUNTIME_VARIABLES = {
     "CONVEYOR_LOG_LEVEL": "the log level of a service's own log lines (services/cli/app.py)",
     "CONVEYOR_CA_BUNDLE": "the CA bundle the stack images trust (services/cli/stack_images.py)",
     "CONVEYOR_WHEEL_PORT": "the wheel server's port while images build (services/cli/image_wheels.py)",
+    "CONVEYOR_STACK_ID": "the stack id in the conveyor.stack label of what this stack creates (shared/stack_id.py)",
 }
 # compose's own names (compose/.env, compose/worker-host.yml): the compose files map each onto a
 # setting or an image. They also reach a container started with `docker run --env-file

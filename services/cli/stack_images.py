@@ -17,8 +17,12 @@ Invariants:
   (``image_wheels.runtime_requirements``), from a wheelhouse on the build host
   (``.conveyor/wheelhouse``) made with the host's pip and its configured indexes, served to the
   build on loopback; the build itself reaches no index.
-- ``--prune`` (on by default in ``scripts/stack.sh images``) removes this builder's superseded
-  tags that no container uses, so rebuilds do not pile up gigabytes.
+- Every image it builds is labelled with the stack that built it (``conveyor.stack``,
+  ``shared.stack_id``: ``scripts/stack.sh`` sets ``CONVEYOR_STACK_ID``).
+- ``--prune`` (on by default in ``scripts/stack.sh images``) removes this stack's superseded
+  tags that no container uses, so rebuilds do not pile up gigabytes. It selects by the
+  ``conveyor.stack`` label: another checkout's or another stack's images are never removed
+  (nor are images built before the label; ``docker image prune`` and ``docker rmi`` are for those).
 - ``write_env(path)`` writes the tags as ``CONVEYOR_*_IMAGE`` lines, which the compose file
   reads (``docker-compose --env-file``).
 """
@@ -39,14 +43,15 @@ import docker
 
 from services.cli.image_wheels import ensure_dependency_wheels, runtime_requirements, serve_wheelhouse
 from services.rollout_worker.sandbox.client import default_client
-from services.rollout_worker.sandbox.images import build_python_base_image, content_hash, image_exists
+from services.rollout_worker.sandbox.images import (LABEL_IMAGE, build_python_base_image, content_hash,
+                                                    image_exists, image_labels)
+from shared.stack_id import current_stack_id, stack_label
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "compose" / "images"
 WHEELHOUSE = ROOT / ".conveyor" / "wheelhouse"
 BASE_PACKAGES = ("python3", "ca-certificates")
 SOURCE_DIRS = ("services", "shared")
-_LABEL = "conveyor.image"
 _PRUNED_REPOSITORIES = ("conveyor/service", "conveyor/redis", "conveyor/s3")
 
 
@@ -77,7 +82,7 @@ def _source_bytes() -> list[bytes]:
     return _named_bytes(files, ROOT)
 
 
-def _build(client: docker.DockerClient, tag: str, context: Path, base: str, name: str,
+def _build(client: docker.DockerClient, tag: str, context: Path, base: str, name: str, stack_id: str,
            wheels_url: str | None = None) -> None:
     """``docker build`` of ``context``; with ``wheels_url`` the build runs on the host's network
     so that it reaches the loopback wheel server."""
@@ -85,16 +90,16 @@ def _build(client: docker.DockerClient, tag: str, context: Path, base: str, name
     started = time.monotonic()
     buildargs = {"BASE": base} | ({"WHEELS_URL": wheels_url} if wheels_url else {})
     client.images.build(path=str(context), tag=tag, rm=True, forcerm=True, pull=False, buildargs=buildargs,
-                        labels={_LABEL: name}, timeout=3600, network_mode="host" if wheels_url else None)
+                        labels=image_labels(name, stack_id), timeout=3600, network_mode="host" if wheels_url else None)
     print(f"[images] {tag} built in {time.monotonic() - started:.0f}s", flush=True)
 
 
-def build_simple_image(client: docker.DockerClient, name: str, base: str) -> str:
+def build_simple_image(client: docker.DockerClient, name: str, base: str, stack_id: str) -> str:
     """``conveyor/<name>`` from ``compose/images/<name>`` on ``base``."""
     base_id = client.images.get(base).id
     tag = f"conveyor/{name}:{content_hash(base_id.encode(), *_recipe_bytes(name))}"
     if not image_exists(client, tag):
-        _build(client, tag, RECIPES / name, base, name)
+        _build(client, tag, RECIPES / name, base, name, stack_id)
     return tag
 
 
@@ -111,7 +116,7 @@ def _warn_if_disk_is_short(client: docker.DockerClient) -> None:
               f"needs about {FIRST_BUILD_DISK_BYTES / 2**30:.0f} GB (docker image prune frees old layers)", flush=True)
 
 
-def build_service_image(client: docker.DockerClient, base: str) -> str:
+def build_service_image(client: docker.DockerClient, base: str, stack_id: str) -> str:
     base_id = client.images.get(base).id
     requirements = runtime_requirements()
     tag = f"conveyor/service:{content_hash(base_id.encode(), *(r.encode() for r in requirements), *_recipe_bytes('service'), *_source_bytes())}"
@@ -126,17 +131,18 @@ def build_service_image(client: docker.DockerClient, base: str) -> str:
         subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                         "-w", str(context / "conveyor"), str(ROOT)], check=True)
         with serve_wheelhouse(WHEELHOUSE) as wheels_url:
-            _build(client, tag, context, base, "service", wheels_url=wheels_url)
+            _build(client, tag, context, base, "service", stack_id, wheels_url=wheels_url)
     return tag
 
 
-def prune_superseded(client: docker.DockerClient, keep: StackImages) -> list[str]:
-    """Remove this builder's older tags (same repositories, other content hashes) that no
-    container uses: every source change makes a new tag, and each old one would keep gigabytes."""
+def prune_superseded(client: docker.DockerClient, keep: StackImages, stack_id: str | None = None) -> list[str]:
+    """Remove this stack's older tags (same repositories, other content hashes) that no
+    container uses: every source change makes a new tag, and each old one would keep gigabytes.
+    Only images labelled ``conveyor.stack=<stack_id>`` (this process's stack unless given)."""
     keep_tags = {keep.base, keep.service, keep.redis, keep.s3}
     in_use = {c.image.id for c in client.containers.list(all=True) if c.image is not None}
     removed = []
-    for image in client.images.list(filters={"label": _LABEL}):
+    for image in client.images.list(filters={"label": [LABEL_IMAGE, stack_label(stack_id or current_stack_id())]}):
         if image.id in in_use or keep_tags & set(image.tags):
             continue
         if any(t.split(":")[0] in _PRUNED_REPOSITORIES for t in image.tags):
@@ -157,12 +163,15 @@ def default_ca_bundle() -> str | None:
     return next((path for path in candidates if path and Path(path).is_file()), None)
 
 
-def build_stack_images(client: docker.DockerClient | None = None, ca_bundle: str | None = None) -> StackImages:
+def build_stack_images(client: docker.DockerClient | None = None, ca_bundle: str | None = None,
+                       stack_id: str | None = None) -> StackImages:
     client = client or default_client()
     ca_bundle = ca_bundle or default_ca_bundle()
-    base = build_python_base_image(client, include=BASE_PACKAGES, ca_bundle=ca_bundle)
-    return StackImages(base=base, service=build_service_image(client, base),
-                       redis=build_simple_image(client, "redis", base), s3=build_simple_image(client, "s3", base))
+    stack_id = stack_id or current_stack_id()
+    base = build_python_base_image(client, include=BASE_PACKAGES, ca_bundle=ca_bundle, stack_id=stack_id)
+    return StackImages(base=base, service=build_service_image(client, base, stack_id),
+                       redis=build_simple_image(client, "redis", base, stack_id),
+                       s3=build_simple_image(client, "s3", base, stack_id))
 
 
 def write_env(images: StackImages, path: Path) -> Path:
@@ -180,13 +189,14 @@ def main() -> None:
     parser.add_argument("--env-file", type=Path, default=ROOT / "compose" / "images.env",
                         help="where to write CONVEYOR_*_IMAGE=<tag> lines for docker-compose")
     parser.add_argument("--prune", action=argparse.BooleanOptionalAction, default=True,
-                        help="remove superseded conveyor/service|redis|s3 tags that no container uses")
+                        help="remove this stack's superseded conveyor/service|redis|s3 tags that no container uses "
+                             "(the stack: $CONVEYOR_STACK_ID, else this checkout's; shared/stack_id.py)")
     args = parser.parse_args()
     started = time.monotonic()
     images = build_stack_images(ca_bundle=args.ca_bundle)
     if args.prune:
         for stale in prune_superseded(default_client(), images):
-            print(f"[images] removed superseded {stale}")
+            print(f"[images] removed superseded {stale} of stack {current_stack_id()}")
     write_env(images, args.env_file)
     print("\n".join(images.env_lines()))
     print(f"[images] ready in {time.monotonic() - started:.1f}s; tags in {args.env_file}")

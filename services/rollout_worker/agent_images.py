@@ -35,7 +35,7 @@ from pathlib import Path
 
 import docker
 
-from services.rollout_worker.sandbox.images import IMAGES_DIR, content_hash, image_exists
+from services.rollout_worker.sandbox.images import IMAGES_DIR, content_hash, image_exists, image_labels
 
 AGENTS_DIR = IMAGES_DIR / "agents"
 REPO_ROOT = IMAGES_DIR.parent
@@ -72,7 +72,7 @@ def build_agent_image(client: docker.DockerClient, agent: str, base_image: str) 
         _prune(Path(context), _lines(recipe / "prune.txt"))
         Path(context, "Dockerfile").write_bytes((recipe / "Dockerfile").read_bytes())
         client.images.build(path=context, tag=tag, buildargs={"BASE": base_image}, rm=True, forcerm=True,
-                            labels={"conveyor.image": f"agent-{agent}"})
+                            labels=image_labels(f"agent-{agent}"))
     return tag
 
 

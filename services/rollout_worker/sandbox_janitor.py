@@ -1,7 +1,11 @@
 """The rollout worker's sandbox janitor: removes sandbox containers nobody owns any more.
 
-Invariant: a container is removed only once its trajectory is no longer ``running`` (its
-rollout lease is over, so no live worker can still use it) or its time to live is over.
+Invariants:
+- A container is removed only if it belongs to this worker's stack (``conveyor.stack``, see
+  ``shared.stack_id``), and only once its trajectory is no longer ``running`` (its rollout lease
+  is over, so no live worker can still use it) or its time to live is over.
+- Sandboxes with no stack label (made by a Conveyor before the label) are never removed; the
+  first sweep that sees them logs one warning with the command that removes them by hand.
 """
 
 from __future__ import annotations
@@ -11,18 +15,21 @@ import threading
 
 from shared.leases import loop_thread
 from shared.ledger import Ledger
+from shared.stack_id import current_stack_id
 
 log = logging.getLogger(__name__)
 
 
 class SandboxJanitor:
-    """Removes sandbox containers whose trajectory is no longer running here (or whose time to
-    live is over): at worker start, then every ``interval_s``. No Docker daemon: it says so
-    once and stays idle, since text-only workers need none."""
+    """Removes this stack's sandbox containers whose trajectory is no longer running here (or
+    whose time to live is over): at worker start, then every ``interval_s``. No Docker daemon: it
+    says so once and stays idle, since text-only workers need none."""
 
-    def __init__(self, ledger: Ledger, interval_s: float = 60.0):
+    def __init__(self, ledger: Ledger, interval_s: float = 60.0, stack_id: str | None = None):
         self.ledger, self.interval_s = ledger, interval_s
+        self.stack_id = stack_id or current_stack_id()
         self._stop = threading.Event()
+        self._legacy_reported = False
 
     def is_done_with(self, trajectory_id: str) -> bool:
         try:
@@ -35,7 +42,7 @@ class SandboxJanitor:
         import docker
 
         from services.rollout_worker.sandbox.client import default_client
-        from services.rollout_worker.sandbox.janitor import reap
+        from services.rollout_worker.sandbox.janitor import legacy_sandboxes, reap
 
         try:
             client = default_client()
@@ -44,7 +51,13 @@ class SandboxJanitor:
             log.info("sandbox janitor idle: no Docker daemon (%s)", exc)
             self._stop.set()
             return 0
-        return len(reap(client, is_terminal=self.is_done_with))
+        if not self._legacy_reported:
+            self._legacy_reported = True
+            if legacy := legacy_sandboxes(client):
+                log.warning("sandbox janitor of stack %s leaves %d sandbox containers without a conveyor.stack label "
+                            "alone (made before stack labels); remove them by hand once no old worker runs: "
+                            "docker rm -f %s", self.stack_id, len(legacy), " ".join(c[:12] for c in legacy))
+        return len(reap(client, stack_id=self.stack_id, is_terminal=self.is_done_with))
 
     def start(self) -> None:
         self.sweep()

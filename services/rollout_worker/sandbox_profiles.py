@@ -21,7 +21,7 @@ from pathlib import Path
 import docker
 import docker.errors
 
-from .sandbox.images import IMAGES_DIR, content_hash, image_exists
+from .sandbox.images import IMAGES_DIR, content_hash, image_exists, image_labels
 
 PROFILES_DIR = IMAGES_DIR / "profiles"
 PROFILES = ("dev-base", "python", "node", "rust", "go", "c")
@@ -94,7 +94,7 @@ def build_profile_image(client: docker.DockerClient, profile: str, base_image: s
     try:
         client.images.build(fileobj=context, custom_context=True, tag=tag, rm=True, forcerm=True, pull=False,
                             buildargs=buildargs, timeout=timeout_s,
-                            labels={"conveyor.image": f"profile-{profile}", "conveyor.profile.base": base_id})
+                            labels={**image_labels(f"profile-{profile}"), "conveyor.profile.base": base_id})
     except docker.errors.BuildError as exc:
         tail = "".join(str(chunk.get("stream", chunk.get("error", ""))) for chunk in exc.build_log)[-2000:]
         raise RuntimeError(f"building profile {profile!r} on {base_image} failed: {exc.msg}\n{tail}") from exc

@@ -29,9 +29,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.docker]
 def stack(images: StackImages, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     compose = compose_command()
     ports = {name: free_port() for name in ("redis", "s3", "inference", "flower", "viewer")}
-    env = stack_env(images, ports, CONVEYOR_MAX_STEPS="3", CONVEYOR_DEMO_TASKS="6")  # traversal: 6 groups of 4
+    project = f"conveyortest{uuid.uuid4().hex[:6]}"
+    env = stack_env(images, ports, CONVEYOR_MAX_STEPS="3", CONVEYOR_DEMO_TASKS="6",  # traversal: 6 groups of 4
+                    CONVEYOR_STACK_ID=project)
     env_file = write_env(tmp_path_factory.mktemp("compose") / "stack.env", env)
-    stack = Stack(f"conveyortest{uuid.uuid4().hex[:6]}", env_file, ports, compose)
+    stack = Stack(project, env_file, ports, compose)
     try:
         stack.dc("up", "-d", timeout=900)
         yield stack
@@ -133,6 +135,7 @@ def test_every_service_exposes_prometheus_metrics(stack: Stack) -> None:
 SANDBOX_PROBE = """
 import asyncio, json, sys
 from services.rollout_worker.sandbox import Sandbox, SandboxLabels, SandboxSpec
+from services.rollout_worker.sandbox.client import default_client
 
 async def main():
     labels = SandboxLabels(run_id="composetest", group_id="0", trajectory_id="composetest-probe")
@@ -142,7 +145,8 @@ async def main():
             host, port = target.rsplit(":", 1)
             r = await box.exec(f"nc -w 2 {host} {port} </dev/null && echo OPEN || echo CLOSED", timeout_s=15)
             out[target] = (r.output.strip().splitlines() or [""])[-1]
-        print(json.dumps(out))
+        labels = default_client().api.inspect_container(box.container_id)["Config"]["Labels"]
+        print(json.dumps({"reached": out, "stack": labels.get("conveyor.stack")}))
 
 asyncio.run(main())
 """
@@ -159,7 +163,9 @@ def test_sandboxes_started_by_a_compose_worker_cannot_reach_the_stack(stack: Sta
         ips = [net["IPAddress"] for net in info["NetworkSettings"]["Networks"].values() if net["IPAddress"]]
         targets += [f"{service}:{port}"] + [f"{ip}:{port}" for ip in ips]
     result = stack.dc("exec", "-T", "rollout-worker", "python", "-c", SANDBOX_PROBE, json.dumps(targets), image)
-    reached = json.loads(result.stdout.strip().splitlines()[-1])
+    probe = json.loads(result.stdout.strip().splitlines()[-1])
+    reached = probe["reached"]
+    assert probe["stack"] == stack.project  # the worker labels its sandboxes with its stack's id
     assert set(reached) == set(targets)
     assert all(v != "OPEN" for v in reached.values()), reached
 

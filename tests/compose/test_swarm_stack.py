@@ -80,10 +80,10 @@ def remove_stack(name: str) -> dict[str, list[str]]:
 
 def test_the_demo_runs_from_docker_stack_deploy(swarm: None, images: StackImages, tmp_path: Path) -> None:
     ports = {name: free_port() for name in ("redis", "s3", "inference", "flower")}
-    env_file = write_env(tmp_path / "stack.env", stack_env(images, ports, CONVEYOR_MAX_STEPS="2",
-                                                           CONVEYOR_DEMO_TASKS="4"))
-    stack_file = render(compose_command(), COMPOSE_FILE, env_file, ("cpu",), tmp_path / "stack.yml")
     name = f"conveyorswarm{uuid.uuid4().hex[:6]}"
+    env_file = write_env(tmp_path / "stack.env", stack_env(images, ports, CONVEYOR_MAX_STEPS="2",
+                                                           CONVEYOR_DEMO_TASKS="4", CONVEYOR_STACK_ID=name))
+    stack_file = render(compose_command(), COMPOSE_FILE, env_file, ("cpu",), tmp_path / "stack.yml")
     try:
         docker("stack", "deploy", "--resolve-image", "never", "-c", str(stack_file), name, timeout=600)
         ledger = Ledger.from_url(f"redis://:{SECRETS['REDIS_PASSWORD']}@127.0.0.1:{ports['redis']}/0")

@@ -10,6 +10,7 @@ import subprocess
 import pytest
 
 from services.rollout_worker.sandbox import Limits, NetworkPolicy, Sandbox, SandboxConfigError
+from shared.stack_id import current_stack_id
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(180)]
 
@@ -42,6 +43,7 @@ def test_container_is_hardened_and_labelled(make_spec, docker_client, sandbox_ru
     labels = attrs["Config"]["Labels"]
     assert labels["conveyor.run_id"] == sandbox_run_id and labels["conveyor.group_id"] == "g0"
     assert labels["conveyor.trajectory_id"] == spec.labels.trajectory_id
+    assert labels["conveyor.stack"] == current_stack_id()  # this checkout's: only its janitor removes it
     assert float(labels["conveyor.ttl"]) > 0 and float(labels["conveyor.created_at"]) > 0
     lines = inside.split("\n")
     assert lines[0] == "65534"

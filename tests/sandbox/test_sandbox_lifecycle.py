@@ -155,14 +155,15 @@ def test_janitor_removes_expired_and_terminal_containers_only(make_spec, docker_
             labels = docker_client.api.inspect_container(sandboxes[0].container_id)["Config"]["Labels"]
             now = float(labels[LABEL_CREATED_AT]) + 2
             reaped = await asyncio.to_thread(
-                reap, docker_client, run_id=sandbox_run_id, now=now,
+                reap, docker_client, stack_id=live.labels.stack_id, run_id=sandbox_run_id, now=now,
                 is_terminal=lambda trajectory_id: trajectory_id == terminal.labels.trajectory_id)
             assert {(r.trajectory_id, r.why) for r in reaped} == {
                 (expired.labels.trajectory_id, "expired"), (terminal.labels.trajectory_id, "terminal")}
             assert not containers_of(expired.labels.trajectory_id)
             assert not containers_of(terminal.labels.trajectory_id)
             assert (await sandboxes[2].exec("echo untouched")).ok
-            assert await asyncio.to_thread(reap, docker_client, run_id=sandbox_run_id, now=now) == []  # idempotent
+            again = await asyncio.to_thread(reap, docker_client, stack_id=live.labels.stack_id, run_id=sandbox_run_id, now=now)
+            assert again == []  # idempotent
         finally:
             for sandbox in sandboxes:
                 await sandbox.teardown()  # tearing down an already reaped container is fine

@@ -8,7 +8,8 @@ Layout (in the spirit of SWE-ReX's Deployment/Runtime split):
                   ``exec_runner`` is the one-exec-per-command fallback.
 - ``sandbox``     ``Sandbox``: provision, exec, read/write/list files, diff, teardown.
 - ``limiter``     provisioning rate limit; ``retry`` bounded retries of infra errors;
-  ``janitor``     removal of leaked or expired containers; ``images`` offline base images;
+  ``janitor``     removal of its own stack's leaked or expired containers;
+  ``images``      offline base images;
   ``pool``        a warm pool of pre-started sandboxes per spec.
 - ``errors``      the failure taxonomy; ``results`` plain result types; ``blocking`` the thread
                   pool every docker SDK call runs on.

@@ -1,8 +1,9 @@
 """A sandbox container's lifecycle on the daemon: create (isolated, labelled), attach, start, remove.
 
 Invariants:
-- Every container this module creates carries the ``conveyor.*`` labels (run, group, trajectory,
-  created_at, ttl), so it is removed by its owner in ``finally`` or, failing that, by the janitor.
+- Every container this module creates carries the ``conveyor.*`` labels (stack, run, group,
+  trajectory, created_at, ttl), so it is removed by its owner in ``finally`` or, failing that, by
+  its own stack's janitor (``conveyor.stack``: no other stack's janitor touches it).
 - Isolation is not optional: no network, all capabilities dropped, no-new-privileges, the
   ``seccomp`` profile, bounded pids/memory (no swap)/CPU, read-only root with size-bounded tmpfs
   for the workspace and /tmp, no core dumps, no log file on the host. The one mount from the
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 import docker.errors
 from docker import APIClient
 from docker.types import LogConfig, Ulimit
+
+from shared.stack_id import LABEL_STACK
 
 from .blocking import run_blocking, submit
 from .errors import SandboxConfigError
@@ -52,6 +55,7 @@ class StartedContainer:
 
 def labels_for(spec: SandboxSpec, *, now: float) -> dict[str, str]:
     return {
+        LABEL_STACK: spec.labels.stack_id,
         LABEL_RUN_ID: spec.labels.run_id,
         LABEL_GROUP_ID: spec.labels.group_id,
         LABEL_TRAJECTORY_ID: spec.labels.trajectory_id,

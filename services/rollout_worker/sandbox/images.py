@@ -4,6 +4,9 @@ Invariant: a tag names exactly one recipe: ``repository:<sha256 of every input>[
 Dockerfile and files beside it, the busybox binary, the extra CA bundle, the debootstrap
 arguments). An image whose tag exists is reused, never rebuilt; a changed input gives a new tag.
 Nothing is pulled from a registry. Blocking: call from async code through ``run_blocking``.
+Every image Conveyor builds carries ``image_labels``: its kind (``conveyor.image``) and the stack
+that built it (``conveyor.stack``, ``shared.stack_id``); a tag reused by another stack keeps
+the label of the stack that built it, and only that stack's pruning may remove it.
 
 - ``busybox``: ``images/busybox/Dockerfile``, FROM scratch plus the host's ``busybox-static``.
   Builds in about a second.
@@ -23,10 +26,17 @@ from pathlib import Path
 import docker
 import docker.errors
 
+from shared.stack_id import LABEL_STACK, current_stack_id
+
 from .client import default_client
 
 IMAGES_DIR = Path(__file__).resolve().parents[3] / "images"
-_IMAGE_LABEL = "conveyor.image"
+LABEL_IMAGE = "conveyor.image"
+
+
+def image_labels(kind: str, stack_id: str | None = None) -> dict[str, str]:
+    """The labels of an image Conveyor builds: its kind and its stack (this process's unless given)."""
+    return {LABEL_IMAGE: kind, LABEL_STACK: stack_id or current_stack_id()}
 
 
 def content_hash(*parts: bytes) -> str:
@@ -65,14 +75,15 @@ def build_busybox_image(client: docker.DockerClient | None = None, *, busybox: P
         os.chmod(Path(context, "busybox"), 0o755)
         Path(context, "ca-extra.crt").write_bytes(ca)
         client.images.build(path=context, tag=tag, rm=True, forcerm=True, pull=False,
-                            labels={_IMAGE_LABEL: "busybox"})
+                            labels=image_labels("busybox"))
     return tag
 
 
 def build_python_base_image(client: docker.DockerClient | None = None, *, suite: str = "bookworm",
                             include: tuple[str, ...] = ("python3", "ca-certificates"),
                             mirror: str = "http://deb.debian.org/debian", ca_bundle: Path | str | None = None,
-                            repository: str = "conveyor/python-base", timeout_s: float = 900) -> str:
+                            repository: str = "conveyor/python-base", timeout_s: float = 900,
+                            stack_id: str | None = None) -> str:
     client = client or default_client()
     ca = Path(ca_bundle).read_bytes() if ca_bundle else b""
     recipe = f"v1 minbase {suite} {','.join(include)} {mirror}".encode()
@@ -92,7 +103,7 @@ def build_python_base_image(client: docker.DockerClient | None = None, *, suite:
             client.api.import_image_from_stream(tar.stdout, repository=repo, tag=version, changes=[
                 "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                 "ENV HOME=/tmp", "WORKDIR /workspace", "USER 1000:1000", 'CMD ["/bin/sh"]',
-                f"LABEL {_IMAGE_LABEL}=python-base",
+                "LABEL " + " ".join(f"{k}={v}" for k, v in image_labels("python-base", stack_id).items()),
             ])
         finally:
             tar.stdout.close()

@@ -1,8 +1,15 @@
 """The janitor: removes sandbox containers that outlived their owner.
 
-Invariant: it only ever touches containers carrying ``conveyor.trajectory_id``, and removes one
-when it is past ``conveyor.created_at + conveyor.ttl``, when ``is_terminal(trajectory_id)`` says
-its trajectory is over, or when its labels are unreadable (a sandbox nobody can account for).
+Invariants:
+- It only ever touches containers of its own stack: those carrying ``conveyor.trajectory_id``
+  and ``conveyor.stack=<its stack id>`` (``shared.stack_id``). Another stack's sandboxes on the
+  same daemon are never listed, so never removed, expired or not.
+- Sandboxes with no ``conveyor.stack`` label (made before the label existed) belong to no stack
+  it can vouch for: they are left alone. ``legacy_sandboxes`` lists them so that the caller can
+  say once how to remove them by hand.
+- Of its own stack's, it removes one when it is past ``conveyor.created_at + conveyor.ttl``,
+  when ``is_terminal(trajectory_id)`` says its trajectory is over, or when its time labels are
+  unreadable (a sandbox nobody can account for).
 Run it at worker start and periodically; it is idempotent and safe to run from several workers
 at once (a container removed by someone else is simply skipped). Blocking: from async code,
 call it through ``blocking.run_blocking``.
@@ -17,6 +24,8 @@ from typing import Callable
 
 import docker
 
+from shared.stack_id import LABEL_STACK, stack_label
+
 from .deployment import LABEL_CREATED_AT, LABEL_RUN_ID, LABEL_TRAJECTORY_ID, LABEL_TTL, remove_container
 
 log = logging.getLogger(__name__)
@@ -29,10 +38,10 @@ class Reaped:
     why: str  # "expired", "terminal" or "unlabelled"
 
 
-def reap(client: docker.DockerClient, *, is_terminal: Callable[[str], bool] | None = None,
+def reap(client: docker.DockerClient, *, stack_id: str, is_terminal: Callable[[str], bool] | None = None,
          run_id: str | None = None, now: float | None = None) -> list[Reaped]:
     now = time.time() if now is None else now
-    label_filter = [LABEL_TRAJECTORY_ID] + ([f"{LABEL_RUN_ID}={run_id}"] if run_id else [])
+    label_filter = [LABEL_TRAJECTORY_ID, stack_label(stack_id)] + ([f"{LABEL_RUN_ID}={run_id}"] if run_id else [])
     reaped = []
     for info in client.api.containers(all=True, filters={"label": label_filter}):
         labels = info.get("Labels") or {}
@@ -41,9 +50,15 @@ def reap(client: docker.DockerClient, *, is_terminal: Callable[[str], bool] | No
         if why is None:
             continue
         remove_container(client.api, info["Id"])
-        log.info("janitor removed %s (trajectory %s): %s", info["Id"][:12], trajectory_id, why)
+        log.info("janitor of stack %s removed %s (trajectory %s): %s", stack_id, info["Id"][:12], trajectory_id, why)
         reaped.append(Reaped(info["Id"], trajectory_id, why))
     return reaped
+
+
+def legacy_sandboxes(client: docker.DockerClient) -> list[str]:
+    """Ids of sandbox containers without a ``conveyor.stack`` label, which no janitor removes."""
+    return [info["Id"] for info in client.api.containers(all=True, filters={"label": LABEL_TRAJECTORY_ID})
+            if LABEL_STACK not in (info.get("Labels") or {})]
 
 
 def _why_reap(labels: dict[str, str], trajectory_id: str, now: float,

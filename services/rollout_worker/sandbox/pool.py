@@ -21,7 +21,7 @@ import uuid
 from .limiter import ProvisionLimiter
 from .retry import provision_with_retry
 from .sandbox import Sandbox
-from .spec import SandboxLabels, SandboxSpec
+from .spec import SandboxSpec
 
 
 class WarmPool:
@@ -77,8 +77,9 @@ class WarmPool:
         task.add_done_callback(self._refills.discard)
 
     async def _add_one(self) -> None:
-        labels = SandboxLabels(run_id=self.spec.labels.run_id, group_id="pool", trajectory_id=f"pool-{uuid.uuid4().hex[:12]}")
-        sandbox = await provision_with_retry(self.spec.model_copy(update={"labels": labels}), limiter=self.limiter)
+        pooled = self.spec.for_trajectory(run_id=self.spec.labels.run_id, group_id="pool",
+                                          trajectory_id=f"pool-{uuid.uuid4().hex[:12]}")
+        sandbox = await provision_with_retry(pooled, limiter=self.limiter)
         sandbox.assigned_to = None
         if self._closed:
             await sandbox.teardown()

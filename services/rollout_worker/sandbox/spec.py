@@ -14,6 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator, model_validator
 
+from shared.stack_id import current_stack_id
+
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@/+=-]{0,199}$")
 
 
@@ -58,8 +60,10 @@ class SandboxLabels(_Model):
     run_id: str
     group_id: str
     trajectory_id: str
+    # the stack whose janitor may remove the sandbox (shared.stack_id): this process's, unless told
+    stack_id: str = Field(default_factory=current_stack_id)
 
-    @field_validator("run_id", "group_id", "trajectory_id")
+    @field_validator("run_id", "group_id", "trajectory_id", "stack_id")
     @classmethod
     def _label_value(cls, value: str) -> str:
         if not _LABEL_VALUE.match(value):
@@ -110,5 +114,6 @@ class SandboxSpec(_Model):
 
     def for_trajectory(self, *, run_id: str, group_id: str, trajectory_id: str) -> SandboxSpec:
         """The same sandbox, labelled for one trajectory (specs are frozen: this is a copy)."""
-        labels = SandboxLabels(run_id=run_id, group_id=group_id, trajectory_id=trajectory_id)
+        labels = SandboxLabels(run_id=run_id, group_id=group_id, trajectory_id=trajectory_id,
+                               stack_id=self.labels.stack_id)
         return self.model_copy(update={"labels": labels})

@@ -24,7 +24,7 @@ import threading
 import docker
 
 from services.rollout_worker.sandbox.client import default_client
-from services.rollout_worker.sandbox.images import content_hash, image_exists
+from services.rollout_worker.sandbox.images import content_hash, image_exists, image_labels
 
 from .repo import Workspace
 
@@ -67,7 +67,7 @@ def build_snapshot(base_image: str, workspace: Workspace, setup: tuple[str, ...]
         context = _context(dockerfile, workspace.archive)
         try:
             client.images.build(fileobj=io.BytesIO(context), custom_context=True, tag=tag, rm=True, forcerm=True,
-                                pull=False, network_mode=network_mode, labels={"conveyor.image": "snapshot"})
+                                pull=False, network_mode=network_mode, labels=image_labels("snapshot"))
         except docker.errors.BuildError as exc:
             log = "".join(str(line.get("stream") or line.get("error") or "") for line in exc.build_log)
             raise RuntimeError(f"snapshot build failed: {exc}: {log[-1500:]}") from None
