@@ -30,6 +30,9 @@ Invariants:
 - An outage of Redis (or of the S3 server, for the marker) is waited out by the ledger client
   and the publisher (``shared.outage``); a wait on the staleness bound is logged with its
   reasons (``admission_wait``). Intake never waits silently.
+- ``run_intake`` itself resumes a run: what Redis holds of it (``run_history``) is skipped and
+  counted. Refusing to reuse a run id unasked is the command's part (``conveyor intake
+  --resume``), checked before the run's marker is opened, so a refused intake writes nothing.
 """
 
 from __future__ import annotations
@@ -66,6 +69,30 @@ class IntakeReport:
     trajectories: int = 0
     already_known: int = 0
     rejected: list[dict[str, str]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RunHistory:
+    """What Redis already holds of a run, before an intake publishes into it."""
+
+    opened: bool  # the run's marker is in Redis (shared.run_marker)
+    groups: int  # registered
+    published: int
+    trajectories: dict[str, int]  # ledger state -> count
+
+    @property
+    def started(self) -> bool:
+        return self.opened or self.groups > 0 or any(self.trajectories.values())
+
+    def describe(self) -> str:
+        states = ", ".join(f"{count} {state}" for state, count in self.trajectories.items() if count) or "none"
+        return f"{self.groups} groups ({self.published} published), trajectories: {states}"
+
+
+def run_history(ledger: Ledger, run_id: str) -> RunHistory:
+    groups = GroupRegistry(ledger.redis, run_id)
+    return RunHistory(bool(ledger.redis.exists(RedisKeys.run_marker(run_id))), groups.registered_count(),
+                      groups.published_count(), ledger.counts(run_id))
 
 
 def build_group(settings: Settings, group_id: int, task: TaskProfile, policy_version: int = 0) -> list[RolloutRequest]:

@@ -10,11 +10,41 @@ import time
 
 from services.intake.datasets import Row
 from services.intake.publisher import run_intake
+from shared.group_registry import GroupRegistry
 from shared.ledger import Ledger
-from shared.names import RedisKeys
+from shared.names import ROLLOUT_QUEUE, RedisKeys
 from shared.settings import Settings
 from shared.staleness import StalenessBudget
 from shared.trainer_reads import TRAINER_CONSUMER_GROUP
+from test_cli_errors import conveyor, one_error_line
+
+
+def _intake(tmp_path, redis_url, run_id, tasks: int, *flags: str):
+    env = {"CONVEYOR_REDIS__URL": redis_url, "CONVEYOR_RUN_ID": run_id, "CONVEYOR_STORAGE__BACKEND": "local",
+           "CONVEYOR_STORAGE__LOCAL_ROOT": str(tmp_path / "objects")}
+    return conveyor("intake", "--demo-tasks", str(tasks), *flags, cwd=tmp_path, **env)
+
+
+def test_a_run_id_in_use_is_refused_without_resume_and_nothing_is_published(redis_url, redis_client, tmp_path, run_id):
+    assert _intake(tmp_path, redis_url, run_id, 2).returncode == 0
+    states, queued = Ledger(redis_client).states(run_id), redis_client.llen(ROLLOUT_QUEUE)
+    assert len(states) == 2 * 4 and queued == 2  # group_size 4, one task per group
+
+    line = one_error_line(_intake(tmp_path, redis_url, run_id, 4))
+    assert line.startswith(f"run {run_id} is already in Redis: 2 groups (2 published), trajectories: 8 queued.")
+    assert "--resume" in line and "CONVEYOR_RUN_ID" in line and "run_id in the --config file" in line
+    assert Ledger(redis_client).states(run_id) == states and redis_client.llen(ROLLOUT_QUEUE) == queued
+    assert GroupRegistry(redis_client, run_id).registered_count() == 2
+
+
+def test_resume_skips_the_published_groups_and_publishes_the_rest(redis_url, redis_client, tmp_path, run_id):
+    assert _intake(tmp_path, redis_url, run_id, 2).returncode == 0
+    resumed = _intake(tmp_path, redis_url, run_id, 4, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "2 groups, 8 trajectories published, 2 already published (skipped)" in resumed.stderr
+    assert GroupRegistry(redis_client, run_id).published_count() == 4 and redis_client.llen(ROLLOUT_QUEUE) == 4
+    fresh = _intake(tmp_path, redis_url, run_id + "b", 1)  # a new run id needs no flag
+    assert fresh.returncode == 0 and "1 groups, 4 trajectories published, 0 already published" in fresh.stderr
 
 
 def test_intake_held_by_the_staleness_bound_says_why(redis_client, redis_url, run_id, caplog):
