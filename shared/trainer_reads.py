@@ -8,9 +8,9 @@ Redis keeps the group's last delivered entry, and an entry's id is the time Redi
 Invariants:
 - Nothing here writes to Redis and no key is added: the stream's events are written by the
   ledger's Lua, its consumer group belongs to the trainer's consumer.
-- No consumer group: no trainer has ever started for the run. An event left undelivered for
-  longer than a training step takes: no trainer is reading the run (a running one reads every
-  ``trainer.block_ms`` between its steps).
+- No consumer group: no trainer has started for the run, or one is still starting. An event
+  left undelivered for longer than a training step takes: no trainer is reading the run (a
+  running one reads every ``trainer.block_ms`` between its steps).
 - Ages are measured on Redis' clock, the clock the entry ids come from.
 """
 

@@ -82,8 +82,8 @@ class AdmissionWait:
 
 def _trainer_line(run: str, reading: TrainerReading) -> str:
     if not reading.started:
-        return (f"no trainer has started for run {run} (its events stream has no consumer group "
-                f"{TRAINER_CONSUMER_GROUP!r}): start one with that run id")
+        return (f"no trainer has read run {run}'s events yet (its stream has no consumer group {TRAINER_CONSUMER_GROUP!r}): "
+                "none was started with this run id, or it is still starting")
     if reading.oldest_unread_s is None:
         return f"the trainer has taken every event of run {run} so far"
     return (f"the oldest event of run {run} the trainer has not taken waited {reading.oldest_unread_s:.0f}s: "

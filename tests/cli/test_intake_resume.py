@@ -60,7 +60,7 @@ def test_intake_held_by_the_staleness_bound_says_why(redis_client, redis_url, ru
     assert lines[0].startswith(f"intake of run {run_id} waiting 0s to publish its next group: 1 groups held")
     assert "staleness bound of 1 = (trainer.max_off_policy_steps 0 + step 0 + 1) x trainer.groups_per_step 1" in lines[0]
     assert "2 queued, 0 running" in lines[0] and "the trainer consumed 0 trajectories and advanced 0 steps" in lines[0]
-    assert f"no trainer has started for run {run_id}" in lines[0]
+    assert f"no trainer has read run {run_id}'s events yet" in lines[0] and "none was started with this run id" in lines[0]
 
     stream = RedisKeys.trainer_stream(run_id)  # a trainer that read once, then stopped while events came in
     redis_client.xgroup_create(stream, TRAINER_CONSUMER_GROUP, id="$", mkstream=True)
