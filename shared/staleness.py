@@ -74,7 +74,12 @@ class AdmissionTerms:
     held: int  # groups admitted and not filtered: in flight, or accepted and not yet trained past
     bound: int
     trainer_step: int
-    served_version: int  # the bound follows the smaller of the two
+    served_version: int
+
+    @property
+    def step(self) -> int:
+        """The step in the bound: the smaller of the trainer's step and the served version."""
+        return min(self.trainer_step, self.served_version)
 
 
 class StalenessBudget:

@@ -62,11 +62,10 @@ class AdmissionWait:
     def why(self, start: WaitStart, now: float) -> str:
         run, budget = self.budget.run_id, self.budget
         terms, counts = budget.terms(), self.ledger.counts(run)
-        step = min(terms.trainer_step, terms.served_version)
         parts = [
             f"intake of run {run} waiting {now - start.monotonic:.0f}s to publish its next group: {terms.held} groups held "
             f"(in flight, or accepted and not yet trained) against the staleness bound of {terms.bound} = "
-            f"(trainer.max_off_policy_steps {budget.max_off_policy_steps} + step {step} + 1) x "
+            f"(trainer.max_off_policy_steps {budget.max_off_policy_steps} + step {terms.step} + 1) x "
             f"trainer.groups_per_step {budget.groups_per_step}",
             f"the run's trajectories: {counts['queued']} queued, {counts['running']} running, {counts['uploaded']} uploaded, "
             f"{counts['scored']} scored",

@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 
+from services.intake.admission_wait import AdmissionWait, WaitStart
 from services.intake.datasets import Row
 from services.intake.publisher import run_intake
 from shared.group_registry import GroupRegistry
@@ -74,3 +75,14 @@ def test_intake_held_by_the_staleness_bound_says_why(redis_client, redis_url, ru
     intake.join(10)
     assert not intake.is_alive()
     assert "the staleness bound admits groups again after" in caplog.records[-1].getMessage()
+
+
+def test_the_wait_line_names_a_weight_sync_that_holds_the_bound(redis_client, run_id):
+    budget = StalenessBudget(redis_client, run_id, max_off_policy_steps=0, groups_per_step=1)
+    assert budget.try_admit() and not budget.try_admit()
+    budget.advance_step(1)  # trained, not yet served: the bound stays at step 0
+    wait = AdmissionWait(budget, Ledger(redis_client), log_every_s=10)
+    line = wait.why(WaitStart(time.monotonic() - 30, consumed=0, trainer_step=0), time.monotonic())
+    assert f"intake of run {run_id} waiting 30s" in line and "+ step 0 + 1)" in line
+    assert "advanced 1 steps (now at step 1)" in line
+    assert "serves policy version 0, behind trainer step 1: the bound waits for the weight sync" in line
