@@ -62,8 +62,8 @@ from shared.names import RedisKeys  # noqa: E402
 from shared.schemas import GroupRegistration, RolloutRequest, ScoredEvent, ScoringTask, TaskProfile  # noqa: E402
 from shared.settings import LedgerSettings  # noqa: E402
 from shared.trainer_counters import TrainerCounter, TrainerCounters  # noqa: E402
+from shared.trainer_reads import TRAINER_CONSUMER_GROUP as CONSUMER_GROUP  # noqa: E402
 
-CONSUMER_GROUP = "trainer"  # services.trainer.consumer.CONSUMER_GROUP, without importing torch
 TASK = TaskProfile(task_id="t", env_name="single_turn", task_data={"prompt": "What is 6 x 7?", "answer": "42"})
 
 

@@ -49,6 +49,9 @@ class GroupRegistry:
             raise KeyError(f"group {group_id} of run {self.run_id} was never registered by intake")
         return parse_message(GroupRegistration, raw, f"registration of group {group_id}")
 
+    def registered_count(self) -> int:
+        return int(self.redis.hlen(self.registrations_key))
+
     def registrations(self) -> dict[int, GroupRegistration]:
         return {int(g): parse_message(GroupRegistration, raw) for g, raw in self.redis.hgetall(self.registrations_key).items()}
 
@@ -58,6 +61,9 @@ class GroupRegistry:
 
     def is_published(self, group_id: int) -> bool:
         return bool(self.redis.sismember(self.published_key, group_id))
+
+    def published_count(self) -> int:
+        return int(self.redis.scard(self.published_key))
 
     # --- done (the trainer) ---------------------------------------------------------------
     def mark_done(self, group_id: int, transaction: Any) -> None:

@@ -236,6 +236,8 @@ class IntakeSettings(Section):
     # then a row of it; only the environments named here are drawn. {}: rows uniformly
     env_weights: dict[str, Float] = Field(default_factory=dict)
     base_seed: Int = 0
+    # intake blocked (the staleness bound) says why after this long, then at doubling intervals up to 5 min
+    wait_log_every_s: Float = Field(10.0, gt=0)
 
     @field_validator("env_config")
     @classmethod

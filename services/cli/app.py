@@ -39,6 +39,8 @@ app.command("replay")(replay_command)
 console = Console(stderr=True, soft_wrap=True)
 
 ConfigOption = typer.Option(None, "--config", "-c", help="YAML settings file (or set CONVEYOR_CONFIG)")
+ResumeOption = typer.Option(False, "--resume", help="continue a run id that is already in Redis: its published groups are "
+                            "skipped and reported (without it, a run id in use is an error)")
 
 
 @app.callback()
@@ -92,18 +94,20 @@ def intake(
     config: Optional[Path] = ConfigOption,
     dataset: Optional[str] = typer.Option(None, help="JSONL file or saved HF dataset dir (overrides intake.dataset)"),
     demo_tasks: Optional[int] = typer.Option(None, min=1, help="instead of a dataset: N generated guess-the-number tasks (the demo's)"),
+    resume: bool = ResumeOption,
 ) -> None:
     """Publish the dataset's groups of rollout tasks on queue 'rollouts'."""
     _logging()
-    _publish_dataset(_settings(config), dataset, demo_tasks)
+    _publish_dataset(_settings(config), dataset, demo_tasks, resume)
 
 
-def _publish_dataset(settings: Settings, dataset: Optional[str], demo_tasks: Optional[int]) -> None:
+def _publish_dataset(settings: Settings, dataset: Optional[str], demo_tasks: Optional[int], resume: bool) -> None:
     """What ``conveyor intake`` does: the dataset's groups to queue 'rollouts', a summary line,
-    and a ``CommandError`` when every row was rejected."""
+    and a ``CommandError`` when every row was rejected, or when the run id is in use and
+    ``resume`` is not set (checked before anything is written)."""
     from services.intake.datasets import read_dataset
     from services.intake.limits import PromptLimit
-    from services.intake.publisher import run_intake
+    from services.intake.publisher import run_history, run_intake
     from shared.celery_app import make_celery, publish_rollouts
     from shared.ledger import Ledger
     from shared.storage import open_store
@@ -121,6 +125,11 @@ def _publish_dataset(settings: Settings, dataset: Optional[str], demo_tasks: Opt
     data = read_dataset(path, settings.intake.split, settings.intake.dataset_label, settings.intake.max_row_bytes)
     celery = make_celery(settings)
     ledger = Ledger.from_url(settings.redis.url, settings.outage, settings.ledger.dispatch_ttl_s)  # waits out an outage of Redis
+    history = run_history(ledger, settings.run_id)
+    if history.started and not resume:
+        raise errors.CommandError(
+            f"run {settings.run_id} is already in Redis: {history.describe()}. Pass --resume to continue it (the groups "
+            f"it published are skipped and reported), or set a new run id (CONVEYOR_RUN_ID, or run_id in the --config file)")
     store = open_store(settings.storage, settings.outage)  # keeps the run's marker (shared.run_marker)
     groups = settings.intake.num_groups if settings.intake.mode == "sample" else len(data.rows)
     with progress(f"intake {settings.run_id}: publishing groups", total=groups) as advance:
@@ -129,7 +138,7 @@ def _publish_dataset(settings: Settings, dataset: Optional[str], demo_tasks: Opt
                             on_group=lambda _group_id: advance(1))
     console.print(
         f"intake {settings.run_id}: dataset {data.version}: {report.groups} groups, {report.trajectories} trajectories "
-        f"published, {report.already_known} already known, {len(report.rejected)} rows rejected"
+        f"published, {report.already_known} already published (skipped), {len(report.rejected)} rows rejected"
     )
     for rejection in report.rejected:
         console.print(f"  rejected {rejection['source']}: {rejection['reason']}")
@@ -188,6 +197,7 @@ def process(
     min_reward: Optional[float] = typer.Option(None, help="only trajectories with at least this reward (rejection sampling)"),
     max_reward: Optional[float] = typer.Option(None, help="only trajectories with at most this reward"),
     min_margin: float = typer.Option(0.0, help="pairs: only groups whose best and worst rewards differ by more"),
+    resume: bool = ResumeOption,
 ) -> None:
     """Offline mode: roll the dataset out and score it with the running workers, no trainer, then
     write the scored rollouts (for SFT, DPO or rejection sampling). Takes the trainer's place for the run."""
@@ -202,7 +212,7 @@ def process(
     if settings.trainer.max_off_policy_steps is not None:  # nothing trains: intake must not wait for a trainer
         console.print("process mode: trainer.max_off_policy_steps ignored, no trainer runs")
         settings = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"max_off_policy_steps": None})})
-    _publish_dataset(settings, dataset, None)
+    _publish_dataset(settings, dataset, None, resume)
     consumer = TrainerConsumer(settings, Ledger.from_url(settings.redis.url, settings.outage), open_store(settings.storage, settings.outage))
     consumer.run_forever(stop_when_idle=True)  # groups assembled, advantages computed, every trajectory terminal
     counts = consumer.ledger.counts(settings.run_id)

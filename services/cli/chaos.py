@@ -187,8 +187,8 @@ class ChaosRun:
             self.stack.processes.remove(proc)
         self.start_redis_again()
         self._start_services()
-        if intake_running:
-            self.intake = self.stack.conveyor("intake", "intake", "--dataset", str(self.dataset))
+        if intake_running:  # the same run, resumed: what it published is skipped
+            self.intake = self.stack.conveyor("intake", "intake", "--dataset", str(self.dataset), "--resume")
 
     def redis_kill(self) -> None:
         redis_proc = self.stack.process("redis")

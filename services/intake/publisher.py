@@ -28,7 +28,11 @@ Invariants:
   requires the run's marker in the same Lua call, so a Redis that lost its data mid-intake
   is never filled again with part of the run.
 - An outage of Redis (or of the S3 server, for the marker) is waited out by the ledger client
-  and the publisher (``shared.outage``).
+  and the publisher (``shared.outage``); a wait on the staleness bound is logged with its
+  reasons (``admission_wait``). Intake never waits silently.
+- ``run_intake`` itself resumes a run: what Redis holds of it (``run_history``) is skipped and
+  counted. Refusing to reuse a run id unasked is the command's part (``conveyor intake
+  --resume``), checked before the run's marker is opened, so a refused intake writes nothing.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from services.intake.adapters import RowRejected, admit_row
+from services.intake.admission_wait import AdmissionWait
 from services.intake.limits import PromptLimit
 from services.intake.splits import assign_splits
 from services.intake.datasets import BadRow, Row
@@ -64,6 +69,30 @@ class IntakeReport:
     trajectories: int = 0
     already_known: int = 0
     rejected: list[dict[str, str]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RunHistory:
+    """What Redis already holds of a run, before an intake publishes into it."""
+
+    opened: bool  # the run's marker is in Redis (shared.run_marker)
+    groups: int  # registered
+    published: int
+    trajectories: dict[str, int]  # ledger state -> count
+
+    @property
+    def started(self) -> bool:
+        return self.opened or self.groups > 0 or any(self.trajectories.values())
+
+    def describe(self) -> str:
+        states = ", ".join(f"{count} {state}" for state, count in self.trajectories.items() if count) or "none"
+        return f"{self.groups} groups ({self.published} published), trajectories: {states}"
+
+
+def run_history(ledger: Ledger, run_id: str) -> RunHistory:
+    groups = GroupRegistry(ledger.redis, run_id)
+    return RunHistory(bool(ledger.redis.exists(RedisKeys.run_marker(run_id))), groups.registered_count(),
+                      groups.published_count(), ledger.counts(run_id))
 
 
 def build_group(settings: Settings, group_id: int, task: TaskProfile, policy_version: int = 0) -> list[RolloutRequest]:
@@ -167,9 +196,10 @@ def run_intake(
     # an unknown environment or a bad intake.env_config stops intake before anything is published
     check_startup(environments, settings.intake.env_name, settings.intake.env_config, settings.environments)
     RunMarker(ledger.redis, run, store).open()
-    budget = None
+    admission = None
     if settings.trainer.max_off_policy_steps is not None:
         budget = StalenessBudget(ledger.redis, run, settings.trainer.max_off_policy_steps, settings.trainer.groups_per_step)
+        admission = AdmissionWait(budget, ledger, settings.intake.wait_log_every_s)
     groups, served = GroupRegistry(ledger.redis, run), PolicyVersion(ledger.redis, run)
     if dataset_version:
         ledger.redis.sadd(RedisKeys.dataset_versions(run), dataset_version)
@@ -193,8 +223,8 @@ def run_intake(
         if groups.is_published(group_id):
             report.already_known += 1  # a re-run of intake: this group went out before
             continue
-        if budget is not None and not groups.is_registered(group_id):
-            budget.admit()  # wait for the trainer rather than run too far ahead of it
+        if admission is not None and not groups.is_registered(group_id):
+            admission.admit()  # wait for the trainer rather than run too far ahead of it, saying why
         policy_version = served.get()
         requests = build_group(settings, group_id, task, policy_version)
         registration = GroupRegistration(

@@ -80,13 +80,14 @@ from shared.settings import Settings
 from shared.staleness import StalenessBudget
 from shared.storage import ObjectStore, put_model
 from shared.trajectory_lookup import trajectory_of_event
+from shared.trainer_reads import TRAINER_CONSUMER_GROUP
 from shared.trainer_counters import TrainerCounter, TrainerCounters
 
 if TYPE_CHECKING:
     from services.trainer.loop import TrainingLoop
 
 log = logging.getLogger(__name__)
-CONSUMER_GROUP = "trainer"
+CONSUMER_GROUP = TRAINER_CONSUMER_GROUP  # named in shared: intake reads whether a trainer reads the run
 _STOPS = "stops rather than train on it"
 
 

@@ -86,7 +86,8 @@ def _start_services(run: Run) -> ManagedProcess:
     run.stack.start_scoring_worker()
     run.stack.start_trainer()
     run.stack.start_weight_follower()
-    return run.stack.conveyor("intake-first", "intake", "--dataset", str(run.first))
+    # --resume: an intake of the rest of the run may start beside it (test_redis_losing_its_data_...)
+    return run.stack.conveyor("intake-first", "intake", "--dataset", str(run.first), "--resume")
 
 
 def _catch_mid_run(run: Run, intake: ManagedProcess) -> None:
@@ -130,7 +131,7 @@ def _ride_out(run: Run, outage: Outage) -> Recovery:
     failed_before = run.ledger.counts(run.run_id)["failed"]
     outage.cut()
     down_at = time.time()
-    intake = stack.conveyor("intake-rest", "intake", "--dataset", str(run.whole))
+    intake = stack.conveyor("intake-rest", "intake", "--dataset", str(run.whole), "--resume")  # the rest of the run
     time.sleep(outage.down_s)
     outage.restore()
     back_at = time.time()
@@ -202,7 +203,7 @@ def test_redis_losing_its_data_mid_run_is_detected_and_nothing_goes_on(served_mo
         stack.start_redis()
         stack.start_object_store()
         first = _start_services(run)
-        rest = stack.conveyor("intake-rest", "intake", "--dataset", str(run.whole))  # all 25 groups dispatched
+        rest = stack.conveyor("intake-rest", "intake", "--dataset", str(run.whole), "--resume")  # all 25 groups dispatched
         _catch_mid_run(run, first)
         assert rest.proc.wait(120) == 0, stack.logs(rest.name)
         stack.processes.remove(rest)

@@ -78,7 +78,7 @@ def test_sigterm_to_every_service_mid_run_loses_and_repeats_nothing(base, tmp_pa
         code, took["intake"] = _terminate(stack, intake, 30)
         published = stack.redis_client().scard(RedisKeys.groups_published(run_id))
         assert code in (0, 128 + signal.SIGTERM), stack.logs("intake")
-        again = stack.run_conveyor("intake", "--dataset", str(dataset))  # what an operator or a restart policy does
+        again = stack.run_conveyor("intake", "--dataset", str(dataset), "--resume")  # what an operator or a restart policy does
         assert again.returncode == 0, again.stderr
 
         poll("the worker never ran 8 episodes", 600, lambda: ledger.counts(run_id)["running"] >= 8)

@@ -1,0 +1,89 @@
+"""Intake's wait on the staleness bound, said out loud: intake never waits without saying why.
+
+Invariants:
+- A group is admitted exactly as ``StalenessBudget.try_admit`` admits it (one Lua call per try,
+  every ``poll_s``); this module adds only what is said.
+- A wait longer than ``intake.wait_log_every_s`` logs one warning that names the run, the groups
+  held against the bound and the bound's terms, the run's trajectories still on their way, what
+  the trainer did since the wait began, and whether a trainer reads the run at all
+  (``shared.trainer_reads``). The line comes again at doubling intervals, at most
+  ``MAX_LOG_INTERVAL_S`` apart, and a wait that was logged logs its end.
+- Every other wait of intake is an outage of Redis or of the S3 server, which ``shared.outage``
+  logs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from shared.ledger import Ledger
+from shared.staleness import StalenessBudget
+from shared.trainer_reads import TRAINER_CONSUMER_GROUP, TrainerReading, trainer_reading
+
+log = logging.getLogger(__name__)
+MAX_LOG_INTERVAL_S = 300.0
+
+
+@dataclass(frozen=True)
+class WaitStart:
+    monotonic: float
+    consumed: int
+    trainer_step: int
+
+
+@dataclass
+class AdmissionWait:
+    budget: StalenessBudget
+    ledger: Ledger
+    log_every_s: float
+    poll_s: float = 0.2
+
+    def admit(self) -> None:
+        """Block until the budget admits one group, saying why while it waits."""
+        if self.budget.try_admit():
+            return
+        run = self.budget.run_id
+        start = WaitStart(time.monotonic(), self.ledger.counts(run)["consumed"], self.budget.state().trainer_step)
+        interval = self.log_every_s
+        next_line, logged = start.monotonic + interval, False
+        while not self.budget.try_admit():
+            now = time.monotonic()
+            if now >= next_line:
+                log.warning("%s", self.why(start, now))
+                logged = True
+                interval = min(2 * interval, max(MAX_LOG_INTERVAL_S, self.log_every_s))
+                next_line = now + interval
+            time.sleep(self.poll_s)
+        if logged:
+            log.warning("intake of run %s: the staleness bound admits groups again after %.0fs", run, time.monotonic() - start.monotonic)
+
+    def why(self, start: WaitStart, now: float) -> str:
+        run, budget = self.budget.run_id, self.budget
+        terms, counts = budget.terms(), self.ledger.counts(run)
+        parts = [
+            f"intake of run {run} waiting {now - start.monotonic:.0f}s to publish its next group: {terms.held} groups held "
+            f"(in flight, or accepted and not yet trained) against the staleness bound of {terms.bound} = "
+            f"(trainer.max_off_policy_steps {budget.max_off_policy_steps} + step {terms.step} + 1) x "
+            f"trainer.groups_per_step {budget.groups_per_step}",
+            f"the run's trajectories: {counts['queued']} queued, {counts['running']} running, {counts['uploaded']} uploaded, "
+            f"{counts['scored']} scored",
+            f"since the wait began the trainer consumed {counts['consumed'] - start.consumed} trajectories and advanced "
+            f"{terms.trainer_step - start.trainer_step} steps (now at step {terms.trainer_step})",
+        ]
+        if terms.served_version < terms.trainer_step:
+            parts.append(f"the inference service serves policy version {terms.served_version}, behind trainer step "
+                         f"{terms.trainer_step}: the bound waits for the weight sync")
+        parts.append(_trainer_line(run, trainer_reading(self.ledger.redis, run)))
+        return "; ".join(parts)
+
+
+def _trainer_line(run: str, reading: TrainerReading) -> str:
+    if not reading.started:
+        return (f"no trainer has read run {run}'s events yet (its stream has no consumer group {TRAINER_CONSUMER_GROUP!r}): "
+                "none was started with this run id, or it is still starting")
+    if reading.oldest_unread_s is None:
+        return f"the trainer has taken every event of run {run} so far"
+    return (f"the oldest event of run {run} the trainer has not taken waited {reading.oldest_unread_s:.0f}s: "
+            "no trainer is reading the run unless one is in a training step that long")
