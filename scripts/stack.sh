@@ -2,7 +2,7 @@
 # The compose stack from one command. `up` builds the local images (offline, content-hashed:
 # seconds when nothing changed), starts the stack with the CPU profile, and follows the
 # trainer's log until the demo run's last step; then prints the ledger.
-#   scripts/stack.sh up | down | images | status | env | worker-host [up args]
+#   scripts/stack.sh up | down | images | status | scale N | env | worker-host [up args]
 # `worker-host` starts only rollout workers, pointed at the head host CONVEYOR_HEAD through its
 # published ports (compose/worker-host.yml); PROJECT defaults to conveyor-workers there. It
 # records the project in compose/.worker-hosts, and `down` stops every worker-host project
@@ -80,6 +80,14 @@ case "${1:-up}" in
     exit "$status"
     ;;
   status) env_file; dc exec -T scorer conveyor status ;;
+  scale)
+    # only the rollout workers: a plain `up --scale` would also start the one-shot intake and
+    # trainer again (they exited when the demo run ended)
+    : "${2:?usage: $0 scale N (rollout workers)}"
+    env_file
+    dc up -d --no-deps --no-recreate --scale "rollout-worker=$2" rollout-worker
+    echo "[stack] $2 rollout workers"
+    ;;
   down)
     env_file
     # a head's down stops this checkout's worker-host projects first; a worker-host's, only itself
@@ -106,5 +114,5 @@ case "${1:-up}" in
     "$PY" -m services.cli.swarm_file --compose "$COMPOSE" --env-file compose/.stack.env --profile "$PROFILE" --out compose/.swarm.yml
     docker stack deploy --resolve-image never -c compose/.swarm.yml "$PROJECT"
     ;;
-  *) echo "usage: $0 up|down|images|status|env|worker-host|swarm" >&2; exit 2 ;;
+  *) echo "usage: $0 up|down|images|status|scale N|env|worker-host|swarm" >&2; exit 2 ;;
 esac

@@ -83,6 +83,7 @@ def inference(base, tmp_path_factory):
     stack = LocalStack(tmp_path_factory.mktemp("inference"), env={
         **{k: v for k, v in base.env.items() if k != "CONVEYOR_RUN_ID"},
         "CONVEYOR_INFERENCE__PORT": str(port), "CONVEYOR_INFERENCE__BASE_URL": f"http://127.0.0.1:{port}",
+        "CONVEYOR_INFERENCE__EAGER": "true",  # started three times here: eager starts in a third of the time
     })
     server = ConveyorInference(stack)
     with stack:

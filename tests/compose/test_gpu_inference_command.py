@@ -89,4 +89,5 @@ def test_left_at_its_default_the_gpu_profile_serves_the_generated_tiny_model(tmp
     services = gpu_services(tmp_path, CONVEYOR_MODEL_PATH="")
     assert set(model_paths(services).values()) == {"/models/tiny"}
     assert services["model-init"]["command"] == ["tiny-model", "/models/tiny"]
-    assert services["inference-gpu"]["depends_on"]["model-init"]["condition"] == "service_completed_successfully"
+    for loader in ("inference-gpu", "trainer"):  # neither starts before the model is written
+        assert services[loader]["depends_on"]["model-init"]["condition"] == "service_completed_successfully", loader

@@ -97,3 +97,10 @@ def test_two_checkouts_and_two_projects_get_different_stack_ids(checkout: Path, 
     ids = {stack_id(checkout), stack_id(other), stack_id(checkout, PROJECT="conveyor-b")}
     assert len(ids) == 3 and stack_id(checkout) in ids
     assert stack_id(checkout, CONVEYOR_STACK_ID="mine") == "mine"
+
+
+def test_scale_starts_only_rollout_workers_never_the_one_shot_intake_or_trainer_again(checkout: Path) -> None:
+    [call] = stack_sh(checkout, "scale", "3")
+    argv = call.split()
+    assert argv[argv.index("up"):] == ["up", "-d", "--no-deps", "--no-recreate", "--scale", "rollout-worker=3",
+                                       "rollout-worker"]
