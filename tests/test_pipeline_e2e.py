@@ -61,6 +61,12 @@ def test_pipeline_end_to_end(base, tmp_path):
         assert json.loads(status.stdout)["runs"][run_id] == {
             "queued": 0, "running": 0, "uploaded": 0, "scored": 0, "consumed": total, "failed": 0,
         }
+        listed = stack.run_conveyor("run", "list", "--json", "--run", run_id)  # the same run, with its trainer
+        [summary] = json.loads(listed.stdout)["runs"]
+        assert summary["trajectories"] == json.loads(status.stdout)["runs"][run_id]
+        assert (summary["groups_published"], summary["groups_done"], summary["trainer"]) == (GROUPS, GROUPS, "reading")
+        steps = stack.redis_client().xlen(RedisKeys.step_metrics(run_id))
+        assert summary["trainer_step"] == (steps or None) and summary["served_version"] >= 0
 
     # every trajectory reaches the trainer exactly once
     events = stream_events(stack, run_id)

@@ -25,6 +25,7 @@ from rich.table import Table
 from services.cli import errors
 from services.cli.data import data_app
 from services.cli.progress import progress
+from services.cli.runs import require_run, run_app
 from services.cli.trajectories import inspect_command, replay_command
 from shared.settings import Settings, load_settings
 
@@ -34,6 +35,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 worker_app = typer.Typer(no_args_is_help=True, help="Celery workers.")
 app.add_typer(worker_app, name="worker")
 app.add_typer(data_app, name="data")
+app.add_typer(run_app, name="run")
 app.command("inspect")(inspect_command)
 app.command("replay")(replay_command)
 console = Console(stderr=True, soft_wrap=True)
@@ -493,7 +495,7 @@ def status(
     if failures is not None:
         from services.cli.failures import failure_report, print_failures
 
-        _require_run(ledger, failures)
+        require_run(ledger, failures)
         report = failure_report(ledger, failures)
         print(json.dumps(report)) if as_json else print_failures(report, Console())
         return
@@ -512,10 +514,6 @@ def status(
     Console().print(table)
 
 
-def _require_run(ledger: "Ledger", run_id: str) -> None:  # noqa: F821 (imported by the callers)
-    if run_id not in ledger.runs():
-        known = ", ".join(ledger.runs()[-5:]) or "none"
-        raise errors.CommandError(f"Redis holds no run {run_id!r} (runs: {known})")
 
 
 @app.command()
@@ -536,7 +534,7 @@ def retry(
     from shared.ledger_retry import retry_failed
 
     ledger = Ledger.from_url(settings.redis.url, dispatch_ttl_s=settings.ledger.dispatch_ttl_s)
-    _require_run(ledger, run)
+    require_run(ledger, run)
     celery = make_celery(settings)
     summary = retry_summary(run, retry_failed(ledger, run, reason, lambda requests: publish_rollouts(celery, requests)))
     print(json.dumps(summary)) if as_json else print_retry(summary, console)
