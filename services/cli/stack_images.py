@@ -23,6 +23,9 @@ Invariants:
   tags that no container uses, so rebuilds do not pile up gigabytes. It selects by the
   ``conveyor.stack`` label: another checkout's or another stack's images are never removed
   (nor are images built before the label; ``docker image prune`` and ``docker rmi`` are for those).
+- A build is never silent: each Dockerfile step is printed as it starts, and within a long step
+  its latest output line every ``BUILD_REPORT_EVERY_S`` seconds; a failed build raises
+  ``docker.errors.BuildError`` with the daemon's error and the build's last lines.
 - ``write_env(path)`` writes the tags as ``CONVEYOR_*_IMAGE`` lines, which the compose file
   reads (``docker-compose --env-file``).
 """
@@ -38,6 +41,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import docker
 
@@ -53,6 +57,7 @@ WHEELHOUSE = ROOT / ".conveyor" / "wheelhouse"
 BASE_PACKAGES = ("python3", "ca-certificates")
 SOURCE_DIRS = ("services", "shared")
 _PRUNED_REPOSITORIES = ("conveyor/service", "conveyor/redis", "conveyor/s3")
+BUILD_REPORT_EVERY_S = 15.0  # a long build step shows its latest output line this often
 
 
 @dataclass(frozen=True)
@@ -89,9 +94,29 @@ def _build(client: docker.DockerClient, tag: str, context: Path, base: str, name
     print(f"[images] building {tag}", flush=True)
     started = time.monotonic()
     buildargs = {"BASE": base} | ({"WHEELS_URL": wheels_url} if wheels_url else {})
-    client.images.build(path=str(context), tag=tag, rm=True, forcerm=True, pull=False, buildargs=buildargs,
-                        labels=image_labels(name, stack_id), timeout=3600, network_mode="host" if wheels_url else None)
+    stream = client.api.build(path=str(context), tag=tag, rm=True, forcerm=True, pull=False, buildargs=buildargs,
+                              labels=image_labels(name, stack_id), timeout=3600,
+                              network_mode="host" if wheels_url else None, decode=True)
+    show_build_progress(stream, name, started)
     print(f"[images] {tag} built in {time.monotonic() - started:.0f}s", flush=True)
+
+
+def show_build_progress(stream: Iterable[dict], name: str, started: float) -> None:
+    """Follow a build's output: each Dockerfile step as it starts, and within a long step its
+    latest line at most every ``BUILD_REPORT_EVERY_S`` seconds; a failed build raises with its
+    last lines."""
+    last_report, tail = started, []
+    for chunk in stream:
+        if "error" in chunk:
+            raise docker.errors.BuildError(f"{chunk['error'].strip()}; last lines: {' | '.join(tail[-5:])}", tail)
+        line = " ".join(str(chunk.get("stream", "")).split())
+        if not line:
+            continue
+        tail = [*tail[-19:], line]
+        now = time.monotonic()
+        if line.startswith("Step ") or now - last_report >= BUILD_REPORT_EVERY_S:
+            last_report = now
+            print(f"[images] {name} {now - started:4.0f}s: {line[:160]}", flush=True)
 
 
 def build_simple_image(client: docker.DockerClient, name: str, base: str, stack_id: str) -> str:
