@@ -52,6 +52,7 @@ def test_eval_passes_during_training_end_with_a_signal_and_never_reach_a_batch(t
         "CONVEYOR_EVALUATION__SAMPLES_PER_TASK": "2",
         "CONVEYOR_EVALUATION__PASS_K": json.dumps([1, 2]),
         "CONVEYOR_EVALUATION__METRICS_PATH": str(tmp_path / "eval.jsonl"),
+        "CONVEYOR_INFERENCE__EAGER": "true",  # what is checked is the eval passes' accounting: vLLM starts eager
     })
     assert [int(s["step"]) for s in run.steps] == [1, 2]
     ends = seen["ends"]

@@ -86,6 +86,9 @@ def assert_clear_learning(run: LearningRun, logprob_tolerance: float) -> None:
 LORA = {"CONVEYOR_TRAINER__LORA__ENABLED": "true", "CONVEYOR_TRAINER__LORA__RANK": "8",
         "CONVEYOR_TRAINER__LORA__TARGET_MODULES": '["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]',
         "CONVEYOR_TRAINER__OPTIM__LR": "0.02"}
+# runs that check what is deterministic, not that the reward rises: vLLM starts eager, in a third
+# of the time (the learning runs above keep vLLM's compiled default, the configuration users train with)
+EAGER = {"CONVEYOR_INFERENCE__EAGER": "true"}
 
 
 def test_a_lora_run_serves_every_version_it_trains(tmp_path):
@@ -109,7 +112,7 @@ def test_a_lora_run_serves_every_version_it_trains(tmp_path):
         served["last_sync"] = WeightSyncRecord(client, stack.run_id).last_sync()
 
     run = run_learning(tmp_path, steps=steps, max_off_policy_steps=0, inspect=inspect,
-                       overrides={**LORA, "CONVEYOR_TRAINER__LORA__SYNC": "adapter"}, lora_rank=8)
+                       overrides={**LORA, **EAGER, "CONVEYOR_TRAINER__LORA__SYNC": "adapter"}, lora_rank=8)
     rewards = run.rewards
     print(f"reward per step {[round(r, 3) for r in rewards]}; sync seconds "
           f"{[round(h['weight_sync_s'], 3) for h in run.steps if h['weight_sync_s'] is not None]}")
@@ -129,7 +132,8 @@ def test_a_weight_sync_that_does_not_take_stops_the_run_within_three_steps(tmp_p
     process exited 0 and every sync reported success. Now the sync's probe catches it, the
     served version does not move, and the trainer stops with the cause."""
     with pytest.raises(RuntimeError, match="trainer failed") as info:
-        run_learning(tmp_path, steps=20, max_off_policy_steps=1, layout="llama-tied", worker_extension=False)
+        run_learning(tmp_path, steps=20, max_off_policy_steps=1, layout="llama-tied", worker_extension=False,
+                     overrides=EAGER)
     message = str(info.value)
     # the first failed sync is version 1; under load the trainer may already have announced
     # version 2 (max_off_policy_steps=1) before the follower's record of the failure arrived
