@@ -58,7 +58,7 @@ from shared import ids  # noqa: E402
 from shared.group_registry import GroupRegistry  # noqa: E402
 from shared.leases import LeaseKeeper, Reaper  # noqa: E402
 from shared.ledger import LEASE_STAGES, ROLLOUT, SCORING, Ledger  # noqa: E402
-from shared.names import RedisKeys  # noqa: E402
+from shared.names import ROLLOUT_QUEUE, SCORING_QUEUE, RedisKeys  # noqa: E402
 from shared.schemas import GroupRegistration, RolloutRequest, ScoredEvent, ScoringTask, TaskProfile  # noqa: E402
 from shared.settings import LedgerSettings  # noqa: E402
 from shared.trainer_counters import TrainerCounter, TrainerCounters  # noqa: E402
@@ -118,7 +118,9 @@ def shard_of(run_id: str, shards: int) -> int:
 
 
 # --- per-run lease keys: the prototype of the cluster-safe ledger ---------------------------------
-GLOBAL_KEYS = {RedisKeys.leases: "leases", RedisKeys.scoring_leases: "scoring_leases", RedisKeys.runs: "in_runs"}
+GLOBAL_KEYS = {RedisKeys.leases: "leases", RedisKeys.scoring_leases: "scoring_leases", RedisKeys.runs: "in_runs",
+               # the broker queues EXPIRE reads (empty here: the bench publishes nothing)
+               ROLLOUT_QUEUE: "rollout_queue", SCORING_QUEUE: "scoring_queue"}
 
 
 class PerRunKeys:

@@ -19,7 +19,9 @@ Invariants:
 - Nothing is sent again merely because Redis was down: a message lost with it (a delivery whose
   reply never arrived, the last second of writes before a crash) is found by its dispatch
   deadline, which every state that waits for a stage holds (``shared.ledger``). So a broker
-  restart multiplies no task: only trajectories still unclaimed past their deadline go out again.
+  restart multiplies no task: only trajectories still unclaimed past their deadline go out
+  again, and only once their stage's broker queue is empty (a message still waiting there is
+  not copied: an outage stalls every worker, and every waiting deadline passes).
 - A re-dispatched trajectory is published again at once with the payload stored for it
   (rollout: the request; scoring: the task's arguments). The claim makes every other copy
   (the loser of a race, or the broker's own redelivery after its visibility timeout) a no-op.
@@ -152,9 +154,11 @@ class Reaper:
         if self.settling(uptime):
             return outcome
         to_send: dict[str, str] = {}  # per sweep: each trajectory goes out once
+        waiting = 0
         forgive_before = self._forgive_before(uptime)
         for trajectory_id in self.ledger.expired_leases(stage=self.stage):
             result = self.ledger.expire(trajectory_id, self.max_attempts, stage=self.stage, forgive_before=forgive_before)
+            waiting += result == "waiting"
             if result in ("requeued", "resent"):
                 self._add_payload(trajectory_id, to_send)
                 log.warning("%s of %s: %s", self.stage.name, trajectory_id, _SAID[result])
@@ -164,6 +168,9 @@ class Reaper:
                 outcome[result] += 1
             if result in ("requeued", "failed") and self.stage is ROLLOUT:
                 self._add_group_members(trajectory_id, to_send)
+        if waiting:
+            log.info("%s: %d trajector%s past the dispatch deadline, not sent again: queue %r still holds messages",
+                     self.stage.name, waiting, "y" if waiting == 1 else "ies", self.stage.queue)
         if to_send:
             self.redispatch(list(to_send.items()))
         return outcome

@@ -30,10 +30,13 @@ Invariants, per run:
   restarted and lost the last second of writes) is therefore sent again by the stage's reaper
   once the deadline passes, whatever else was lost. The upload's deadline is short (the sender
   batches for at most ``rollout.scoring_linger_s``); once the batch is sent (``scoring_sent``) it
-  moves ``dispatch_ttl_s`` ahead. Each re-send of an unclaimed trajectory doubles the next wait
-  (up to 32x): a message only waiting in a long queue is copied a few times at most, and every
-  copy beyond the first is a no-op at the claim. So nothing waiting lives only in a process's
-  memory or only in the broker.
+  moves ``dispatch_ttl_s`` ahead. A deadline that passes while the stage's broker queue still
+  holds messages moves ``dispatch_ttl_s`` ahead instead, nothing sent: the message may be
+  waiting there, and a copy would only join the back of the same queue. So a message only
+  waiting (behind a backlog, or while an outage of Redis stalled every worker) is not copied,
+  and a lost one goes out again once its queue is empty. Each re-send of an unclaimed
+  trajectory doubles the next wait (up to 32x); every copy beyond the first is a no-op at the
+  claim. So nothing waiting lives only in a process's memory or only in the broker.
 - Registering a run's trajectories records the run's marker (``shared.run_marker``) in the
   same Lua call, so Redis never holds a run's trajectories without its marker.
 - Hand-off to the trainer is atomic with the state change: ``mark_scored`` and ``fail`` append
@@ -50,7 +53,7 @@ import redis
 
 from shared import ids, ledger_lua
 from shared.ids import parse_trajectory_id
-from shared.names import RedisKeys
+from shared.names import ROLLOUT_QUEUE, SCORING_QUEUE, RedisKeys
 from shared.outage import redis_client
 from shared.redis_scripts import ScriptCall, run_pipelined
 from shared.run_marker import RedisDataLost, lost_message, marker_value
@@ -75,16 +78,17 @@ class LeaseStage:
     attempts: Callable[[str], str]  # run id -> hash trajectory id -> attempts started
     payloads: Callable[[str], str]  # run id -> hash trajectory id -> what a re-dispatch publishes
     resends: Callable[[str], str]  # run id -> hash trajectory id -> re-sends since the last claim
+    queue: str  # the broker queue its messages wait in (a Redis list: kombu's Redis transport)
 
 
 ROLLOUT = LeaseStage(
     "rollout", TrajectoryState.queued, TrajectoryState.running, "lease_expired",
-    RedisKeys.leases, RedisKeys.owners, RedisKeys.attempts, RedisKeys.requests, RedisKeys.resends,
+    RedisKeys.leases, RedisKeys.owners, RedisKeys.attempts, RedisKeys.requests, RedisKeys.resends, ROLLOUT_QUEUE,
 )
 SCORING = LeaseStage(  # the payload is the scoring task's argument list, as JSON
     "scoring", TrajectoryState.uploaded, TrajectoryState.uploaded, "scoring_lease_expired",
     RedisKeys.scoring_leases, RedisKeys.scoring_owners, RedisKeys.scoring_attempts, RedisKeys.scoring_tasks,
-    RedisKeys.scoring_resends,
+    RedisKeys.scoring_resends, SCORING_QUEUE,
 )
 LEASE_STAGES = (ROLLOUT, SCORING)  # each holds a different state
 
@@ -190,7 +194,8 @@ class Ledger:
                forgive_before: float = 0.0) -> str:
         """A deadline passed. A lease: 'requeued' (publish the payload again) or 'failed'. A
         dispatch deadline of a trajectory still unclaimed: 'resent' (publish the payload again;
-        no attempt counts). Else 'skip'. A lease whose deadline is before ``forgive_before``
+        no attempt counts), or 'waiting' while the stage's broker queue holds messages (its own
+        may be among them: the deadline moves ahead, nothing is sent). Else 'skip'. A lease whose deadline is before ``forgive_before``
         (it was last renewed before Redis restarted) does not count its attempt."""
         ids = parse_trajectory_id(trajectory_id)
         now = time.time() if now is None else now
@@ -200,7 +205,7 @@ class Ledger:
         )
         k, run = RedisKeys, ids.run_id
         keys = [k.states(run), k.counts(run), stage.owners(run), stage.leases, stage.attempts(run), k.failures(run),
-                k.trainer_stream(run), stage.resends(run)]
+                k.trainer_stream(run), stage.resends(run), stage.queue]
         args = [trajectory_id, now, max_attempts, event.model_dump_json(), stage.held.value, stage.claim_from.value,
                 stage.expired_reason, self.dispatch_ttl_s, repr(forgive_before)]
         return self._expire(keys=keys, args=args)

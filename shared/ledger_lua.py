@@ -130,14 +130,17 @@ return moved
 #   deadline for the message the reaper sends now.
 # - A dispatch deadline (no owner) of a trajectory still waiting to be claimed: its message was
 #   never sent, or lost. No attempt was made, so none counts ('resent'); the next deadline is
-#   further ahead each time (dispatch TTL x 2^resends, up to x32), so a message that only waits
-#   in a long queue is copied a few times at most.
+#   further ahead each time (dispatch TTL x 2^resends, up to x32).
+# - Unless the stage's broker queue (KEYS[9], kombu's Redis list) still holds messages: its own
+#   may be one of them, and a copy would only join the back of the same queue. The deadline
+#   moves one dispatch TTL ahead, nothing is sent or counted ('waiting'). A message that only
+#   waits in a long queue (the pipeline stalled by an outage of Redis, a backlog) is not copied.
 # - A lease last renewed before Redis itself restarted (deadline < ARGV[9]) was lost in a crash
 #   of Redis, not by anything the trajectory did: its attempt does not count ('requeued').
-# KEYS: states, counts, owners, leases, attempts, failures, stream, resends
+# KEYS: states, counts, owners, leases, attempts, failures, stream, resends, the stage's broker queue
 # ARGV: tid, now, max_attempts, failed_event_json, held, claim_from, expired_reason, dispatch TTL (s),
 #       forgive deadlines before (0: none)
-# -> "requeued" | "resent" | "failed" | "skip"
+# -> "requeued" | "resent" | "waiting" | "failed" | "skip"
 EXPIRE = _SET_STATE + """
 local deadline = redis.call('ZSCORE', KEYS[4], ARGV[1])
 if not deadline or tonumber(deadline) > tonumber(ARGV[2]) then return 'skip' end
@@ -146,6 +149,10 @@ if redis.call('HDEL', KEYS[3], ARGV[1]) == 0 then
   if state ~= ARGV[6] then
     redis.call('ZREM', KEYS[4], ARGV[1])
     return 'skip'
+  end
+  if redis.call('LLEN', KEYS[9]) > 0 then
+    redis.call('ZADD', KEYS[4], tonumber(ARGV[2]) + tonumber(ARGV[8]), ARGV[1])
+    return 'waiting'
   end
   local resends = redis.call('HINCRBY', KEYS[8], ARGV[1], 1)
   redis.call('ZADD', KEYS[4], tonumber(ARGV[2]) + tonumber(ARGV[8]) * 2 ^ math.min(resends, 5), ARGV[1])

@@ -238,7 +238,11 @@ def _celery_worker(module: str, queue: str, pool: str, concurrency: int, name: s
 
     outage.exit_on_limit()  # past outage.limit_s a task's thread ends the worker: one line, exit 2
     celery = importlib.import_module(module).app
-    celery.worker_main(["worker", "-Q", queue, "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h", "--loglevel", loglevel, "-E"])
+    # No gossip and no mingle: workers share nothing among themselves (the ledger coordinates
+    # them), and Gossip's consumer raised a traceback on every restart of the broker. Task
+    # events (-E) and heartbeats still go out for Flower, and remote control (ping) still answers.
+    celery.worker_main(["worker", "-Q", queue, "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h", "--loglevel", loglevel,
+                        "-E", "--without-gossip", "--without-mingle"])
 
 
 def _wait_for_inference(settings: Settings) -> None:

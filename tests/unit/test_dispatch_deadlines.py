@@ -119,10 +119,11 @@ def test_a_group_the_broker_lost_goes_out_again_as_one_task_at_its_deadline_each
     assert queue.llen(ROLLOUT_QUEUE) == 1  # the whole group in one task, not one per trajectory
     body = json.loads(queue.lindex(ROLLOUT_QUEUE, 0))
     assert body["headers"]["task"].endswith("run_trajectories")
-    time.sleep(0.6)  # the next wait is twice as long: a message only waiting in a queue is rarely copied
-    assert reaper.sweep() == {"requeued": 0, "resent": 0, "failed": 0}
-    time.sleep(0.6)
-    assert reaper.sweep() == {"requeued": 0, "resent": 4, "failed": 0} and queue.llen(ROLLOUT_QUEUE) == 2
+    time.sleep(1.3)  # past the next deadline (twice as far), but the copy still waits in the queue: no other
+    assert reaper.sweep() == {"requeued": 0, "resent": 0, "failed": 0} and queue.llen(ROLLOUT_QUEUE) == 1
+    queue.delete(ROLLOUT_QUEUE)  # a worker took the copy off the queue and died too
+    time.sleep(0.6)  # the deadline moved one wait ahead while the queue held it
+    assert reaper.sweep() == {"requeued": 0, "resent": 4, "failed": 0} and queue.llen(ROLLOUT_QUEUE) == 1
     assert {ledger.attempts(r.trajectory_id) for r in group} == {0}  # no attempt was made, none is spent
     first = group[0].trajectory_id
     assert ledger.claim(first, "worker", 30) == (True, "1")  # a copy's claim replaces the deadline with a lease

@@ -135,3 +135,17 @@ def test_a_scorer_claims_a_whole_batch_before_scoring_any_of_it(ledger, store, r
     assert scorer.score_batch(tasks) == ["scored"] * 3
     assert None not in held_at_first_read[0]
     assert [ledger.lease_owner(t.trajectory_id, SCORING) for t in tasks] == [None] * 3  # released after
+
+
+def test_a_scoring_message_that_waits_in_the_scoring_queue_is_not_copied_past_its_deadline(ledger, run_id):
+    ledger.dispatch_ttl_s = 0.3
+    tasks = uploaded_with_send_by(ledger, run_id, size=2, send_within_s=0.2)
+    ledger.redis.lpush(SCORING.queue, "a message ahead of them")  # e.g. the scorers stalled by an outage of Redis
+    sent: list[str] = []
+    reaper = Reaper(ledger, SCORING, 3, 1.0, one_by_one(lambda tid, _payload: sent.append(tid)))
+    time.sleep(0.3)
+    assert reaper.sweep() == {"requeued": 0, "resent": 0, "failed": 0} and sent == []  # their batch may be in the queue
+    ledger.redis.delete(SCORING.queue)  # the queue drained and they were not claimed: their batch was lost
+    time.sleep(0.4)  # the deadline moved one dispatch TTL ahead
+    assert reaper.sweep() == {"requeued": 0, "resent": 2, "failed": 0}
+    assert sorted(sent) == sorted(t.trajectory_id for t in tasks)
