@@ -61,6 +61,7 @@ from shared.schemas import FailedEvent, RolloutRequest, ScoredEvent, TrajectoryS
 from shared.settings import LedgerSettings, OutageSettings
 
 STATES = [s.value for s in TrajectoryState]
+UNFINISHED = [TrajectoryState.queued, TrajectoryState.running, TrajectoryState.uploaded, TrajectoryState.scored]
 
 
 @dataclass(frozen=True)
@@ -283,14 +284,22 @@ class Ledger:
     def fail(self, trajectory_id: str, reason: str, token: str | None = None) -> TransitionResult:
         """Any non-terminal state -> failed(reason); tells the trainer. With a token, only the
         owner of the lease holding the trajectory may fail it."""
+        allowed = [stage.held for stage in LEASE_STAGES] if token else UNFINISHED
+        return self._run_moves([self._fail_call(trajectory_id, reason, allowed, token)])[0]
+
+    def fail_many(self, trajectory_ids: list[str], reason: str, allowed_from: list[TrajectoryState]) -> list[TransitionResult]:
+        """Each of these still in one of ``allowed_from`` -> failed(reason), no owner check (a
+        lease holder finds its lease gone at its next heartbeat); pipelined, each move its own
+        atomic call."""
+        return self._run_moves([self._fail_call(tid, reason, allowed_from) for tid in trajectory_ids])
+
+    def _fail_call(self, trajectory_id: str, reason: str, allowed_from: list[TrajectoryState],
+                   token: str | None = None) -> ScriptCall:
         ids = parse_trajectory_id(trajectory_id)
         event = FailedEvent(
             trajectory_id=trajectory_id, run_id=ids.run_id, group_id=ids.group_id, failure_reason=reason, at=time.time(),
         )
-        allowed = [stage.held for stage in LEASE_STAGES] if token else [
-            TrajectoryState.queued, TrajectoryState.running, TrajectoryState.uploaded, TrajectoryState.scored
-        ]
-        return self._move(trajectory_id, TrajectoryState.failed, allowed, token=token, event=event, reason=reason)
+        return self._move_call(trajectory_id, TrajectoryState.failed, allowed_from, token=token, event=event, reason=reason)
 
     def _move(self, trajectory_id: str, to: TrajectoryState, allowed_from: list[TrajectoryState],
               **details: Any) -> TransitionResult:

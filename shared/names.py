@@ -183,6 +183,10 @@ class RedisKeys:
         return f"{_P}:{{{run_id}}}:intake_done"
 
     @staticmethod
+    def run_stop(run_id: str) -> str:  # JSON RunStop: `conveyor run stop` asked the run to end (shared.run_stop)
+        return f"{_P}:{{{run_id}}}:stop"
+
+    @staticmethod
     def policy_version(run_id: str) -> str:  # int: the version the inference service serves (shared.policy_version)
         return f"{_P}:{{{run_id}}}:policy_version"
 

@@ -39,6 +39,7 @@ class FailureKind(str, enum.Enum):
     lease_expired = "lease_expired"  # the rollout worker died max_attempts times (shared.ledger)
     scoring_lease_expired = "scoring_lease_expired"
     scoring_error = "scoring_error"  # the reward function or the trajectory object failed
+    run_stopped = "run_stopped"  # `conveyor run stop`: its run ended before it did (shared.run_stop)
     superseded = "superseded"  # group redundancy: the group had kept its first members; this one was cancelled
 
 

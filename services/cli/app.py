@@ -112,6 +112,7 @@ def _publish_dataset(settings: Settings, dataset: Optional[str], demo_tasks: Opt
     from services.intake.publisher import run_history, run_intake
     from shared.celery_app import make_celery, publish_rollouts
     from shared.ledger import Ledger
+    from shared.run_stop import stop_of
     from shared.storage import open_store
 
     if demo_tasks is not None:
@@ -127,6 +128,10 @@ def _publish_dataset(settings: Settings, dataset: Optional[str], demo_tasks: Opt
     data = read_dataset(path, settings.intake.split, settings.intake.dataset_label, settings.intake.max_row_bytes)
     celery = make_celery(settings)
     ledger = Ledger.from_url(settings.redis.url, settings.outage, settings.ledger.dispatch_ttl_s)  # waits out an outage of Redis
+    stop = stop_of(ledger.redis, settings.run_id)
+    if stop is not None:
+        raise errors.CommandError(f"run {settings.run_id} was {stop.describe()}; a stopped run is over: set a new run id "
+                                  "(CONVEYOR_RUN_ID, or run_id in the --config file)")
     history = run_history(ledger, settings.run_id)
     if history.started and not resume:
         raise errors.CommandError(
@@ -144,6 +149,9 @@ def _publish_dataset(settings: Settings, dataset: Optional[str], demo_tasks: Opt
     )
     for rejection in report.rejected:
         console.print(f"  rejected {rejection['source']}: {rejection['reason']}")
+    if report.stopped:
+        console.print(f"intake {settings.run_id}: the run was {report.stopped}; published no more groups")
+        return
     if report.groups == 0 and report.already_known == 0:
         raise errors.CommandError(f"intake published nothing from {path}: all {len(report.rejected)} rows were rejected "
                                   "(conveyor data validate shows why, per field)")
@@ -387,6 +395,8 @@ def trainer(
             loop.close()
         if ranks is not None:
             ranks.leave()
+    if consumer.stopped is not None:
+        console.print(f"trainer {settings.run_id}: the run was {consumer.stopped.describe()}; exiting")
     console.print(f"trainer {settings.run_id}: {consumer.counters()}")
 
 

@@ -2,12 +2,16 @@
 
 ``conveyor run list`` shows, per run: its groups (published, done), its trajectories by ledger
 state, its trainer (the last step and how long ago; or that none started, or that none reads
-the run's events), and the policy version its rollouts are served with.
+the run's events), the policy version its rollouts are served with, and whether it was stopped.
+``conveyor run stop RUN`` ends a run (``shared.run_stop``).
 
 Invariants:
-- Read only: nothing here writes to Redis. Every key read has its owner elsewhere (the ledger,
-  the group registry, the trainer's step stream, the policy version; ``shared.names``), and
-  whether a trainer reads the run comes from the stream's own records (``shared.trainer_reads``).
+- ``run list`` is read only. Every key read or written has its owner elsewhere (the ledger,
+  the group registry, the trainer's step stream, the policy version, the run's stop;
+  ``shared.names``), and whether a trainer reads the run comes from the stream's own records
+  (``shared.trainer_reads``).
+- ``run stop`` writes through ``shared.run_stop`` only, and is idempotent: a second stop keeps
+  the first one's reason and fails what is left unfinished by the same rule.
 - A run is listed once Redis holds any of it (``Ledger.runs``); a run id that is not there is an
   error naming the runs that are.
 """
@@ -41,6 +45,7 @@ class RunSummary:
     last_step_age_s: float | None
     trainer: str  # "not started", "reading", "not reading for Ns"
     served_version: int
+    stopped: str | None = None  # who stopped the run, when and why (``conveyor run stop``); None: not stopped
 
     def trainer_text(self) -> str:
         if self.trainer_step is None:
@@ -52,7 +57,7 @@ def summarize(client: Any, ledger: Any, run_id: str) -> RunSummary:
     from shared.group_registry import GroupRegistry
     from shared.names import RedisKeys
     from shared.policy_version import PolicyVersion
-    from shared.trainer_reads import trainer_reading
+    from shared.run_stop import stop_of
 
     groups = GroupRegistry(client, run_id)
     last = client.xrevrange(RedisKeys.step_metrics(run_id), count=1)
@@ -62,15 +67,22 @@ def summarize(client: Any, ledger: Any, run_id: str) -> RunSummary:
         step = int(json.loads(fields["metrics"])["step"])
         seconds, microseconds = client.time()  # Redis' clock: the one the entry id comes from
         age = max(0.0, seconds + microseconds / 1e6 - int(entry_id.split("-")[0]) / 1000)
+    stop = stop_of(client, run_id)
+    return RunSummary(run_id, groups.published_count(), len(groups.done()), ledger.counts(run_id), step, age,
+                      trainer_status(client, run_id), PolicyVersion(client, run_id).get(),
+                      None if stop is None else stop.describe())
+
+
+def trainer_status(client: Any, run_id: str) -> str:
+    """"not started", "reading" or "not reading for Ns" (``shared.trainer_reads``)."""
+    from shared.trainer_reads import trainer_reading
+
     reading = trainer_reading(client, run_id)
     if not reading.started:
-        trainer = "not started"
-    elif reading.oldest_unread_s is not None and reading.oldest_unread_s > NOT_READING_AFTER_S:
-        trainer = f"not reading for {reading.oldest_unread_s:.0f}s"
-    else:
-        trainer = "reading"
-    return RunSummary(run_id, groups.published_count(), len(groups.done()), ledger.counts(run_id), step, age, trainer,
-                      PolicyVersion(client, run_id).get())
+        return "not started"
+    if reading.oldest_unread_s is not None and reading.oldest_unread_s > NOT_READING_AFTER_S:
+        return f"not reading for {reading.oldest_unread_s:.0f}s"
+    return "reading"
 
 
 def require_run(ledger: Any, run_id: str) -> None:
@@ -86,12 +98,10 @@ def list_runs(
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
     run: Optional[str] = typer.Option(None, help="only this run"),
 ) -> None:
-    """Every run in Redis: groups, trajectories by state, the trainer's last step, the served version."""
-    from shared.ledger import STATES, Ledger
-    from shared.settings import load_settings
+    """Every run in Redis: groups, trajectories by state, the trainer's last step, the served version, whether stopped."""
+    from shared.ledger import STATES
 
-    settings = load_settings(yaml_file=config)
-    ledger = Ledger.from_url(settings.redis.url, settings.outage)
+    ledger = _ledger(config)
     if run is not None:
         require_run(ledger, run)
     summaries = [summarize(ledger.redis, ledger, r) for r in ([run] if run else ledger.runs())]
@@ -100,10 +110,41 @@ def list_runs(
         return
     table = Table(title="Conveyor runs")
     table.add_column("run", no_wrap=True)
-    for column in ("groups", "trajectories", "trainer", "served"):
+    for column in ("groups", "trajectories", "trainer", "served", "stopped"):
         table.add_column(column)
     for s in summaries:
         states = ", ".join(f"{s.trajectories[k]} {k}" for k in STATES if s.trajectories[k]) or "none"
         table.add_row(s.run_id, f"{s.groups_published} published, {s.groups_done} done", states, s.trainer_text(),
-                      f"version {s.served_version}")
+                      f"version {s.served_version}", s.stopped or "no")
     Console().print(table)
+
+
+@run_app.command("stop")
+def stop_run(
+    run: str = typer.Argument(..., help="the run id"),
+    reason: str = typer.Option("stopped by hand", "--reason", help="why: kept with the run and in each failure it causes"),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML settings file (or set CONVEYOR_CONFIG)"),
+) -> None:
+    """End a run: intake publishes no more, its queued and running trajectories fail as run_stopped,
+    its trainer exits after its step in hand. The workers go on serving other runs."""
+    from shared.ledger import UNFINISHED
+    from shared.run_stop import end_unfinished, request_stop
+    from shared.schemas import TrajectoryState
+
+    ledger = _ledger(config)
+    require_run(ledger, run)
+    stop, recorded = request_stop(ledger.redis, run, reason)
+    trainer = trainer_status(ledger.redis, run)
+    # a reading trainer ends what reached it (uploaded, scored) itself, after its step in hand
+    states = [TrajectoryState.queued, TrajectoryState.running] if trainer == "reading" else UNFINISHED
+    failed = end_unfinished(ledger, run, stop, states)
+    print(f"run {run} {'' if recorded else 'was already '}{stop.describe()}; {failed} unfinished trajectories failed now"
+          + ("; its trainer fails the rest and exits after its step in hand" if trainer == "reading" else ""))
+
+
+def _ledger(config: Optional[Path]) -> Any:
+    from shared.ledger import Ledger
+    from shared.settings import load_settings
+
+    settings = load_settings(yaml_file=config)
+    return Ledger.from_url(settings.redis.url, settings.outage)

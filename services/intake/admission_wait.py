@@ -8,6 +8,8 @@ Invariants:
   the trainer did since the wait began, and whether a trainer reads the run at all
   (``shared.trainer_reads``). The line comes again at doubling intervals, at most
   ``MAX_LOG_INTERVAL_S`` apart, and a wait that was logged logs its end.
+- A wait ends, unadmitted, once the run is stopped (``shared.run_stop``); intake then checks
+  the stop and publishes no more.
 - Every other wait of intake is an outage of Redis or of the S3 server, which ``shared.outage``
   logs.
 """
@@ -19,6 +21,7 @@ import time
 from dataclasses import dataclass
 
 from shared.ledger import Ledger
+from shared.run_stop import stop_of
 from shared.staleness import StalenessBudget
 from shared.trainer_reads import TRAINER_CONSUMER_GROUP, TrainerReading, trainer_reading
 
@@ -41,7 +44,8 @@ class AdmissionWait:
     poll_s: float = 0.2
 
     def admit(self) -> None:
-        """Block until the budget admits one group, saying why while it waits."""
+        """Block until the budget admits one group, saying why while it waits, or until the run
+        is stopped (``shared.run_stop``: the trainer holding the bound has exited)."""
         if self.budget.try_admit():
             return
         run = self.budget.run_id
@@ -49,6 +53,8 @@ class AdmissionWait:
         interval = self.log_every_s
         next_line, logged = start.monotonic + interval, False
         while not self.budget.try_admit():
+            if stop_of(self.ledger.redis, run) is not None:
+                return
             now = time.monotonic()
             if now >= next_line:
                 log.warning("%s", self.why(start, now))

@@ -33,6 +33,9 @@ Invariants:
 - ``run_intake`` itself resumes a run: what Redis holds of it (``run_history``) is skipped and
   counted. Refusing to reuse a run id unasked is the command's part (``conveyor intake
   --resume``), checked before the run's marker is opened, so a refused intake writes nothing.
+- A stopped run (``shared.run_stop``) gets no group after the stop: intake checks it before
+  each group (after any wait on the staleness bound, which a stop ends) and stops publishing
+  with one line. The command refuses to resume a stopped run.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from shared.ledger import Ledger
 from shared.names import RedisKeys
 from shared.policy_version import PolicyVersion
 from shared.run_marker import RunMarker
+from shared.run_stop import stop_of
 from shared.schemas import GroupRegistration, RolloutRequest, TaskProfile
 from shared.settings import Settings, SplitSettings
 from shared.staleness import StalenessBudget
@@ -69,6 +73,7 @@ class IntakeReport:
     trajectories: int = 0
     already_known: int = 0
     rejected: list[dict[str, str]] = field(default_factory=list)
+    stopped: str = ""  # who stopped the run, when and why (``conveyor run stop``); "": intake ran to its end
 
 
 @dataclass(frozen=True)
@@ -225,6 +230,11 @@ def run_intake(
             continue
         if admission is not None and not groups.is_registered(group_id):
             admission.admit()  # wait for the trainer rather than run too far ahead of it, saying why
+        stop = stop_of(ledger.redis, run)
+        if stop is not None:
+            report.stopped = stop.describe()
+            log.warning("intake of run %s: the run was %s; publishing no more groups", run, report.stopped)
+            break
         policy_version = served.get()
         requests = build_group(settings, group_id, task, policy_version)
         registration = GroupRegistration(

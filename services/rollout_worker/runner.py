@@ -32,6 +32,9 @@ Invariants, per trajectory:
   - any other exception is a bug: it fails the trajectory at once, never retried, with the
     traceback in the failure reason.
   Nothing is dropped silently.
+- A trajectory of a stopped run (``shared.run_stop``) is claimed, then failed as ``run_stopped``
+  and not run; an episode running when its run is stopped is cut when ``conveyor run stop``
+  fails it (the heartbeat finds the lease gone: ``LeaseLost``). Other runs' tasks go on.
 - A worker shutting down hands its running trajectories back (``in_flight``): queued again
   with the attempt not counted.
 """
@@ -69,6 +72,7 @@ from shared.policy_version import PolicyVersion
 from shared.outcomes import FailureKind, RolloutOutcome, RolloutResult, reason
 from shared.prometheus import EPISODES_IN_FLIGHT
 from shared.run_marker import refuse_lost_run
+from shared.run_stop import RunStop, stop_of
 from shared.schemas import RolloutRequest, ScoringTask, StopReason, Trajectory
 from shared.settings import RolloutSettings, Settings
 from shared.storage import ObjectStore, StorageError, put_bundle
@@ -111,13 +115,17 @@ async def run_requests(ctx: RolloutContext, requests: list[RolloutRequest]) -> d
     uploads: Uploads = UploadOutbox(lambda finished: upload_bundle(ctx, finished),
                                     [r.trajectory_id for r, (token, _) in zip(requests, claims) if token is not None],
                                     rollout.upload_linger_s, rollout.upload_bundle_max)
-    outcomes = await asyncio.gather(*(_run_one(ctx, uploads, r, token, detail) for r, (token, detail) in zip(requests, claims)))
+    stops = await asyncio.to_thread(lambda: {run: stop_of(ctx.ledger.redis, run) for run in {r.run_id for r in requests}})
+    outcomes = await asyncio.gather(*(_run_one(ctx, uploads, r, token, detail, stops[r.run_id])
+                                      for r, (token, detail) in zip(requests, claims)))
     await ctx.scoring.flush()  # the task's uploads go to scoring in one message
     return dict(zip((r.trajectory_id for r in requests), outcomes))
 
 
-async def _run_one(ctx: RolloutContext, uploads: Uploads, request: RolloutRequest, token: str | None, detail: str) -> RolloutResult:
-    """``token``, ``detail``: this worker's claim of the request (``LeaseKeeper.claim``)."""
+async def _run_one(ctx: RolloutContext, uploads: Uploads, request: RolloutRequest, token: str | None, detail: str,
+                   stop: RunStop | None) -> RolloutResult:
+    """``token``, ``detail``: this worker's claim of the request (``LeaseKeeper.claim``); ``stop``:
+    its run's stop, if any (``shared.run_stop``)."""
     tid = request.trajectory_id
     if token is None:
         if detail == "unknown" and await asyncio.to_thread(refuse_lost_run, ctx.ledger.redis, request.run_id):
@@ -127,6 +135,9 @@ async def _run_one(ctx: RolloutContext, uploads: Uploads, request: RolloutReques
     attempt = int(detail)
     EPISODES_IN_FLIGHT.inc()
     try:
+        if stop is not None:
+            log.info("%s not run: its run was %s", tid, stop.describe())
+            return await asyncio.to_thread(_fail, ctx, tid, token, FailureKind.run_stopped, stop.detail())
         return await _roll_out(ctx, uploads, request, token, attempt)
     finally:
         uploads.finished(tid)

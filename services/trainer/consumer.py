@@ -37,6 +37,9 @@ Invariants:
   with an empty ledger.
 - Stopping (``run_forever(stop=...)``, set on SIGTERM) happens between two reads, never in the
   middle of a group: what was read and not yet decided stays pending in the stream.
+- A stopped run (``conveyor run stop``, ``shared.run_stop``) ends the consumer at the same place,
+  between two reads (so after a step, never within one): it first fails every trajectory of the
+  run still unfinished, groups read and not yet decided included, so the run's ledger is exact.
 """
 
 from __future__ import annotations
@@ -57,10 +60,11 @@ from services.trainer.token_rewards import token_advantages as token_advantages_
 from services.trainer.group_metrics import GroupMetricsLog
 from services.trainer.groups import GroupAssembler, PendingGroup
 from shared import outage
-from shared.ledger import Ledger
+from shared.ledger import UNFINISHED, Ledger
 from shared.outcomes import FailureKind, reason
 from shared.names import RedisKeys, batch_key, group_record_key
 from shared.run_marker import RunMarker
+from shared.run_stop import RunStop, end_unfinished, stop_of
 from shared.dead_letters import DeadLetters
 from shared.group_registry import GroupRegistry
 from shared.schemas import (
@@ -103,6 +107,7 @@ class TrainerConsumer:
         self.stream = RedisKeys.trainer_stream(self.run_id)
         self.consumer = self.settings.trainer.consumer_name
         self._registrations: dict[int, GroupRegistration] = {}
+        self.stopped: RunStop | None = None  # the run's stop, once this consumer ended on it
         self.groups = GroupRegistry(self.redis, self.run_id)
         self.trainer_counters = TrainerCounters(self.redis, self.run_id)
         self.dead_letters = DeadLetters(self.redis)
@@ -155,6 +160,8 @@ class TrainerConsumer:
         self.recover()
         while stop is None or not stop.is_set():
             self.marker.check(_STOPS)
+            if self.end_if_stopped():
+                return
             if outage.recoveries(self.redis) != self._recoveries:  # Redis was down
                 self._recoveries = outage.recoveries(self.redis)
                 self.recover()
@@ -167,6 +174,18 @@ class TrainerConsumer:
                 return
             if stop_when_idle and not handled and self.finished():
                 return
+
+    def end_if_stopped(self) -> bool:
+        """True once the run is stopped (``shared.run_stop``): every trajectory of it still
+        unfinished is failed first, and the stop is logged with who asked and why."""
+        stop = stop_of(self.redis, self.run_id)
+        if stop is None:
+            return False
+        failed = end_unfinished(self.ledger, self.run_id, stop, UNFINISHED)
+        log.warning("trainer of run %s: the run was %s; %d unfinished trajectories failed; exiting after the last step",
+                    self.run_id, stop.describe(), failed)
+        self.stopped = stop
+        return True
 
     def _read(self, streams: dict[str, str], count: int, block: int | None = None) -> list:
         try:
