@@ -25,7 +25,7 @@ from rich.table import Table
 from services.cli import errors
 from services.cli.data import data_app
 from services.cli.progress import progress
-from services.cli.runs import require_run, run_app
+from services.cli.runs import refuse_stopped, require_run, run_app
 from services.cli.trajectories import inspect_command, replay_command
 from shared.settings import Settings, load_settings
 
@@ -112,7 +112,6 @@ def _publish_dataset(settings: Settings, dataset: Optional[str], demo_tasks: Opt
     from services.intake.publisher import run_history, run_intake
     from shared.celery_app import make_celery, publish_rollouts
     from shared.ledger import Ledger
-    from shared.run_stop import stop_of
     from shared.storage import open_store
 
     if demo_tasks is not None:
@@ -128,10 +127,7 @@ def _publish_dataset(settings: Settings, dataset: Optional[str], demo_tasks: Opt
     data = read_dataset(path, settings.intake.split, settings.intake.dataset_label, settings.intake.max_row_bytes)
     celery = make_celery(settings)
     ledger = Ledger.from_url(settings.redis.url, settings.outage, settings.ledger.dispatch_ttl_s)  # waits out an outage of Redis
-    stop = stop_of(ledger.redis, settings.run_id)
-    if stop is not None:
-        raise errors.CommandError(f"run {settings.run_id} was {stop.describe()}; a stopped run is over: set a new run id "
-                                  "(CONVEYOR_RUN_ID, or run_id in the --config file)")
+    refuse_stopped(ledger.redis, settings.run_id, "set a new run id (CONVEYOR_RUN_ID, or run_id in the --config file)")
     history = run_history(ledger, settings.run_id)
     if history.started and not resume:
         raise errors.CommandError(
@@ -549,6 +545,7 @@ def retry(
 
     ledger = Ledger.from_url(settings.redis.url, dispatch_ttl_s=settings.ledger.dispatch_ttl_s)
     require_run(ledger, run)
+    refuse_stopped(ledger.redis, run, "its failures stay as they are")
     celery = make_celery(settings)
     summary = retry_summary(run, retry_failed(ledger, run, reason, lambda requests: publish_rollouts(celery, requests)))
     print(json.dumps(summary)) if as_json else print_retry(summary, console)

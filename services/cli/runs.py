@@ -92,6 +92,15 @@ def require_run(ledger: Any, run_id: str) -> None:
         raise errors.CommandError(f"Redis holds no run {run_id!r} (runs: {', '.join(known[-5:]) or 'none'})")
 
 
+def refuse_stopped(client: Any, run_id: str, instead: str) -> None:
+    """A ``CommandError`` if the run was stopped (``conveyor run stop``): a stopped run is over."""
+    from shared.run_stop import stop_of
+
+    stop = stop_of(client, run_id)
+    if stop is not None:
+        raise errors.CommandError(f"run {run_id} was {stop.describe()}; a stopped run is over: {instead}")
+
+
 @run_app.command("list")
 def list_runs(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML settings file (or set CONVEYOR_CONFIG)"),

@@ -1,5 +1,5 @@
 """``conveyor run stop RUN``: the run ends, nothing of it stays queued, a second stop says so, and
-a stopped run cannot be resumed. Real Redis, the real ``conveyor`` command; the stop of a run
+a stopped run cannot be resumed nor its failures retried. Real Redis, the real ``conveyor`` command; the stop of a run
 with its workers and trainer running is in ``tests/test_run_stop_e2e.py``."""
 
 from __future__ import annotations
@@ -58,7 +58,9 @@ def test_stop_fails_the_queued_trajectories_once_is_idempotent_and_refuses_a_res
     for flags in (["--resume"], []):
         line = one_error_line(conveyor("intake", "--demo-tasks", "4", *flags, cwd=tmp_path, **env))
         assert line.startswith(f"run {run_id} was stopped by ") and "a stopped run is over: set a new run id" in line
-    assert sum(ledger.counts(run_id).values()) == 12  # nothing published after the stop
+    line = one_error_line(conveyor("retry", run_id, cwd=tmp_path, **env))
+    assert line.startswith(f"run {run_id} was stopped by ") and "its failures stay as they are" in line
+    assert sum(ledger.counts(run_id).values()) == ledger.counts(run_id)["failed"] == 12  # nothing published or queued again
 
 
 def test_intake_publishes_no_group_after_the_stop(redis_client, redis_url, run_id):
