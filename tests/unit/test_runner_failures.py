@@ -268,6 +268,49 @@ def test_a_superseded_episode_is_cancelled_at_the_next_heartbeat_and_writes_noth
     assert harness.scoring == [] and harness.redispatched == []
 
 
+def test_a_task_of_a_stopped_run_is_failed_not_run_and_another_runs_task_still_runs(harness, ledger, store, chat):
+    from shared.run_stop import request_stop
+
+    stopped = harness.request(Broken.name)
+    other = Harness(ledger, store, chat, harness.run_id + "x")
+    runs = other.request(Broken.name)
+    request_stop(ledger.redis, harness.run_id, "bad data")
+    [result] = harness.run([stopped]).values()
+    assert str(result) == "failed:run_stopped" and ledger.attempts(stopped.trajectory_id) == 1
+    assert ledger.failure_reasons(harness.run_id)[stopped.trajectory_id].startswith("run_stopped: bad data (by ")
+    [result] = other.run([runs]).values()
+    assert str(result) == "failed:env_error"  # the same worker code runs the other run's episode: it reached reset
+    assert harness.scoring == [] and harness.redispatched == []
+
+
+def test_an_episode_running_when_its_run_is_stopped_is_cut_at_the_next_heartbeat(harness, ledger):
+    """``conveyor run stop`` fails the run's running trajectories; the worker's heartbeat finds the
+    lease gone and cancels the episode, as for a superseded member."""
+    from shared.ledger import UNFINISHED
+    from shared.run_stop import end_unfinished, request_stop
+
+    request = harness.request(Hangs.name)
+    tid = request.trajectory_id
+    Hangs.closed = 0
+
+    async def go():
+        ctx = await harness.context()
+        loop = asyncio.get_running_loop()
+        ctx.leases.on_lost = lambda ids: loop.call_soon_threadsafe(ctx.in_flight.cancel, ids)  # as tasks.py wires it
+        task = asyncio.ensure_future(run_requests(ctx, [request]))
+        while ledger.state(tid) != "running":
+            await asyncio.sleep(0.01)
+        stop, recorded = request_stop(ledger.redis, harness.run_id, "diverged")
+        assert recorded and end_unfinished(ledger, harness.run_id, stop, UNFINISHED) == 1
+        assert await asyncio.to_thread(ctx.leases.beat) == 0  # what the heartbeat thread does every heartbeat_s
+        return await asyncio.wait_for(task, 10)
+
+    results = asyncio.run(go())
+    assert str(results[tid]) == "skipped:lease_lost" and Hangs.closed == 1
+    assert ledger.failure_reasons(harness.run_id)[tid].startswith("run_stopped: diverged (by ")
+    assert ledger.counts(harness.run_id)["failed"] == 1 and harness.scoring == [] and harness.redispatched == []
+
+
 def test_an_upload_whose_ledger_reply_was_lost_still_goes_to_scoring_and_another_attempts_does_not(harness, ledger):
     """Redis went away with the reply of running -> uploaded (the move took): the worker finds the
     trajectory uploaded and no later attempt claimed, so the upload is its own and scoring is
