@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Callable
 
 import pytest
 
@@ -241,12 +242,9 @@ def test_only_the_lease_owner_hands_a_trajectory_back(harness, ledger):
     assert ledger.claim(tid, "next", 30) == (True, "1")  # the next claim is attempt 1 again
 
 
-def test_a_superseded_episode_is_cancelled_at_the_next_heartbeat_and_writes_nothing(harness, ledger):
-    """Group redundancy: the trainer fails a late member as superseded while its episode runs;
-    the worker's lease heartbeat finds the lease gone and cancels the episode, which closes its
-    environment and leaves the ledger as the trainer wrote it."""
-    request = harness.request(Hangs.name)
-    tid = request.trajectory_id
+def _failed_while_running(harness: Harness, ledger, request: RolloutRequest, fail: Callable[[], bool]) -> dict:
+    """Run ``request``'s hanging episode; once it runs, ``fail()`` fails it in the ledger, then one
+    heartbeat finds the lease gone and cancels the episode. Returns ``run_requests``' results."""
     Hangs.closed = 0
 
     async def go():
@@ -254,14 +252,24 @@ def test_a_superseded_episode_is_cancelled_at_the_next_heartbeat_and_writes_noth
         loop = asyncio.get_running_loop()
         ctx.leases.on_lost = lambda ids: loop.call_soon_threadsafe(ctx.in_flight.cancel, ids)  # as tasks.py wires it
         task = asyncio.ensure_future(run_requests(ctx, [request]))
-        while ledger.state(tid) != "running":
+        while ledger.state(request.trajectory_id) != "running":
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.1)
-        assert ledger.fail(tid, "superseded: group 0 kept its first 4 scored members").ok
+        assert fail()
         assert await asyncio.to_thread(ctx.leases.beat) == 0  # what the heartbeat thread does every heartbeat_s
         return await asyncio.wait_for(task, 10)
 
-    results = asyncio.run(go())
+    return asyncio.run(go())
+
+
+def test_a_superseded_episode_is_cancelled_at_the_next_heartbeat_and_writes_nothing(harness, ledger):
+    """Group redundancy: the trainer fails a late member as superseded while its episode runs;
+    the worker's lease heartbeat finds the lease gone and cancels the episode, which closes its
+    environment and leaves the ledger as the trainer wrote it."""
+    request = harness.request(Hangs.name)
+    tid = request.trajectory_id
+    results = _failed_while_running(harness, ledger, request,
+                                    lambda: ledger.fail(tid, "superseded: group 0 kept its first 4 scored members").ok)
     assert str(results[tid]) == "skipped:lease_lost" and Hangs.closed == 1
     assert ledger.state(tid) == "failed"
     assert ledger.redis.hget(RedisKeys.failures(harness.run_id), tid).startswith("superseded")
@@ -291,21 +299,12 @@ def test_an_episode_running_when_its_run_is_stopped_is_cut_at_the_next_heartbeat
 
     request = harness.request(Hangs.name)
     tid = request.trajectory_id
-    Hangs.closed = 0
 
-    async def go():
-        ctx = await harness.context()
-        loop = asyncio.get_running_loop()
-        ctx.leases.on_lost = lambda ids: loop.call_soon_threadsafe(ctx.in_flight.cancel, ids)  # as tasks.py wires it
-        task = asyncio.ensure_future(run_requests(ctx, [request]))
-        while ledger.state(tid) != "running":
-            await asyncio.sleep(0.01)
+    def stop_the_run() -> bool:
         stop, recorded = request_stop(ledger.redis, harness.run_id, "diverged")
-        assert recorded and end_unfinished(ledger, harness.run_id, stop, UNFINISHED) == 1
-        assert await asyncio.to_thread(ctx.leases.beat) == 0  # what the heartbeat thread does every heartbeat_s
-        return await asyncio.wait_for(task, 10)
+        return recorded and end_unfinished(ledger, harness.run_id, stop, UNFINISHED) == 1
 
-    results = asyncio.run(go())
+    results = _failed_while_running(harness, ledger, request, stop_the_run)
     assert str(results[tid]) == "skipped:lease_lost" and Hangs.closed == 1
     assert ledger.failure_reasons(harness.run_id)[tid].startswith("run_stopped: diverged (by ")
     assert ledger.counts(harness.run_id)["failed"] == 1 and harness.scoring == [] and harness.redispatched == []
