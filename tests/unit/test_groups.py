@@ -601,3 +601,23 @@ def test_redundancy_keeps_the_first_n_scored_and_supersedes_the_rest_keeping_the
     assert pending_count(redis_client, run_id) == 0
     # the slow worker's lease is lost: its heartbeat names it, so the worker cancels the episode
     assert ledger.renew({reqs[4].trajectory_id: "slow-worker"}, 30) == [reqs[4].trajectory_id]
+
+
+def test_a_stopped_run_ends_the_consumer_between_reads_with_every_trajectory_terminal(settings, ledger, store, run_id):
+    """``conveyor run stop``: the consumer fails what is unfinished (a group read and not yet
+    decided, a group not yet rolled out) and returns; one group decided before stays consumed."""
+    from shared.run_stop import request_stop
+
+    groups = register_groups(settings, ledger, 3)
+    consumer = TrainerConsumer(settings, ledger, store)
+    for req, reward in zip(groups[0], [0, 1, 0, 1]):
+        deliver_scored(ledger, store, req, reward)
+    for req in groups[1][:2]:
+        deliver_scored(ledger, store, req, 1.0)
+    drain(consumer)  # group 0 decided and consumed, group 1 read and undecided, group 2 queued
+    request_stop(ledger.redis, run_id, "enough")
+    consumer.run_forever()  # returns: no SIGTERM, no loop, no stop_when_idle
+    counts = ledger.counts(run_id)
+    assert (counts["consumed"], counts["failed"], sum(counts.values())) == (GROUP_SIZE, 2 * GROUP_SIZE, 3 * GROUP_SIZE)
+    assert consumer.stopped.reason == "enough"
+    assert {r.split(" (by ")[0] for r in ledger.failure_reasons(run_id).values()} == {"run_stopped: enough"}
