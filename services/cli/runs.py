@@ -33,6 +33,7 @@ run_app = typer.Typer(no_args_is_help=True, help="Runs on the stack: what each h
 
 # a trainer reads its events at least this often between steps (trainer.block_ms is far below it)
 NOT_READING_AFTER_S = 120.0
+READING = "reading"  # trainer_status of a run whose trainer reads its events
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def trainer_status(client: Any, run_id: str) -> str:
         return "not started"
     if reading.oldest_unread_s is not None and reading.oldest_unread_s > NOT_READING_AFTER_S:
         return f"not reading for {reading.oldest_unread_s:.0f}s"
-    return "reading"
+    return READING
 
 
 def require_run(ledger: Any, run_id: str) -> None:
@@ -143,12 +144,12 @@ def stop_run(
     ledger = _ledger(config)
     require_run(ledger, run)
     stop, recorded = request_stop(ledger.redis, run, reason)
-    trainer = trainer_status(ledger.redis, run)
+    reading = trainer_status(ledger.redis, run) == READING
     # a reading trainer ends what reached it (uploaded, scored) itself, after its step in hand
-    states = [TrajectoryState.queued, TrajectoryState.running] if trainer == "reading" else UNFINISHED
+    states = [TrajectoryState.queued, TrajectoryState.running] if reading else UNFINISHED
     failed = end_unfinished(ledger, run, stop, states)
     print(f"run {run} {'' if recorded else 'was already '}{stop.describe()}; {failed} unfinished trajectories failed now"
-          + ("; its trainer fails the rest and exits after its step in hand" if trainer == "reading" else ""))
+          + ("; its trainer fails the rest and exits after its step in hand" if reading else ""))
 
 
 def _ledger(config: Optional[Path]) -> Any:

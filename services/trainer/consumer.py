@@ -37,9 +37,9 @@ Invariants:
   with an empty ledger.
 - Stopping (``run_forever(stop=...)``, set on SIGTERM) happens between two reads, never in the
   middle of a group: what was read and not yet decided stays pending in the stream.
-- A stopped run (``conveyor run stop``, ``shared.run_stop``) ends the consumer at the same place,
-  between two reads (so after a step, never within one): it first fails every trajectory of the
-  run still unfinished, groups read and not yet decided included, so the run's ledger is exact.
+- A stopped run (``conveyor run stop``, ``shared.run_stop``) ends the consumer between two reads
+  or two steps, never within a step: it first fails every trajectory of the run still
+  unfinished, groups read and not yet decided included, so the run's ledger is exact.
 """
 
 from __future__ import annotations
@@ -169,6 +169,8 @@ class TrainerConsumer:
             if loop is not None:
                 loop.check_alarms()
             while loop is not None and not loop.done() and loop.ready():
+                if self.end_if_stopped():  # between two steps too: a backlog of ready steps is not trained
+                    return
                 loop.train_once()
             if loop is not None and loop.done():
                 return
