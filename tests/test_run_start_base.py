@@ -73,6 +73,15 @@ def test_a_replica_already_on_the_base_is_left_alone(server: VllmServer, models:
     assert reloads == [] and not check.restored and check.max_abs_diff <= FP32_TOLERANCE
 
 
+def test_new_weights_under_the_base_label_are_replaced_too(server: VllmServer, models: dict[str, Path],
+                                                           admin: httpx.Client, redis_client: Any, tmp_path: Path) -> None:
+    # a follower killed mid-sync to version 1 left B's weights loaded under run A's base label
+    ws.sync_weights([server.base_url], models["B"], 1, client=admin, label=base_label("runA"))
+    with follower(redis_client, tmp_path, [server.base_url], models["A"]) as f:
+        [check] = f.ensure_base()
+    assert check.restored and check.max_abs_diff <= FP32_TOLERANCE
+
+
 def test_a_replica_that_cannot_be_restored_stops_the_run(server: VllmServer, models: dict[str, Path],
                                                          admin: httpx.Client, redis_client: Any, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,8 +12,10 @@ Invariants:
   ``str(version)``: only the base label names its run.
 - A replica whose label is not this run's base label (another run's version, ``default`` of a
   fresh launch, anything) is reloaded from the base checkpoint through ``sync_weights``
-  (probed there before the label is set). A replica already labelled so is not reloaded.
-- Then every replica, reloaded or not, is probed against the base model's logprobs
+  (probed there before the label is set). A replica already labelled so is not reloaded,
+  unless its probe disagrees (a follower that died mid-sync to version 1 leaves new weights
+  under the base label): then it is reloaded too, and probed again.
+- Every replica, reloaded or not, is probed against the base model's logprobs
   (``base_probe``: the trainer's own ``logprob_probe`` of the base checkpoint, float32) at the
   follower's probe tolerance, the precision's (``shared.logprob_probe.default_tolerance``:
   1e-4 in fp32), never the looser logprob alarm's.
@@ -95,27 +97,17 @@ def ensure_base_weights(http: httpx.Client, urls: list[str], run_id: str, model_
         except AdminCallError as exc:
             raise BaseWeightsError(f"run {run_id} cannot start: cannot read the weight label of replica {url} "
                                    f"({exc.detail})") from None
-    stale = [url for url in urls if found[url] != label]
-    if stale:
-        try:
-            sync_weights(stale, model_dir, 0, client=http, probe=probe, label=label)
-        except WeightSyncError as exc:
-            why = "; ".join(f"replica {url}: {reason.removeprefix('ProbeMismatch: ')}"
-                            for url, reason in exc.failed.items())
-            raise BaseWeightsError(f"run {run_id} cannot start: restoring its base weights {model_dir} failed at "
-                                   f"{exc.phase}: {why}") from None
-    checks = []
-    for url in urls:
-        try:
-            result = verify_replica(http, url, probe)
-        except ProbeMismatch as exc:
-            raise BaseWeightsError(
-                f"run {run_id} cannot start: replica {url} (label {found[url]!r}) does not serve its base weights "
-                f"{model_dir}: probe max |dlogprob| {exc.result.max_abs_diff:.3g} > tolerance {probe.tolerance:g}"
-            ) from None
-        except (AdminCallError, ValueError) as exc:
-            raise BaseWeightsError(f"run {run_id} cannot start: probing replica {url} failed: {exc}") from None
-        checks.append(BaseCheck(url, found[url], url in stale, result.max_abs_diff))
+    restored = [url for url in urls if found[url] != label]
+    _restore(http, restored, run_id, model_dir, probe)
+    gaps = {url: _probe(http, url, run_id, found[url], model_dir, probe) for url in urls}
+    # labelled as the base but not serving it: a follower that died mid-sync left new weights under the old label
+    off = [url for url, gap in gaps.items() if gap is None]
+    if off:
+        log.warning("replicas %s are labelled %r but do not serve its base weights; restoring them", off, label)
+        _restore(http, off, run_id, model_dir, probe)
+        restored += off
+        gaps.update({url: _probe(http, url, run_id, found[url], model_dir, probe, last=True) for url in off})
+    checks = [BaseCheck(url, found[url], url in restored, gaps[url]) for url in urls]
     for check in checks:
         if check.restored:
             log.warning("replica %s served %r, not run %s's base; restored run %s's base weights %s, probe max "
@@ -124,3 +116,31 @@ def ensure_base_weights(http: httpx.Client, urls: list[str], run_id: str, model_
             log.info("replica %s already served run %s's base weights (label %r): not reloaded, probe max "
                      "|dlogprob| %.2g", check.replica, run_id, check.found, check.max_abs_diff)
     return checks
+
+
+def _restore(http: httpx.Client, urls: list[str], run_id: str, model_dir: Path, probe: SyncProbe) -> None:
+    """Reload the base into ``urls`` (probed before the base label is set); raise the line on failure."""
+    if not urls:
+        return
+    try:
+        sync_weights(urls, model_dir, 0, client=http, probe=probe, label=base_label(run_id))
+    except WeightSyncError as exc:
+        why = "; ".join(f"replica {url}: {reason.removeprefix('ProbeMismatch: ')}" for url, reason in exc.failed.items())
+        raise BaseWeightsError(f"run {run_id} cannot start: restoring its base weights {model_dir} failed at "
+                               f"{exc.phase}: {why}") from None
+
+
+def _probe(http: httpx.Client, url: str, run_id: str, found: str, model_dir: Path, probe: SyncProbe,
+           last: bool = False) -> float | None:
+    """The replica's probe gap; None if it does not match (unless ``last``: then the line is raised)."""
+    try:
+        return verify_replica(http, url, probe).max_abs_diff
+    except ProbeMismatch as exc:
+        if not last:
+            return None
+        raise BaseWeightsError(
+            f"run {run_id} cannot start: replica {url} (label {found!r}) does not serve its base weights "
+            f"{model_dir}: probe max |dlogprob| {exc.result.max_abs_diff:.3g} > tolerance {probe.tolerance:g}"
+        ) from None
+    except (AdminCallError, ValueError) as exc:
+        raise BaseWeightsError(f"run {run_id} cannot start: probing replica {url} failed: {exc}") from None
