@@ -1,8 +1,8 @@
 """At a run's start, every replica serves the run's base weights, and that is checked, not assumed.
 
 A vLLM server outlives runs: one that served run B's trained weights still serves them when
-run A starts, and A's first step would train on B's samples (the logprob alarm may not see
-it: a few hundred steps of drift can stay under it). The weight follower owns the replicas,
+run A starts, and A's first step would train on B's samples (the logprob alarm need not see
+it: one such case showed a gap of 6.9e-4, under the 1e-3 alarm). The weight follower owns the replicas,
 so it owns this check (``WeightFollower.ensure_base``, from ``run()`` while the run's served
 version is 0, before it follows the run's checkpoints).
 
@@ -17,8 +17,8 @@ Invariants:
   under the base label): then it is reloaded too, and probed again.
 - Every replica, reloaded or not, is probed against the base model's logprobs
   (``base_probe``: the trainer's own ``logprob_probe`` of the base checkpoint, float32) at the
-  follower's probe tolerance, the precision's (``shared.logprob_probe.default_tolerance``:
-  1e-4 in fp32), never the looser logprob alarm's.
+  follower's probe tolerance (``inference.sync_probe_tolerance``, by default the precision's,
+  ``shared.logprob_probe.default_tolerance``: 1e-4 in fp32), never the looser logprob alarm's.
 - Any failure (a label that cannot be read, a reload or probe that fails) raises
   ``BaseWeightsError``, one line naming the replica and why (the probe's gap when it is the
   probe), and the follower stops: a run never starts on weights it did not check.
