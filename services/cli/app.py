@@ -450,6 +450,7 @@ def inference(
     settings = _settings(config)
     import threading
 
+    from services.inference.base_weights import BaseWeightsError
     from services.inference.control_plane import WeightFollower
     from services.inference.server import VllmServer, check_inference
 
@@ -469,6 +470,8 @@ def inference(
                 follower.run(stop)
             except KeyboardInterrupt:
                 stop.set()
+            except BaseWeightsError as exc:
+                raise errors.CommandError(str(exc)) from None
         return
     if generate_tiny:
         from services.inference.tiny_model import generate_tiny_model
@@ -480,10 +483,22 @@ def inference(
     try:
         server.wait_ready(settings.inference.startup_timeout_s, report_every_s=15)
         console.print(f"vLLM ready: {json.dumps(server.health())}")
+        failed: list[BaseWeightsError] = []
+
+        def follow() -> None:
+            try:
+                follower.run(stop)
+            except BaseWeightsError as exc:  # the run must not start on weights it did not check
+                failed.append(exc)
+                server.stop()
+
         with WeightFollower.from_settings(settings, base_urls=[server.base_url]) as follower:
-            thread = threading.Thread(target=follower.run, args=(stop,), name="weight-follower", daemon=True)
+            process = server.process  # server.stop() (the follower's failure) clears it
+            thread = threading.Thread(target=follow, name="weight-follower", daemon=True)
             thread.start()
-            server.process.wait()
+            process.wait()
+        if failed:
+            raise errors.CommandError(str(failed[0]))
     finally:
         stop.set()
         server.stop()

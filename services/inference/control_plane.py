@@ -31,6 +31,10 @@ Invariants:
   (a newer version's sync resumes it anyway).
   Replicas whose ``/weight_info`` is not the served version (e.g. a replica restarted on
   its launch checkpoint) are re-synced to it.
+- A run starts from its base weights on every replica: while the run's served version is 0,
+  ``run()`` first makes every replica serve ``inference.model_path`` under the run's base label
+  and probes each (``ensure_base``, ``services.inference.base_weights``); a replica that cannot
+  be restored stops the follower with ``BaseWeightsError``, one line naming it and the gap.
 - A failed sync leaves ``policy_version`` unchanged and is retried with backoff by
   ``run()``; with the previous checkpoint as ``restore_dir``, a failed reload or probe puts
   every replica back on the weights they served before.
@@ -62,6 +66,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from services.inference import weight_sync
+from services.inference.base_weights import BaseCheck, BaseWeightsError, base_dir, base_probe, ensure_base_weights
 from services.inference.lora_sync import sync_adapter
 from services.inference.weight_sync import SyncProbe, SyncReport, WeightSyncError, sync_weights
 from shared.checkpoint_files import (  # noqa: F401 - re-exported for callers of the follower
@@ -284,6 +289,16 @@ class WeightFollower:
                 lagging.append(url)
         return lagging
 
+    def ensure_base(self) -> list[BaseCheck]:
+        """Run start: every replica serves the base checkpoint as this run's version 0, probed
+        (``services.inference.base_weights``); raises ``BaseWeightsError`` otherwise."""
+        if self.initial_weights_dir is None:
+            raise BaseWeightsError(f"run {self.run_id} cannot start: the weight follower has no base checkpoint "
+                                   "(inference.model_path) to check its replicas against")
+        model_dir = base_dir(self.initial_weights_dir)
+        probe = SyncProbe(base_probe(model_dir), self.probe_model or self.served_model, self.probe_tolerance)
+        return ensure_base_weights(self._http, self.base_urls, self.run_id, model_dir, probe)
+
     def _restore_dir(self, served: int) -> Path | None:
         if served == 0:
             return self.initial_weights_dir
@@ -355,6 +370,9 @@ class WeightFollower:
         log.info("following %s for %d replica(s)", RedisKeys.checkpoints(self.run_id), len(self.base_urls))
         marker = RunMarker(self.redis, self.run_id, self.store)
         marker.check(_STOPS, look_in_store=True)
+        if self.served_version() == 0:
+            self._resume_left_paused()  # a paused replica would not answer the base probe
+            self.ensure_base()
         while not stop_event.is_set():
             marker.check(_STOPS)
             try:

