@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import os
 import socket
 import time
 from dataclasses import asdict, dataclass
@@ -64,9 +65,17 @@ def stop_of(client: Any, run_id: str) -> RunStop | None:
     return None if raw is None else RunStop(**json.loads(raw))
 
 
+def _user() -> str:
+    """The login name; a container's user often has no passwd entry, then its uid."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return f"uid {os.getuid()}"
+
+
 def request_stop(client: Any, run_id: str, why: str) -> tuple[RunStop, bool]:
     """Record the stop (once); returns the stop in force and whether this call recorded it."""
-    stop = RunStop(why, f"{getpass.getuser()}@{socket.gethostname()}", time.time())
+    stop = RunStop(why, f"{_user()}@{socket.gethostname()}", time.time())
     recorded = bool(client.set(RedisKeys.run_stop(run_id), json.dumps(asdict(stop)), nx=True))
     return (stop if recorded else stop_of(client, run_id)), recorded
 

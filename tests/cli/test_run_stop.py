@@ -89,3 +89,16 @@ def test_a_stop_ends_intakes_wait_on_the_staleness_bound(redis_client, redis_url
     request_stop(redis_client, run_id, "no trainer came")
     intake.join(5)
     assert not intake.is_alive() and reports[0].groups == 1 and stop_of(redis_client, run_id).reason == "no trainer came"
+
+
+def test_who_stopped_a_run_is_named_even_for_a_user_with_no_login_name(monkeypatch):
+    """A container's user often has no passwd entry (compose runs the services as uid 10001)."""
+    import getpass
+
+    from shared import run_stop
+
+    def no_passwd_entry() -> str:
+        raise KeyError("getpwuid(): uid not found: 10001")
+
+    monkeypatch.setattr(getpass, "getuser", no_passwd_entry)
+    assert run_stop._user().startswith("uid ")
