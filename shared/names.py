@@ -33,10 +33,12 @@ _P = "conveyor"
 
 
 def trajectory_key(run_id: str, group_id: int, trajectory_id: str) -> str:
+    """A Trajectory uploaded on its own (not in a bundle), gzip JSON."""
     return f"trajectories/{run_id}/{group_id:06d}/{trajectory_id}.json.gz"
 
 
 def scored_key(run_id: str, group_id: int, trajectory_id: str, attempt: int = 1) -> str:
+    """A ScoredTrajectory on its own, gzip JSON; scoring attempt n > 1 writes a key of its own."""
     suffix = "" if attempt == 1 else f".s{attempt}"
     return f"scored/{run_id}/{group_id:06d}/{trajectory_id}{suffix}.json.gz"
 
@@ -57,10 +59,12 @@ def agent_artifact_key(run_id: str, trajectory_id: str, name: str) -> str:
 
 
 def batch_key(run_id: str, group_id: int) -> str:
+    """A training batch: one GRPO group's samples, gzip JSON."""
     return f"batches/{run_id}/{group_id:06d}.json.gz"
 
 
 def group_record_key(run_id: str, group_id: int) -> str:
+    """The GroupRecord the trainer decided for a group (accepted, or why not)."""
     return f"groups/{run_id}/{group_id:06d}.json.gz"
 
 
@@ -87,14 +91,17 @@ def lora_adapter_version(served_model: str, name: str) -> int | None:
 
 
 def run_marker_key(run_id: str) -> str:
+    """The run's marker in the bucket, written by intake after the one in Redis (shared.run_marker)."""
     return f"runs/{run_id}/marker.json"
 
 
 def checkpoints_of_run(run_id: str) -> str:
+    """Every checkpoint of a run."""
     return f"checkpoints/{run_id}/"
 
 
 def checkpoint_prefix(run_id: str, version: int) -> str:
+    """One policy checkpoint: safetensors, config and tokenizer files, trainer state, COMMITTED last."""
     return f"{checkpoints_of_run(run_id)}{version:06d}/"
 
 
