@@ -87,7 +87,7 @@ def main() -> None:
             break
         except httpx.HTTPError:
             if time.monotonic() > deadline:
-                raise SystemExit("the replay server did not start")
+                raise SystemExit("the replay server did not start") from None
             time.sleep(0.2)
     cpu_ms: dict[str, list[float]] = {"httpx": [], "aiohttp": []}
     try:

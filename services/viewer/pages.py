@@ -227,7 +227,7 @@ def trajectory_page(found: FoundTrajectory, decode: Callable[[int], str] | None)
              ("timings", esc(f"episode {t.timings.episode_s:.2f}s · inference {t.timings.inference_s:.2f}s · env {t.timings.env_s:.2f}s"))]
     flags = t.env_info.get("diff_flags") or []
     if flags or t.env_info.get("verifier_error"):
-        facts.append(("grader", (f"<span class='pill' id='diff-flagged'>diff flagged</span> " if flags else "")
+        facts.append(("grader", ("<span class='pill' id='diff-flagged'>diff flagged</span> " if flags else "")
                       + f"<pre>{esc(chr(10).join([str(t.env_info.get('verifier_error') or ''), *map(str, flags)]))}</pre>"))
     parts = ["<div class='card'>" + table([], [[f"<b>{k}</b>", v] for k, v in facts]) + "</div>"]
     parts += [f"<div class='card prompt'><b>prompt · {esc(m['role'])}</b><pre>{esc(m['content'])}</pre></div>"

@@ -121,7 +121,7 @@ def _method_findings(lines: list[tuple[int, str]]) -> list[tuple[int, str]]:
             continue
         indent, name = len(match.group(1)), match.group(3)
         block = [text]
-        for later_number, later in lines[index + 1:]:
+        for _later_number, later in lines[index + 1:]:
             if later.strip() and len(later) - len(later.lstrip()) <= indent:
                 break
             block.append(later)
