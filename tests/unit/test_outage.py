@@ -216,14 +216,16 @@ def test_a_lease_lost_with_a_crash_of_redis_costs_no_attempt_and_one_lost_while_
     """A crash of everything (Redis and the holders) is not the trajectory's doing: however many
     there are, it never fails ``lease_expired``; a holder that died while Redis stayed up counts."""
     with LocalStack(tmp_path) as stack:
-        ledger = Ledger(redis_client(stack.start_redis(), FAST))
+        # appendfsync always: the claim below is on disk before its reply, so the crash keeps it
+        # (with everysec Redis may postpone the write while an fsync runs, and lose it to SIGKILL)
+        ledger = Ledger(redis_client(stack.start_redis(appendfsync="always"), FAST))
         crashed, died_alone = (r.trajectory_id for r in requests_for(run_id, size=2))
         ledger.register(requests_for(run_id, size=2))
         reaper = Reaper(ledger, ROLLOUT, 1, 0.2, one_by_one(lambda tid, _payload: None), settle_s=0.5, lease_ttl_s=1.0)
         assert ledger.claim(crashed, "holder-killed-with-redis", 1.0)[0]
         stack.process("redis").kill()  # SIGKILL, as with everything at once; the holder is gone too
         stack.processes.remove(stack.process("redis"))
-        stack.start_redis(stack.redis_port)
+        stack.start_redis(stack.redis_port, appendfsync="always")
         time.sleep(2.2)  # settled, and the lease has run out
         assert reaper.sweep() == {"requeued": 1, "resent": 0, "failed": 0}  # max_attempts is 1, and it is not failed
         assert ledger.state(crashed) == "queued" and ledger.attempts(crashed) == 0
