@@ -69,7 +69,7 @@ from services.cli.local_stack import LocalStack, free_port  # noqa: E402
 from services.inference.tiny_model import generate_tiny_model  # noqa: E402
 from services.intake.publisher import build_group  # noqa: E402
 from shared.celery_app import publish_rollouts  # noqa: E402
-from shared.group_registry import GroupRegistry  # noqa: E402
+from shared.state.group_registry import GroupRegistry  # noqa: E402
 from shared.object_bundles import decode_bundle, is_bundle_key  # noqa: E402
 from shared.rates import per_second  # noqa: E402
 from shared.schemas import FlatSequence, GroupRecord, GroupRegistration, ScoredTrajectory, TaskProfile, Trajectory  # noqa: E402

@@ -22,8 +22,8 @@ from celery import Celery
 from services.cli.local_stack import LocalStack, free_port
 from services.intake.publisher import build_group
 from shared.celery_app import make_celery, publish_rollouts
-from shared.group_registry import GroupRegistry
-from shared.ledger import Ledger
+from shared.state.group_registry import GroupRegistry
+from shared.state.ledger import Ledger
 from shared.names import group_record_key
 from shared.schemas import GroupRecord, GroupRegistration, ScoredTrajectory, TaskProfile
 from shared.settings import Settings, load_settings

@@ -26,7 +26,7 @@ Layouts:
   or script whose keys hash to different slots (``CROSSSLOT``). ``--crossslot`` calls each step of
   the lifecycle there as the ledger is, and lists those refused. The layout then runs the
   lifecycle with per-run lease keys (``conveyor:{run}:leases``), a prototype done here by
-  renaming the global keys a script is given (``PerRunKeys``); ``shared/ledger.py`` is unchanged.
+  renaming the global keys a script is given (``PerRunKeys``); ``shared/state/ledger.py`` is unchanged.
 
     .venv/bin/python bench/sharding.py [--clients 4] [--runs 32] [--groups 40] [--group-size 16] [--shards 1 2 3]
 """
@@ -55,14 +55,14 @@ from rich.table import Table  # noqa: E402
 
 from services.cli.local_stack import _wait_for_port, free_port  # noqa: E402
 from shared import ids  # noqa: E402
-from shared.group_registry import GroupRegistry  # noqa: E402
-from shared.leases import LeaseKeeper, Reaper  # noqa: E402
-from shared.ledger import LEASE_STAGES, ROLLOUT, SCORING, Ledger  # noqa: E402
+from shared.state.group_registry import GroupRegistry  # noqa: E402
+from shared.state.leases import LeaseKeeper, Reaper  # noqa: E402
+from shared.state.ledger import LEASE_STAGES, ROLLOUT, SCORING, Ledger  # noqa: E402
 from shared.names import ROLLOUT_QUEUE, SCORING_QUEUE, RedisKeys  # noqa: E402
 from shared.schemas import GroupRegistration, RolloutRequest, ScoredEvent, ScoringTask, TaskProfile  # noqa: E402
 from shared.settings import LedgerSettings  # noqa: E402
-from shared.trainer_counters import TrainerCounter, TrainerCounters  # noqa: E402
-from shared.trainer_reads import TRAINER_CONSUMER_GROUP as CONSUMER_GROUP  # noqa: E402
+from shared.state.trainer_counters import TrainerCounter, TrainerCounters  # noqa: E402
+from shared.state.trainer_reads import TRAINER_CONSUMER_GROUP as CONSUMER_GROUP  # noqa: E402
 
 TASK = TaskProfile(task_id="t", env_name="single_turn", task_data={"prompt": "What is 6 x 7?", "answer": "42"})
 

@@ -58,11 +58,11 @@ from services.inference.control_plane import (
 from services.inference.server import VllmServer
 from services.inference.tiny_model import generate_tiny_model
 from shared.names import RedisKeys, checkpoint_prefix
-from shared.policy_version import PolicyVersion
+from shared.state.policy_version import PolicyVersion
 from shared.schemas import CheckpointAnnouncement
 from shared.settings import StorageSettings
 from shared.storage import LocalStore, open_store
-from shared.weight_sync_record import WeightSyncRecord
+from shared.state.weight_sync_record import WeightSyncRecord
 
 RUN = "bench-ws"
 

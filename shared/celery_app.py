@@ -2,7 +2,7 @@
 
 Invariant: work is recovered by leases, never by the broker. Every stage that holds work
 (rollout, scoring) claims its trajectory with a lease in the ledger as the task's first Redis
-call (``shared.ledger.LeaseStage``); a lease that runs out is re-dispatched by a reaper within
+call (``shared.state.ledger.LeaseStage``); a lease that runs out is re-dispatched by a reaper within
 ``lease_ttl_s + reaper_interval_s``, and every copy of a message beyond the first that claims
 is a no-op. The settings below are chosen to agree with that:
 - ``task_acks_late`` + ``task_reject_on_worker_lost``: a task is acknowledged only after it

@@ -15,7 +15,7 @@ Object key layout (one bucket):
 - ``checkpoints/{run}/{version:06d}/`` — a policy checkpoint: safetensors, config and
   tokenizer files, ``trainer_state.pt``, and the ``COMMITTED`` manifest written last
 - ``runs/{run}/marker.json`` — the run's marker, written by intake after the one in Redis
-  (``RedisKeys.run_marker``); it tells that Redis should hold the run (``shared.run_marker``)
+  (``RedisKeys.run_marker``); it tells that Redis should hold the run (``shared.state.run_marker``)
 Rejected dataset rows live in Redis (``RedisKeys.rejected_rows``), not in the bucket.
 """
 
@@ -91,7 +91,7 @@ def lora_adapter_version(served_model: str, name: str) -> int | None:
 
 
 def run_marker_key(run_id: str) -> str:
-    """The run's marker in the bucket, written by intake after the one in Redis (shared.run_marker)."""
+    """The run's marker in the bucket, written by intake after the one in Redis (shared.state.run_marker)."""
     return f"runs/{run_id}/marker.json"
 
 
@@ -111,10 +111,10 @@ class RedisKeys:
     runs = f"{_P}:runs"  # set of run ids
     leases = f"{_P}:leases"  # zset trajectory_id -> rollout lease deadline (unix s), all runs
     scoring_leases = f"{_P}:scoring_leases"  # zset trajectory_id -> scoring lease deadline, all runs
-    dead_letters = f"{_P}:dead_letters"  # list of messages that did not fit their schema, all runs (shared.dead_letters)
+    dead_letters = f"{_P}:dead_letters"  # list of messages that did not fit their schema, all runs (shared.state.dead_letters)
 
     @staticmethod
-    def run_marker(run_id: str) -> str:  # JSON {run_id, created_at}: Redis holds the run (shared.run_marker)
+    def run_marker(run_id: str) -> str:  # JSON {run_id, created_at}: Redis holds the run (shared.state.run_marker)
         return f"{_P}:{{{run_id}}}:marker"
 
     @staticmethod
@@ -162,7 +162,7 @@ class RedisKeys:
         return f"{_P}:{{{run_id}}}:requests"
 
     @staticmethod
-    def groups(run_id: str) -> str:  # hash group_id -> GroupRegistration JSON (shared.group_registry)
+    def groups(run_id: str) -> str:  # hash group_id -> GroupRegistration JSON (shared.state.group_registry)
         return f"{_P}:{{{run_id}}}:groups"
 
     @staticmethod
@@ -190,15 +190,15 @@ class RedisKeys:
         return f"{_P}:{{{run_id}}}:intake_done"
 
     @staticmethod
-    def run_stop(run_id: str) -> str:  # JSON RunStop: `conveyor run stop` asked the run to end (shared.run_stop)
+    def run_stop(run_id: str) -> str:  # JSON RunStop: `conveyor run stop` asked the run to end (shared.state.run_stop)
         return f"{_P}:{{{run_id}}}:stop"
 
     @staticmethod
-    def policy_version(run_id: str) -> str:  # int: the version the inference service serves (shared.policy_version)
+    def policy_version(run_id: str) -> str:  # int: the version the inference service serves (shared.state.policy_version)
         return f"{_P}:{{{run_id}}}:policy_version"
 
     @staticmethod
-    def staleness(run_id: str) -> str:  # hash: admitted, filtered, trainer_step (shared.staleness)
+    def staleness(run_id: str) -> str:  # hash: admitted, filtered, trainer_step (shared.state.staleness)
         return f"{_P}:{{{run_id}}}:staleness"
 
     @staticmethod
@@ -206,7 +206,7 @@ class RedisKeys:
         return f"{_P}:{{{run_id}}}:checkpoints"
 
     @staticmethod
-    def weight_sync(run_id: str) -> str:  # hash: the last weight sync and failure (shared.weight_sync_record)
+    def weight_sync(run_id: str) -> str:  # hash: the last weight sync and failure (shared.state.weight_sync_record)
         return f"{_P}:{{{run_id}}}:weight_sync"
 
     @staticmethod
@@ -230,5 +230,5 @@ class RedisKeys:
         return f"{_P}:{{{run_id}}}:eval_ends"
 
     @staticmethod
-    def trainer_counters(run_id: str) -> str:  # hash: counter -> int (shared.trainer_counters)
+    def trainer_counters(run_id: str) -> str:  # hash: counter -> int (shared.state.trainer_counters)
         return f"{_P}:{{{run_id}}}:trainer"

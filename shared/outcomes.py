@@ -24,7 +24,7 @@ class RolloutOutcome(str, enum.Enum):
     handed_back = "handed_back"  # the worker is shutting down: queued again, no attempt spent
     failed = "failed"  # the ledger holds it as failed, with a reason
     skipped = "skipped"  # the claim or a hand-off found it elsewhere (another copy, another attempt)
-    refused = "refused"  # its run's data is gone from Redis (shared.run_marker): nothing recreated
+    refused = "refused"  # its run's data is gone from Redis (shared.state.run_marker): nothing recreated
 
 
 class FailureKind(str, enum.Enum):
@@ -36,10 +36,10 @@ class FailureKind(str, enum.Enum):
     inference_rejected = "inference_rejected"  # inference answered 4xx: this request cannot succeed
     config_error = "config_error"  # the task names an environment or env_config this worker cannot use: not retried
     bug = "bug"  # an unexpected exception: failed at once, the traceback kept in the reason
-    lease_expired = "lease_expired"  # the rollout worker died max_attempts times (shared.ledger)
+    lease_expired = "lease_expired"  # the rollout worker died max_attempts times (shared.state.ledger)
     scoring_lease_expired = "scoring_lease_expired"
     scoring_error = "scoring_error"  # the reward function or the trajectory object failed
-    run_stopped = "run_stopped"  # `conveyor run stop`: its run ended before it did (shared.run_stop)
+    run_stopped = "run_stopped"  # `conveyor run stop`: its run ended before it did (shared.state.run_stop)
     superseded = "superseded"  # group redundancy: the group had kept its first members; this one was cancelled
 
 

@@ -54,7 +54,7 @@ class LedgerCollector(Collector):
         self.redis = redis_client
 
     def collect(self):
-        from shared.ledger import STATES, Ledger
+        from shared.state.ledger import STATES, Ledger
 
         depth = GaugeMetricFamily("conveyor_queue_depth", "messages waiting in a Celery queue", labels=["queue"])
         states = GaugeMetricFamily("conveyor_ledger_trajectories", "trajectories per run and ledger state",

@@ -21,7 +21,7 @@ Invariants:
   checkpoint announcements (``CheckpointAnnouncement``), group registrations, and the objects
   in the bucket. ``parse_message`` raises ``BadMessage`` (a ``ValueError`` naming the message
   and each bad field) and nothing else, whatever the input; the consumer logs it and
-  dead-letters (``shared.dead_letters``) or fails the work it names, and goes on.
+  dead-letters (``shared.state.dead_letters``) or fails the work it names, and goes on.
 """
 
 from __future__ import annotations

@@ -197,7 +197,7 @@ class LedgerSettings(Section):
     visibility_timeout_s: Int = Field(300, gt=0)
     # a trajectory waiting to be claimed (queued, or uploaded and sent to scoring) this long has its
     # message sent again (it was lost; a copy of one only waiting is a no-op at the claim); the wait
-    # doubles after each re-send, up to 32x (shared.ledger)
+    # doubles after each re-send, up to 32x (shared.state.ledger)
     dispatch_ttl_s: Float = Field(120.0, gt=0)
 
 
@@ -371,7 +371,7 @@ class TrainerSettings(Section):
     # (services/trainer/policy.py): less logits memory, a little more compute. None: all at once
     logprob_chunk_tokens: Int | None = Field(None, gt=0)
     lora: LoraSettings = LoraSettings()
-    # Staleness bound (shared.staleness). None: no training loop, rollouts are not throttled.
+    # Staleness bound (shared.state.staleness). None: no training loop, rollouts are not throttled.
     max_off_policy_steps: Int | None = Field(None, ge=0)
     groups_per_step: Int = Field(4, gt=0)
     max_steps: Int | None = Field(None, gt=0)  # the trainer exits after this many optimizer steps

@@ -27,7 +27,7 @@ from shared.names import RedisKeys, scored_key, trajectory_key
 from shared.schemas import ScoredEvent, ScoredTrajectory, StopReason, Trajectory
 from shared.object_bundles import is_bundle_key, split_ref
 from shared.storage import ObjectStore, get_model
-from shared.trainer_stream import stream_entries
+from shared.state.trainer_stream import stream_entries
 
 _ATTEMPT = re.compile(r"\.a(\d+)-[0-9a-f]+\.json\.gz$")
 _SCORING = re.compile(r"\.s(\d+)\.json\.gz$")

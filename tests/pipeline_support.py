@@ -20,7 +20,7 @@ from vllm_support import running_vllm
 
 from services.cli.demo import DEMO_REWARD_WEIGHTS
 from services.cli.local_stack import LocalStack
-from shared.ledger import Ledger
+from shared.state.ledger import Ledger
 from shared.names import RedisKeys
 from shared.schemas import TrainerEvent, parse_message
 from shared.settings import StorageSettings

@@ -13,8 +13,8 @@ from services.cli.learning_demo import run_learning
 from services.cli.local_stack import LocalStack
 from services.trainer.evaluation import eval_run_id
 from services.trainer.metrics import read_steps
-from shared.group_registry import GroupRegistry
-from shared.ledger import Ledger
+from shared.state.group_registry import GroupRegistry
+from shared.state.ledger import Ledger
 from shared.names import RedisKeys
 from shared.schemas import EvalEnd, TrainBatchEntry, TrainingBatch, TrainQueueEntry, parse_message
 from shared.storage import get_model

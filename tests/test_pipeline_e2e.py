@@ -21,7 +21,7 @@ from services.cli.demo import write_demo_dataset
 from services.cli.local_stack import LocalStack
 from services.rollout_worker.episode import turn_seed
 from services.trainer.advantages import group_advantages
-from shared.ledger import Ledger
+from shared.state.ledger import Ledger
 from shared.names import RedisKeys, group_record_key
 from shared.schemas import GroupRecord, ScoredTrajectory, TrainingBatch, Trajectory
 from shared.storage import get_model, get_models_under

@@ -16,8 +16,8 @@ from pipeline_support import REWARD_WEIGHTS, base_stack, poll, run_stack, wait_t
 
 from services.cli.demo import write_demo_dataset
 from services.cli.local_stack import LocalStack
-from shared.group_registry import GroupRegistry
-from shared.ledger import Ledger
+from shared.state.group_registry import GroupRegistry
+from shared.state.ledger import Ledger
 from shared.outcomes import kind_of
 
 pytestmark = pytest.mark.slow

@@ -142,7 +142,7 @@ def test_trainer_publishes_by_broadcast_then_commits_the_checkpoint(server: Vllm
     the weights that were broadcast even though training changed them meanwhile."""
     from services.trainer.checkpoints import download_checkpoint, latest_checkpoint
     from services.trainer.weight_push import BroadcastPublisher
-    from shared.policy_version import PolicyVersion
+    from shared.state.policy_version import PolicyVersion
     from shared.settings import StorageSettings, load_settings
     from shared.storage import S3Store
 

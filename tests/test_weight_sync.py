@@ -36,7 +36,7 @@ from services.inference.control_plane import (
 from services.inference.server import VllmServer
 from vllm_support import running_vllm
 from services.inference.tiny_model import generate_tiny_model
-from shared.dead_letters import DeadLetters
+from shared.state.dead_letters import DeadLetters
 from shared.names import RedisKeys, checkpoint_prefix
 from shared.schemas import CheckpointAnnouncement
 from shared.settings import StorageSettings

@@ -111,7 +111,7 @@ def _publish_dataset(settings: Settings, dataset: Optional[str], demo_tasks: Opt
     from services.intake.limits import PromptLimit
     from services.intake.publisher import run_history, run_intake
     from shared.celery_app import make_celery, publish_rollouts
-    from shared.ledger import Ledger
+    from shared.state.ledger import Ledger
     from shared.storage import open_store
 
     if demo_tasks is not None:
@@ -133,7 +133,7 @@ def _publish_dataset(settings: Settings, dataset: Optional[str], demo_tasks: Opt
         raise errors.CommandError(
             f"run {settings.run_id} is already in Redis: {history.describe()}. Pass --resume to continue it (the groups "
             f"it published are skipped and reported), or set a new run id (CONVEYOR_RUN_ID, or run_id in the --config file)")
-    store = open_store(settings.storage, settings.outage)  # keeps the run's marker (shared.run_marker)
+    store = open_store(settings.storage, settings.outage)  # keeps the run's marker (shared.state.run_marker)
     groups = settings.intake.num_groups if settings.intake.mode == "sample" else len(data.rows)
     with progress(f"intake {settings.run_id}: publishing groups", total=groups) as advance:
         report = run_intake(settings, data.rows, ledger, lambda reqs: publish_rollouts(celery, reqs), store=store,
@@ -211,7 +211,7 @@ def process(
     settings = _settings(config)
     from services.cli.data import check_export_options, export_run
     from services.trainer.consumer import TrainerConsumer
-    from shared.ledger import Ledger
+    from shared.state.ledger import Ledger
     from shared.storage import open_store
 
     check_export_options(fmt, form)
@@ -356,7 +356,7 @@ def trainer(
         _follow(settings, ranks)
         return
     from services.trainer.consumer import TrainerConsumer
-    from shared.ledger import Ledger
+    from shared.state.ledger import Ledger
     from shared.storage import open_store
 
     from shared.prometheus import serve_metrics
@@ -514,7 +514,7 @@ def status(
 ) -> None:
     """Where every trajectory is: counts per run and ledger state."""
     settings = _settings(config)
-    from shared.ledger import STATES, Ledger
+    from shared.state.ledger import STATES, Ledger
 
     ledger = Ledger.from_url(settings.redis.url)
     if failures is not None:
@@ -555,8 +555,8 @@ def retry(
     settings = _settings(config)
     from services.cli.failures import print_retry, retry_summary
     from shared.celery_app import make_celery, publish_rollouts
-    from shared.ledger import Ledger
-    from shared.ledger_retry import retry_failed
+    from shared.state.ledger import Ledger
+    from shared.state.ledger_retry import retry_failed
 
     ledger = Ledger.from_url(settings.redis.url, dispatch_ttl_s=settings.ledger.dispatch_ttl_s)
     require_run(ledger, run)

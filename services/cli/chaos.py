@@ -41,7 +41,7 @@ from typing import Callable
 from services.cli.demo import DEMO_REWARD_WEIGHTS, write_demo_dataset
 from services.cli.local_stack import LocalStack, ManagedProcess
 from services.cli.tcp_gate import TcpGate
-from shared.ledger import ROLLOUT, SCORING, Ledger
+from shared.state.ledger import ROLLOUT, SCORING, Ledger
 from shared.names import RedisKeys
 from shared.outcomes import FailureKind, kind_of
 from shared.schemas import GroupRecord, TrainerEvent, parse_message

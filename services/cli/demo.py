@@ -24,8 +24,8 @@ from rich.table import Table
 
 from services.cli.local_stack import LocalStack, free_port
 from shared.processes import Terminated
-from shared.ledger import STATES, Ledger
-from shared.trainer_counters import TrainerCounters
+from shared.state.ledger import STATES, Ledger
+from shared.state.trainer_counters import TrainerCounters
 
 console = Console()
 DEMO_REWARD_WEIGHTS = {"verifier": 1.0, "format": 0.1, "brevity": 0.1}

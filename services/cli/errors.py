@@ -21,7 +21,7 @@ from services.scorer.rewards import RewardError
 from shared.environments import EnvironmentConfigError, EnvironmentUnavailable
 from shared.model_source import ModelSourceError
 from shared.outage import OutageTooLong, redact_url, say_back_now
-from shared.run_marker import RedisDataLost
+from shared.state.run_marker import RedisDataLost
 from shared.settings import Settings, SettingsError
 from shared.storage import StorageError
 

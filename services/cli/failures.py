@@ -6,7 +6,7 @@ Invariants:
   (``shared.outcomes.kind_of``) add up to the run's ``failed`` count; each kind shows real
   trajectory ids with the first line of their reason (a bug's traceback is in ``--json``);
   rejected intake rows are listed with their source and reason.
-- ``retry`` changes the ledger only through ``shared.ledger_retry`` (whole groups, one Lua
+- ``retry`` changes the ledger only through ``shared.state.ledger_retry`` (whole groups, one Lua
   call each), and says what it left alone and why.
 """
 
@@ -18,8 +18,8 @@ from collections import Counter, defaultdict
 from rich.console import Console
 from rich.table import Table
 
-from shared.ledger import Ledger
-from shared.ledger_retry import RetryReport
+from shared.state.ledger import Ledger
+from shared.state.ledger_retry import RetryReport
 from shared.names import RedisKeys
 from shared.outcomes import headline, kind_of
 

@@ -3,14 +3,14 @@
 ``conveyor run list`` shows, per run: its groups (published, done), its trajectories by ledger
 state, its trainer (the last step and how long ago; or that none started, or that none reads
 the run's events), the policy version its rollouts are served with, and whether it was stopped.
-``conveyor run stop RUN`` ends a run (``shared.run_stop``).
+``conveyor run stop RUN`` ends a run (``shared.state.run_stop``).
 
 Invariants:
 - ``run list`` is read only. Every key read or written has its owner elsewhere (the ledger,
   the group registry, the trainer's step stream, the policy version, the run's stop;
   ``shared.names``), and whether a trainer reads the run comes from the stream's own records
-  (``shared.trainer_reads``).
-- ``run stop`` writes through ``shared.run_stop`` only, and is idempotent: a second stop keeps
+  (``shared.state.trainer_reads``).
+- ``run stop`` writes through ``shared.state.run_stop`` only, and is idempotent: a second stop keeps
   the first one's reason and fails what is left unfinished by the same rule.
 - A run is listed once Redis holds any of it (``Ledger.runs``); a run id that is not there is an
   error naming the runs that are.
@@ -55,10 +55,10 @@ class RunSummary:
 
 
 def summarize(client: Any, ledger: Any, run_id: str) -> RunSummary:
-    from shared.group_registry import GroupRegistry
+    from shared.state.group_registry import GroupRegistry
     from shared.names import RedisKeys
-    from shared.policy_version import PolicyVersion
-    from shared.run_stop import stop_of
+    from shared.state.policy_version import PolicyVersion
+    from shared.state.run_stop import stop_of
 
     groups = GroupRegistry(client, run_id)
     last = client.xrevrange(RedisKeys.step_metrics(run_id), count=1)
@@ -75,8 +75,8 @@ def summarize(client: Any, ledger: Any, run_id: str) -> RunSummary:
 
 
 def trainer_status(client: Any, run_id: str) -> str:
-    """"not started", "reading" or "not reading for Ns" (``shared.trainer_reads``)."""
-    from shared.trainer_reads import trainer_reading
+    """"not started", "reading" or "not reading for Ns" (``shared.state.trainer_reads``)."""
+    from shared.state.trainer_reads import trainer_reading
 
     reading = trainer_reading(client, run_id)
     if not reading.started:
@@ -95,7 +95,7 @@ def require_run(ledger: Any, run_id: str) -> None:
 
 def refuse_stopped(client: Any, run_id: str, instead: str) -> None:
     """A ``CommandError`` if the run was stopped (``conveyor run stop``): a stopped run is over."""
-    from shared.run_stop import stop_of
+    from shared.state.run_stop import stop_of
 
     stop = stop_of(client, run_id)
     if stop is not None:
@@ -109,7 +109,7 @@ def list_runs(
     run: Optional[str] = typer.Option(None, help="only this run"),
 ) -> None:
     """Every run in Redis: groups, trajectories by state, the trainer's last step, the served version, whether stopped."""
-    from shared.ledger import STATES
+    from shared.state.ledger import STATES
 
     ledger = _ledger(config)
     if run is not None:
@@ -137,8 +137,8 @@ def stop_run(
 ) -> None:
     """End a run: intake publishes no more, its queued and running trajectories fail as run_stopped,
     its trainer exits after its step in hand. The workers go on serving other runs."""
-    from shared.ledger import UNFINISHED
-    from shared.run_stop import end_unfinished, request_stop
+    from shared.state.ledger import UNFINISHED
+    from shared.state.run_stop import end_unfinished, request_stop
     from shared.schemas import TrajectoryState
 
     ledger = _ledger(config)
@@ -153,7 +153,7 @@ def stop_run(
 
 
 def _ledger(config: Optional[Path]) -> Any:
-    from shared.ledger import Ledger
+    from shared.state.ledger import Ledger
     from shared.settings import load_settings
 
     settings = load_settings(yaml_file=config)

@@ -6,9 +6,9 @@ Invariants:
 - A wait longer than ``intake.wait_log_every_s`` logs one warning that names the run, the groups
   held against the bound and the bound's terms, the run's trajectories still on their way, what
   the trainer did since the wait began, and whether a trainer reads the run at all
-  (``shared.trainer_reads``). The line comes again at doubling intervals, at most
+  (``shared.state.trainer_reads``). The line comes again at doubling intervals, at most
   ``MAX_LOG_INTERVAL_S`` apart, and a wait that was logged logs its end.
-- A wait ends, unadmitted, once the run is stopped (``shared.run_stop``); intake then checks
+- A wait ends, unadmitted, once the run is stopped (``shared.state.run_stop``); intake then checks
   the stop and publishes no more.
 - Every other wait of intake is an outage of Redis or of the S3 server, which ``shared.outage``
   logs.
@@ -20,10 +20,10 @@ import logging
 import time
 from dataclasses import dataclass
 
-from shared.ledger import Ledger
-from shared.run_stop import stop_of
-from shared.staleness import StalenessBudget
-from shared.trainer_reads import TRAINER_CONSUMER_GROUP, TrainerReading, trainer_reading
+from shared.state.ledger import Ledger
+from shared.state.run_stop import stop_of
+from shared.state.staleness import StalenessBudget
+from shared.state.trainer_reads import TRAINER_CONSUMER_GROUP, TrainerReading, trainer_reading
 
 log = logging.getLogger(__name__)
 MAX_LOG_INTERVAL_S = 300.0
@@ -45,7 +45,7 @@ class AdmissionWait:
 
     def admit(self) -> None:
         """Block until the budget admits one group, saying why while it waits, or until the run
-        is stopped (``shared.run_stop``: the trainer holding the bound has exited)."""
+        is stopped (``shared.state.run_stop``: the trainer holding the bound has exited)."""
         if self.budget.try_admit():
             return
         run = self.budget.run_id

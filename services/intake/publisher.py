@@ -23,7 +23,7 @@ Invariants:
   Publish an eval split under a run id of its own.
 - Every task carries the dataset version it came from (``label@content-hash``), and the run
   records the versions it published from; the trainer writes them into each checkpoint.
-- Intake opens the run (``shared.run_marker``) before it registers anything, and refuses with
+- Intake opens the run (``shared.state.run_marker``) before it registers anything, and refuses with
   ``RedisDataLost`` a run the object store knows but Redis lost; every later registration
   requires the run's marker in the same Lua call, so a Redis that lost its data mid-intake
   is never filled again with part of the run.
@@ -33,7 +33,7 @@ Invariants:
 - ``run_intake`` itself resumes a run: what Redis holds of it (``run_history``) is skipped and
   counted. Refusing to reuse a run id unasked is the command's part (``conveyor intake
   --resume``), checked before the run's marker is opened, so a refused intake writes nothing.
-- A stopped run (``shared.run_stop``) gets no group after the stop: intake checks it before
+- A stopped run (``shared.state.run_stop``) gets no group after the stop: intake checks it before
   each group (after any wait on the staleness bound, which a stop ends) and stops publishing
   with one line. The command refuses to resume a stopped run.
 """
@@ -53,15 +53,15 @@ from services.intake.splits import assign_splits
 from services.intake.datasets import BadRow, Row
 from shared import ids
 from shared.environments import check_startup, registry_for
-from shared.group_registry import GroupRegistry
-from shared.ledger import Ledger
+from shared.state.group_registry import GroupRegistry
+from shared.state.ledger import Ledger
 from shared.names import RedisKeys
-from shared.policy_version import PolicyVersion
-from shared.run_marker import RunMarker
-from shared.run_stop import stop_of
+from shared.state.policy_version import PolicyVersion
+from shared.state.run_marker import RunMarker
+from shared.state.run_stop import stop_of
 from shared.schemas import GroupRegistration, RolloutRequest, TaskProfile
 from shared.settings import Settings, SplitSettings
-from shared.staleness import StalenessBudget
+from shared.state.staleness import StalenessBudget
 from shared.storage import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class IntakeReport:
 class RunHistory:
     """What Redis already holds of a run, before an intake publishes into it."""
 
-    opened: bool  # the run's marker is in Redis (shared.run_marker)
+    opened: bool  # the run's marker is in Redis (shared.state.run_marker)
     groups: int  # registered
     published: int
     trajectories: dict[str, int]  # ledger state -> count

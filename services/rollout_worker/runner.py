@@ -17,7 +17,7 @@ Invariants, per trajectory:
   (``shared.outage``); an outage of inference by the inference client (``inference_gate``).
   Neither is an ``infra_error`` nor costs an attempt. Inference unreachable for longer than
   ``outage.limit_s`` fails the trajectory at once: ``inference_outage``, naming the outage.
-- A request whose run Redis lost (``shared.run_marker``) is refused, with one error line per
+- A request whose run Redis lost (``shared.state.run_marker``) is refused, with one error line per
   run: nothing of the run is recreated.
 - An environment that needs the main thread (a signal handler: ``signal only works in main
   thread`` on the event-loop thread) moves to a host process's main thread and its episode goes
@@ -32,7 +32,7 @@ Invariants, per trajectory:
   - any other exception is a bug: it fails the trajectory at once, never retried, with the
     traceback in the failure reason.
   Nothing is dropped silently.
-- A trajectory of a stopped run (``shared.run_stop``) is claimed, then failed as ``run_stopped``
+- A trajectory of a stopped run (``shared.state.run_stop``) is claimed, then failed as ``run_stopped``
   and not run; an episode running when its run is stopped is cut when ``conveyor run stop``
   fails it (the heartbeat finds the lease gone: ``LeaseLost``). Other runs' tasks go on.
 - A worker shutting down hands its running trajectories back (``in_flight``): queued again
@@ -64,15 +64,15 @@ from services.rollout_worker.sandbox.errors import SandboxInfraError
 from services.rollout_worker.scoring_outbox import ScoringOutbox
 from services.rollout_worker.upload_outbox import UploadOutbox
 from shared.environments import EnvironmentConfigError, EnvironmentUnavailable, registry_for
-from shared.leases import LeaseKeeper
-from shared.ledger import Ledger, TransitionResult
+from shared.state.leases import LeaseKeeper
+from shared.state.ledger import Ledger, TransitionResult
 from shared.names import trajectory_bundle_key
 from shared.outage import OutageTooLong
-from shared.policy_version import PolicyVersion
+from shared.state.policy_version import PolicyVersion
 from shared.outcomes import FailureKind, RolloutOutcome, RolloutResult, reason
 from shared.prometheus import EPISODES_IN_FLIGHT
-from shared.run_marker import refuse_lost_run
-from shared.run_stop import RunStop, stop_of
+from shared.state.run_marker import refuse_lost_run
+from shared.state.run_stop import RunStop, stop_of
 from shared.schemas import RolloutRequest, ScoringTask, StopReason, Trajectory
 from shared.settings import RolloutSettings, Settings
 from shared.storage import ObjectStore, StorageError, put_bundle
@@ -125,7 +125,7 @@ async def run_requests(ctx: RolloutContext, requests: list[RolloutRequest]) -> d
 async def _run_one(ctx: RolloutContext, uploads: Uploads, request: RolloutRequest, token: str | None, detail: str,
                    stop: RunStop | None) -> RolloutResult:
     """``token``, ``detail``: this worker's claim of the request (``LeaseKeeper.claim``); ``stop``:
-    its run's stop, if any (``shared.run_stop``)."""
+    its run's stop, if any (``shared.state.run_stop``)."""
     tid = request.trajectory_id
     if token is None:
         if detail == "unknown" and await asyncio.to_thread(refuse_lost_run, ctx.ledger.redis, request.run_id):

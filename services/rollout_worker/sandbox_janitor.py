@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 import threading
 
-from shared.leases import loop_thread
-from shared.ledger import Ledger
+from shared.state.leases import loop_thread
+from shared.state.ledger import Ledger
 from shared.stack_id import current_stack_id
 
 log = logging.getLogger(__name__)

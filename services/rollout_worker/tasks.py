@@ -38,8 +38,8 @@ from services.rollout_worker.runner import RolloutContext, run_requests
 from services.rollout_worker.sandbox_janitor import SandboxJanitor
 from services.rollout_worker.scoring_outbox import ScoringOutbox
 from shared.celery_app import make_celery, publish_rollouts, publish_rollouts_by_group, publish_scoring
-from shared.leases import LeaseKeeper, Reaper, settle_s
-from shared.ledger import ROLLOUT, Ledger
+from shared.state.leases import LeaseKeeper, Reaper, settle_s
+from shared.state.ledger import ROLLOUT, Ledger
 from shared.model_source import resolve_model_source
 from shared.names import ROLLOUT_QUEUE, ROLLOUT_TASK
 from shared.prometheus import serve_metrics

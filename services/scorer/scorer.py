@@ -4,7 +4,7 @@ Invariants:
 - Scoring is idempotent by trajectory id: only an ``uploaded`` trajectory whose scoring lease
   is free is scored; a redelivered or re-dispatched task finds it ``scored`` (or later), or
   leased by a live scorer, and does nothing.
-- The scorer holds the trajectory under a lease (``shared.ledger.SCORING``) renewed by the
+- The scorer holds the trajectory under a lease (``shared.state.ledger.SCORING``) renewed by the
   process's heartbeat; a message of many tasks has every one claimed before the first is
   scored, so none of them waits on the broker should the scorer die. A scorer killed mid-task stops renewing it; the reaper re-dispatches
   the task with the arguments stored at the claim, so no trajectory waits on the broker.
@@ -15,7 +15,7 @@ Invariants:
   scoring attempt (``shared.names.scored_bundle_key``), so it is never overwritten by another
   attempt; each member's event names its ref, and the Trajectory's key and stop reason, so the
   trainer reads only the Trajectory.
-- A trajectory whose run Redis lost (``shared.run_marker``) is refused, with one error line
+- A trajectory whose run Redis lost (``shared.state.run_marker``) is refused, with one error line
   per run: nothing of the run is recreated.
 - An outage of Redis or of the S3 server is waited out (``shared.outage``), never a failure.
 - A scoring message that is not a ``ScoringTask`` is dead-lettered and, when it names a
@@ -32,13 +32,13 @@ import time
 from dataclasses import dataclass
 
 from services.scorer.rewards import RewardCombiner, RewardError
-from shared.dead_letters import DeadLetters
+from shared.state.dead_letters import DeadLetters
 from shared.ids import parse_trajectory_id
-from shared.leases import LeaseKeeper
-from shared.ledger import SCORING
+from shared.state.leases import LeaseKeeper
+from shared.state.ledger import SCORING
 from shared.names import scored_bundle_key
 from shared.prometheus import SCORING_SECONDS
-from shared.run_marker import refuse_lost_run
+from shared.state.run_marker import refuse_lost_run
 from shared.schemas import BadMessage, ScoredEvent, ScoredTrajectory, ScoringTask, Trajectory
 from shared.storage import ObjectStore, StorageError, get_model, put_bundle
 

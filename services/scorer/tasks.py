@@ -24,8 +24,8 @@ from celery.signals import worker_ready, worker_shutdown
 from services.scorer.rewards import RewardCombiner
 from services.scorer.scorer import Scorer
 from shared.celery_app import make_celery, publish_scoring, scoring_tasks_of
-from shared.leases import LeaseKeeper, Reaper, one_by_one, settle_s
-from shared.ledger import SCORING, Ledger
+from shared.state.leases import LeaseKeeper, Reaper, one_by_one, settle_s
+from shared.state.ledger import SCORING, Ledger
 from shared.names import SCORING_TASK
 from shared.prometheus import serve_metrics
 from shared.schemas import BadMessage, ScoringTask, parse_message

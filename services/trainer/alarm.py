@@ -7,7 +7,7 @@ Two signals, both enforced by ``trainer.logprob_alarm`` (action ``stop`` or ``sk
   every sample is off-policy.
 - **Served weights** (``ServedWeightsAlarm``): every weight sync checks the trainer's probe
   logprobs on every replica (``services.inference.weight_sync``) and records a failure in the
-  run's ``WeightSyncRecord`` (``shared.weight_sync_record``). That covers every version, on-policy or not. The trainer reads
+  run's ``WeightSyncRecord`` (``shared.state.weight_sync_record``). That covers every version, on-policy or not. The trainer reads
   the record while it waits for groups, so a stalled run (admission waits for a version that
   never comes) still stops.
 
@@ -23,10 +23,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from shared.policy_version import PolicyVersion
+from shared.state.policy_version import PolicyVersion
 from shared.settings import LogprobAlarmSettings
-from shared.trainer_counters import TrainerCounter, TrainerCounters
-from shared.weight_sync_record import WeightSyncRecord
+from shared.state.trainer_counters import TrainerCounter, TrainerCounters
+from shared.state.weight_sync_record import WeightSyncRecord
 
 log = logging.getLogger(__name__)
 

@@ -26,18 +26,18 @@ Invariants:
   (``services.trainer.group_metrics``), so a replay after a crash finds it written.
 - One bad event (one that does not fit ``TrainerEvent``, or names an unknown group) is logged
   with its entry id, counted and acknowledged (it stays in the stream); one that does not
-  parse is also dead-lettered (``shared.dead_letters``). The consumer goes on.
+  parse is also dead-lettered (``shared.state.dead_letters``). The consumer goes on.
 - The run's Redis records are read and written through their owners: ``GroupRegistry``,
   ``TrainerCounters``, ``StalenessBudget``; train-queue entries are ``TrainQueueEntry``.
 - An outage of Redis or of the S3 server is waited out (``shared.outage``); after Redis comes
   back, the consumer re-reads its pending entries it does not hold, in case a read's reply
   was lost with the connection.
-- A run whose data Redis lost (``shared.run_marker``: checked at start, against the object
+- A run whose data Redis lost (``shared.state.run_marker``: checked at start, against the object
   store too, and at every poll) stops the consumer with ``RedisDataLost``: it never goes on
   with an empty ledger.
 - Stopping (``run_forever(stop=...)``, set on SIGTERM) happens between two reads, never in the
   middle of a group: what was read and not yet decided stays pending in the stream.
-- A stopped run (``conveyor run stop``, ``shared.run_stop``) ends the consumer between two reads
+- A stopped run (``conveyor run stop``, ``shared.state.run_stop``) ends the consumer between two reads
   or two steps, never within a step: it first fails every trajectory of the run still
   unfinished, groups read and not yet decided included, so the run's ledger is exact.
 """
@@ -60,13 +60,13 @@ from services.trainer.token_rewards import token_advantages as token_advantages_
 from services.trainer.group_metrics import GroupMetricsLog
 from services.trainer.groups import GroupAssembler, PendingGroup
 from shared import outage
-from shared.ledger import UNFINISHED, Ledger
+from shared.state.ledger import UNFINISHED, Ledger
 from shared.outcomes import FailureKind, reason
 from shared.names import RedisKeys, batch_key, group_record_key
-from shared.run_marker import RunMarker
-from shared.run_stop import RunStop, end_unfinished, stop_of
-from shared.dead_letters import DeadLetters
-from shared.group_registry import GroupRegistry
+from shared.state.run_marker import RunMarker
+from shared.state.run_stop import RunStop, end_unfinished, stop_of
+from shared.state.dead_letters import DeadLetters
+from shared.state.group_registry import GroupRegistry
 from shared.schemas import (
     BadMessage,
     GroupMember,
@@ -81,11 +81,11 @@ from shared.schemas import (
     parse_message,
 )
 from shared.settings import Settings
-from shared.staleness import StalenessBudget
+from shared.state.staleness import StalenessBudget
 from shared.storage import ObjectStore, put_model
 from shared.trajectory_lookup import trajectory_of_event
-from shared.trainer_reads import TRAINER_CONSUMER_GROUP
-from shared.trainer_counters import TrainerCounter, TrainerCounters
+from shared.state.trainer_reads import TRAINER_CONSUMER_GROUP
+from shared.state.trainer_counters import TrainerCounter, TrainerCounters
 
 if TYPE_CHECKING:
     from services.trainer.loop import TrainingLoop
@@ -178,7 +178,7 @@ class TrainerConsumer:
                 return
 
     def end_if_stopped(self) -> bool:
-        """True once the run is stopped (``shared.run_stop``): every trajectory of it still
+        """True once the run is stopped (``shared.state.run_stop``): every trajectory of it still
         unfinished is failed first, and the stop is logged with who asked and why."""
         stop = stop_of(self.redis, self.run_id)
         if stop is None:

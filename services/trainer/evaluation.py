@@ -34,14 +34,14 @@ from services.intake.datasets import BadRow, Row
 from services.intake.limits import PromptLimit
 from services.intake.publisher import run_intake
 from services.trainer.metrics import metric_name
-from shared.group_registry import GroupRegistry
-from shared.ledger import Ledger
+from shared.state.group_registry import GroupRegistry
+from shared.state.ledger import Ledger
 from shared.names import RedisKeys
-from shared.policy_version import PolicyVersion
+from shared.state.policy_version import PolicyVersion
 from shared.schemas import EvalEnd, RolloutRequest, ScoredEvent, parse_message
 from shared.settings import Settings
 from shared.storage import ObjectStore
-from shared.trainer_stream import trainer_events
+from shared.state.trainer_stream import trainer_events
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import redis
 
 from shared.schemas import GroupRecord, ScoredEvent, Trajectory
 from shared.storage import ObjectStore, get_model
-from shared.trainer_stream import trainer_events
+from shared.state.trainer_stream import trainer_events
 from shared.trajectory_lookup import trajectory_of_event
 
 Form = Literal["chat", "tokens", "pairs"]

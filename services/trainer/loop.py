@@ -64,10 +64,10 @@ from shared.names import RedisKeys, checkpoint_prefix
 from shared.rates import per_second, show
 from shared.schemas import CheckpointAnnouncement, TrainingBatch
 from shared.settings import Settings
-from shared.staleness import StalenessBudget
+from shared.state.staleness import StalenessBudget
 from shared.storage import ObjectStore, get_model
-from shared.trainer_counters import TrainerCounter, TrainerCounters
-from shared.weight_sync_record import WeightSyncRecord
+from shared.state.trainer_counters import TrainerCounter, TrainerCounters
+from shared.state.weight_sync_record import WeightSyncRecord
 
 log = logging.getLogger(__name__)
 STEPS_KEPT = 100_000  # step-metric entries a run's steps stream keeps (about the newest)

@@ -46,7 +46,7 @@ from services.inference.weight_sync import SyncProbe, SyncReport
 from services.trainer.checkpoints import save_checkpoint, take_snapshot
 from services.trainer.policy import logprob_probe
 from shared.logprob_probe import default_tolerance
-from shared.policy_version import PolicyVersion
+from shared.state.policy_version import PolicyVersion
 from shared.settings import Settings
 from shared.storage import ObjectStore
 

@@ -15,15 +15,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.group_registry import GroupRegistry
+from shared.state.group_registry import GroupRegistry
 from shared.ids import parse_trajectory_id
-from shared.ledger import Ledger
+from shared.state.ledger import Ledger
 from shared.names import RedisKeys, group_record_key
 from shared.outcomes import kind_of
 from shared.schemas import (BadMessage, EvalEnd, GroupRecord, GroupRegistration, ScoredEvent,
                             TrainerEvent, parse_message)
 from shared.storage import ObjectStore, StorageError, get_model
-from shared.trainer_stream import has_entries_after, stream_entries
+from shared.state.trainer_stream import has_entries_after, stream_entries
 from shared.trajectory_lookup import FoundTrajectory, find_trajectory, stop_reason_of_event
 
 

@@ -30,7 +30,7 @@ from services.cli.demo import write_demo_dataset
 from services.cli.local_stack import LocalStack, ManagedProcess
 from services.cli.tcp_gate import TcpGate
 from shared.celery_app import make_celery, publish_rollouts, publish_scoring
-from shared.ledger import SCORING, Ledger
+from shared.state.ledger import SCORING, Ledger
 from shared.names import RedisKeys
 from shared.schemas import GroupRecord, ScoringTask
 from shared.settings import StorageSettings, load_settings

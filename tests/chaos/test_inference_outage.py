@@ -34,7 +34,7 @@ from pipeline_support import REWARD_WEIGHTS, poll, run_stack, stream_events, wai
 from services.cli.demo import write_demo_dataset
 from services.cli.local_stack import LocalStack, ManagedProcess, free_port
 from services.inference.server import check_inference
-from shared.ledger import Ledger
+from shared.state.ledger import Ledger
 from shared.names import RedisKeys
 
 pytestmark = pytest.mark.slow

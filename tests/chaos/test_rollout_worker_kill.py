@@ -23,7 +23,7 @@ import pytest
 from pipeline_support import REWARD_WEIGHTS, run_stack, stream_events, wait_terminal
 
 from services.cli.demo import write_demo_dataset
-from shared.ledger import SCORING, Ledger
+from shared.state.ledger import SCORING, Ledger
 from shared.names import RedisKeys
 
 pytestmark = pytest.mark.slow

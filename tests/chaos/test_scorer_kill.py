@@ -24,7 +24,7 @@ from pipeline_support import REWARD_WEIGHTS, poll, run_stack, stream_events, wai
 
 from services.cli.demo import write_demo_dataset
 from shared.celery_app import make_celery, publish_scoring
-from shared.ledger import SCORING, Ledger
+from shared.state.ledger import SCORING, Ledger
 from shared.names import RedisKeys
 from shared.schemas import ScoringTask, parse_message
 from shared.settings import load_settings

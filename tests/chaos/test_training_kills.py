@@ -40,13 +40,13 @@ from services.cli.demo import write_demo_dataset
 from services.cli.local_stack import LocalStack, ManagedProcess
 from services.inference import weight_sync as ws
 from services.trainer.metrics import read_steps
-from shared.group_registry import GroupRegistry
-from shared.ledger import Ledger
+from shared.state.group_registry import GroupRegistry
+from shared.state.ledger import Ledger
 from shared.names import RedisKeys
-from shared.policy_version import PolicyVersion
+from shared.state.policy_version import PolicyVersion
 from shared.schemas import CheckpointAnnouncement, GroupRecord, TrainBatchEntry, TrainQueueEntry, parse_message
 from shared.storage import get_model
-from shared.trainer_counters import TrainerCounters
+from shared.state.trainer_counters import TrainerCounters
 
 pytestmark = pytest.mark.slow
 

@@ -22,13 +22,13 @@ from services.cli.demo import write_demo_dataset
 from services.intake.datasets import read_rows
 from services.intake.publisher import run_intake
 from services.trainer.consumer import TrainerConsumer
-from shared.ledger import Ledger
-from shared.ledger_retry import NOT_DECIDED, TRAINED
+from shared.state.ledger import Ledger
+from shared.state.ledger_retry import NOT_DECIDED, TRAINED
 from shared.names import ROLLOUT_QUEUE, RedisKeys
 from shared.schemas import ScoredEvent
 from shared.settings import load_settings
 from shared.storage import LocalStore
-from shared.trainer_counters import TrainerCounters
+from shared.state.trainer_counters import TrainerCounters
 
 RUN = "retryrun"
 OUTAGE_REASON = "inference_outage: inference at http://vllm:8000 has been unreachable for 901s, longer than outage.limit_s (900s)"

@@ -11,12 +11,12 @@ import time
 from services.intake.admission_wait import AdmissionWait, WaitStart
 from services.intake.datasets import Row
 from services.intake.publisher import run_intake
-from shared.group_registry import GroupRegistry
-from shared.ledger import Ledger
+from shared.state.group_registry import GroupRegistry
+from shared.state.ledger import Ledger
 from shared.names import ROLLOUT_QUEUE, RedisKeys
 from shared.settings import Settings
-from shared.staleness import StalenessBudget
-from shared.trainer_reads import TRAINER_CONSUMER_GROUP
+from shared.state.staleness import StalenessBudget
+from shared.state.trainer_reads import TRAINER_CONSUMER_GROUP
 from test_cli_errors import conveyor, one_error_line
 
 

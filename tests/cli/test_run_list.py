@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from shared.names import RedisKeys
-from shared.trainer_reads import TRAINER_CONSUMER_GROUP
+from shared.state.trainer_reads import TRAINER_CONSUMER_GROUP
 from test_cli_errors import conveyor, one_error_line
 
 

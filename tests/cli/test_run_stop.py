@@ -9,9 +9,9 @@ import threading
 
 from services.intake.datasets import Row
 from services.intake.publisher import run_intake
-from shared.ledger import Ledger
+from shared.state.ledger import Ledger
 from shared.names import RedisKeys
-from shared.run_stop import request_stop, stop_of
+from shared.state.run_stop import request_stop, stop_of
 from shared.settings import Settings
 from test_cli_errors import conveyor, one_error_line
 
@@ -95,7 +95,7 @@ def test_who_stopped_a_run_is_named_even_for_a_user_with_no_login_name(monkeypat
     """A container's user often has no passwd entry (compose runs the services as uid 10001)."""
     import getpass
 
-    from shared import run_stop
+    from shared.state import run_stop
 
     def no_passwd_entry() -> str:
         raise KeyError("getpwuid(): uid not found: 10001")

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from services.cli.stack_images import StackImages
-from shared.ledger import Ledger
+from shared.state.ledger import Ledger
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "compose" / "docker-compose.yml"

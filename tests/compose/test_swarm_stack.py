@@ -21,7 +21,7 @@ from compose_support import COMPOSE_FILE, HEAD_ADDRESS, SECRETS, compose_command
 from services.cli.local_stack import free_port
 from services.cli.stack_images import StackImages
 from services.cli.swarm_file import render
-from shared.ledger import Ledger
+from shared.state.ledger import Ledger
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 

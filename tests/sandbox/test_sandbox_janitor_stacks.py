@@ -15,7 +15,7 @@ from services.rollout_worker.sandbox import Sandbox, SandboxLabels
 from services.rollout_worker.sandbox.deployment import LABEL_CREATED_AT, LABEL_RUN_ID, LABEL_TRAJECTORY_ID, LABEL_TTL
 from services.rollout_worker.sandbox.janitor import legacy_sandboxes
 from services.rollout_worker.sandbox_janitor import SandboxJanitor
-from shared.ledger import Ledger
+from shared.state.ledger import Ledger
 from shared.stack_id import LABEL_STACK
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(120)]

@@ -12,7 +12,7 @@ from services.rollout_worker.sandbox_janitor import SandboxJanitor
 from services.rollout_worker.sandbox import Sandbox
 from services.rollout_worker.sandbox.spec import SandboxLabels
 from services.intake.publisher import build_group
-from shared.ledger import Ledger
+from shared.state.ledger import Ledger
 from shared.schemas import TaskProfile
 from shared.settings import Settings
 

@@ -31,7 +31,7 @@ from shared.logprob_probe import LogprobProbe
 from shared.names import CHECKPOINT_ADAPTER_CONFIG, CHECKPOINT_PROBE, batch_key, checkpoint_prefix
 from shared.schemas import TrainingBatch
 from shared.settings import LogprobAlarmSettings, LoraSettings, LossSettings, OptimSettings, Settings
-from shared.staleness import StalenessBudget
+from shared.state.staleness import StalenessBudget
 from shared.storage import get_model
 from test_trainer_checkpoints import _assert_same_optimizer_state, _Recording, store  # noqa: F401 (the S3 fixture)
 from test_training_loop import queue_group

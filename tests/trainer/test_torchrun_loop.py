@@ -25,7 +25,7 @@ from services.trainer.metrics import MetricsSink
 from shared.names import RedisKeys
 from shared.schemas import CheckpointAnnouncement, parse_message
 from shared.settings import Settings
-from shared.staleness import StalenessBudget
+from shared.state.staleness import StalenessBudget
 from shared.storage import LocalStore
 from test_training_loop import queue_group
 

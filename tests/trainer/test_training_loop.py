@@ -12,7 +12,7 @@ from services.trainer.loop import TrainingLoop
 from services.trainer.metrics import MetricsSink, read_steps
 from shared.names import RedisKeys
 from shared.settings import Settings
-from shared.staleness import StalenessBudget
+from shared.state.staleness import StalenessBudget
 from shared.schemas import CheckpointAnnouncement, SkippedGroupEntry, TrainBatchEntry, TrainingBatch, TrainQueueEntry, parse_message
 from shared.storage import LocalStore, get_model, put_model
 

@@ -18,10 +18,10 @@ from services.trainer.metrics import MetricsSink
 from services.trainer.policy import load_policy
 from services.trainer.weight_push import BroadcastPublisher
 from shared.names import RedisKeys, checkpoints_of_run
-from shared.policy_version import PolicyVersion
+from shared.state.policy_version import PolicyVersion
 from shared.schemas import CheckpointAnnouncement, parse_message
 from shared.settings import Settings
-from shared.staleness import StalenessBudget
+from shared.state.staleness import StalenessBudget
 from shared.storage import LocalStore
 from test_training_loop import queue_group
 

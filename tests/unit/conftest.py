@@ -9,7 +9,7 @@ import pytest
 
 from services.intake.datasets import Row, BadRow, read_rows
 
-from shared.ledger import Ledger
+from shared.state.ledger import Ledger
 from shared.storage import LocalStore
 
 

@@ -11,7 +11,7 @@ from services.intake.adapters import RowRejected, adapt_row
 from services.intake.datasets import BadRow, DatasetError, Row, read_rows
 from services.intake.publisher import run_intake, select_rows
 from shared import ids
-from shared.ledger import Ledger
+from shared.state.ledger import Ledger
 from shared.names import RedisKeys
 from shared.schemas import GroupRegistration, RolloutRequest, TaskProfile
 from shared.settings import Settings

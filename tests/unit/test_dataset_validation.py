@@ -108,7 +108,7 @@ def test_intake_stamps_the_version_and_exits_non_zero_when_nothing_was_published
     version = f"v1@{read_dataset(rows).content_hash[:16]}"
     assert f"dataset {version}" in done.stderr
     assert redis_client.smembers(f"conveyor:{{{run_id}}}:dataset_versions") == {version}
-    from shared.ledger import Ledger
+    from shared.state.ledger import Ledger
 
     ledger = Ledger(redis_client)
     requests = [ledger.request(t) for t in ledger.states(run_id)]

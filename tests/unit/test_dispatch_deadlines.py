@@ -1,4 +1,4 @@
-"""Every state that holds work has a deadline (``shared.ledger``): a lease, or a dispatch
+"""Every state that holds work has a deadline (``shared.state.ledger``): a lease, or a dispatch
 deadline for a trajectory still waiting to be claimed, written in the same Lua call as the
 state. So a message lost anywhere (never sent; taken off the broker's queue by a worker that
 died before recording the delivery; lost with Redis' last second of writes) is sent again by
@@ -15,8 +15,8 @@ import pytest
 from test_ledger import requests_for, scored_event
 
 from shared.celery_app import make_celery, publish_rollouts_by_group
-from shared.leases import Reaper, one_by_one
-from shared.ledger import ROLLOUT, SCORING, Ledger
+from shared.state.leases import Reaper, one_by_one
+from shared.state.ledger import ROLLOUT, SCORING, Ledger
 from shared.names import ROLLOUT_QUEUE
 from shared.schemas import RolloutRequest
 from shared.settings import load_settings

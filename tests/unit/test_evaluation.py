@@ -13,9 +13,9 @@ from itertools import combinations
 import pytest
 
 from services.trainer.evaluation import Evaluator, TaskResult, eval_run_id, pass_at_k, summarize
-from shared.ledger import Ledger
+from shared.state.ledger import Ledger
 from shared.names import RedisKeys
-from shared.policy_version import PolicyVersion
+from shared.state.policy_version import PolicyVersion
 from shared.schemas import EvalEnd, RolloutRequest, ScoredEvent, parse_message
 from shared.settings import SettingsError, load_settings
 

@@ -14,8 +14,8 @@ from services.intake.publisher import run_intake
 from services.trainer.advantages import group_advantages
 from services.trainer.consumer import CONSUMER_GROUP, TrainerConsumer
 from services.trainer.groups import GroupAssembler
-from shared.dead_letters import DeadLetters
-from shared.ledger import Ledger
+from shared.state.dead_letters import DeadLetters
+from shared.state.ledger import Ledger
 from shared.names import RedisKeys, batch_key, group_record_key, scored_key, trajectory_key
 from shared.schemas import (
     GroupRecord,
@@ -606,7 +606,7 @@ def test_redundancy_keeps_the_first_n_scored_and_supersedes_the_rest_keeping_the
 def test_a_stopped_run_ends_the_consumer_between_reads_with_every_trajectory_terminal(settings, ledger, store, run_id):
     """``conveyor run stop``: the consumer fails what is unfinished (a group read and not yet
     decided, a group not yet rolled out) and returns; one group decided before stays consumed."""
-    from shared.run_stop import request_stop
+    from shared.state.run_stop import request_stop
 
     groups = register_groups(settings, ledger, 3)
     consumer = TrainerConsumer(settings, ledger, store)

@@ -11,7 +11,7 @@ import pytest
 from services.intake.adapters import RowRejected, adapt_row
 from services.intake.datasets import Row
 from services.intake.publisher import run_intake
-from shared.ledger import Ledger
+from shared.state.ledger import Ledger
 from shared.names import RedisKeys
 from shared.settings import Settings
 

@@ -11,8 +11,8 @@ import pytest
 from test_ledger import assert_counts_consistent, requests_for, scored_event, stream_events
 
 from shared.celery_app import check_lease_timing
-from shared.leases import LeaseKeeper, Reaper, one_by_one
-from shared.ledger import ROLLOUT, SCORING, Ledger
+from shared.state.leases import LeaseKeeper, Reaper, one_by_one
+from shared.state.ledger import ROLLOUT, SCORING, Ledger
 from shared.names import RedisKeys
 from shared.settings import LedgerSettings, SettingsError
 

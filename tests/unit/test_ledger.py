@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from shared.ledger import STATES, Ledger
+from shared.state.ledger import STATES, Ledger
 from shared.names import RedisKeys
 from shared.schemas import RolloutRequest, ScoredEvent, TaskProfile, TrainerEvent, parse_message
 

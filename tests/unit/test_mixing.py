@@ -11,7 +11,7 @@ import pytest
 
 from services.intake.publisher import run_intake
 from services.trainer.selection import select
-from shared.ledger import Ledger
+from shared.state.ledger import Ledger
 from shared.schemas import SkippedGroupEntry, TrainBatchEntry
 from shared.settings import SettingsError, load_settings
 

@@ -10,8 +10,8 @@ from test_ledger import requests_for
 
 from services.scorer.rewards import RewardCombiner
 from services.scorer.scorer import Scorer
-from shared.leases import LeaseKeeper
-from shared.ledger import SCORING, Ledger
+from shared.state.leases import LeaseKeeper
+from shared.state.ledger import SCORING, Ledger
 from shared.names import RedisKeys, trajectory_bundle_key
 from shared.object_bundles import BundleCache, cache_of, member_ref, split_ref
 from shared.schemas import ScoringTask, StopReason, TaskProfile, TrainerEvent, Trajectory, parse_message

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from services.cli.local_stack import LocalStack
-from shared.leases import LeaseKeeper, Reaper, one_by_one
-from shared.ledger import ROLLOUT, SCORING, Ledger
+from shared.state.leases import LeaseKeeper, Reaper, one_by_one
+from shared.state.ledger import ROLLOUT, SCORING, Ledger
 from shared.outage import Dependency, OutageTooLong, recoveries, redis_client
 from shared.settings import OutageSettings
 

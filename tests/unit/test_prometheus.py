@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 
 from services.cli.local_stack import free_port
-from shared.ledger import Ledger
+from shared.state.ledger import Ledger
 from shared.names import ROLLOUT_QUEUE
 from shared.prometheus import EPISODES_IN_FLIGHT, INFERENCE_REQUEST_SECONDS, serve_metrics
 from test_ledger import requests_for

@@ -4,7 +4,7 @@ scripts): each call runs exactly once, whatever the cache held (real Redis)."""
 import pytest
 from redis.exceptions import ResponseError
 
-from shared.redis_scripts import ScriptCall, run_pipelined
+from shared.state.redis_scripts import ScriptCall, run_pipelined
 
 COUNT_ONCE = "return redis.call('INCR', KEYS[1])"
 APPEND_ARG = "redis.call('RPUSH', KEYS[1], ARGV[1]); return redis.call('LLEN', KEYS[1])"

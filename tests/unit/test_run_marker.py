@@ -1,4 +1,4 @@
-"""Redis losing a run's data is detected (``shared.run_marker``), against a real Redis and a
+"""Redis losing a run's data is detected (``shared.state.run_marker``), against a real Redis and a
 local object store: the marker is written with the run, a run opened by intake cannot be
 refilled after a FLUSHALL, intake refuses a run the store knows and Redis does not, workers
 refuse its tasks, and the trainer's consumer stops instead of going on with an empty ledger."""
@@ -14,7 +14,7 @@ from services.intake.datasets import Row
 from services.intake.publisher import run_intake
 from services.trainer.consumer import TrainerConsumer
 from shared.names import RedisKeys, run_marker_key
-from shared.run_marker import RedisDataLost, RunMarker, refuse_lost_run
+from shared.state.run_marker import RedisDataLost, RunMarker, refuse_lost_run
 from shared.settings import Settings
 
 from unit.test_groups import deliver_scored, register_groups
@@ -76,7 +76,7 @@ def test_workers_refuse_a_lost_runs_tasks_saying_so_once(ledger, run_id, caplog)
     ledger.redis.flushall()
     caplog.set_level(logging.ERROR)
     assert refuse_lost_run(ledger.redis, run_id) and refuse_lost_run(ledger.redis, run_id)
-    [line] = [r.getMessage() for r in caplog.records if r.name == "shared.run_marker"]
+    [line] = [r.getMessage() for r in caplog.records if r.name == "shared.state.run_marker"]
     assert line.startswith(f"Redis lost its data: the marker of run {run_id} ") and "refuses the run's tasks" in line
 
 

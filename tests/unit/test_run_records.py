@@ -1,5 +1,5 @@
-"""The owners of a run's Redis records (``shared.group_registry``, ``shared.policy_version``,
-``shared.trainer_counters``, ``shared.weight_sync_record``, ``shared.dead_letters``), on a real
+"""The owners of a run's Redis records (``shared.state.group_registry``, ``shared.state.policy_version``,
+``shared.state.trainer_counters``, ``shared.state.weight_sync_record``, ``shared.state.dead_letters``), on a real
 Redis: each keeps the invariant its docstring states."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import threading
 
 import pytest
 
-from shared.dead_letters import MAX_LETTERS, DeadLetters
-from shared.group_registry import GroupRegistry
-from shared.policy_version import PolicyVersion
+from shared.state.dead_letters import MAX_LETTERS, DeadLetters
+from shared.state.group_registry import GroupRegistry
+from shared.state.policy_version import PolicyVersion
 from shared.schemas import BadMessage, GroupRegistration, ScoringTask, parse_message
-from shared.trainer_counters import TrainerCounter, TrainerCounters
-from shared.weight_sync_record import SyncFailure, WeightSyncRecord
+from shared.state.trainer_counters import TrainerCounter, TrainerCounters
+from shared.state.weight_sync_record import SyncFailure, WeightSyncRecord
 
 
 def registration(run_id: str, group_id: int, task_id: str = "t") -> GroupRegistration:
@@ -95,6 +95,6 @@ def test_dead_letters_keep_what_did_not_parse_newest_first_and_bounded(redis_cli
     newest = letters.newest()
     assert [letter["message"] for letter in newest] == [f"{{'trajectory_id': 'r_0_0_{i}'}}" for i in (2, 1, 0)]
     assert newest[0]["what"] == "scoring task" and newest[0]["problems"] == "trajectory_key: Field required"
-    monkeypatch.setattr("shared.dead_letters.MAX_LETTERS", 2)
+    monkeypatch.setattr("shared.state.dead_letters.MAX_LETTERS", 2)
     letters.add("queue scoring", info.value)
     assert redis_client.llen(letters.key) == 2 < MAX_LETTERS

@@ -25,7 +25,7 @@ from services.rollout_worker.runner import RolloutContext, retry_delay_s, run_re
 from services.rollout_worker.sandbox.errors import SandboxInfraError
 from services.rollout_worker.scoring_outbox import ScoringOutbox
 from shared import ids
-from shared.leases import LeaseKeeper
+from shared.state.leases import LeaseKeeper
 from shared.names import RedisKeys
 from shared.outcomes import FailureKind, RolloutOutcome, kind_of
 from shared.schemas import RolloutRequest, TaskProfile
@@ -277,7 +277,7 @@ def test_a_superseded_episode_is_cancelled_at_the_next_heartbeat_and_writes_noth
 
 
 def test_a_task_of_a_stopped_run_is_failed_not_run_and_another_runs_task_still_runs(harness, ledger, store, chat):
-    from shared.run_stop import request_stop
+    from shared.state.run_stop import request_stop
 
     stopped = harness.request(Broken.name)
     other = Harness(ledger, store, chat, harness.run_id + "x")
@@ -294,8 +294,8 @@ def test_a_task_of_a_stopped_run_is_failed_not_run_and_another_runs_task_still_r
 def test_an_episode_running_when_its_run_is_stopped_is_cut_at_the_next_heartbeat(harness, ledger):
     """``conveyor run stop`` fails the run's running trajectories; the worker's heartbeat finds the
     lease gone and cancels the episode, as for a superseded member."""
-    from shared.ledger import UNFINISHED
-    from shared.run_stop import end_unfinished, request_stop
+    from shared.state.ledger import UNFINISHED
+    from shared.state.run_stop import end_unfinished, request_stop
 
     request = harness.request(Hangs.name)
     tid = request.trajectory_id

@@ -13,9 +13,9 @@ from test_ledger import requests_for, stream_events
 from services.scorer.rewards import RewardCombiner
 from services.scorer.scorer import Scorer
 from shared.celery_app import scoring_tasks_of
-from shared.dead_letters import DeadLetters
-from shared.leases import LeaseKeeper, Reaper, one_by_one
-from shared.ledger import SCORING, Ledger
+from shared.state.dead_letters import DeadLetters
+from shared.state.leases import LeaseKeeper, Reaper, one_by_one
+from shared.state.ledger import SCORING, Ledger
 from shared.names import scored_bundle_key, trajectory_key
 from shared.object_bundles import member_ref
 from shared.schemas import BadMessage, ScoredTrajectory, ScoringTask, StopReason, Trajectory, parse_message

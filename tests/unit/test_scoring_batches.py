@@ -14,8 +14,8 @@ from test_scorer_leases import upload
 from services.rollout_worker.scoring_outbox import ScoringOutbox
 from services.scorer.rewards import RewardCombiner
 from services.scorer.scorer import Scorer
-from shared.leases import LeaseKeeper, Reaper, one_by_one
-from shared.ledger import SCORING, Ledger
+from shared.state.leases import LeaseKeeper, Reaper, one_by_one
+from shared.state.ledger import SCORING, Ledger
 from shared.names import trajectory_key
 from shared.schemas import ScoringTask, StopReason, Trajectory, parse_message
 from shared.storage import LocalStore, put_model

@@ -10,7 +10,7 @@ import pytest
 
 from services.intake.publisher import run_intake
 from services.intake.splits import assign_splits
-from shared.ledger import Ledger
+from shared.state.ledger import Ledger
 from shared.schemas import TaskProfile
 from shared.settings import SplitSettings, load_settings
 

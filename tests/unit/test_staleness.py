@@ -9,9 +9,9 @@ import pytest
 
 from services.intake.datasets import Row
 from services.intake.publisher import run_intake
-from shared.ledger import Ledger
+from shared.state.ledger import Ledger
 from shared.names import RedisKeys
-from shared.staleness import StalenessBudget
+from shared.state.staleness import StalenessBudget
 from shared.settings import Settings
 
 

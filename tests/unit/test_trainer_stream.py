@@ -8,7 +8,7 @@ import time
 
 from shared.names import RedisKeys
 from shared.schemas import FailedEvent, ScoredEvent
-from shared.trainer_stream import has_entries_after, stream_entries, trainer_events
+from shared.state.trainer_stream import has_entries_after, stream_entries, trainer_events
 
 RUN = "streamrun"
 
@@ -44,7 +44,7 @@ def test_a_bad_entry_is_passed_over_and_named(redis_client, caplog):
     before = append_events(redis_client, 1)
     bad_id = redis_client.xadd(RedisKeys.trainer_stream(RUN), {"event": '{"kind": "scored", "reward": "lots"}'})
     after = append_events(redis_client, 1, first=1)
-    with caplog.at_level(logging.ERROR, logger="shared.trainer_stream"):
+    with caplog.at_level(logging.ERROR, logger="shared.state.trainer_stream"):
         read = [event.trajectory_id for _, event in trainer_events(redis_client, RUN)]
     assert read == before + after
     assert any(bad_id in record.getMessage() and RUN in record.getMessage() for record in caplog.records)

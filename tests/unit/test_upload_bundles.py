@@ -15,8 +15,8 @@ from test_runner_failures import Harness, chat  # noqa: F401 (chat: the tokenize
 
 from services.rollout_worker.runner import upload_bundle
 from services.rollout_worker.upload_outbox import UploadOutbox
-from shared.leases import Reaper, one_by_one
-from shared.ledger import ROLLOUT
+from shared.state.leases import Reaper, one_by_one
+from shared.state.ledger import ROLLOUT
 from shared.names import RedisKeys
 from shared.schemas import ScoringTask, StopReason, Trajectory, parse_message
 from shared.storage import get_model

@@ -10,7 +10,7 @@ from services.intake.datasets import Row
 from services.intake.publisher import run_intake
 from services.viewer import pages
 from services.viewer.data import TrajectoryFilter, ViewerData
-from shared.ledger import Ledger
+from shared.state.ledger import Ledger
 from shared.names import RedisKeys, scored_key
 from shared.schemas import ScoredEvent, ScoredTrajectory, StopReason
 from shared.settings import load_settings

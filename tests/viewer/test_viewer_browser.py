@@ -20,7 +20,7 @@ from pipeline_support import REWARD_WEIGHTS, base_stack, run_stack, start_and_pu
 
 from services.cli.demo import write_demo_dataset
 from services.cli.local_stack import free_port
-from shared.ledger import Ledger
+from shared.state.ledger import Ledger
 from shared.names import RedisKeys
 from shared.schemas import ScoredTrajectory
 from shared.storage import get_model

@@ -1,5 +1,5 @@
 """The trajectory ledger in Redis: one state per trajectory, changed only by atomic Lua
-transitions (``shared.ledger_lua``).
+transitions (``shared.state.ledger_lua``).
 
 States: queued -> running -> uploaded -> scored -> consumed, or failed(reason) from any
 non-terminal state.
@@ -15,7 +15,7 @@ Invariants, per run:
   in the stage's zset): rollout holds ``running`` trajectories, scoring holds ``uploaded`` ones.
   At most one attempt per stage holds a trajectory; only its owner can move it on, so a worker
   presumed dead cannot publish a second copy. Leaving the held state ends the lease in the same
-  Lua call. Workers renew leases by heartbeat; the reaper (``shared.leases``) puts a
+  Lua call. Workers renew leases by heartbeat; the reaper (``shared.state.leases``) puts a
   trajectory whose lease ran out back where the stage claims from, to be re-dispatched, and
   fails it after ``max_attempts`` attempts of that stage. An owner that stops before its
   work is done (its worker shuts down) hands the trajectory back (``hand_back``): to the
@@ -37,7 +37,7 @@ Invariants, per run:
   and a lost one goes out again once its queue is empty. Each re-send of an unclaimed
   trajectory doubles the next wait (up to 32x); every copy beyond the first is a no-op at the
   claim. So nothing waiting lives only in a process's memory or only in the broker.
-- Registering a run's trajectories records the run's marker (``shared.run_marker``) in the
+- Registering a run's trajectories records the run's marker (``shared.state.run_marker``) in the
   same Lua call, so Redis never holds a run's trajectories without its marker.
 - Hand-off to the trainer is atomic with the state change: ``mark_scored`` and ``fail`` append
   the TrainerEvent to the run's stream in the same Lua call. An event is never lost or doubled.
@@ -51,12 +51,13 @@ from typing import Any, Callable
 
 import redis
 
-from shared import ids, ledger_lua
+from shared import ids
+from shared.state import ledger_lua
 from shared.ids import parse_trajectory_id
 from shared.names import ROLLOUT_QUEUE, SCORING_QUEUE, RedisKeys
 from shared.outage import redis_client
-from shared.redis_scripts import ScriptCall, run_pipelined
-from shared.run_marker import RedisDataLost, lost_message, marker_value
+from shared.state.redis_scripts import ScriptCall, run_pipelined
+from shared.state.run_marker import RedisDataLost, lost_message, marker_value
 from shared.schemas import FailedEvent, RolloutRequest, ScoredEvent, TrajectoryState
 from shared.settings import LedgerSettings, OutageSettings
 
@@ -132,7 +133,7 @@ class Ledger:
 
     # --- intake -----------------------------------------------------------------------------
     def register(self, requests: list[RolloutRequest], require_marker: bool = False) -> int:
-        """Record requests as queued, and the run's marker (``shared.run_marker``) if it has
+        """Record requests as queued, and the run's marker (``shared.state.run_marker``) if it has
         none. Already-known trajectory ids are left as they are. With ``require_marker`` (a run
         intake opened), a run whose marker is gone is refused: ``RedisDataLost``."""
         if not requests:

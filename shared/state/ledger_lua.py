@@ -1,7 +1,7 @@
 """The ledger's Lua scripts: each runs atomically in Redis, so a state, its counter, its lease
-and its trainer event always change together (``shared.ledger`` says what they guarantee).
+and its trainer event always change together (``shared.state.ledger`` says what they guarantee).
 
-A lease stage (``shared.ledger.LeaseStage``) passes its own keys: ``owners`` (trajectory id ->
+A lease stage (``shared.state.ledger.LeaseStage``) passes its own keys: ``owners`` (trajectory id ->
 token of the attempt holding the lease), ``leases`` (zset trajectory id -> deadline),
 ``attempts`` and ``payloads`` (what a re-dispatch publishes again).
 """
@@ -197,7 +197,7 @@ return {'ok', state}
 """
 
 # ``conveyor retry`` re-opens a GRPO group the trainer decided with every member failed
-# (``shared.ledger_retry`` says what it guarantees).
+# (``shared.state.ledger_retry`` says what it guarantees).
 # KEYS: states, counts, failures, attempts, scoring attempts, groups done, trainer stream,
 #       trainer counters, staleness, rollout leases
 # ARGV: group id, reopened counter, filtered field, dispatch deadline, then per member (tid, ''

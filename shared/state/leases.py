@@ -1,4 +1,4 @@
-"""Lease upkeep for any stage that holds work (``shared.ledger.LeaseStage``: rollout, scoring):
+"""Lease upkeep for any stage that holds work (``shared.state.ledger.LeaseStage``: rollout, scoring):
 the keeper that claims and renews the leases of a worker process, and the reaper that
 re-dispatches work whose lease ran out.
 
@@ -18,7 +18,7 @@ Invariants:
   so crashes of everything never fail work, however many.
 - Nothing is sent again merely because Redis was down: a message lost with it (a delivery whose
   reply never arrived, the last second of writes before a crash) is found by its dispatch
-  deadline, which every state that waits for a stage holds (``shared.ledger``). So a broker
+  deadline, which every state that waits for a stage holds (``shared.state.ledger``). So a broker
   restart multiplies no task: only trajectories still unclaimed past their deadline go out
   again, and only once their stage's broker queue is empty (a message still waiting there is
   not copied: an outage stalls every worker, and every waiting deadline passes).
@@ -43,7 +43,7 @@ import time
 import uuid
 from typing import Callable
 
-from shared.ledger import ROLLOUT, LeaseStage, Ledger
+from shared.state.ledger import ROLLOUT, LeaseStage, Ledger
 from shared.outage import seconds_since_recovery
 from shared.settings import OutageSettings
 

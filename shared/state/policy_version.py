@@ -9,7 +9,7 @@ Invariants:
 - It never goes backwards: ``advance`` is a compare-and-set in one Lua call, so followers
   racing, or a restarted one replaying old announcements, cannot lower it.
 - Readers: rollout workers (each turn records it), intake (a group's version at dispatch), the
-  staleness budget's admission (``shared.staleness``, which reads ``key`` in its own Lua) and
+  staleness budget's admission (``shared.state.staleness``, which reads ``key`` in its own Lua) and
   the trainer's served-weights alarm.
 """
 

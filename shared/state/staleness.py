@@ -33,7 +33,7 @@ from typing import Any
 import redis
 
 from shared.names import RedisKeys
-from shared.policy_version import PolicyVersion
+from shared.state.policy_version import PolicyVersion
 
 # KEYS: staleness hash, served policy version ; ARGV: max_off_policy_steps, groups_per_step
 # -> 1 admitted / 0 not

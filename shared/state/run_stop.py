@@ -15,7 +15,7 @@ Invariants:
   Who fails what:
   - ``conveyor run stop`` (``end_unfinished``): at once, the queued and running ones; with no
     trainer reading the run, the uploaded and scored ones too. A running episode is cut: its
-    worker's heartbeat finds the lease gone and cancels it (``shared.leases``), its result is
+    worker's heartbeat finds the lease gone and cancels it (``shared.state.leases``), its result is
     dropped, and the worker goes on with other runs' tasks.
   - the trainer, when it sees the stop between two reads: everything of the run still
     unfinished, then it exits 0 with its last step's checkpoint and state.
@@ -36,7 +36,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from shared.ledger import Ledger
+from shared.state.ledger import Ledger
 from shared.names import RedisKeys
 from shared.outcomes import FailureKind, reason
 from shared.schemas import TrajectoryState

@@ -6,7 +6,7 @@ Invariants:
 - A successful sync overwrites the timing fields (``SYNC_FIELDS``) of the previous one; a
   failed sync writes the failure fields (``FAILURE_FIELDS``) and leaves the timings alone.
   A failure is therefore still there after a later success: it is over once the served
-  policy version (``shared.policy_version``) reached ``failed_version``.
+  policy version (``shared.state.policy_version``) reached ``failed_version``.
 - Writing the record never fails a sync: the follower logs an error writing it and goes on.
 """
 

@@ -15,7 +15,7 @@ Invariants:
   cleared (a fresh budget of ``ledger.max_attempts``); the other members' ``failed`` events go
   to the trainer again, so the re-opened group completes; the group leaves ``groups_done``,
   its admission slot is taken back (the staleness budget's ``filtered``) and the trainer
-  counts ``groups_reopened``; each chosen member gets its dispatch deadline (``shared.ledger``).
+  counts ``groups_reopened``; each chosen member gets its dispatch deadline (``shared.state.ledger``).
   A retry racing another retry finds the members queued and does nothing.
 - Then the group's chosen requests are published as one rollout task. Nothing consumed is
   touched, so nothing consumed can be duplicated; a trainer must be running to consume the
@@ -29,15 +29,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
-from shared import ledger_lua
-from shared.group_registry import GroupRegistry
+from shared.state import ledger_lua
+from shared.state.group_registry import GroupRegistry
 from shared.ids import parse_trajectory_id
-from shared.ledger import ROLLOUT, Ledger
+from shared.state.ledger import ROLLOUT, Ledger
 from shared.names import RedisKeys
 from shared.outcomes import kind_of
 from shared.schemas import FailedEvent, RolloutRequest, TrajectoryState
-from shared.staleness import StalenessBudget
-from shared.trainer_counters import TrainerCounter, TrainerCounters
+from shared.state.staleness import StalenessBudget
+from shared.state.trainer_counters import TrainerCounter, TrainerCounters
 
 NOT_DECIDED = "its group is not decided by the trainer yet (retry once it is)"
 TRAINED = "its group was decided with members that did not fail (consumed): retrying would give the trainer a second look"

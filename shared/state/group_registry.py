@@ -12,7 +12,7 @@ Invariants:
 - A group is marked done by the trainer in the same transaction that queues it for training,
   counts it and acknowledges its events (``mark_done`` takes that transaction). While it is
   done, an event of the group is late. A group leaves the done set only when ``conveyor
-  retry`` re-opens a group decided with every member failed (``shared.ledger_retry``, in the
+  retry`` re-opens a group decided with every member failed (``shared.state.ledger_retry``, in the
   Lua call that sends its members again); the trainer then decides it once more.
 """
 
