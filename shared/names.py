@@ -232,3 +232,34 @@ class RedisKeys:
     @staticmethod
     def trainer_counters(run_id: str) -> str:  # hash: counter -> int (shared.state.trainer_counters)
         return f"{_P}:{{{run_id}}}:trainer"
+
+
+_LEDGER = "shared.state.ledger"
+# Each Redis key's one owner: the only module that names it. Any other module reads or changes the
+# key through its owner's methods; tests/unit/test_key_ownership.py fails on any other module that
+# names it. A key whose owner is still a service has no owner class in shared.state yet.
+REDIS_KEY_OWNERS: dict[str, str] = {
+    **dict.fromkeys(("runs", "leases", "scoring_leases", "states", "counts", "failures", "owners", "attempts",
+                     "resends", "scoring_resends", "scoring_owners", "scoring_attempts", "scoring_tasks",
+                     "requests"), _LEDGER),
+    "dead_letters": "shared.state.dead_letters",
+    "run_marker": "shared.state.run_marker",
+    "groups": "shared.state.group_registry",
+    "groups_published": "shared.state.group_registry",
+    "groups_done": "shared.state.group_registry",
+    "trainer_stream": "shared.state.trainer_stream",
+    "rejected_rows": "shared.state.run_records",
+    "dataset_versions": "shared.state.run_records",
+    "intake_done": "shared.state.run_records",
+    "run_stop": "shared.state.run_stop",
+    "policy_version": "shared.state.policy_version",
+    "staleness": "shared.state.staleness",
+    "checkpoints": "services.trainer.loop",
+    "weight_sync": "shared.state.weight_sync_record",
+    "train_cursor": "services.trainer.loop",
+    "train_queue": "services.trainer.loop",
+    "step_metrics": "shared.state.step_metrics",
+    "eval_stream": "services.trainer.evaluation",
+    "eval_ends": "services.trainer.evaluation",
+    "trainer_counters": "shared.state.trainer_counters",
+}

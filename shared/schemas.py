@@ -434,6 +434,15 @@ class EvalEnd(Message):
     metrics: dict[str, float]
 
 
+class RejectedRow(BaseModel):
+    """A dataset row intake rejected: where it was (file and line, or split and index) and why."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source: str
+    reason: str
+
+
 class GroupRegistration(Message):
     """Intake's record of a dispatched group, kept in Redis."""
 

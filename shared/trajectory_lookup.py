@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.ids import parse_trajectory_id
-from shared.names import RedisKeys, scored_key, trajectory_key
+from shared.names import scored_key, trajectory_key
 from shared.schemas import ScoredEvent, ScoredTrajectory, StopReason, Trajectory
 from shared.object_bundles import is_bundle_key, split_ref
 from shared.storage import ObjectStore, get_model
+from shared.state.ledger import Ledger
 from shared.state.trainer_stream import stream_entries
 
 _ATTEMPT = re.compile(r"\.a(\d+)-[0-9a-f]+\.json\.gz$")
@@ -78,9 +79,7 @@ def find_trajectory(store: ObjectStore, trajectory_id: str, redis: Any = None) -
     uploads = [k for k in _objects_of(store, plain, trajectory_id) if k == plain or _ATTEMPT.search(k)]
     state = failure = given = None
     if redis is not None:
-        state, failure, task = redis.hmget(RedisKeys.states(ids.run_id), trajectory_id), \
-            redis.hget(RedisKeys.failures(ids.run_id), trajectory_id), redis.hget(RedisKeys.scoring_tasks(ids.run_id), trajectory_id)
-        state = state[0]
+        state, failure, task = Ledger(redis).record(trajectory_id)
         given = json.loads(task)["trajectory_key"] if task else None
     if given is not None and split_ref(given) is not None:  # uploaded in a bundle: the ledger names its member
         uploads.append(given)

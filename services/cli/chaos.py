@@ -42,12 +42,13 @@ from services.cli.demo import DEMO_REWARD_WEIGHTS, write_demo_dataset
 from services.cli.local_stack import LocalStack, ManagedProcess
 from services.cli.tcp_gate import TcpGate
 from shared.state.ledger import ROLLOUT, SCORING, Ledger
-from shared.names import RedisKeys
 from shared.outcomes import FailureKind, kind_of
 from shared.schemas import GroupRecord, TrainerEvent, parse_message
 from shared.outage import redis_client
 from shared.settings import OutageSettings, StorageSettings
 from shared.storage import LocalStore, ObjectStore, S3Store, get_models_under
+from shared.state.trainer_counters import TrainerCounters
+from shared.state.trainer_stream import stream_entries
 
 FAULT_KINDS = {FailureKind.infra_error.value, "lease_expired", "scoring_lease_expired", "inference_outage", "scoring_error"}
 SERVICES = ("worker-rollout", "worker-scoring", "trainer")
@@ -359,8 +360,7 @@ class ChaosRun:
         for tid, state in ledger.states(self.run_id).items():
             if state in ("consumed", "failed"):
                 continue
-            zset = RedisKeys.scoring_leases if state == "uploaded" else RedisKeys.leases
-            deadline = ledger.redis.zscore(zset, tid)
+            deadline = ledger.lease_deadline(tid, SCORING if state == "uploaded" else ROLLOUT)
             out.setdefault(state, []).append(f"{tid} (deadline {'none' if deadline is None else f'{deadline - time.time():+.0f}s'})")
         return out
 
@@ -370,8 +370,7 @@ class ChaosRun:
         of_fault = {t: r for t, r in reasons.items() if kind_of(r) in FAULT_KINDS or r.startswith(tuple(FAULT_KINDS))}
         if of_fault:
             problems.append(f"{len(of_fault)} failed of the faults: {dict(list(of_fault.items())[:3])}")
-        entries = ledger.redis.xrange(RedisKeys.trainer_stream(self.run_id))
-        events = [parse_message(TrainerEvent, fields["event"]).trajectory_id for _, fields in entries]
+        events = [parse_message(TrainerEvent, raw).trajectory_id for _, raw in stream_entries(ledger.redis, self.run_id)]
         tids = sorted(ledger.states(self.run_id))
         if sorted(events) != tids:
             doubled = sorted(t for t, n in Counter(events).items() if n > 1)
@@ -382,7 +381,7 @@ class ChaosRun:
                    for m in record.members]
         if sorted(members) != tids:
             problems.append(f"group records: {len(members)} memberships for {len(tids)} trajectories")
-        counters = ledger.redis.hgetall(RedisKeys.trainer_counters(self.run_id))
+        counters = TrainerCounters(ledger.redis, self.run_id).all()
         if int(counters.get("duplicate_events", 0)):
             problems.append(f"the trainer counted {counters['duplicate_events']} duplicate events")
         return problems

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from services.cli import errors
 from services.cli.progress import progress
-from shared.names import RedisKeys
+from shared.state.trainer_stream import stream_length
 from shared.settings import Settings, load_settings
 
 data_app = typer.Typer(no_args_is_help=True, help="Datasets: validate before publishing.")
@@ -74,7 +74,7 @@ def export_run(run_id: str, out: Path, fmt: str, form: str, min_reward: Optional
     errors.state.settings = settings
     client = redis_client(settings.redis.url, settings.outage)
     store = open_store(settings.storage, settings.outage)
-    with progress(f"export {run_id}: reading trajectories", total=client.xlen(RedisKeys.trainer_stream(run_id))) as advance:
+    with progress(f"export {run_id}: reading trajectories", total=stream_length(client, run_id)) as advance:
         records = []
         for record in export_records(client, store, run_id, form, min_reward, max_reward, min_margin):  # type: ignore[arg-type]
             records.append(record)

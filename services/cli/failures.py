@@ -12,7 +12,6 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 from collections import Counter, defaultdict
 
 from rich.console import Console
@@ -20,7 +19,7 @@ from rich.table import Table
 
 from shared.state.ledger import Ledger
 from shared.state.ledger_retry import RetryReport
-from shared.names import RedisKeys
+from shared.state.run_records import RunRecords
 from shared.outcomes import headline, kind_of
 
 EXAMPLES = 3
@@ -34,7 +33,7 @@ def failure_report(ledger: Ledger, run_id: str, examples: int = EXAMPLES) -> dic
     for tid in failed:
         by_kind[kind_of(reasons.get(tid, "unknown"))].append(tid)
     kinds = sorted(by_kind.items(), key=lambda item: (-len(item[1]), item[0]))
-    rejected = [json.loads(raw) for raw in ledger.redis.lrange(RedisKeys.rejected_rows(run_id), 0, -1)]
+    rejected = [row.model_dump() for row in RunRecords(ledger.redis, run_id).rejected_rows()]
     return {
         "run": run_id,
         "trajectories": len(states),

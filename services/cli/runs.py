@@ -56,16 +56,16 @@ class RunSummary:
 
 def summarize(client: Any, ledger: Any, run_id: str) -> RunSummary:
     from shared.state.group_registry import GroupRegistry
-    from shared.names import RedisKeys
     from shared.state.policy_version import PolicyVersion
     from shared.state.run_stop import stop_of
+    from shared.state.step_metrics import StepMetrics
 
     groups = GroupRegistry(client, run_id)
-    last = client.xrevrange(RedisKeys.step_metrics(run_id), count=1)
+    last = StepMetrics(client, run_id).newest(1)
     step, age = None, None
     if last:
-        entry_id, fields = last[0]
-        step = int(json.loads(fields["metrics"])["step"])
+        entry_id, line = last[0]
+        step = int(line["step"])
         seconds, microseconds = client.time()  # Redis' clock: the one the entry id comes from
         age = max(0.0, seconds + microseconds / 1e6 - int(entry_id.split("-")[0]) / 1000)
     stop = stop_of(client, run_id)

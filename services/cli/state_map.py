@@ -10,8 +10,9 @@ Invariants:
   queue constants and the object-key functions. What a row holds is that declaration's own
   comment or docstring, so the page says what the code says.
 - "Named in" lists every module under ``services/`` and ``shared/`` whose code refers to the
-  name (an attribute ``RedisKeys.<key>`` or an imported function or constant), found by parsing,
-  not by grepping text; ``shared/names.py`` itself is left out.
+  name (an attribute ``RedisKeys.<key>``, also through a local alias of ``RedisKeys``, or an
+  imported function or constant), found by parsing, not by grepping text; ``shared/names.py``
+  itself is left out. ``tests/unit/test_key_ownership.py`` reads the same lists.
 """
 
 from __future__ import annotations
@@ -94,12 +95,29 @@ def _references() -> dict[str, set[str]]:
             if path == NAMES or "__pycache__" in path.parts:
                 continue
             module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "RedisKeys":
+            tree = ast.parse(path.read_text(), str(path))
+            redis_keys = _redis_keys_aliases(tree)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in redis_keys:
                     refs.setdefault(f"RedisKeys.{node.attr}", set()).add(module)
                 elif isinstance(node, ast.Name) and (node.id in QUEUES or node.id in OBJECT_KEYS):
                     refs.setdefault(node.id, set()).add(module)
     return refs
+
+
+def _redis_keys_aliases(tree: ast.Module) -> set[str]:
+    """``RedisKeys`` and every local name bound to it (``k = RedisKeys``, ``import ... as``)."""
+    aliases = {"RedisKeys"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            aliases |= {a.asname for a in node.names if a.name == "RedisKeys" and a.asname}
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                pairs = (zip(target.elts, node.value.elts) if isinstance(target, ast.Tuple)
+                         and isinstance(node.value, ast.Tuple) else [(target, node.value)])
+                aliases |= {t.id for t, v in pairs if isinstance(t, ast.Name) and isinstance(v, ast.Name)
+                            and v.id == "RedisKeys"}
+    return aliases
 
 
 def entries() -> list[Entry]:

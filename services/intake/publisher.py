@@ -40,7 +40,6 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -55,11 +54,11 @@ from shared import ids
 from shared.environments import check_startup, registry_for
 from shared.state.group_registry import GroupRegistry
 from shared.state.ledger import Ledger
-from shared.names import RedisKeys
 from shared.state.policy_version import PolicyVersion
 from shared.state.run_marker import RunMarker
+from shared.state.run_records import RunRecords
 from shared.state.run_stop import stop_of
-from shared.schemas import GroupRegistration, RolloutRequest, TaskProfile
+from shared.schemas import GroupRegistration, RejectedRow, RolloutRequest, TaskProfile
 from shared.settings import Settings, SplitSettings
 from shared.state.staleness import StalenessBudget
 from shared.storage import ObjectStore
@@ -96,7 +95,7 @@ class RunHistory:
 
 def run_history(ledger: Ledger, run_id: str) -> RunHistory:
     groups = GroupRegistry(ledger.redis, run_id)
-    return RunHistory(bool(ledger.redis.exists(RedisKeys.run_marker(run_id))), groups.registered_count(),
+    return RunHistory(RunMarker(ledger.redis, run_id).in_redis(), groups.registered_count(),
                       groups.published_count(), ledger.counts(run_id))
 
 
@@ -205,9 +204,9 @@ def run_intake(
     if settings.trainer.max_off_policy_steps is not None:
         budget = StalenessBudget(ledger.redis, run, settings.trainer.max_off_policy_steps, settings.trainer.groups_per_step)
         admission = AdmissionWait(budget, ledger, settings.intake.wait_log_every_s)
-    groups, served = GroupRegistry(ledger.redis, run), PolicyVersion(ledger.redis, run)
+    groups, served, records = GroupRegistry(ledger.redis, run), PolicyVersion(ledger.redis, run), RunRecords(ledger.redis, run)
     if dataset_version:
-        ledger.redis.sadd(RedisKeys.dataset_versions(run), dataset_version)
+        records.add_dataset_version(dataset_version)
     def admit(row: Row) -> TaskProfile:
         return admit_row(row.value, row.source, settings.intake.env_name, settings.intake.env_config, environments,
                          dataset_version, prompt_limit)
@@ -220,9 +219,9 @@ def run_intake(
                 raise RowRejected(row.reason)
             task = admit(row)
         except (RowRejected, ValueError) as exc:  # ValueError: the row broke a schema
-            rejection = {"source": row.source, "reason": str(exc)}
-            report.rejected.append(rejection)
-            ledger.redis.rpush(RedisKeys.rejected_rows(run), json.dumps(rejection))
+            rejection = RejectedRow(source=row.source, reason=str(exc))
+            report.rejected.append(rejection.model_dump())
+            records.reject_row(rejection)
             log.warning("rejected row %s: %s", row.source, exc)
             continue
         if groups.is_published(group_id):
@@ -250,5 +249,5 @@ def run_intake(
         report.trajectories += len(requests)
         if on_group:
             on_group(group_id)
-    ledger.redis.set(RedisKeys.intake_done(run), "1")
+    records.mark_intake_done()
     return report

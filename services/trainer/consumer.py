@@ -64,6 +64,7 @@ from shared.state.ledger import UNFINISHED, Ledger
 from shared.outcomes import FailureKind, reason
 from shared.names import RedisKeys, batch_key, group_record_key
 from shared.state.run_marker import RunMarker
+from shared.state.run_records import RunRecords
 from shared.state.run_stop import RunStop, end_unfinished, stop_of
 from shared.state.dead_letters import DeadLetters
 from shared.state.group_registry import GroupRegistry
@@ -86,6 +87,7 @@ from shared.storage import ObjectStore, put_model
 from shared.trajectory_lookup import trajectory_of_event
 from shared.state.trainer_reads import TRAINER_CONSUMER_GROUP
 from shared.state.trainer_counters import TrainerCounter, TrainerCounters
+from shared.state.trainer_stream import stream_key
 
 if TYPE_CHECKING:
     from services.trainer.loop import TrainingLoop
@@ -104,7 +106,7 @@ class TrainerConsumer:
     def __post_init__(self) -> None:
         self.run_id = self.settings.run_id
         self.redis: redis.Redis = self.ledger.redis
-        self.stream = RedisKeys.trainer_stream(self.run_id)
+        self.stream = stream_key(self.run_id)
         self.consumer = self.settings.trainer.consumer_name
         self._registrations: dict[int, GroupRegistration] = {}
         self.stopped: RunStop | None = None  # the run's stop, once this consumer ended on it
@@ -199,7 +201,7 @@ class TrainerConsumer:
 
     def finished(self) -> bool:
         """Intake is done and every trajectory of the run is terminal."""
-        if not self.redis.get(RedisKeys.intake_done(self.run_id)):
+        if not RunRecords(self.redis, self.run_id).intake_done():
             return False
         counts = self.ledger.counts(self.run_id)
         return counts["queued"] + counts["running"] + counts["uploaded"] + counts["scored"] == 0

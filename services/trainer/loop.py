@@ -43,7 +43,6 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import statistics
@@ -67,10 +66,11 @@ from shared.settings import Settings
 from shared.state.staleness import StalenessBudget
 from shared.storage import ObjectStore, get_model
 from shared.state.trainer_counters import TrainerCounter, TrainerCounters
+from shared.state.run_records import RunRecords
+from shared.state.step_metrics import StepMetrics
 from shared.state.weight_sync_record import WeightSyncRecord
 
 log = logging.getLogger(__name__)
-STEPS_KEPT = 100_000  # step-metric entries a run's steps stream keeps (about the newest)
 
 # KEYS: train cursor hash, staleness hash, trainer counters ; ARGV: next version, cursor,
 # stale groups skipped, groups trained, bad entries passed over, then the field names (from
@@ -182,8 +182,7 @@ class TrainingLoop:
             self.counters.add(TrainerCounter.alarm_skipped_steps)
         version = self.version + 1
         t0 = time.perf_counter()
-        datasets = [d.decode() if isinstance(d, bytes) else d
-                    for d in sorted(self.redis.smembers(RedisKeys.dataset_versions(self.run_id)))]
+        datasets = RunRecords(self.redis, self.run_id).dataset_versions()
         if self.publisher is not None:
             metrics |= self.publisher.publish(version, self.trainer.model, self.tokenizer, self.trainer.optimizer,
                                               self.trainer.step, datasets, announce=self._announce)
@@ -215,7 +214,7 @@ class TrainingLoop:
     def _record_step(self, version: int, metrics: dict[str, float]) -> None:
         """The step's metrics on the run's capped steps stream, for the viewer (strict JSON)."""
         line = {"step": version, "time": time.time(), **{k: finite_or_none(v) for k, v in metrics.items()}}
-        self.redis.xadd(RedisKeys.step_metrics(self.run_id), {"metrics": json.dumps(line)}, maxlen=STEPS_KEPT, approximate=True)
+        StepMetrics(self.redis, self.run_id).append(line)
 
     def _record_selection(self, selection: Selection) -> None:
         self._commit_selection(

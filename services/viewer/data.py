@@ -10,7 +10,6 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,9 @@ from shared.outcomes import kind_of
 from shared.schemas import (BadMessage, EvalEnd, GroupRecord, GroupRegistration, ScoredEvent,
                             TrainerEvent, parse_message)
 from shared.storage import ObjectStore, StorageError, get_model
+from shared.state.run_records import RunRecords
+from shared.state.step_metrics import StepMetrics
+from shared.state.trainer_counters import TrainerCounters
 from shared.state.trainer_stream import has_entries_after, stream_entries
 from shared.trajectory_lookup import FoundTrajectory, find_trajectory, stop_reason_of_event
 
@@ -69,22 +71,21 @@ class ViewerData:
         return [{"run_id": run, "counts": ledger.counts(run)} for run in ledger.runs()]
 
     def has_run(self, run_id: str) -> bool:
-        return bool(self.redis.sismember(RedisKeys.runs, run_id))
+        return Ledger(self.redis).has_run(run_id)
 
     def counts(self, run_id: str) -> dict[str, int]:
         return Ledger(self.redis).counts(run_id)
 
     def steps(self, run_id: str, limit: int = 2000) -> list[dict[str, Any]]:
         """The newest ``limit`` step-metric lines, oldest first."""
-        entries = self.redis.xrevrange(RedisKeys.step_metrics(run_id), count=limit)
-        return [json.loads(fields["metrics"]) for _, fields in reversed(entries)]
+        return [line for _, line in StepMetrics(self.redis, run_id).newest(limit)]
 
     def evals(self, run_id: str) -> list[EvalEnd]:
         ends = self.redis.hgetall(RedisKeys.eval_ends(run_id))
         return sorted((parse_message(EvalEnd, raw) for raw in ends.values()), key=lambda e: e.policy_version)
 
     def trainer_counters(self, run_id: str) -> dict[str, int]:
-        return {k: int(v) for k, v in self.redis.hgetall(RedisKeys.trainer_counters(run_id)).items()}
+        return TrainerCounters(self.redis, run_id).all()
 
     # --- groups ---------------------------------------------------------------------------
     def registration(self, run_id: str, group_id: int) -> GroupRegistration | None:
@@ -108,14 +109,8 @@ class ViewerData:
     def groups_page(self, run_id: str, page: int) -> list[tuple[int, GroupRegistration | None, GroupRecord | None]]:
         """Groups ``page * page_size`` onwards, by id: their registration and, once decided, record."""
         first = page * self.page_size
-        registered = self.redis.hmget(RedisKeys.groups(run_id), [str(g) for g in range(first, first + self.page_size)])
-        rows = []
-        for offset, raw in enumerate(registered):
-            if raw is None:
-                continue
-            group_id = first + offset
-            rows.append((group_id, parse_message(GroupRegistration, raw), self.group(run_id, group_id)))
-        return rows
+        registered = GroupRegistry(self.redis, run_id).registrations_in(range(first, first + self.page_size))
+        return [(group_id, registration, self.group(run_id, group_id)) for group_id, registration in registered.items()]
 
     # --- trajectories ---------------------------------------------------------------------
     def trajectory(self, trajectory_id: str) -> FoundTrajectory:
@@ -168,18 +163,16 @@ class ViewerData:
         rows: list[dict[str, Any]] = []
         scanned = 0
         while True:
-            cursor, batch = self.redis.hscan(RedisKeys.failures(run_id), cursor=cursor, count=self.page_size)
-            attempts = self.redis.hmget(RedisKeys.attempts(run_id), list(batch)) if batch else []
-            for (trajectory_id, reason), tries in zip(batch.items(), attempts):
+            cursor, batch = Ledger(self.redis).failures_scan(run_id, cursor, self.page_size)
+            for trajectory_id, reason, tries in batch:
                 scanned += 1
                 if failure_class and kind_of(reason) != failure_class:
                     continue
                 rows.append({"trajectory_id": trajectory_id, "group_id": parse_trajectory_id(trajectory_id).group_id,
-                             "class": kind_of(reason), "reason": reason, "attempts": int(tries or 0)})
+                             "class": kind_of(reason), "reason": reason, "attempts": tries})
             if cursor == 0 or len(rows) >= self.page_size or scanned >= self.scan_budget:
                 return Page(rows, None if cursor == 0 else str(cursor), scanned)
 
     def rejected_rows(self, run_id: str, page: int) -> list[dict[str, str]]:
         first = page * self.page_size
-        raw = self.redis.lrange(RedisKeys.rejected_rows(run_id), first, first + self.page_size - 1)
-        return [json.loads(r) for r in raw]
+        return [row.model_dump() for row in RunRecords(self.redis, run_id).rejected_rows(first, first + self.page_size - 1)]

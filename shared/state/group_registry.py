@@ -55,6 +55,11 @@ class GroupRegistry:
     def registrations(self) -> dict[int, GroupRegistration]:
         return {int(g): parse_message(GroupRegistration, raw) for g, raw in self.redis.hgetall(self.registrations_key).items()}
 
+    def registrations_in(self, group_ids: range) -> dict[int, GroupRegistration]:
+        """The registrations of those groups that intake registered, by id, in ``group_ids``' order."""
+        raw = self.redis.hmget(self.registrations_key, [str(g) for g in group_ids])
+        return {g: parse_message(GroupRegistration, r) for g, r in zip(group_ids, raw) if r is not None}
+
     # --- published (intake) ---------------------------------------------------------------
     def mark_published(self, group_id: int) -> None:
         self.redis.sadd(self.published_key, group_id)

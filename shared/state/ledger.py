@@ -57,7 +57,8 @@ from shared.ids import parse_trajectory_id
 from shared.names import ROLLOUT_QUEUE, SCORING_QUEUE, RedisKeys
 from shared.outage import redis_client
 from shared.state.redis_scripts import ScriptCall, run_pipelined
-from shared.state.run_marker import RedisDataLost, lost_message, marker_value
+from shared.state.run_marker import RedisDataLost, RunMarker, lost_message, marker_value
+from shared.state.trainer_stream import stream_key
 from shared.schemas import FailedEvent, RolloutRequest, ScoredEvent, TrajectoryState
 from shared.settings import LedgerSettings, OutageSettings
 
@@ -143,7 +144,8 @@ class Ledger:
         for req in requests:
             argv += [req.trajectory_id, req.model_dump_json()]
         k = RedisKeys
-        keys = [k.states(run_id), k.counts(run_id), k.requests(run_id), k.runs, k.run_marker(run_id), ROLLOUT.leases]
+        keys = [k.states(run_id), k.counts(run_id), k.requests(run_id), k.runs, RunMarker(self.redis, run_id).key,
+                ROLLOUT.leases]
         added = int(self._register(keys=keys, args=argv))
         if added < 0:
             raise RedisDataLost(lost_message(run_id, "intake saw it when it opened the run", "registers nothing more of it"))
@@ -207,7 +209,7 @@ class Ledger:
         )
         k, run = RedisKeys, ids.run_id
         keys = [k.states(run), k.counts(run), stage.owners(run), stage.leases, stage.attempts(run), k.failures(run),
-                k.trainer_stream(run), stage.resends(run), stage.queue]
+                stream_key(run), stage.resends(run), stage.queue]
         args = [trajectory_id, now, max_attempts, event.model_dump_json(), stage.held.value, stage.claim_from.value,
                 stage.expired_reason, self.dispatch_ttl_s, repr(forgive_before)]
         return self._expire(keys=keys, args=args)
@@ -325,7 +327,7 @@ class Ledger:
         run = parse_trajectory_id(trajectory_id).run_id
         k = RedisKeys
         following = next((stage for stage in LEASE_STAGES if stage.claim_from is to), ROLLOUT)
-        keys = [k.states(run), k.counts(run), k.failures(run), k.trainer_stream(run), following.payloads(run), following.leases]
+        keys = [k.states(run), k.counts(run), k.failures(run), stream_key(run), following.payloads(run), following.leases]
         for stage in LEASE_STAGES:
             keys += [stage.owners(run), stage.leases]
         args = [trajectory_id, to.value, token or "", reason, event.model_dump_json() if event else ""]
@@ -370,9 +372,29 @@ class Ledger:
     def failure_reasons(self, run_id: str) -> dict[str, str]:
         return self.redis.hgetall(RedisKeys.failures(run_id))
 
+    def record(self, trajectory_id: str) -> tuple[str | None, str | None, str | None]:
+        """The trajectory's state, failure reason and scoring task arguments (JSON), or None each."""
+        run = parse_trajectory_id(trajectory_id).run_id
+        return (self.redis.hget(RedisKeys.states(run), trajectory_id), self.redis.hget(RedisKeys.failures(run), trajectory_id),
+                self.redis.hget(RedisKeys.scoring_tasks(run), trajectory_id))
+
+    def failures_scan(self, run_id: str, cursor: int, count: int) -> tuple[int, list[tuple[str, str, int]]]:
+        """One HSCAN step over the run's failures: the next cursor and (trajectory id, reason, attempts)."""
+        cursor, batch = self.redis.hscan(RedisKeys.failures(run_id), cursor=cursor, count=count)
+        attempts = self.redis.hmget(RedisKeys.attempts(run_id), list(batch)) if batch else []
+        return cursor, [(tid, reason, int(tries or 0)) for (tid, reason), tries in zip(batch.items(), attempts)]
+
+    def retry_keys(self, run_id: str) -> list[str]:
+        """The ledger's keys ``ledger_lua.RETRY_GROUP`` changes, in its KEYS order."""
+        k = RedisKeys
+        return [k.states(run_id), k.counts(run_id), k.failures(run_id), k.attempts(run_id), k.scoring_attempts(run_id)]
+
     def attempts(self, trajectory_id: str, stage: LeaseStage = ROLLOUT) -> int:
         run_id = parse_trajectory_id(trajectory_id).run_id
         return int(self.redis.hget(stage.attempts(run_id), trajectory_id) or 0)
+
+    def lease_deadline(self, trajectory_id: str, stage: LeaseStage = ROLLOUT) -> float | None:
+        return self.redis.zscore(stage.leases, trajectory_id)
 
     def lease_owner(self, trajectory_id: str, stage: LeaseStage = ROLLOUT) -> str | None:
         return self.redis.hget(stage.owners(parse_trajectory_id(trajectory_id).run_id), trajectory_id)
@@ -383,6 +405,9 @@ class Ledger:
 
     def runs(self) -> list[str]:
         return sorted(self.redis.smembers(RedisKeys.runs))
+
+    def has_run(self, run_id: str) -> bool:
+        return bool(self.redis.sismember(RedisKeys.runs, run_id))
 
 
 def _require_token(token: str) -> None:

@@ -33,11 +33,11 @@ from shared.state import ledger_lua
 from shared.state.group_registry import GroupRegistry
 from shared.ids import parse_trajectory_id
 from shared.state.ledger import ROLLOUT, Ledger
-from shared.names import RedisKeys
 from shared.outcomes import kind_of
 from shared.schemas import FailedEvent, RolloutRequest, TrajectoryState
-from shared.state.staleness import StalenessBudget
+from shared.state.staleness import StalenessBudget, budget_key
 from shared.state.trainer_counters import TrainerCounter, TrainerCounters
+from shared.state.trainer_stream import stream_key
 
 NOT_DECIDED = "its group is not decided by the trainer yet (retry once it is)"
 TRAINED = "its group was decided with members that did not fail (consumed): retrying would give the trainer a second look"
@@ -70,10 +70,8 @@ def retry_failed(ledger: Ledger, run_id: str, wanted_reason: str | None,
             chosen[parse_trajectory_id(tid).group_id].add(tid)
     script = redis.register_script(ledger_lua.RETRY_GROUP)
     report = RetryReport()
-    k = RedisKeys
-    keys = [k.states(run_id), k.counts(run_id), k.failures(run_id), k.attempts(run_id), k.scoring_attempts(run_id),
-            GroupRegistry(redis, run_id).done_key, k.trainer_stream(run_id), TrainerCounters(redis, run_id).key,
-            k.staleness(run_id), ROLLOUT.leases]
+    keys = [*ledger.retry_keys(run_id), GroupRegistry(redis, run_id).done_key, stream_key(run_id),
+            TrainerCounters(redis, run_id).key, budget_key(run_id), ROLLOUT.leases]
     for group_id, retry in sorted(chosen.items()):
         argv: list[str] = [str(group_id), TrainerCounter.groups_reopened.value, StalenessBudget.FILTERED,
                            repr(ledger.dispatch_deadline())]

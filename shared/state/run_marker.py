@@ -67,6 +67,9 @@ class RunMarker:
         if self.store is not None and not self._in_store():
             self.store.put_bytes(run_marker_key(self.run_id), self.redis.get(self.key).encode(), "application/json")
 
+    def in_redis(self) -> bool:
+        return bool(self.redis.exists(self.key))
+
     def check(self, consequence: str, look_in_store: bool = False) -> None:
         """Raise ``RedisDataLost`` if Redis lost the run; ``look_in_store`` (at a service's
         start) also asks the object store whether the run existed."""

@@ -82,6 +82,11 @@ class AdmissionTerms:
         return min(self.trainer_step, self.served_version)
 
 
+def budget_key(run_id: str) -> str:
+    """The run's staleness hash, for a Lua script of another owner that changes it atomically."""
+    return RedisKeys.staleness(run_id)
+
+
 class StalenessBudget:
     ADMITTED, FILTERED, TRAINER_STEP = "admitted", "filtered", "trainer_step"  # the hash's fields
 
@@ -90,7 +95,7 @@ class StalenessBudget:
             raise ValueError("max_off_policy_steps must be >= 0 and groups_per_step > 0")
         self.redis = client
         self.run_id = run_id
-        self.key = RedisKeys.staleness(run_id)
+        self.key = budget_key(run_id)
         self.max_off_policy_steps = max_off_policy_steps
         self.groups_per_step = groups_per_step
         self.served = PolicyVersion(client, run_id)  # read by the admission's Lua

@@ -21,7 +21,7 @@ from typing import Any
 
 import redis
 
-from shared.names import RedisKeys
+from shared.state.trainer_stream import stream_key
 
 TRAINER_CONSUMER_GROUP = "trainer"
 
@@ -33,7 +33,7 @@ class TrainerReading:
 
 
 def trainer_reading(client: Any, run_id: str) -> TrainerReading:
-    stream = RedisKeys.trainer_stream(run_id)
+    stream = stream_key(run_id)
     try:
         groups = client.xinfo_groups(stream)
     except redis.ResponseError:  # no stream yet: no trainer started and no event was sent

@@ -29,6 +29,16 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def stream_key(run_id: str) -> str:
+    """The run's trainer stream: for the ledger's Lua transitions, which append to it atomically
+    with a state change, and the trainer's consumer group, which reads it."""
+    return RedisKeys.trainer_stream(run_id)
+
+
+def stream_length(redis: Any, run_id: str) -> int:
+    return int(redis.xlen(RedisKeys.trainer_stream(run_id)))
+
+
 def stream_entries(redis: Any, run_id: str, after: str = "-", page_size: int = 1000) -> Iterator[tuple[str, str]]:
     """(entry id, the entry's raw event JSON) of ``run_id``'s trainer stream, after ``after``."""
     stream, start = RedisKeys.trainer_stream(run_id), after if after == "-" else f"({after}"
