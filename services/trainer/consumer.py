@@ -62,7 +62,7 @@ from services.trainer.groups import GroupAssembler, PendingGroup
 from shared import outage
 from shared.state.ledger import UNFINISHED, Ledger
 from shared.outcomes import FailureKind, reason
-from shared.names import RedisKeys, batch_key, group_record_key
+from shared.names import batch_key, group_record_key
 from shared.state.run_marker import RunMarker
 from shared.state.run_records import RunRecords
 from shared.state.run_stop import RunStop, end_unfinished, stop_of
@@ -86,6 +86,7 @@ from shared.state.staleness import StalenessBudget
 from shared.storage import ObjectStore, put_model
 from shared.trajectory_lookup import trajectory_of_event
 from shared.state.trainer_reads import TRAINER_CONSUMER_GROUP
+from shared.state.train_queue import TrainQueue
 from shared.state.trainer_counters import TrainerCounter, TrainerCounters
 from shared.state.trainer_stream import stream_key
 
@@ -112,6 +113,7 @@ class TrainerConsumer:
         self.stopped: RunStop | None = None  # the run's stop, once this consumer ended on it
         self.groups = GroupRegistry(self.redis, self.run_id)
         self.trainer_counters = TrainerCounters(self.redis, self.run_id)
+        self.train_queue = TrainQueue(self.redis, self.run_id)
         self.dead_letters = DeadLetters(self.redis)
         self.assembler = GroupAssembler(self._expected_size, self.groups.is_done, lambda g: self._registration(g).keep)
         trainer = self.settings.trainer
@@ -294,7 +296,7 @@ class TrainerConsumer:
                 if self.budget is not None:
                     self.budget.filtered(1, transaction=tx)  # a dropped group frees its admission slot
             if entry is not None:
-                tx.rpush(RedisKeys.train_queue(self.run_id), entry.model_dump_json())
+                self.train_queue.append(entry, transaction=tx)
             tx.xack(self.stream, CONSUMER_GROUP, *group.entry_ids)
 
         self._commit(group.group_id, fill)

@@ -65,6 +65,7 @@ from shared.schemas import CheckpointAnnouncement, TrainingBatch
 from shared.settings import Settings
 from shared.state.staleness import StalenessBudget
 from shared.storage import ObjectStore, get_model
+from shared.state.train_queue import TrainQueue
 from shared.state.trainer_counters import TrainerCounter, TrainerCounters
 from shared.state.run_records import RunRecords
 from shared.state.step_metrics import StepMetrics
@@ -72,21 +73,6 @@ from shared.state.weight_sync_record import WeightSyncRecord
 
 log = logging.getLogger(__name__)
 
-# KEYS: train cursor hash, staleness hash, trainer counters ; ARGV: next version, cursor,
-# stale groups skipped, groups trained, bad entries passed over, then the field names (from
-# their owners): staleness 'filtered', counters stale, trained, bad entries; then the entries
-# deferred by mixing, appended to the train queue (KEYS[4]) again. Applied once per version
-# (HSETNX), so a replayed selection after a restart counts and appends nothing twice.
-_COMMIT_SELECTION = """
-if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
-  redis.call('HINCRBY', KEYS[2], ARGV[6], ARGV[3])
-  redis.call('HINCRBY', KEYS[3], ARGV[7], ARGV[3])
-  redis.call('HINCRBY', KEYS[3], ARGV[8], ARGV[4])
-  if tonumber(ARGV[5]) > 0 then redis.call('HINCRBY', KEYS[3], ARGV[9], ARGV[5]) end
-  for i = 10, #ARGV do redis.call('RPUSH', KEYS[4], ARGV[i]) end
-end
-return 1
-"""
 
 
 @dataclass
@@ -118,7 +104,7 @@ class TrainingLoop:
             if self.settings.inference.weight_sync == "nccl" else None
         self._in_step = False  # weights may differ from the last published version's
         self.budget.advance_step(self.version)
-        self._commit_selection = self.redis.register_script(_COMMIT_SELECTION)
+        self.train_queue = TrainQueue(self.redis, self.run_id)
         self._last_step_at: float | None = None
         if self.version > 0:
             self._announce(self.version)
@@ -154,8 +140,8 @@ class TrainingLoop:
     def _select(self) -> Selection | None:
         """The next step's groups, or None while the queue does not hold them yet."""
         trainer = self.settings.trainer
-        cursor = int(self.redis.hget(RedisKeys.train_cursor(self.run_id), str(self.version)) or 0)
-        selection = select(self.redis.lrange(RedisKeys.train_queue(self.run_id), cursor, -1), cursor, self.version,
+        cursor, entries = self.train_queue.after_version(self.version)
+        selection = select(entries, cursor, self.version,
                            self.groups_per_step, self.budget.is_stale, trainer.max_extra_groups_per_step,
                            trainer.min_env_share, trainer.mixing_window)
         for position, reason in selection.bad.items():
@@ -217,12 +203,8 @@ class TrainingLoop:
         StepMetrics(self.redis, self.run_id).append(line)
 
     def _record_selection(self, selection: Selection) -> None:
-        self._commit_selection(
-            keys=[RedisKeys.train_cursor(self.run_id), self.budget.key, self.counters.key, RedisKeys.train_queue(self.run_id)],
-            args=[self.version + 1, selection.cursor, selection.stale, len(selection.keys), len(selection.bad),
-                  StalenessBudget.FILTERED, TrainerCounter.groups_stale.value, TrainerCounter.groups_trained.value,
-                  TrainerCounter.bad_train_entries.value, *selection.deferred],
-        )
+        self.train_queue.commit_selection(self.version + 1, selection.cursor, selection.stale, len(selection.keys),
+                                          len(selection.bad), selection.deferred)
 
     def _announce(self, version: int) -> None:
         announcement = CheckpointAnnouncement(version=version, prefix=checkpoint_prefix(self.run_id, version))

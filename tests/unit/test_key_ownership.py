@@ -13,7 +13,6 @@ from shared.names import REDIS_KEY_OWNERS
 # (key, module that names it although it does not own it) -> why it still does
 REMAINING_VIOLATIONS: dict[tuple[str, str], str] = {
     ("checkpoints", "services.inference.control_plane"): "follows the announcements the trainer's loop writes; no owner class yet",
-    ("train_queue", "services.trainer.consumer"): "appends what the loop's selection reads; no train-queue owner class yet",
     ("eval_ends", "services.viewer.data"): "reads what the evaluation pass writes; no owner class yet",
 }
 
