@@ -237,7 +237,7 @@ class RedisKeys:
 _LEDGER = "shared.state.ledger"
 # Each Redis key's one owner: the only module that names it. Any other module reads or changes the
 # key through its owner's methods; tests/unit/test_key_ownership.py fails on any other module that
-# names it. A key whose owner is still a service has no owner class in shared.state yet.
+# names it. Every owner is a module of shared.state.
 REDIS_KEY_OWNERS: dict[str, str] = {
     **dict.fromkeys(("runs", "leases", "scoring_leases", "states", "counts", "failures", "owners", "attempts",
                      "resends", "scoring_resends", "scoring_owners", "scoring_attempts", "scoring_tasks",
@@ -254,12 +254,12 @@ REDIS_KEY_OWNERS: dict[str, str] = {
     "run_stop": "shared.state.run_stop",
     "policy_version": "shared.state.policy_version",
     "staleness": "shared.state.staleness",
-    "checkpoints": "services.trainer.loop",
+    "checkpoints": "shared.state.checkpoint_announcements",
     "weight_sync": "shared.state.weight_sync_record",
     "train_cursor": "shared.state.train_queue",
     "train_queue": "shared.state.train_queue",
     "step_metrics": "shared.state.step_metrics",
-    "eval_stream": "services.trainer.evaluation",
-    "eval_ends": "services.trainer.evaluation",
+    "eval_stream": "shared.state.eval_ends",
+    "eval_ends": "shared.state.eval_ends",
     "trainer_counters": "shared.state.trainer_counters",
 }

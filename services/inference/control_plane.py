@@ -77,8 +77,9 @@ from shared.checkpoint_files import (  # noqa: F401 - re-exported for callers of
     download_checkpoint,
 )
 from shared.logprob_probe import FP32_TOLERANCE, LogprobProbe, default_tolerance
+from shared.state.checkpoint_announcements import CheckpointAnnouncements
 from shared.state.dead_letters import DeadLetters
-from shared.names import CHECKPOINT_ADAPTER_CONFIG, CHECKPOINT_PROBE, RedisKeys, checkpoint_prefix
+from shared.names import CHECKPOINT_ADAPTER_CONFIG, CHECKPOINT_PROBE, checkpoint_prefix
 from shared.outage import OutageTooLong
 from shared.outage import redis_client as redis_client_waiting
 from shared.state.run_marker import RedisDataLost, RunMarker
@@ -148,6 +149,7 @@ class WeightFollower:
         served_model: str = "tiny",
     ):
         self.redis = redis_client
+        self.announcements = CheckpointAnnouncements(redis_client, run_id)
         self.store = store
         self.run_id = run_id
         self.base_urls = [u.rstrip("/") for u in base_urls]
@@ -220,21 +222,17 @@ class WeightFollower:
     def read_announcements(self, block_ms: int | None = None) -> list[Announcement]:
         """XREAD new entries (blocking up to ``block_ms`` if given and > 0); remember them."""
         block = block_ms if block_ms and block_ms > 0 else None
-        reply = self.redis.xread({RedisKeys.checkpoints(self.run_id): self._cursor}, block=block)
-        if isinstance(reply, dict):  # RESP3
-            reply = list(reply.items())
         found = []
-        for _stream, entries in reply or []:
-            for entry_id, fields in entries:
-                self._cursor = _text(entry_id)
-                try:
-                    ann = parse_announcement(entry_id, fields)
-                except BadMessage as exc:  # it stays in the stream; the follower goes on
-                    log.error("%s; skipped", exc)
-                    self.dead_letters.add(f"{RedisKeys.checkpoints(self.run_id)} entry {_text(entry_id)}", exc)
-                    continue
-                self._announced[ann.version] = ann.prefix
-                found.append(ann)
+        for entry_id, fields in self.announcements.read_after(self._cursor, block):
+            self._cursor = _text(entry_id)
+            try:
+                ann = parse_announcement(entry_id, fields)
+            except BadMessage as exc:  # it stays in the stream; the follower goes on
+                log.error("%s; skipped", exc)
+                self.dead_letters.add(f"{self.announcements.key} entry {_text(entry_id)}", exc)
+                continue
+            self._announced[ann.version] = ann.prefix
+            found.append(ann)
         return found
 
     # ------------------------------------------------------------ one step
@@ -367,7 +365,7 @@ class WeightFollower:
     def run(self, stop_event: threading.Event) -> None:
         """Follow until ``stop_event`` is set; failures are logged and retried with backoff."""
         backoff = self.backoff_s[0]
-        log.info("following %s for %d replica(s)", RedisKeys.checkpoints(self.run_id), len(self.base_urls))
+        log.info("following %s for %d replica(s)", self.announcements.key, len(self.base_urls))
         marker = RunMarker(self.redis, self.run_id, self.store)
         marker.check(_STOPS, look_in_store=True)
         if self.served_version() == 0:

@@ -36,9 +36,9 @@ from services.intake.publisher import run_intake
 from services.trainer.metrics import metric_name
 from shared.state.group_registry import GroupRegistry
 from shared.state.ledger import Ledger
-from shared.names import RedisKeys
+from shared.state.eval_ends import EvalEnds
 from shared.state.policy_version import PolicyVersion
-from shared.schemas import EvalEnd, RolloutRequest, ScoredEvent, parse_message
+from shared.schemas import EvalEnd, RolloutRequest, ScoredEvent
 from shared.settings import Settings
 from shared.storage import ObjectStore
 from shared.state.trainer_stream import trainer_events
@@ -46,13 +46,6 @@ from shared.state.trainer_stream import trainer_events
 log = logging.getLogger(__name__)
 
 # KEYS: ends hash, eval stream ; ARGV: version, EvalEnd JSON. One end per version, ever.
-_END_ONCE = """
-if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
-  redis.call('XADD', KEYS[2], '*', 'eval', ARGV[2])
-  return 1
-end
-return 0
-"""
 
 
 def eval_run_id(run_id: str, version: int) -> str:
@@ -125,8 +118,7 @@ class Evaluator:
     def __post_init__(self) -> None:
         self.run_id = self.settings.run_id
         self.redis = self.ledger.redis
-        self.ends_key = RedisKeys.eval_ends(self.run_id)
-        self._end_once = self.redis.register_script(_END_ONCE)
+        self.ends = EvalEnds(self.redis, self.run_id)
 
     def due(self, version: int) -> bool:
         """Version ``v`` is evaluated after every ``every_steps``-th step and after the last one."""
@@ -137,8 +129,7 @@ class Evaluator:
         return every or (evaluation.at_end and max_steps is not None and version == max_steps)
 
     def ended(self, version: int) -> EvalEnd | None:
-        raw = self.redis.hget(self.ends_key, str(version))
-        return None if raw is None else parse_message(EvalEnd, raw, f"eval end of version {version}")
+        return self.ends.get(version)
 
     def evaluate(self, version: int) -> EvalEnd:
         """Publish the pass of ``version``, wait until every eval trajectory is accounted for (or
@@ -163,7 +154,7 @@ class Evaluator:
         end = EvalEnd(run_id=self.run_id, eval_run_id=run, policy_version=version, served_version=served,
                       tasks=len(tasks), trajectories=sum(self.ledger.counts(run).values()), scored=scored, failed=failed,
                       timed_out=timed_out, metrics={k: v for k, v in metrics.items() if math.isfinite(v)})
-        if not self._end_once(keys=[self.ends_key, RedisKeys.eval_stream(self.run_id)], args=[version, end.model_dump_json()]):
+        if not self.ends.end_once(end):
             return self.ended(version) or end  # another trainer ended this version first
         log.info("eval of version %d ended: %s", version,
                  ", ".join(f"{k} {v:.3f}" for k, v in sorted(end.metrics.items()) if "_pass_at_" in k or k.endswith("reward_mean")))

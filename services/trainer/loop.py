@@ -59,7 +59,7 @@ from services.trainer.metrics import MetricsSink, finite_or_none, metric_name, p
 from services.trainer.selection import Selection, select
 from services.trainer.step import train_version, trainer_from_settings
 from services.trainer.weight_push import BroadcastPublisher
-from shared.names import RedisKeys, checkpoint_prefix
+from shared.names import checkpoint_prefix
 from shared.rates import per_second, show
 from shared.schemas import CheckpointAnnouncement, TrainingBatch
 from shared.settings import Settings
@@ -67,6 +67,7 @@ from shared.state.staleness import StalenessBudget
 from shared.storage import ObjectStore, get_model
 from shared.state.train_queue import TrainQueue
 from shared.state.trainer_counters import TrainerCounter, TrainerCounters
+from shared.state.checkpoint_announcements import CheckpointAnnouncements
 from shared.state.run_records import RunRecords
 from shared.state.step_metrics import StepMetrics
 from shared.state.weight_sync_record import WeightSyncRecord
@@ -208,7 +209,7 @@ class TrainingLoop:
 
     def _announce(self, version: int) -> None:
         announcement = CheckpointAnnouncement(version=version, prefix=checkpoint_prefix(self.run_id, version))
-        self.redis.xadd(RedisKeys.checkpoints(self.run_id), announcement.stream_fields())
+        CheckpointAnnouncements(self.redis, self.run_id).announce(announcement)
 
     def _rollout_metrics(self, batches: list[TrainingBatch], selection: Selection, trained_at: int) -> dict[str, float]:
         samples = [s for b in batches for s in b.samples]

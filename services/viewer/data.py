@@ -17,11 +17,12 @@ from typing import Any
 from shared.state.group_registry import GroupRegistry
 from shared.ids import parse_trajectory_id
 from shared.state.ledger import Ledger
-from shared.names import RedisKeys, group_record_key
+from shared.names import group_record_key
 from shared.outcomes import kind_of
 from shared.schemas import (BadMessage, EvalEnd, GroupRecord, GroupRegistration, ScoredEvent,
                             TrainerEvent, parse_message)
 from shared.storage import ObjectStore, StorageError, get_model
+from shared.state.eval_ends import EvalEnds
 from shared.state.run_records import RunRecords
 from shared.state.step_metrics import StepMetrics
 from shared.state.trainer_counters import TrainerCounters
@@ -81,8 +82,7 @@ class ViewerData:
         return [line for _, line in StepMetrics(self.redis, run_id).newest(limit)]
 
     def evals(self, run_id: str) -> list[EvalEnd]:
-        ends = self.redis.hgetall(RedisKeys.eval_ends(run_id))
-        return sorted((parse_message(EvalEnd, raw) for raw in ends.values()), key=lambda e: e.policy_version)
+        return EvalEnds(self.redis, run_id).all()
 
     def trainer_counters(self, run_id: str) -> dict[str, int]:
         return TrainerCounters(self.redis, run_id).all()
