@@ -111,7 +111,7 @@ def _publish_dataset(settings: Settings, dataset: Optional[str], demo_tasks: Opt
     from services.intake.limits import PromptLimit
     from services.intake.publisher import run_history, run_intake
     from shared.celery_app import make_celery, publish_rollouts
-    from shared.state.ledger import Ledger
+    from shared.state.ledger import Ledger, redis_for
     from shared.storage import open_store
 
     if demo_tasks is not None:
@@ -126,8 +126,9 @@ def _publish_dataset(settings: Settings, dataset: Optional[str], demo_tasks: Opt
         raise errors.CommandError("no dataset: pass --dataset or set intake.dataset")
     data = read_dataset(path, settings.intake.split, settings.intake.dataset_label, settings.intake.max_row_bytes)
     celery = make_celery(settings)
-    ledger = Ledger.from_url(settings.redis.url, settings.outage, settings.ledger.dispatch_ttl_s)  # waits out an outage of Redis
-    refuse_stopped(ledger.redis, settings.run_id, "set a new run id (CONVEYOR_RUN_ID, or run_id in the --config file)")
+    client = redis_for(settings.redis.url, settings.outage)  # waits out an outage of Redis
+    ledger = Ledger(client, settings.ledger.dispatch_ttl_s)
+    refuse_stopped(client, settings.run_id, "set a new run id (CONVEYOR_RUN_ID, or run_id in the --config file)")
     history = run_history(ledger, settings.run_id)
     if history.started and not resume:
         raise errors.CommandError(
@@ -514,14 +515,15 @@ def status(
 ) -> None:
     """Where every trajectory is: counts per run and ledger state."""
     settings = _settings(config)
-    from shared.state.ledger import STATES, Ledger
+    from shared.state.ledger import STATES, Ledger, redis_for
 
-    ledger = Ledger.from_url(settings.redis.url)
+    client = redis_for(settings.redis.url)
+    ledger = Ledger(client)
     if failures is not None:
         from services.cli.failures import failure_report, print_failures
 
         require_run(ledger, failures)
-        report = failure_report(ledger, failures)
+        report = failure_report(client, failures)
         print(json.dumps(report)) if as_json else print_failures(report, Console())
         return
     runs = [run] if run else ledger.runs()
@@ -555,12 +557,13 @@ def retry(
     settings = _settings(config)
     from services.cli.failures import print_retry, retry_summary
     from shared.celery_app import make_celery, publish_rollouts
-    from shared.state.ledger import Ledger
+    from shared.state.ledger import Ledger, redis_for
     from shared.state.ledger_retry import retry_failed
 
-    ledger = Ledger.from_url(settings.redis.url, dispatch_ttl_s=settings.ledger.dispatch_ttl_s)
+    client = redis_for(settings.redis.url)
+    ledger = Ledger(client, settings.ledger.dispatch_ttl_s)
     require_run(ledger, run)
-    refuse_stopped(ledger.redis, run, "its failures stay as they are")
+    refuse_stopped(client, run, "its failures stay as they are")
     celery = make_celery(settings)
     summary = retry_summary(run, retry_failed(ledger, run, reason, lambda requests: publish_rollouts(celery, requests)))
     print(json.dumps(summary)) if as_json else print_retry(summary, console)

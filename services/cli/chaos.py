@@ -36,7 +36,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from services.cli.demo import DEMO_REWARD_WEIGHTS, write_demo_dataset
 from services.cli.local_stack import LocalStack, ManagedProcess
@@ -120,6 +120,7 @@ class ChaosRun:
         self.dataset = write_demo_dataset(stack.root / "chaos.jsonl", config.groups, seed=config.seed)
         self.intake: ManagedProcess | None = None
         self._ledger: Ledger | None = None
+        self._redis: Any = None
         stack.env.update({
             "CONVEYOR_ROLLOUT__GROUP_SIZE": str(config.group_size), "CONVEYOR_ROLLOUT__MAX_TURNS": "3",
             "CONVEYOR_ROLLOUT__MAX_TOKENS_PER_TURN": "16",
@@ -164,11 +165,18 @@ class ChaosRun:
         self.stack.start_trainer()
 
     @property
+    def redis(self) -> Any:
+        """A client that waits out Redis restarting and loading."""
+        if self._redis is None:
+            self._redis = redis_client(self.stack.env["CONVEYOR_REDIS__URL"],
+                                       OutageSettings(limit_s=300, backoff_max_s=0.5, log_every_s=60))
+        return self._redis
+
+    @property
     def ledger(self) -> Ledger:
-        """The run's ledger, read through a client that waits out Redis restarting and loading."""
+        """The run's ledger, read through ``redis``."""
         if self._ledger is None:
-            self._ledger = Ledger(redis_client(self.stack.env["CONVEYOR_REDIS__URL"],
-                                               OutageSettings(limit_s=300, backoff_max_s=0.5, log_every_s=60)))
+            self._ledger = Ledger(self.redis)
         return self._ledger
 
     def counts(self) -> dict[str, int]:
@@ -308,8 +316,7 @@ class ChaosRun:
 
     def rerun(self) -> dict[str, int]:
         """Per stage, the trajectories with more than one attempt: work a fault made redo."""
-        redis = self.ledger.redis
-        return {stage.name: sum(int(n) > 1 for n in redis.hvals(stage.attempts(self.run_id))) for stage in (ROLLOUT, SCORING)}
+        return {stage.name: self.ledger.retried(self.run_id, stage) for stage in (ROLLOUT, SCORING)}
 
     def _wait_for_a_point(self, share: float, timeout_s: float = 180.0) -> None:
         """Until that share of the run's trajectories is terminal, then a seeded pause within
@@ -370,7 +377,7 @@ class ChaosRun:
         of_fault = {t: r for t, r in reasons.items() if kind_of(r) in FAULT_KINDS or r.startswith(tuple(FAULT_KINDS))}
         if of_fault:
             problems.append(f"{len(of_fault)} failed of the faults: {dict(list(of_fault.items())[:3])}")
-        events = [parse_message(TrainerEvent, raw).trajectory_id for _, raw in stream_entries(ledger.redis, self.run_id)]
+        events = [parse_message(TrainerEvent, raw).trajectory_id for _, raw in stream_entries(self.redis, self.run_id)]
         tids = sorted(ledger.states(self.run_id))
         if sorted(events) != tids:
             doubled = sorted(t for t, n in Counter(events).items() if n > 1)
@@ -381,7 +388,7 @@ class ChaosRun:
                    for m in record.members]
         if sorted(members) != tids:
             problems.append(f"group records: {len(members)} memberships for {len(tids)} trajectories")
-        counters = TrainerCounters(ledger.redis, self.run_id).all()
+        counters = TrainerCounters(self.redis, self.run_id).all()
         if int(counters.get("duplicate_events", 0)):
             problems.append(f"the trainer counted {counters['duplicate_events']} duplicate events")
         return problems

@@ -13,6 +13,7 @@ Invariants:
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -25,7 +26,8 @@ from shared.outcomes import headline, kind_of
 EXAMPLES = 3
 
 
-def failure_report(ledger: Ledger, run_id: str, examples: int = EXAMPLES) -> dict:
+def failure_report(client: Any, run_id: str, examples: int = EXAMPLES) -> dict:
+    ledger = Ledger(client)
     states = ledger.states(run_id)
     reasons = {tid: r for tid, r in ledger.failure_reasons(run_id).items() if states.get(tid) == "failed"}
     failed = [tid for tid, state in sorted(states.items()) if state == "failed"]
@@ -33,7 +35,7 @@ def failure_report(ledger: Ledger, run_id: str, examples: int = EXAMPLES) -> dic
     for tid in failed:
         by_kind[kind_of(reasons.get(tid, "unknown"))].append(tid)
     kinds = sorted(by_kind.items(), key=lambda item: (-len(item[1]), item[0]))
-    rejected = [row.model_dump() for row in RunRecords(ledger.redis, run_id).rejected_rows()]
+    rejected = [row.model_dump() for row in RunRecords(client, run_id).rejected_rows()]
     return {
         "run": run_id,
         "trajectories": len(states),

@@ -109,12 +109,13 @@ def list_runs(
     run: Optional[str] = typer.Option(None, help="only this run"),
 ) -> None:
     """Every run in Redis: groups, trajectories by state, the trainer's last step, the served version, whether stopped."""
-    from shared.state.ledger import STATES
+    from shared.state.ledger import STATES, Ledger
 
-    ledger = _ledger(config)
+    client = _redis(config)
+    ledger = Ledger(client)
     if run is not None:
         require_run(ledger, run)
-    summaries = [summarize(ledger.redis, ledger, r) for r in ([run] if run else ledger.runs())]
+    summaries = [summarize(client, ledger, r) for r in ([run] if run else ledger.runs())]
     if as_json:
         print(json.dumps({"runs": [asdict(s) for s in summaries]}))
         return
@@ -137,14 +138,15 @@ def stop_run(
 ) -> None:
     """End a run: intake publishes no more, its queued and running trajectories fail as run_stopped,
     its trainer exits after its step in hand. The workers go on serving other runs."""
-    from shared.state.ledger import UNFINISHED
+    from shared.state.ledger import UNFINISHED, Ledger
     from shared.state.run_stop import end_unfinished, request_stop
     from shared.schemas import TrajectoryState
 
-    ledger = _ledger(config)
+    client = _redis(config)
+    ledger = Ledger(client)
     require_run(ledger, run)
-    stop, recorded = request_stop(ledger.redis, run, reason)
-    reading = trainer_status(ledger.redis, run) == READING
+    stop, recorded = request_stop(client, run, reason)
+    reading = trainer_status(client, run) == READING
     # a reading trainer ends what reached it (uploaded, scored) itself, after its step in hand
     states = [TrajectoryState.queued, TrajectoryState.running] if reading else UNFINISHED
     failed = end_unfinished(ledger, run, stop, states)
@@ -152,9 +154,9 @@ def stop_run(
           + ("; its trainer fails the rest and exits after its step in hand" if reading else ""))
 
 
-def _ledger(config: Optional[Path]) -> Any:
-    from shared.state.ledger import Ledger
+def _redis(config: Optional[Path]) -> Any:
     from shared.settings import load_settings
+    from shared.state.ledger import redis_for
 
     settings = load_settings(yaml_file=config)
-    return Ledger.from_url(settings.redis.url, settings.outage)
+    return redis_for(settings.redis.url, settings.outage)

@@ -47,7 +47,7 @@ import os
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import kombu.exceptions
 import redis
@@ -71,7 +71,6 @@ from shared.outage import OutageTooLong
 from shared.state.policy_version import PolicyVersion
 from shared.outcomes import FailureKind, RolloutOutcome, RolloutResult, reason
 from shared.prometheus import EPISODES_IN_FLIGHT
-from shared.state.run_marker import refuse_lost_run
 from shared.state.run_stop import RunStop, stop_of
 from shared.schemas import RolloutRequest, ScoringTask, StopReason, Trajectory
 from shared.settings import RolloutSettings, Settings
@@ -103,6 +102,7 @@ class RolloutContext:
     redispatch: Callable[[RolloutRequest], None]
     worker_name: str
     inference: InferenceClient  # shared by every episode of the process (one event loop)
+    redis: Any  # the process's Redis client: the ledger's, and the other owners' of Redis state (shared.state)
     in_flight: InFlight = field(default_factory=InFlight)  # what a shutdown hands back
     agent_proxy: AgentProxy | None = None  # started on the first agent-driven episode (agent_proxy_of)
     _agent_proxy_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -115,7 +115,7 @@ async def run_requests(ctx: RolloutContext, requests: list[RolloutRequest]) -> d
     uploads: Uploads = UploadOutbox(lambda finished: upload_bundle(ctx, finished),
                                     [r.trajectory_id for r, (token, _) in zip(requests, claims) if token is not None],
                                     rollout.upload_linger_s, rollout.upload_bundle_max)
-    stops = await asyncio.to_thread(lambda: {run: stop_of(ctx.ledger.redis, run) for run in {r.run_id for r in requests}})
+    stops = await asyncio.to_thread(lambda: {run: stop_of(ctx.redis, run) for run in {r.run_id for r in requests}})
     outcomes = await asyncio.gather(*(_run_one(ctx, uploads, r, token, detail, stops[r.run_id])
                                       for r, (token, detail) in zip(requests, claims)))
     await ctx.scoring.flush()  # the task's uploads go to scoring in one message
@@ -128,7 +128,7 @@ async def _run_one(ctx: RolloutContext, uploads: Uploads, request: RolloutReques
     its run's stop, if any (``shared.state.run_stop``)."""
     tid = request.trajectory_id
     if token is None:
-        if detail == "unknown" and await asyncio.to_thread(refuse_lost_run, ctx.ledger.redis, request.run_id):
+        if detail == "unknown" and await asyncio.to_thread(ctx.ledger.run_lost, request.run_id):
             return RolloutResult(RolloutOutcome.refused, "redis_data_lost")
         log.info("skip %s: already %s", tid, detail)
         return RolloutResult(RolloutOutcome.skipped, detail)
@@ -180,7 +180,7 @@ async def _roll_out(ctx: RolloutContext, uploads: Uploads, request: RolloutReque
 async def _episode(ctx: RolloutContext, request: RolloutRequest, attempt: int) -> Trajectory:
     env = registry_for(ctx.settings.environments).make(request.task.env_name, request.task.env_config)
     limits = EpisodeLimits.from_settings(ctx.settings.rollout, ctx.settings.inference.max_model_len, env.config)
-    served = PolicyVersion(ctx.ledger.redis, request.run_id)
+    served = PolicyVersion(ctx.redis, request.run_id)
     if is_agent_driven(env):
         return await run_agent_episode(request, env, await agent_proxy_of(ctx), limits, policy_version=served.get,
                                        attempt=attempt, worker=ctx.worker_name, store=ctx.store)
@@ -237,7 +237,7 @@ def _after_upload(ctx: RolloutContext, trajectory: Trajectory, scoring: ScoringT
         # the upload is this attempt's own, and its scoring must still be sent
         log.warning("%s: the ledger's reply to the upload was lost; the move was this attempt's", request.trajectory_id)
         moved = TransitionResult(True, "running")
-    if not moved.ok and moved.state == "unknown" and refuse_lost_run(ctx.ledger.redis, request.run_id):
+    if not moved.ok and moved.state == "unknown" and ctx.ledger.run_lost(request.run_id):
         return RolloutResult(RolloutOutcome.refused, "redis_data_lost"), None
     if not moved.ok:
         log.warning("%s: lost the lease before upload (%s); this attempt's result is dropped", request.trajectory_id, moved.state)

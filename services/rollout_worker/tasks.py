@@ -39,7 +39,7 @@ from services.rollout_worker.sandbox_janitor import SandboxJanitor
 from services.rollout_worker.scoring_outbox import ScoringOutbox
 from shared.celery_app import make_celery, publish_rollouts, publish_rollouts_by_group, publish_scoring
 from shared.state.leases import LeaseKeeper, Reaper, settle_s
-from shared.state.ledger import ROLLOUT, Ledger
+from shared.state.ledger import ROLLOUT, Ledger, redis_for
 from shared.model_source import resolve_model_source
 from shared.names import ROLLOUT_QUEUE, ROLLOUT_TASK
 from shared.prometheus import serve_metrics
@@ -59,7 +59,8 @@ def _context() -> RolloutContext:
     global _ctx
     with _ctx_lock:
         if _ctx is None:
-            ledger = Ledger.from_url(settings.redis.url, settings.outage, settings.ledger.dispatch_ttl_s)  # waits out an outage of Redis
+            client = redis_for(settings.redis.url, settings.outage)  # waits out an outage of Redis
+            ledger = Ledger(client, settings.ledger.dispatch_ttl_s)
             in_flight = InFlight()
             loop = background_loop().loop
 
@@ -81,6 +82,7 @@ def _context() -> RolloutContext:
                 redispatch=lambda request: publish_rollouts(app, [request]),
                 worker_name=f"{socket.gethostname()}:{os.getpid()}",
                 inference=background_loop().run(_make_inference_client()),
+                redis=client,
             )
         return _ctx
 
@@ -139,7 +141,7 @@ def _start_background(sender: object = None, **_: object) -> None:
     global _reaper, _janitor
     _task_intake.consumer = sender
     ctx = _context()
-    serve_metrics(settings.metrics_port, ctx.ledger.redis)
+    serve_metrics(settings.metrics_port, ctx.redis)
     _reaper = Reaper(
         ctx.ledger, ROLLOUT, settings.ledger.max_attempts, settings.ledger.reaper_interval_s,
         lambda items: publish_rollouts_by_group(app, [RolloutRequest.model_validate_json(r) for _, r in items]),

@@ -38,7 +38,6 @@ from shared.state.leases import LeaseKeeper
 from shared.state.ledger import SCORING
 from shared.names import scored_bundle_key
 from shared.prometheus import SCORING_SECONDS
-from shared.state.run_marker import refuse_lost_run
 from shared.schemas import BadMessage, ScoredEvent, ScoredTrajectory, ScoringTask, Trajectory
 from shared.storage import ObjectStore, StorageError, get_model, put_bundle
 
@@ -65,7 +64,7 @@ class Scorer:
         for index, (task, (token, detail)) in enumerate(zip(tasks, claims)):
             if token is not None:
                 held.append((index, token, int(detail)))
-            elif detail == "unknown" and refuse_lost_run(self.leases.ledger.redis, parse_trajectory_id(task.trajectory_id).run_id):
+            elif detail == "unknown" and self.leases.ledger.run_lost(parse_trajectory_id(task.trajectory_id).run_id):
                 outcomes[index] = "refused:redis_data_lost"
             else:
                 log.info("skip scoring %s: it is %s", task.trajectory_id, detail)

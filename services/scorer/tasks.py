@@ -25,7 +25,7 @@ from services.scorer.rewards import RewardCombiner
 from services.scorer.scorer import Scorer
 from shared.celery_app import make_celery, publish_scoring, scoring_tasks_of
 from shared.state.leases import LeaseKeeper, Reaper, one_by_one, settle_s
-from shared.state.ledger import SCORING, Ledger
+from shared.state.ledger import SCORING, Ledger, redis_for
 from shared.names import SCORING_TASK
 from shared.prometheus import serve_metrics
 from shared.schemas import BadMessage, ScoringTask, parse_message
@@ -35,7 +35,8 @@ from shared.storage import open_store
 log = logging.getLogger(__name__)
 settings = load_settings()
 app = make_celery(settings)
-_ledger = Ledger.from_url(settings.redis.url, settings.outage, settings.ledger.dispatch_ttl_s)  # waits out an outage of Redis
+_redis = redis_for(settings.redis.url, settings.outage)  # waits out an outage of Redis
+_ledger = Ledger(_redis, settings.ledger.dispatch_ttl_s)
 _leases = LeaseKeeper(_ledger, settings.ledger.lease_ttl_s, settings.ledger.heartbeat_s, SCORING)
 _scorer = Scorer(
     open_store(settings.storage, settings.outage),
@@ -51,7 +52,7 @@ _reaper = Reaper(
 
 @worker_ready.connect
 def _start_background(**_: object) -> None:
-    serve_metrics(settings.metrics_port, _ledger.redis)
+    serve_metrics(settings.metrics_port, _redis)
     _leases.start()
     _reaper.sweep()
     _reaper.start()

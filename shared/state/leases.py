@@ -44,7 +44,6 @@ import uuid
 from typing import Callable
 
 from shared.state.ledger import ROLLOUT, LeaseStage, Ledger
-from shared.outage import seconds_since_recovery
 from shared.settings import OutageSettings
 
 log = logging.getLogger(__name__)
@@ -127,16 +126,12 @@ class Reaper:
         self.lease_ttl_s = lease_ttl_s
         self._stop = threading.Event()
 
-    def _uptime_s(self) -> float:
-        """How long the Redis server now answering has run (whole seconds, from its process's start)."""
-        return float(self.ledger.redis.info("server").get("uptime_in_seconds", "inf"))
-
     def settling(self, uptime_s: float | None = None) -> bool:
         """Redis came back less than ``settle_s`` ago: holders may not have renewed yet."""
         if self.settle_s <= 0:
             return False
-        uptime = self._uptime_s() if uptime_s is None else uptime_s
-        return min(uptime, seconds_since_recovery(self.ledger.redis)) < self.settle_s
+        uptime = self.ledger.server_uptime_s() if uptime_s is None else uptime_s
+        return min(uptime, self.ledger.seconds_since_recovery()) < self.settle_s
 
     def _forgive_before(self, uptime_s: float) -> float:
         """Leases with an earlier deadline were last renewed before this Redis server started
@@ -150,7 +145,7 @@ class Reaper:
         (a trajectory waited unclaimed past its dispatch deadline) and ``failed``. What goes out
         again is published in one ``redispatch`` call, in the order found."""
         outcome = {"requeued": 0, "resent": 0, "failed": 0}
-        uptime = self._uptime_s()  # one INFO per sweep, for both uses
+        uptime = self.ledger.server_uptime_s()  # one INFO per sweep, for both uses
         if self.settling(uptime):
             return outcome
         to_send: dict[str, str] = {}  # per sweep: each trajectory goes out once

@@ -55,9 +55,9 @@ from shared import ids
 from shared.state import ledger_lua
 from shared.ids import parse_trajectory_id
 from shared.names import ROLLOUT_QUEUE, SCORING_QUEUE, RedisKeys
-from shared.outage import redis_client
+from shared.outage import redis_client, seconds_since_recovery
 from shared.state.redis_scripts import ScriptCall, run_pipelined
-from shared.state.run_marker import RedisDataLost, RunMarker, lost_message, marker_value
+from shared.state.run_marker import RedisDataLost, RunMarker, lost_message, marker_value, refuse_lost_run
 from shared.state.trainer_stream import stream_key
 from shared.schemas import FailedEvent, RolloutRequest, ScoredEvent, TrajectoryState
 from shared.settings import LedgerSettings, OutageSettings
@@ -105,6 +105,13 @@ class TransitionResult:
 DEFAULT_DISPATCH_TTL_S = LedgerSettings().dispatch_ttl_s
 
 
+def redis_for(url: str, outage: OutageSettings | None = None) -> redis.Redis:
+    """A client for the ledger and the other owners of Redis state. With ``outage`` (a
+    long-running service), every call waits out an outage of Redis (``shared.outage``); without,
+    a call fails at once (a one-shot command)."""
+    return redis_client(url, outage) if outage is not None else redis.Redis.from_url(url, decode_responses=True)
+
+
 class Ledger:
     def __init__(self, client: redis.Redis, dispatch_ttl_s: float = DEFAULT_DISPATCH_TTL_S):
         """``dispatch_ttl_s``: how long a trajectory may wait to be claimed before its message is
@@ -122,11 +129,8 @@ class Ledger:
     @classmethod
     def from_url(cls, url: str, outage: OutageSettings | None = None,
                  dispatch_ttl_s: float = DEFAULT_DISPATCH_TTL_S) -> "Ledger":
-        """With ``outage`` (a long-running service), every call waits out an outage of Redis
-        (``shared.outage``); without, a call fails at once (a one-shot command)."""
-        if outage is not None:
-            return cls(redis_client(url, outage), dispatch_ttl_s)
-        return cls(redis.Redis.from_url(url, decode_responses=True), dispatch_ttl_s)
+        """With ``outage``, a ledger whose calls wait out an outage of Redis: ``redis_for``."""
+        return cls(redis_for(url, outage), dispatch_ttl_s)
 
     def dispatch_deadline(self, now: float | None = None) -> float:
         """When a trajectory entering a claim-from state now must have been claimed."""
@@ -406,8 +410,25 @@ class Ledger:
     def runs(self) -> list[str]:
         return sorted(self.redis.smembers(RedisKeys.runs))
 
+    def retried(self, run_id: str, stage: LeaseStage = ROLLOUT) -> int:
+        """How many of the run's trajectories the stage started more than once."""
+        return sum(int(n) > 1 for n in self.redis.hvals(stage.attempts(run_id)))
+
     def has_run(self, run_id: str) -> bool:
         return bool(self.redis.sismember(RedisKeys.runs, run_id))
+
+    def run_lost(self, run_id: str) -> bool:
+        """Whether Redis lost the run (its marker is gone): ``shared.state.run_marker.refuse_lost_run``."""
+        return refuse_lost_run(self.redis, run_id)
+
+    # --- the Redis server that holds the ledger ---------------------------------------------
+    def server_uptime_s(self) -> float:
+        """How long the Redis server now answering has run (whole seconds, from its process's start)."""
+        return float(self.redis.info("server").get("uptime_in_seconds", "inf"))
+
+    def seconds_since_recovery(self) -> float:
+        """Since this process last saw the ledger's Redis come back (inf: never saw it down)."""
+        return seconds_since_recovery(self.redis)
 
 
 def _require_token(token: str) -> None:

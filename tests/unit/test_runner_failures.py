@@ -115,7 +115,7 @@ class Harness:
             settings=self.settings, ledger=self.ledger, store=self.store,
             leases=LeaseKeeper(self.ledger, 30, 1), chat=self.chat,
             scoring=ScoringOutbox(lambda batch: self.scoring.extend(task.trajectory_id for task in batch)),
-            redispatch=self.redispatched.append, worker_name="test", inference=client,
+            redispatch=self.redispatched.append, worker_name="test", inference=client, redis=self.ledger.redis,
         )
 
     def request(self, env_name: str, group_id: int = 0) -> RolloutRequest:
