@@ -22,15 +22,17 @@ end
 # A trajectory enters ``queued`` with its dispatch deadline in the rollout lease zset (no owner):
 # if no worker claims it by then, its message was lost and the reaper sends it again.
 REGISTER = """
-if ARGV[3] == '1' and redis.call('EXISTS', KEYS[5]) == 0 then return -1 end
-redis.call('SET', KEYS[5], ARGV[2], 'NX')
+local states, counts, requests, runs, marker, leases = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local run_id, marker_value, require_marker, deadline = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+if require_marker == '1' and redis.call('EXISTS', marker) == 0 then return -1 end
+redis.call('SET', marker, marker_value, 'NX')
 local added = 0
-redis.call('SADD', KEYS[4], ARGV[1])
+redis.call('SADD', runs, run_id)
 for i = 5, #ARGV, 2 do
-  if redis.call('HSETNX', KEYS[1], ARGV[i], 'queued') == 1 then
-    redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1])
-    redis.call('HINCRBY', KEYS[2], 'queued', 1)
-    redis.call('ZADD', KEYS[6], ARGV[4], ARGV[i])
+  if redis.call('HSETNX', states, ARGV[i], 'queued') == 1 then
+    redis.call('HSET', requests, ARGV[i], ARGV[i + 1])
+    redis.call('HINCRBY', counts, 'queued', 1)
+    redis.call('ZADD', leases, deadline, ARGV[i])
     added = added + 1
   end
 end
@@ -45,28 +47,32 @@ return added
 # A claim sent again with its token (its first reply was lost with the connection) finds its
 # own lease and answers as the first call did, instead of "leased" by an owner nobody knows.
 CLAIM = _SET_STATE + """
-if redis.call('HGET', KEYS[3], ARGV[1]) == ARGV[2] then
-  return {'ok', tostring(redis.call('HGET', KEYS[5], ARGV[1]))}
+local states, counts, owners, leases, attempts, payloads, resends = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local tid, token, deadline, claim_from, held, payload = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+if redis.call('HGET', owners, tid) == token then
+  return {'ok', tostring(redis.call('HGET', attempts, tid))}
 end
-local state = redis.call('HGET', KEYS[1], ARGV[1])
-if state ~= ARGV[4] then return {'skip', state or 'unknown'} end
-if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then return {'skip', 'leased'} end
-local attempt = redis.call('HINCRBY', KEYS[5], ARGV[1], 1)
-if ARGV[5] ~= state then set_state(KEYS[1], KEYS[2], ARGV[1], state, ARGV[5]) end
-redis.call('HSET', KEYS[3], ARGV[1], ARGV[2])
-redis.call('ZADD', KEYS[4], ARGV[3], ARGV[1])
-redis.call('HDEL', KEYS[7], ARGV[1])
-if ARGV[6] ~= '' then redis.call('HSET', KEYS[6], ARGV[1], ARGV[6]) end
+local state = redis.call('HGET', states, tid)
+if state ~= claim_from then return {'skip', state or 'unknown'} end
+if redis.call('HEXISTS', owners, tid) == 1 then return {'skip', 'leased'} end
+local attempt = redis.call('HINCRBY', attempts, tid, 1)
+if held ~= state then set_state(states, counts, tid, state, held) end
+redis.call('HSET', owners, tid, token)
+redis.call('ZADD', leases, deadline, tid)
+redis.call('HDEL', resends, tid)
+if payload ~= '' then redis.call('HSET', payloads, tid, payload) end
 return {'ok', tostring(attempt)}
 """
 
 # KEYS: states, owners, leases ; ARGV: deadline, held, then (tid, token) pairs -> the ids whose
 # lease is no longer theirs (another state, or another owner): their holders should stop
 HEARTBEAT = """
+local states, owners, leases = KEYS[1], KEYS[2], KEYS[3]
+local deadline, held = ARGV[1], ARGV[2]
 local lost = {}
 for i = 3, #ARGV, 2 do
-  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[2] and redis.call('HGET', KEYS[2], ARGV[i]) == ARGV[i + 1] then
-    redis.call('ZADD', KEYS[3], 'XX', ARGV[1], ARGV[i])
+  if redis.call('HGET', states, ARGV[i]) == held and redis.call('HGET', owners, ARGV[i]) == ARGV[i + 1] then
+    redis.call('ZADD', leases, 'XX', deadline, ARGV[i])
   else
     lost[#lost + 1] = ARGV[i]
   end
@@ -87,25 +93,27 @@ return lost
 #       deadline (0 = none), then (held state, claim-from state) per lease stage
 # -> {"ok", from_state} | {"skip", state or "not_owner"}
 TRANSITION = _SET_STATE + """
-local state = redis.call('HGET', KEYS[1], ARGV[1])
+local states, counts, failures, stream, next_payloads, next_leases = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local tid, to_state, token, failure_reason, event_json, allowed_from, next_payload, send_by = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8]
+local state = redis.call('HGET', states, tid)
 if not state then return {'skip', 'unknown'} end
-if not string.find(',' .. ARGV[6] .. ',', ',' .. state .. ',', 1, true) then return {'skip', state} end
+if not string.find(',' .. allowed_from .. ',', ',' .. state .. ',', 1, true) then return {'skip', state} end
 local owners, leases, waiting = nil, nil, nil
 for i = 9, #ARGV, 2 do
   local stage = (i - 9) / 2
   if ARGV[i] == state then owners, leases = KEYS[7 + 2 * stage], KEYS[8 + 2 * stage]
   elseif ARGV[i + 1] == state then waiting = KEYS[8 + 2 * stage] end
 end
-if ARGV[3] ~= '' and (not owners or redis.call('HGET', owners, ARGV[1]) ~= ARGV[3]) then
+if token ~= '' and (not owners or redis.call('HGET', owners, tid) ~= token) then
   return {'skip', 'not_owner'}
 end
-set_state(KEYS[1], KEYS[2], ARGV[1], state, ARGV[2])
-if owners then redis.call('HDEL', owners, ARGV[1]) end
-if leases or waiting then redis.call('ZREM', leases or waiting, ARGV[1]) end
-if ARGV[4] ~= '' then redis.call('HSET', KEYS[3], ARGV[1], ARGV[4]) end
-if ARGV[5] ~= '' then redis.call('XADD', KEYS[4], '*', 'event', ARGV[5]) end
-if ARGV[7] ~= '' then redis.call('HSET', KEYS[5], ARGV[1], ARGV[7]) end
-if tonumber(ARGV[8]) > 0 then redis.call('ZADD', KEYS[6], ARGV[8], ARGV[1]) end
+set_state(states, counts, tid, state, to_state)
+if owners then redis.call('HDEL', owners, tid) end
+if leases or waiting then redis.call('ZREM', leases or waiting, tid) end
+if failure_reason ~= '' then redis.call('HSET', failures, tid, failure_reason) end
+if event_json ~= '' then redis.call('XADD', stream, '*', 'event', event_json) end
+if next_payload ~= '' then redis.call('HSET', next_payloads, tid, next_payload) end
+if tonumber(send_by) > 0 then redis.call('ZADD', next_leases, send_by, tid) end
 return {'ok', state}
 """
 
@@ -115,10 +123,12 @@ return {'ok', state}
 # records a delivery) is sent again once its deadline passes. A holder's lease is left alone.
 # KEYS: owners, leases ; ARGV: deadline, then trajectory ids -> entries moved
 SENT = """
+local owners, leases = KEYS[1], KEYS[2]
+local deadline = ARGV[1]
 local moved = 0
 for i = 2, #ARGV do
-  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 then
-    moved = moved + redis.call('ZADD', KEYS[2], 'XX', 'CH', ARGV[1], ARGV[i])
+  if redis.call('HEXISTS', owners, ARGV[i]) == 0 then
+    moved = moved + redis.call('ZADD', leases, 'XX', 'CH', deadline, ARGV[i])
   end
 end
 return moved
@@ -142,40 +152,42 @@ return moved
 #       forgive deadlines before (0: none)
 # -> "requeued" | "resent" | "waiting" | "failed" | "skip"
 EXPIRE = _SET_STATE + """
-local deadline = redis.call('ZSCORE', KEYS[4], ARGV[1])
-if not deadline or tonumber(deadline) > tonumber(ARGV[2]) then return 'skip' end
-local state = redis.call('HGET', KEYS[1], ARGV[1])
-if redis.call('HDEL', KEYS[3], ARGV[1]) == 0 then
-  if state ~= ARGV[6] then
-    redis.call('ZREM', KEYS[4], ARGV[1])
+local states, counts, owners, leases, attempts_hash, failures, stream, resends_hash, queue = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
+local tid, now, max_attempts, failed_event, held, claim_from, expired_reason, dispatch_ttl, forgive_before = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]
+local deadline = redis.call('ZSCORE', leases, tid)
+if not deadline or tonumber(deadline) > tonumber(now) then return 'skip' end
+local state = redis.call('HGET', states, tid)
+if redis.call('HDEL', owners, tid) == 0 then
+  if state ~= claim_from then
+    redis.call('ZREM', leases, tid)
     return 'skip'
   end
-  if redis.call('LLEN', KEYS[9]) > 0 then
-    redis.call('ZADD', KEYS[4], tonumber(ARGV[2]) + tonumber(ARGV[8]), ARGV[1])
+  if redis.call('LLEN', queue) > 0 then
+    redis.call('ZADD', leases, tonumber(now) + tonumber(dispatch_ttl), tid)
     return 'waiting'
   end
-  local resends = redis.call('HINCRBY', KEYS[8], ARGV[1], 1)
-  redis.call('ZADD', KEYS[4], tonumber(ARGV[2]) + tonumber(ARGV[8]) * 2 ^ math.min(resends, 5), ARGV[1])
+  local resends = redis.call('HINCRBY', resends_hash, tid, 1)
+  redis.call('ZADD', leases, tonumber(now) + tonumber(dispatch_ttl) * 2 ^ math.min(resends, 5), tid)
   return 'resent'
 end
-if state ~= ARGV[5] then
-  redis.call('ZREM', KEYS[4], ARGV[1])
+if state ~= held then
+  redis.call('ZREM', leases, tid)
   return 'skip'
 end
-local attempts = tonumber(redis.call('HGET', KEYS[5], ARGV[1]) or '0')
-if tonumber(deadline) < tonumber(ARGV[9]) and attempts > 0 then
-  attempts = redis.call('HINCRBY', KEYS[5], ARGV[1], -1)
+local attempts = tonumber(redis.call('HGET', attempts_hash, tid) or '0')
+if tonumber(deadline) < tonumber(forgive_before) and attempts > 0 then
+  attempts = redis.call('HINCRBY', attempts_hash, tid, -1)
 end
-local to = ARGV[6]
-if attempts >= tonumber(ARGV[3]) then
+local to = claim_from
+if attempts >= tonumber(max_attempts) then
   to = 'failed'
-  redis.call('ZREM', KEYS[4], ARGV[1])
-  redis.call('HSET', KEYS[6], ARGV[1], ARGV[7] .. ' after ' .. attempts .. ' attempts')
-  redis.call('XADD', KEYS[7], '*', 'event', ARGV[4])
+  redis.call('ZREM', leases, tid)
+  redis.call('HSET', failures, tid, expired_reason .. ' after ' .. attempts .. ' attempts')
+  redis.call('XADD', stream, '*', 'event', failed_event)
 else
-  redis.call('ZADD', KEYS[4], tonumber(ARGV[2]) + tonumber(ARGV[8]), ARGV[1])
+  redis.call('ZADD', leases, tonumber(now) + tonumber(dispatch_ttl), tid)
 end
-if to ~= state then set_state(KEYS[1], KEYS[2], ARGV[1], state, to) end
+if to ~= state then set_state(states, counts, tid, state, to) end
 if to == 'failed' then return 'failed' end
 return 'requeued'
 """
@@ -186,13 +198,15 @@ return 'requeued'
 # KEYS: states, counts, owners, leases, attempts ; ARGV: tid, token, held, claim_from, dispatch deadline
 # -> {"ok", held} | {"skip", state or "not_owner"}
 HAND_BACK = _SET_STATE + """
-local state = redis.call('HGET', KEYS[1], ARGV[1])
-if state ~= ARGV[3] then return {'skip', state or 'unknown'} end
-if redis.call('HGET', KEYS[3], ARGV[1]) ~= ARGV[2] then return {'skip', 'not_owner'} end
-set_state(KEYS[1], KEYS[2], ARGV[1], state, ARGV[4])
-redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
-redis.call('HDEL', KEYS[3], ARGV[1])
-redis.call('HINCRBY', KEYS[5], ARGV[1], -1)
+local states, counts, owners, leases, attempts = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local tid, token, held, claim_from, deadline = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local state = redis.call('HGET', states, tid)
+if state ~= held then return {'skip', state or 'unknown'} end
+if redis.call('HGET', owners, tid) ~= token then return {'skip', 'not_owner'} end
+set_state(states, counts, tid, state, claim_from)
+redis.call('ZADD', leases, deadline, tid)
+redis.call('HDEL', owners, tid)
+redis.call('HINCRBY', attempts, tid, -1)
 return {'ok', state}
 """
 
@@ -204,27 +218,29 @@ return {'ok', state}
 #       to retry it, or the failed event JSON to announce again)
 # -> {"ok", retried} | {"skip", why}
 RETRY_GROUP = _SET_STATE + """
-if redis.call('SISMEMBER', KEYS[6], ARGV[1]) == 0 then return {'skip', 'not_decided'} end
+local states, counts, failures, attempts, scoring_attempts, groups_done, stream, counters, staleness, leases = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+local group_id, reopened_field, filtered_field, deadline = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+if redis.call('SISMEMBER', groups_done, group_id) == 0 then return {'skip', 'not_decided'} end
 for i = 5, #ARGV, 2 do
-  local state = redis.call('HGET', KEYS[1], ARGV[i])
+  local state = redis.call('HGET', states, ARGV[i])
   if state ~= 'failed' then return {'skip', state or 'unknown'} end
 end
 local retried = 0
 for i = 5, #ARGV, 2 do
   local tid = ARGV[i]
   if ARGV[i + 1] == '' then
-    set_state(KEYS[1], KEYS[2], tid, 'failed', 'queued')
-    redis.call('HDEL', KEYS[3], tid)
-    redis.call('HDEL', KEYS[4], tid)
-    redis.call('HDEL', KEYS[5], tid)
-    redis.call('ZADD', KEYS[10], ARGV[4], tid)
+    set_state(states, counts, tid, 'failed', 'queued')
+    redis.call('HDEL', failures, tid)
+    redis.call('HDEL', attempts, tid)
+    redis.call('HDEL', scoring_attempts, tid)
+    redis.call('ZADD', leases, deadline, tid)
     retried = retried + 1
   else
-    redis.call('XADD', KEYS[7], '*', 'event', ARGV[i + 1])
+    redis.call('XADD', stream, '*', 'event', ARGV[i + 1])
   end
 end
-redis.call('SREM', KEYS[6], ARGV[1])
-redis.call('HINCRBY', KEYS[8], ARGV[2], 1)
-if tonumber(redis.call('HGET', KEYS[9], ARGV[3]) or '0') > 0 then redis.call('HINCRBY', KEYS[9], ARGV[3], -1) end
+redis.call('SREM', groups_done, group_id)
+redis.call('HINCRBY', counters, reopened_field, 1)
+if tonumber(redis.call('HGET', staleness, filtered_field) or '0') > 0 then redis.call('HINCRBY', staleness, filtered_field, -1) end
 return {'ok', tostring(retried)}
 """

@@ -21,9 +21,11 @@ from shared.names import RedisKeys
 
 # KEYS: the version ; ARGV: the new version -> 1 if it was above the current one and set, else 0
 _SET_IF_HIGHER = """
-local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
-local new = tonumber(ARGV[1])
-if new > cur then redis.call('SET', KEYS[1], ARGV[1]) return 1 end
+local version_key = KEYS[1]
+local new_version = ARGV[1]
+local cur = tonumber(redis.call('GET', version_key) or '0')
+local new = tonumber(new_version)
+if new > cur then redis.call('SET', version_key, new_version) return 1 end
 return 0
 """
 

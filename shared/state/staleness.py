@@ -38,23 +38,27 @@ from shared.state.policy_version import PolicyVersion
 # KEYS: staleness hash, served policy version ; ARGV: max_off_policy_steps, groups_per_step
 # -> 1 admitted / 0 not
 _TRY_ADMIT = """
-local admitted = tonumber(redis.call('HGET', KEYS[1], 'admitted') or '0')
-local filtered = tonumber(redis.call('HGET', KEYS[1], 'filtered') or '0')
-local step = tonumber(redis.call('HGET', KEYS[1], 'trainer_step') or '0')
-local served = tonumber(redis.call('GET', KEYS[2]) or '0')
+local staleness, served_key = KEYS[1], KEYS[2]
+local max_off_policy_steps, groups_per_step = ARGV[1], ARGV[2]
+local admitted = tonumber(redis.call('HGET', staleness, 'admitted') or '0')
+local filtered = tonumber(redis.call('HGET', staleness, 'filtered') or '0')
+local step = tonumber(redis.call('HGET', staleness, 'trainer_step') or '0')
+local served = tonumber(redis.call('GET', served_key) or '0')
 if served < step then step = served end
-local bound = (tonumber(ARGV[1]) + step + 1) * tonumber(ARGV[2])
+local bound = (tonumber(max_off_policy_steps) + step + 1) * tonumber(groups_per_step)
 if admitted - filtered + 1 > bound then return 0 end
-redis.call('HINCRBY', KEYS[1], 'admitted', 1)
+redis.call('HINCRBY', staleness, 'admitted', 1)
 return 1
 """
 
 # KEYS: staleness hash ; ARGV: new step -> the step now recorded (never lowered)
 _ADVANCE = """
-local step = tonumber(redis.call('HGET', KEYS[1], 'trainer_step') or '0')
-if tonumber(ARGV[1]) > step then
-  redis.call('HSET', KEYS[1], 'trainer_step', ARGV[1])
-  return tonumber(ARGV[1])
+local staleness = KEYS[1]
+local new_step = ARGV[1]
+local step = tonumber(redis.call('HGET', staleness, 'trainer_step') or '0')
+if tonumber(new_step) > step then
+  redis.call('HSET', staleness, 'trainer_step', new_step)
+  return tonumber(new_step)
 end
 return step
 """

@@ -22,8 +22,7 @@ from shared.state.trainer_counters import TrainerCounter, TrainerCounters
 
 _COMMIT_SELECTION = """
 local cursors, staleness, counters, queue = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local version, cursor, stale, trained, bad = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
-local filtered_field, stale_field, trained_field, bad_field = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
+local version, cursor, stale, trained, bad, filtered_field, stale_field, trained_field, bad_field = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]
 local first_deferred = 10  -- ARGV[10..]: entries deferred by mixing, appended to the queue again
 if redis.call('HSETNX', cursors, version, cursor) == 1 then
   redis.call('HINCRBY', staleness, filtered_field, stale)
