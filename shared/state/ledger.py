@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import redis
 
@@ -379,13 +379,14 @@ class Ledger:
     def record(self, trajectory_id: str) -> tuple[str | None, str | None, str | None]:
         """The trajectory's state, failure reason and scoring task arguments (JSON), or None each."""
         run = parse_trajectory_id(trajectory_id).run_id
-        return (self.redis.hget(RedisKeys.states(run), trajectory_id), self.redis.hget(RedisKeys.failures(run), trajectory_id),
-                self.redis.hget(RedisKeys.scoring_tasks(run), trajectory_id))
+        fields = (RedisKeys.states(run), RedisKeys.failures(run), RedisKeys.scoring_tasks(run))
+        state, failure, task = (cast(str | None, self.redis.hget(key, trajectory_id)) for key in fields)
+        return state, failure, task
 
     def failures_scan(self, run_id: str, cursor: int, count: int) -> tuple[int, list[tuple[str, str, int]]]:
         """One HSCAN step over the run's failures: the next cursor and (trajectory id, reason, attempts)."""
-        cursor, batch = self.redis.hscan(RedisKeys.failures(run_id), cursor=cursor, count=count)
-        attempts = self.redis.hmget(RedisKeys.attempts(run_id), list(batch)) if batch else []
+        cursor, batch = cast(tuple[int, dict[str, str]], self.redis.hscan(RedisKeys.failures(run_id), cursor=cursor, count=count))
+        attempts = cast(list[str | None], self.redis.hmget(RedisKeys.attempts(run_id), list(batch))) if batch else []
         return cursor, [(tid, reason, int(tries or 0)) for (tid, reason), tries in zip(batch.items(), attempts)]
 
     def retry_keys(self, run_id: str) -> list[str]:

@@ -34,7 +34,7 @@ class StepMetrics:
 
 
 def _field(fields: dict[Any, Any]) -> str:
-    return _text(fields.get("metrics") or fields.get(b"metrics"))
+    return _text(fields["metrics"] if "metrics" in fields else fields[b"metrics"])
 
 
 def _text(value: str | bytes) -> str:
