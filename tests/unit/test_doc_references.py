@@ -1,0 +1,126 @@
+"""Every dotted module name that a docstring or a doc cites resolves in the code as it is.
+
+What counts as a cited name: a dotted name that starts with one of Conveyor's top-level folders
+(``services.``, ``shared.``, ``bench.``, ``tests.``) and is not itself part of a path or of a
+longer dotted name, e.g. ``shared.outage.Dependency.call``, ``python -m services.cli.state_map``
+or ``shared.ids:group_seed``. A name whose last part is a file extension (``tests.txt``) is a
+file name, not a module. Where it is looked for: the docstrings (module, class and function) of
+every module under services/, shared/ and bench/, and README.md and docs/**/*.md.
+
+How it resolves, without importing anything (torch and vLLM stay unloaded): the longest prefix
+that is a module file, a package or a namespace folder under the repository root; then each
+remaining part is a top-level definition of that module (def, class, assignment or import), and
+each part after that a definition in the body of the class before it.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TOP_LEVEL = ("services", "shared", "bench", "tests")
+CITED = re.compile(r"(?<![\w/.:-])((?:" + "|".join(TOP_LEVEL) + r")(?:[.:][A-Za-z_]\w*)+)")
+FILE_EXTENSIONS = {"py", "txt", "sha256", "md", "json", "jsonl", "yml", "yaml", "toml", "gz", "png", "patch", "sh"}
+
+
+def cited_names(text: str) -> list[str]:
+    names = [match.group(1).replace(":", ".") for match in CITED.finditer(text)]
+    return [name for name in names if name.rsplit(".", 1)[-1] not in FILE_EXTENSIONS]
+
+
+def docstrings(path: Path):
+    """(line, docstring) of the module and of each class and function in it."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            text = ast.get_docstring(node, clean=False)
+            if text:
+                yield getattr(node, "lineno", 1), text
+
+
+def citations() -> list[tuple[str, str]]:
+    """(where, name) for every cited name in the product's docstrings and in the docs."""
+    found = []
+    for folder in ("services", "shared", "bench"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for line, text in docstrings(path):
+                found += [(f"{path.relative_to(ROOT)}:{line}", name) for name in cited_names(text)]
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for line, text in enumerate(path.read_text().splitlines(), 1):
+            found += [(f"{path.relative_to(ROOT)}:{line}", name) for name in cited_names(text)]
+    return found
+
+
+def module_source(parts: list[str]) -> Path | None:
+    """The file (or, for a namespace folder, the folder) that the dotted module ``parts`` names."""
+    base = ROOT.joinpath(*parts)
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return base if base.is_dir() else None
+
+
+def definitions(body: list[ast.stmt]) -> dict[str, ast.stmt]:
+    """Each name a module or class body binds, with the statement that binds it."""
+    bound: dict[str, ast.stmt] = {}
+    for statement in body:
+        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound[statement.name] = statement
+        elif isinstance(statement, (ast.Assign, ast.AnnAssign)):
+            targets = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
+            bound.update((node.id, statement) for target in targets for node in ast.walk(target)
+                         if isinstance(node, ast.Name))
+        elif isinstance(statement, (ast.Import, ast.ImportFrom)):
+            bound.update(((alias.asname or alias.name).split(".")[0], statement) for alias in statement.names)
+        elif isinstance(statement, (ast.If, ast.Try)):
+            bound.update(definitions(statement.body))
+    return bound
+
+
+def unresolved(name: str) -> str | None:
+    """Why ``name`` does not resolve, or None when it does."""
+    parts = name.split(".")
+    cut = next((cut for cut in range(len(parts), 0, -1) if module_source(parts[:cut])), 0)
+    if cut == 0:
+        return f"no module {parts[0]}"
+    source, attributes = module_source(parts[:cut]), parts[cut:]
+    if not attributes:
+        return None
+    if source.is_dir():
+        return f"no module {'.'.join(parts[:cut + 1])}"
+    body = ast.parse(source.read_text(), str(source)).body
+    for depth, attribute in enumerate(attributes):
+        owner = ".".join(parts[:cut + depth])
+        statement = definitions(body).get(attribute)
+        if statement is None:
+            return f"{owner} defines no {attribute}"
+        if depth < len(attributes) - 1:
+            if not isinstance(statement, ast.ClassDef):
+                return f"{owner}.{attribute} is not a class, so it has no {attributes[depth + 1]}"
+            body = statement.body
+    return None
+
+
+def test_the_scan_reads_the_forms_a_doc_cites():
+    text = ("see ``shared.outage.Dependency.call``; run `python -m services.cli.state_map --write`; "
+            "`shared.ids:group_seed`; not services/cli/app.py, tests.txt, my_pkg.shared.x or every services.")
+    assert cited_names(text) == ["shared.outage.Dependency.call", "services.cli.state_map", "shared.ids.group_seed"]
+
+
+def test_a_name_resolves_only_when_its_module_and_attributes_exist():
+    assert unresolved("services.cli.state_map") is None
+    assert unresolved("shared.outage.Dependency.call") is None
+    assert unresolved("shared.schemas.RolloutRequest.task_seed") is None
+    assert unresolved("bench.capacity") is None and unresolved("shared.environments") is None
+    assert unresolved("shared.ids.task_seed") == "shared.ids defines no task_seed"
+    assert unresolved("shared.no_such_module") == "shared defines no no_such_module"
+    assert unresolved("shared.ids.group_seed.real") == "shared.ids.group_seed is not a class, so it has no real"
+    assert unresolved("bench.no_such_bench") == "no module bench.no_such_bench"
+
+
+def test_every_dotted_module_name_in_a_docstring_or_a_doc_resolves():
+    found = citations()
+    assert len(found) > 100, "the scan found too few citations to be reading the docs"
+    broken = [f"{where}: {name}: {why}" for where, name in found if (why := unresolved(name))]
+    assert not broken, "cited names that do not resolve:\n" + "\n".join(broken)
