@@ -1,4 +1,5 @@
-"""Every dotted module name that a docstring or a doc cites resolves in the code as it is.
+"""Every dotted module name and every code path that a docstring or a doc cites resolves in the
+code as it is.
 
 What counts as a cited name: a dotted name that starts with one of Conveyor's top-level folders
 (``services.``, ``shared.``, ``bench.``, ``tests.``) and is not itself part of a path or of a
@@ -11,6 +12,10 @@ How it resolves, without importing anything (torch and vLLM stay unloaded): the 
 that is a module file, a package or a namespace folder under the repository root; then each
 remaining part is a top-level definition of that module (def, class, assignment or import), and
 each part after that a definition in the body of the class before it.
+
+A cited path is one that starts with one of the same folders and a slash (``shared/ledger.py``,
+``services/rollout_worker/sandbox/``); it must exist in the repository. A path with a
+placeholder (``{run_id}``, ``*``) is a pattern, not a file, and is left out.
 """
 
 from __future__ import annotations
@@ -22,12 +27,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 TOP_LEVEL = ("services", "shared", "bench", "tests")
 CITED = re.compile(r"(?<![\w/.:-])((?:" + "|".join(TOP_LEVEL) + r")(?:[.:][A-Za-z_]\w*)+)")
+CITED_PATH = re.compile(r"(?<![\w/.-])((?:" + "|".join(TOP_LEVEL) + r")/[\w./{}*-]*[\w/])")
 FILE_EXTENSIONS = {"py", "txt", "sha256", "md", "json", "jsonl", "yml", "yaml", "toml", "gz", "png", "patch", "sh"}
 
 
 def cited_names(text: str) -> list[str]:
     names = [match.group(1).replace(":", ".") for match in CITED.finditer(text)]
     return [name for name in names if name.rsplit(".", 1)[-1] not in FILE_EXTENSIONS]
+
+
+def cited_paths(text: str) -> list[str]:
+    paths = [match.group(1) for match in CITED_PATH.finditer(text)]
+    return [path for path in paths if not any(mark in path for mark in "{}*")]
 
 
 def docstrings(path: Path):
@@ -39,16 +50,16 @@ def docstrings(path: Path):
                 yield getattr(node, "lineno", 1), text
 
 
-def citations() -> list[tuple[str, str]]:
-    """(where, name) for every cited name in the product's docstrings and in the docs."""
+def citations(find) -> list[tuple[str, str]]:
+    """(where, citation) for everything ``find`` picks out of the product's docstrings and the docs."""
     found = []
     for folder in ("services", "shared", "bench"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             for line, text in docstrings(path):
-                found += [(f"{path.relative_to(ROOT)}:{line}", name) for name in cited_names(text)]
+                found += [(f"{path.relative_to(ROOT)}:{line}", cited) for cited in find(text)]
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
         for line, text in enumerate(path.read_text().splitlines(), 1):
-            found += [(f"{path.relative_to(ROOT)}:{line}", name) for name in cited_names(text)]
+            found += [(f"{path.relative_to(ROOT)}:{line}", cited) for cited in find(text)]
     return found
 
 
@@ -108,6 +119,12 @@ def test_the_scan_reads_the_forms_a_doc_cites():
     assert cited_names(text) == ["shared.outage.Dependency.call", "services.cli.state_map", "shared.ids.group_seed"]
 
 
+def test_the_scan_reads_the_paths_a_doc_cites():
+    text = ("`shared/ledger.py` and services/rollout_worker/sandbox/, then tests/unit/test_ids.py::test_x; "
+            "not .../sandbox/deployment.py, docs/images/a.png or `trajectories/{run_id}/` nor shared/*.py.")
+    assert cited_paths(text) == ["shared/ledger.py", "services/rollout_worker/sandbox/", "tests/unit/test_ids.py"]
+
+
 def test_a_name_resolves_only_when_its_module_and_attributes_exist():
     assert unresolved("services.cli.state_map") is None
     assert unresolved("shared.outage.Dependency.call") is None
@@ -120,7 +137,14 @@ def test_a_name_resolves_only_when_its_module_and_attributes_exist():
 
 
 def test_every_dotted_module_name_in_a_docstring_or_a_doc_resolves():
-    found = citations()
+    found = citations(cited_names)
     assert len(found) > 100, "the scan found too few citations to be reading the docs"
     broken = [f"{where}: {name}: {why}" for where, name in found if (why := unresolved(name))]
     assert not broken, "cited names that do not resolve:\n" + "\n".join(broken)
+
+
+def test_every_code_path_in_a_docstring_or_a_doc_exists():
+    found = citations(cited_paths)
+    assert len(found) > 100, "the scan found too few paths to be reading the docs"
+    missing = [f"{where}: {path}" for where, path in found if not (ROOT / path).exists()]
+    assert not missing, "cited paths that do not exist:\n" + "\n".join(missing)
