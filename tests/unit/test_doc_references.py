@@ -16,6 +16,9 @@ each part after that a definition in the body of the class before it.
 A cited path is one that starts with one of the same folders and a slash (``shared/ledger.py``,
 ``services/rollout_worker/sandbox/``); it must exist in the repository. A path with a
 placeholder (``{run_id}``, ``*``) is a pattern, not a file, and is left out.
+
+A relative Markdown link in README.md or docs/ (``[compose.md](compose.md#images)``) points at a
+file that exists and, with an anchor, at one of its headings, slugged as GitHub slugs them.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TOP_LEVEL = ("services", "shared", "bench", "tests")
 CITED = re.compile(r"(?<![\w/.:-])((?:" + "|".join(TOP_LEVEL) + r")(?:[.:][A-Za-z_]\w*)+)")
 CITED_PATH = re.compile(r"(?<![\w/.-])((?:" + "|".join(TOP_LEVEL) + r")/[\w./{}*-]*[\w/])")
+MARKDOWN_LINK = re.compile(r"\]\(([^)\s]+)\)")
+HEADING = re.compile(r"^#+ (.*)$", re.MULTILINE)
 FILE_EXTENSIONS = {"py", "txt", "sha256", "md", "json", "jsonl", "yml", "yaml", "toml", "gz", "png", "patch", "sh"}
 
 
@@ -39,6 +44,22 @@ def cited_names(text: str) -> list[str]:
 def cited_paths(text: str) -> list[str]:
     paths = [match.group(1) for match in CITED_PATH.finditer(text)]
     return [path for path in paths if not any(mark in path for mark in "{}*")]
+
+
+def heading_anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def broken_link(page: Path, link: str) -> str | None:
+    """Why the relative ``link`` on ``page`` leads nowhere, or None when it leads somewhere."""
+    target, _, anchor = link.partition("#")
+    path = (page.parent / target).resolve() if target else page
+    if not path.exists():
+        return f"no file {target}"
+    if anchor and path.suffix == ".md" and anchor not in map(heading_anchor, HEADING.findall(path.read_text())):
+        return f"{path.relative_to(ROOT)} has no heading #{anchor}"
+    return None
 
 
 def docstrings(path: Path):
@@ -125,6 +146,14 @@ def test_the_scan_reads_the_paths_a_doc_cites():
     assert cited_paths(text) == ["shared/ledger.py", "services/rollout_worker/sandbox/", "tests/unit/test_ids.py"]
 
 
+def test_a_link_leads_to_a_file_and_a_heading():
+    assert heading_anchor("Steady offered load (`--offered-load`)") == "steady-offered-load---offered-load"
+    page = ROOT / "docs" / "performance.md"
+    assert broken_link(page, "performance/capacity.md#steady-offered-load---offered-load") is None
+    assert broken_link(page, "performance/no_such_page.md") == "no file performance/no_such_page.md"
+    assert broken_link(page, "learning.md#no-such-heading") == "docs/learning.md has no heading #no-such-heading"
+
+
 def test_a_name_resolves_only_when_its_module_and_attributes_exist():
     assert unresolved("services.cli.state_map") is None
     assert unresolved("shared.outage.Dependency.call") is None
@@ -148,3 +177,11 @@ def test_every_code_path_in_a_docstring_or_a_doc_exists():
     assert len(found) > 100, "the scan found too few paths to be reading the docs"
     missing = [f"{where}: {path}" for where, path in found if not (ROOT / path).exists()]
     assert not missing, "cited paths that do not exist:\n" + "\n".join(missing)
+
+
+def test_every_relative_link_in_the_docs_leads_to_a_file_and_a_heading():
+    links = [(page, link) for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+             for link in MARKDOWN_LINK.findall(page.read_text()) if "://" not in link]
+    assert len(links) > 50, "the scan found too few links to be reading the docs"
+    broken = [f"{page.relative_to(ROOT)}: {link}: {why}" for page, link in links if (why := broken_link(page, link))]
+    assert not broken, "links that lead nowhere:\n" + "\n".join(broken)
