@@ -36,8 +36,9 @@ Invariants:
 - A run whose data Redis lost (``shared.run_marker``: checked at start, against the object
   store too, and at every poll) stops the consumer with ``RedisDataLost``: it never goes on
   with an empty ledger.
-- Stopping (``run_forever(stop=...)``, set on SIGTERM) happens between two reads, never in the
-  middle of a group: what was read and not yet decided stays pending in the stream.
+- The loop that reads (``services.trainer.process.TrainerProcess``) asks ``keep_reading`` before
+  each read, and stops only between two reads, never in the middle of a group: what was read and
+  not yet decided stays pending in the stream.
 - A stopped run (``conveyor run stop``, ``shared.run_stop``) ends the consumer between two reads
   or two steps, never within a step: it first fails every trajectory of the run still
   unfinished, groups read and not yet decided included, so the run's ledger is exact.
@@ -46,11 +47,10 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import redis
 
@@ -79,9 +79,6 @@ from shared.storage import ObjectStore, put_model
 from shared.trajectory_lookup import trajectory_of_event
 from shared.trainer_reads import TRAINER_CONSUMER_GROUP
 from shared.trainer_counters import TrainerCounter, TrainerCounters
-
-if TYPE_CHECKING:
-    from services.trainer.loop import TrainingLoop
 
 log = logging.getLogger(__name__)
 CONSUMER_GROUP = TRAINER_CONSUMER_GROUP  # named in shared: intake reads whether a trainer reads the run
@@ -145,30 +142,17 @@ class TrainerConsumer:
             self._handle(entry_id, fields)
         return len(entries)
 
-    def run_forever(self, stop_when_idle: bool = False, loop: "TrainingLoop | None" = None,
-                    stop: threading.Event | None = None) -> None:
-        """Consume events; with a training loop, train whenever a step's groups are in. Once
-        ``stop`` is set (SIGTERM), return between two reads: unacknowledged entries wait in
-        the stream for the next trainer."""
-        self.recover()
-        while stop is None or not stop.is_set():
-            self.marker.check(_STOPS)
-            if self.end_if_stopped():
-                return
-            if outage.recoveries(self.redis) != self._recoveries:  # Redis was down
-                self._recoveries = outage.recoveries(self.redis)
-                self.recover()
-            handled = self.poll()
-            if loop is not None:
-                loop.check_alarms()
-            while loop is not None and not loop.done() and loop.ready():
-                if self.end_if_stopped():  # between two steps too: a backlog of ready steps is not trained
-                    return
-                loop.train_once()
-            if loop is not None and loop.done():
-                return
-            if stop_when_idle and not handled and self.finished():
-                return
+    def keep_reading(self) -> bool:
+        """Before each read: stop with ``RedisDataLost`` if Redis lost the run; False once the
+        run is stopped (``end_if_stopped``); after an outage of Redis, replay the pending
+        entries whose reply may have been lost with the connection."""
+        self.marker.check(_STOPS)
+        if self.end_if_stopped():
+            return False
+        if outage.recoveries(self.redis) != self._recoveries:  # Redis was down
+            self._recoveries = outage.recoveries(self.redis)
+            self.recover()
+        return True
 
     def end_if_stopped(self) -> bool:
         """True once the run is stopped (``shared.run_stop``): every trajectory of it still
