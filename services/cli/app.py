@@ -216,9 +216,9 @@ def process(
     from shared.storage import open_store
 
     check_export_options(fmt, form)
-    if settings.trainer.max_off_policy_steps is not None:  # nothing trains: intake must not wait for a trainer
-        console.print("process mode: trainer.max_off_policy_steps ignored, no trainer runs")
-        settings = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"max_off_policy_steps": None})})
+    if settings.trainer.mode != "assemble":  # nothing trains: intake must not wait for a trainer
+        console.print(f"process mode: trainer.mode {settings.trainer.mode} ignored, no trainer runs")
+        settings = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"mode": "assemble"})})
     _publish_dataset(settings, dataset, None, resume)
     consumer = TrainerConsumer(settings, Ledger.from_url(settings.redis.url, settings.outage), open_store(settings.storage, settings.outage))
     TrainerProcess(consumer).run(stop_when_idle=True)  # groups assembled, advantages computed, every trajectory terminal
@@ -342,17 +342,17 @@ def trainer(
     exit_when_done: bool = typer.Option(False, help="exit once intake is done and every trajectory is terminal"),
 ) -> None:
     """Consume scored trajectories: assemble GRPO groups, compute advantages, emit batches;
-    with trainer.max_off_policy_steps set, also train, checkpoint and announce new versions.
+    with trainer.mode train, also train, checkpoint and announce new versions.
     Under ``torchrun --nproc-per-node N -m services.cli.app trainer``, train sharded with FSDP2
     on N ranks: rank 0 does all of the above, the others train with it (services.trainer.distributed)."""
     _logging()
     settings = _settings(config)
     ranks = None
-    if settings.trainer.max_off_policy_steps is not None:  # it trains: it loads the model
+    if settings.trainer.mode == "train":  # it loads the model
         _require_model(settings)
         ranks = _join_ranks(settings)
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:  # N consumers of one stream would each assemble groups
-        raise errors.CommandError("under torchrun the trainer must train: set trainer.max_off_policy_steps")
+        raise errors.CommandError("under torchrun the trainer must train: set trainer.mode: train")
     if ranks is not None and not ranks.leader:
         _follow(settings, ranks)
         return

@@ -10,9 +10,9 @@ Invariants:
   So a restart loses no group and trains no group twice.
 - What becomes of a completed group is decided by ``services.trainer.group_decision`` (pure:
   accepted, zero_variance, all_failed, filtered or stale); this module applies the decision and
-  counts each group by its status. With a staleness bound (``max_off_policy_steps``)
-  it is asked of each group and a dropped group frees its admission slot; without, nothing is
-  stale. An accepted group's batch is
+  counts each group by its status. With ``trainer.mode: train`` the staleness bound
+  (``max_off_policy_steps``) is asked of each group and a dropped group frees its admission slot;
+  with ``assemble`` nothing is stale. An accepted group's batch is
   written, and its batch key goes on the run's append-only train queue in the same transaction
   that marks the group done; a dropped zero-variance or filtered group goes there too, as a
   ``skip`` entry with its rewards, so a step can count it (reward metrics, and the cap on extra
@@ -105,7 +105,7 @@ class TrainerConsumer:
         trainer = self.settings.trainer
         self.group_filters = [build_filter(spec) for spec in trainer.group_filters]
         self.budget = None
-        if trainer.max_off_policy_steps is not None:
+        if trainer.mode == "train":  # the staleness bound throttles rollouts to the training steps
             self.budget = StalenessBudget(self.redis, self.run_id, trainer.max_off_policy_steps, trainer.groups_per_step)
         self.metrics = GroupMetricsLog(Path(self.settings.trainer.metrics_path), self.run_id)
         self.marker = RunMarker(self.redis, self.run_id, self.store)

@@ -1,5 +1,5 @@
 """The trainer process: one loop over its two halves, the group consumer
-(``services.trainer.consumer``) and, with a staleness bound, the training loop
+(``services.trainer.consumer``) and, with ``trainer.mode: train``, the training loop
 (``services.trainer.loop``).
 
 Invariants:
@@ -38,14 +38,14 @@ EvaluatorFactory = Callable[[Ledger, ObjectStore], "Evaluator | None"]
 @dataclass
 class TrainerProcess:
     consumer: TrainerConsumer
-    learner: "TrainingLoop | None" = None  # None: nothing trains
+    learner: "TrainingLoop | None" = None  # None: trainer.mode assemble, nothing trains
     stop: threading.Event = field(default_factory=threading.Event)  # set on SIGTERM by the caller
 
     @classmethod
     def from_settings(cls, settings: Settings, ranks: "TrainerRanks | None" = None,
                       evaluator: EvaluatorFactory | None = None) -> "TrainerProcess":
         """The trainer of ``settings``: its consumer, its metrics endpoint and, with
-        ``trainer.max_off_policy_steps`` set, the training loop (loading the model); ``ranks``: rank 0 of a
+        ``trainer.mode: train``, the training loop (loading the model); ``ranks``: rank 0 of a
         torchrun job; ``evaluator``: builds the evaluation during training, if any."""
         from shared.prometheus import serve_metrics
 
@@ -53,7 +53,7 @@ class TrainerProcess:
         consumer = TrainerConsumer(settings, Ledger.from_url(settings.redis.url, settings.outage), store)
         trainer = settings.trainer
         serve_metrics(trainer.prometheus_port or settings.metrics_port, consumer.redis)
-        if consumer.budget is None:  # no staleness bound: assemble, not train
+        if trainer.mode != "train":
             return cls(consumer)
         from services.trainer.loop import TrainingLoop
         from services.trainer.metrics import MetricsSink
