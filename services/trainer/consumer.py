@@ -49,9 +49,10 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, cast
 
 import redis
+from redis.typing import KeyT, StreamIdT
 
 from services.trainer.advantages import group_advantages
 from services.trainer.group_filters import build_filter, first_objection
@@ -189,9 +190,10 @@ class TrainerConsumer:
         self.stopped = stop
         return True
 
-    def _read(self, streams: dict[str, str], count: int, block: int | None = None) -> list:
+    def _read(self, streams: dict[KeyT, StreamIdT], count: int, block: int | None = None) -> list:
         try:
-            return self.redis.xreadgroup(CONSUMER_GROUP, self.consumer, streams, count=count, block=block)
+            # RESP2 (redis-py's default protocol): a list of [stream, entries]
+            return cast(list, self.redis.xreadgroup(CONSUMER_GROUP, self.consumer, streams, count=count, block=block))
         except redis.ResponseError as exc:
             if "NOGROUP" in str(exc):  # the stream is gone: say so if Redis lost the run
                 self.marker.check(_STOPS)
@@ -322,7 +324,7 @@ class TrainerConsumer:
                     tx.watch(self.marker.key, done)
                     if not tx.exists(self.marker.key):
                         self.marker.check(_STOPS)
-                    if tx.sismember(done, group_id):
+                    if tx.sismember(done, str(group_id)):  # what redis-py would send for the int
                         return
                     tx.multi()
                     fill(tx)
