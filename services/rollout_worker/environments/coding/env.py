@@ -168,7 +168,7 @@ class CodingEnv(Environment):
 
     async def _tool_bash(self, entry: dict[str, Any], command: str) -> str:
         result = await self._agent_sandbox().exec(command, timeout_s=self.config.command_timeout_s,
-                                         max_output_bytes=self.config.max_output_bytes)
+                                                  max_output_bytes=self.config.max_output_bytes)
         entry.update(exit_code=result.exit_code, timed_out=result.timed_out, output_bytes=result.output_bytes,
                      output=result.output)
         return bash_observation(result, self.config.command_timeout_s) or "[no output]"
