@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.console import Console
@@ -28,6 +28,13 @@ from services.cli.progress import progress
 from services.cli.runs import refuse_stopped, require_run, run_app
 from services.cli.trajectories import inspect_command, replay_command
 from shared.settings import Settings, load_settings
+
+if TYPE_CHECKING:  # imported where used: a command loads only what it runs
+    from services.trainer.distributed import TrainerRanks
+    from services.trainer.evaluation import Evaluator
+    from shared.ledger import Ledger
+    from shared.model_source import ModelSource
+    from shared.storage import ObjectStore
 
 # no locals in a traceback: they would print the settings' secrets
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
@@ -72,7 +79,7 @@ def _logging() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
-def _require_model(settings: Settings) -> "ModelSource":  # noqa: F821
+def _require_model(settings: Settings) -> "ModelSource":
     """``inference.model_path`` as a local checkpoint or a Hugging Face model name that can be
     loaded (``shared.model_source``); a hub name is said in the log."""
     from shared.model_source import resolve_model_source
@@ -317,7 +324,7 @@ def worker_scoring(
     _celery_worker("services.scorer.tasks", "scoring", "threads", concurrency, name, level)
 
 
-def _evaluator(settings: Settings, ledger: "Ledger", store: "ObjectStore") -> "Evaluator | None":  # noqa: F821
+def _evaluator(settings: Settings, ledger: "Ledger", store: "ObjectStore") -> "Evaluator | None":
     """The trainer's evaluator when ``evaluation`` is on: the eval rows read once, at start."""
     if not settings.evaluation.enabled:
         return None
@@ -378,7 +385,7 @@ def trainer(
     console.print(f"trainer {settings.run_id}: {consumer.counters()}")
 
 
-def _join_ranks(settings: Settings) -> "TrainerRanks | None":  # noqa: F821
+def _join_ranks(settings: Settings) -> "TrainerRanks | None":
     """This process's rank when torchrun started it (WORLD_SIZE > 1), else None."""
     from services.trainer.distributed import join_from_env
 
@@ -388,7 +395,7 @@ def _join_ranks(settings: Settings) -> "TrainerRanks | None":  # noqa: F821
         raise errors.CommandError(str(exc)) from None
 
 
-def _follow(settings: Settings, ranks: "TrainerRanks") -> None:  # noqa: F821
+def _follow(settings: Settings, ranks: "TrainerRanks") -> None:
     """A rank other than 0: train what rank 0 orders until it stops; SIGTERM waits for that order."""
     from services.trainer.distributed import follow
     from shared.processes import on_sigterm
@@ -435,6 +442,7 @@ def inference(
     from services.inference.base_weights import BaseWeightsError
     from services.inference.control_plane import WeightFollower
     from services.inference.server import VllmServer, check_inference
+    from shared.required import required
 
     if check:
         health = check_inference(settings.inference.base_url)
@@ -475,7 +483,8 @@ def inference(
                 server.stop()
 
         with WeightFollower.from_settings(settings, base_urls=[server.base_url]) as follower:
-            process = server.process  # server.stop() (the follower's failure) clears it
+            # server.stop() (the follower's failure) clears it
+            process = required(server.process, "the vLLM server's process (start sets it)")
             thread = threading.Thread(target=follow, name="weight-follower", daemon=True)
             thread.start()
             process.wait()

@@ -36,7 +36,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, cast
 
 from services.cli.demo import DEMO_REWARD_WEIGHTS, write_demo_dataset
 from services.cli.local_stack import LocalStack, ManagedProcess
@@ -370,7 +370,8 @@ class ChaosRun:
         of_fault = {t: r for t, r in reasons.items() if kind_of(r) in FAULT_KINDS or r.startswith(tuple(FAULT_KINDS))}
         if of_fault:
             problems.append(f"{len(of_fault)} failed of the faults: {dict(list(of_fault.items())[:3])}")
-        entries = ledger.redis.xrange(RedisKeys.trainer_stream(self.run_id))
+        # the ledger's client decodes replies (decode_responses): str, which redis-py's types cannot tell
+        entries = cast(list[tuple[str, dict[str, str]]], ledger.redis.xrange(RedisKeys.trainer_stream(self.run_id)))
         events = [parse_message(TrainerEvent, fields["event"]).trajectory_id for _, fields in entries]
         tids = sorted(ledger.states(self.run_id))
         if sorted(events) != tids:
@@ -382,7 +383,7 @@ class ChaosRun:
                    for m in record.members]
         if sorted(members) != tids:
             problems.append(f"group records: {len(members)} memberships for {len(tids)} trajectories")
-        counters = ledger.redis.hgetall(RedisKeys.trainer_counters(self.run_id))
+        counters = cast(dict[str, str], ledger.redis.hgetall(RedisKeys.trainer_counters(self.run_id)))
         if int(counters.get("duplicate_events", 0)):
             problems.append(f"the trainer counted {counters['duplicate_events']} duplicate events")
         return problems

@@ -59,6 +59,7 @@ from shared.names import RedisKeys
 from shared.policy_version import PolicyVersion
 from shared.run_marker import RunMarker
 from shared.run_stop import stop_of
+from shared.required import required
 from shared.schemas import GroupRegistration, RolloutRequest, TaskProfile
 from shared.settings import Settings, SplitSettings
 from shared.staleness import StalenessBudget
@@ -203,7 +204,8 @@ def run_intake(
     RunMarker(ledger.redis, run, store).open()
     admission = None
     if settings.trainer.mode == "train":  # admission waits for the trainer's steps
-        budget = StalenessBudget(ledger.redis, run, settings.trainer.max_off_policy_steps, settings.trainer.groups_per_step)
+        budget = StalenessBudget(ledger.redis, run, required(settings.trainer.max_off_policy_steps, "trainer.max_off_policy_steps"),
+                                 settings.trainer.groups_per_step)
         admission = AdmissionWait(budget, ledger, settings.intake.wait_log_every_s)
     groups, served = GroupRegistry(ledger.redis, run), PolicyVersion(ledger.redis, run)
     if dataset_version:

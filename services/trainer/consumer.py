@@ -50,9 +50,10 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, cast
 
 import redis
+from redis.typing import KeyT, StreamIdT
 
 from services.trainer.group_decision import decide_group
 from services.trainer.group_filters import build_filter
@@ -66,6 +67,7 @@ from shared.run_marker import RunMarker
 from shared.run_stop import RunStop, end_unfinished, stop_of
 from shared.dead_letters import DeadLetters
 from shared.group_registry import GroupRegistry
+from shared.required import required
 from shared.schemas import (
     BadMessage,
     GroupRecord,
@@ -106,7 +108,8 @@ class TrainerConsumer:
         self.group_filters = [build_filter(spec) for spec in trainer.group_filters]
         self.budget = None
         if trainer.mode == "train":  # the staleness bound throttles rollouts to the training steps
-            self.budget = StalenessBudget(self.redis, self.run_id, trainer.max_off_policy_steps, trainer.groups_per_step)
+            self.budget = StalenessBudget(self.redis, self.run_id, required(trainer.max_off_policy_steps, "trainer.max_off_policy_steps"),
+                                          trainer.groups_per_step)
         self.metrics = GroupMetricsLog(Path(self.settings.trainer.metrics_path), self.run_id)
         self.marker = RunMarker(self.redis, self.run_id, self.store)
         self.marker.check(_STOPS, look_in_store=True)  # before anything of the run is created again
@@ -166,9 +169,10 @@ class TrainerConsumer:
         self.stopped = stop
         return True
 
-    def _read(self, streams: dict[str, str], count: int, block: int | None = None) -> list:
+    def _read(self, streams: dict[KeyT, StreamIdT], count: int, block: int | None = None) -> list:
         try:
-            return self.redis.xreadgroup(CONSUMER_GROUP, self.consumer, streams, count=count, block=block)
+            # RESP2 (redis-py's default protocol): a list of [stream, entries]
+            return cast(list, self.redis.xreadgroup(CONSUMER_GROUP, self.consumer, streams, count=count, block=block))
         except redis.ResponseError as exc:
             if "NOGROUP" in str(exc):  # the stream is gone: say so if Redis lost the run
                 self.marker.check(_STOPS)
@@ -266,7 +270,7 @@ class TrainerConsumer:
                     tx.watch(self.marker.key, done)
                     if not tx.exists(self.marker.key):
                         self.marker.check(_STOPS)
-                    if tx.sismember(done, group_id):
+                    if tx.sismember(done, str(group_id)):  # what redis-py would send for the int
                         return
                     tx.multi()
                     fill(tx)

@@ -22,6 +22,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 from services.trainer.advantages import group_advantages
@@ -100,19 +101,20 @@ def decide_group(group: PendingGroup, run_id: str, trainer: TrainerSettings, fil
     advantages = [0.0] * len(rewards) if keep else adv.advantages
     members = _sorted(failed + [GroupMember(trajectory_id=e.trajectory_id, reward=e.reward, advantage=a)
                                 for e, a in zip(scored, advantages)])
-    decided = dict(group_id=group.group_id, members=members, rewards=rewards, reward_mean=adv.mean, reward_std=adv.std)
+    decided = partial(GroupDecision, group_id=group.group_id, members=members, rewards=rewards, reward_mean=adv.mean,
+                      reward_std=adv.std)
     if adv.zero_variance and not keep:
-        return GroupDecision(status="zero_variance", **decided)
+        return decided(status="zero_variance")
     # per-token advantages share GRPO's statistics: (G_t - mean) / scale (token_rewards)
     scale = (adv.std + trainer.advantage_eps) if trainer.scale_advantage_by_std else 1.0
     per_token = None if keep or trainer.token_rewards == "terminal" else (adv.mean, scale)
     batch = training_batch(run_id, group.group_id, scored, advantages, read_trajectory, trainer, per_token)
     filter_reason = first_objection(filters, batch)
     if filter_reason is not None:
-        return GroupDecision(status="filtered", filter_reason=filter_reason, **decided)
+        return decided(status="filtered", filter_reason=filter_reason)
     if is_stale is not None and is_stale(min(sample.oldest_policy_version for sample in batch.samples)):
-        return GroupDecision(status="stale", **decided)
-    return GroupDecision(status="accepted", batch=batch, zero_variance_kept=keep, **decided)
+        return decided(status="stale")
+    return decided(status="accepted", batch=batch, zero_variance_kept=keep)
 
 
 def training_batch(run_id: str, group_id: int, scored: list[ScoredEvent], advantages: list[float],

@@ -227,7 +227,8 @@ class TrainingLoop:
 
     def _announce(self, version: int) -> None:
         announcement = CheckpointAnnouncement(version=version, prefix=checkpoint_prefix(self.run_id, version))
-        self.redis.xadd(RedisKeys.checkpoints(self.run_id), announcement.stream_fields())
+        # redis-py types the fields as an invariant Dict of its own unions, so it refuses a dict[str, str]
+        self.redis.xadd(RedisKeys.checkpoints(self.run_id), announcement.stream_fields())  # type: ignore[arg-type]
 
     def _rollout_metrics(self, batches: list[TrainingBatch], selection: Selection, trained_at: int) -> dict[str, float]:
         samples = [s for b in batches for s in b.samples]

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable
 
 from services.trainer.consumer import TrainerConsumer
 from shared.ledger import Ledger
+from shared.required import required
 from shared.settings import Settings
 from shared.storage import ObjectStore, open_store
 
@@ -60,7 +61,7 @@ class TrainerProcess:
 
         sink = MetricsSink(trainer.step_metrics_path, trainer.prometheus_port or settings.metrics_port,
                            trainer.wandb_project, settings.run_id)
-        learner = TrainingLoop(settings, store, consumer.budget, sink, ranks=ranks,
+        learner = TrainingLoop(settings, store, required(consumer.budget, "the staleness budget of mode train"), sink, ranks=ranks,
                                evaluator=None if evaluator is None else evaluator(consumer.ledger, store))
         return cls(consumer, learner)
 

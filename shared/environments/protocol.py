@@ -103,7 +103,7 @@ class VerifyResult:
 
 
 class Environment(abc.ABC):
-    name: ClassVar[str]
+    name: str  # each class sets it; MainThreadFallback takes the one of the environment it wraps
     Config: ClassVar[type[EnvConfig]] = EnvConfig
     observation_role: ClassVar[str] = "user"  # default for ``EnvConfig.observation_role``
 
@@ -132,8 +132,9 @@ class Environment(abc.ABC):
         return None
 
     @classmethod
-    def check_task(cls, task_data: dict[str, Any], config: EnvConfig) -> dict[str, Any]:
-        """Checks that need the environment's settings; ``RowRejected``. Runs at intake only."""
+    def check_task(cls, task_data: dict[str, Any], config: Any) -> dict[str, Any]:
+        """Checks that need the environment's settings; ``RowRejected``. Runs at intake only.
+        ``config``: this class's own ``Config`` (what ``validate_config`` returns for it)."""
         return task_data
 
     # --- worker side: one episode -----------------------------------------------------------
