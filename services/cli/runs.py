@@ -102,6 +102,22 @@ def refuse_stopped(client: Any, run_id: str, instead: str) -> None:
         raise errors.CommandError(f"run {run_id} was {stop.describe()}; a stopped run is over: {instead}")
 
 
+NEW_RUN_ID = "set a new run id (CONVEYOR_RUN_ID, or run_id in the --config file)"
+
+
+def refuse_run_in_use(ledger: Any, run_id: str, resume: bool) -> None:
+    """A ``CommandError`` if the run was stopped, or if Redis holds it already and ``resume`` is
+    not set: a run id in use is continued only on purpose (intake and ``run submit`` both ask here)."""
+    from services.intake.publisher import run_history
+
+    refuse_stopped(ledger.redis, run_id, NEW_RUN_ID)
+    history = run_history(ledger, run_id)
+    if history.started and not resume:
+        raise errors.CommandError(
+            f"run {run_id} is already in Redis: {history.describe()}. Pass --resume to continue it (the groups "
+            f"it published are skipped and reported), or {NEW_RUN_ID}")
+
+
 @run_app.command("list")
 def list_runs(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML settings file (or set CONVEYOR_CONFIG)"),
