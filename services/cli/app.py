@@ -27,6 +27,8 @@ from services.cli.data import data_app
 from services.cli.preflight import check_environments, require_model
 from services.cli.progress import progress
 from services.cli.runs import refuse_run_in_use, refuse_stopped, require_run, run_app
+from services.cli.run_logs import logs_command
+from services.cli.run_submit import submit_command
 from services.cli.trajectories import inspect_command, replay_command
 from shared.settings import Settings, load_settings
 
@@ -37,6 +39,8 @@ worker_app = typer.Typer(no_args_is_help=True, help="Celery workers.")
 app.add_typer(worker_app, name="worker")
 app.add_typer(data_app, name="data")
 app.add_typer(run_app, name="run")
+run_app.command("submit")(submit_command)
+run_app.command("logs")(logs_command)
 app.command("inspect")(inspect_command)
 app.command("replay")(replay_command)
 console = Console(stderr=True, soft_wrap=True)

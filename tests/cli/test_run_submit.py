@@ -1,0 +1,53 @@
+"""``conveyor run submit CONFIG`` refuses a run it cannot start before it starts or writes
+anything, and ``conveyor run logs`` says where it looked when a run has no logs here. Real Redis,
+the real ``conveyor`` command; a submitted run that goes to its end is in
+``tests/test_run_submit_e2e.py``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from shared.ledger import Ledger
+from shared.names import ROLLOUT_QUEUE
+from test_cli_errors import conveyor, one_error_line
+
+GOOD_ROW = {"task_data": {"low": 1, "high": 20, "target": 3}}
+
+
+def _config(tmp_path: Path, run_id: str, rows: list[dict]) -> Path:
+    dataset = tmp_path / "tasks.jsonl"
+    dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = tmp_path / "run.yaml"
+    config.write_text(f"run_id: {run_id}\nruns_dir: {tmp_path / 'runs'}\nintake:\n  dataset: {dataset}\n"
+                      f"storage:\n  backend: local\n  local_root: {tmp_path / 'objects'}\n")
+    return config
+
+
+def test_a_bad_row_is_one_error_naming_file_row_and_field_and_nothing_starts(redis_url, redis_client, tmp_path, run_id):
+    config = _config(tmp_path, run_id, [GOOD_ROW, {"task_data": {"low": 1, "high": 20}}, GOOD_ROW])
+    line = one_error_line(conveyor("run", "submit", str(config), cwd=tmp_path, CONVEYOR_REDIS__URL=redis_url))
+    assert line.startswith(f"{tmp_path / 'tasks.jsonl'}:2: field target: field 'target' must be an integer"), line
+    assert line.endswith("(1 of 3 rows rejected; `conveyor data validate "
+                         f"{tmp_path / 'tasks.jsonl'}` lists them); nothing was started")
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "objects").exists()
+    assert Ledger(redis_client).runs() == [] and redis_client.dbsize() == 0
+
+
+def test_a_run_id_in_use_is_refused_without_resume_by_intakes_own_check(redis_url, redis_client, tmp_path, run_id):
+    env = {"CONVEYOR_REDIS__URL": redis_url, "CONVEYOR_RUN_ID": run_id, "CONVEYOR_STORAGE__BACKEND": "local",
+           "CONVEYOR_STORAGE__LOCAL_ROOT": str(tmp_path / "objects")}
+    assert conveyor("intake", "--demo-tasks", "2", cwd=tmp_path, **env).returncode == 0
+    states, queued = Ledger(redis_client).states(run_id), redis_client.llen(ROLLOUT_QUEUE)
+
+    config = _config(tmp_path, run_id, [GOOD_ROW])
+    line = one_error_line(conveyor("run", "submit", str(config), cwd=tmp_path, CONVEYOR_REDIS__URL=redis_url))
+    assert line.startswith(f"run {run_id} is already in Redis: 2 groups (2 published), trajectories: 8 queued.")
+    assert "Pass --resume to continue it" in line
+    assert not (tmp_path / "runs").exists()
+    assert Ledger(redis_client).states(run_id) == states and redis_client.llen(ROLLOUT_QUEUE) == queued
+
+
+def test_logs_of_a_run_with_none_here_say_where_they_looked(tmp_path):
+    line = one_error_line(conveyor("run", "logs", "norun", cwd=tmp_path, CONVEYOR_RUNS_DIR=str(tmp_path / "runs")))
+    assert line.startswith(f"run norun has no logs on this host: looked in {tmp_path / 'runs' / 'norun' / 'logs'} ")
