@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from pipeline_support import REWARD_WEIGHTS, base_stack, poll, run_stack
+from pipeline_support import REWARD_WEIGHTS, base_stack, poll, process_running, run_stack
 
 from services.cli.demo import write_demo_dataset
 from services.cli.local_stack import LocalStack
@@ -96,17 +96,10 @@ def test_run_stop_ends_a_detached_run_with_its_supervisor_and_follower(workers, 
 
     stopped = _conveyor(workers, "run", "stop", "detached", "--config", str(config))
     assert stopped.returncode == 0, stopped.stderr
-    poll("the supervisor exited", 120, lambda: not _running(supervisor))
+    poll("the supervisor exited", 120, lambda: not process_running(supervisor))
     log = (tmp_path / "runs" / "detached" / "logs" / "supervisor.log").read_text()
     follower = int(re.search(r"started follower \(pid (\d+)\)", log).group(1))
-    assert not _running(follower), log
+    assert not process_running(follower), log
     assert re.search(r"^run detached stopped by .+: stopped by hand: trajectories .*$", log, re.M), log
     assert all(p.alive() for p in workers.processes), "the shared stack stays up"
 
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan waits for init to reap it)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False

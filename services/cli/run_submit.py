@@ -42,6 +42,8 @@ from shared.settings import Settings, load_settings
 PROGRESS_EVERY_S = 10.0
 WATCH_POLL_S = 0.5
 FAILED_LOG_LINES = 30
+UNTIL = {"intake": "to publish every group",
+         "trainer": "to see intake done and every trajectory consumed or failed (or the run stopped)"}
 
 
 def submit_command(
@@ -145,10 +147,8 @@ def _watch(stack: LocalStack, settings: Settings) -> int:
             print(f"run {run_id} {outcome}: {_counts(ledger, run_id)}", flush=True)
             return 0
         if time.monotonic() - said_at >= PROGRESS_EVERY_S:
-            waiting = [p.name for p in (intake, trainer) if p.alive()]
-            print(f"run {run_id}: {_counts(ledger, run_id)}; waiting for {' and '.join(waiting)} to finish (intake "
-                  "once every group is published, the trainer once intake is done and every trajectory is consumed "
-                  "or failed)", flush=True)
+            waiting = "; ".join(f"{p.name} {UNTIL[p.name]}" for p in (intake, trainer) if p.alive())
+            print(f"run {run_id}: {_counts(ledger, run_id)}; waiting for {waiting}", flush=True)
             said_at = time.monotonic()
         time.sleep(WATCH_POLL_S)
 

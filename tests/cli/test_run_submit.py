@@ -6,7 +6,11 @@ the real ``conveyor`` command; a submitted run that goes to its end is in
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+
+import pytest
+from pipeline_support import process_running
 
 from shared.ledger import Ledger
 from shared.names import ROLLOUT_QUEUE
@@ -15,12 +19,12 @@ from test_cli_errors import conveyor, one_error_line
 GOOD_ROW = {"task_data": {"low": 1, "high": 20, "target": 3}}
 
 
-def _config(tmp_path: Path, run_id: str, rows: list[dict]) -> Path:
+def _config(tmp_path: Path, run_id: str, rows: list[dict], more: str = "") -> Path:
     dataset = tmp_path / "tasks.jsonl"
     dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
     config = tmp_path / "run.yaml"
     config.write_text(f"run_id: {run_id}\nruns_dir: {tmp_path / 'runs'}\nintake:\n  dataset: {dataset}\n"
-                      f"storage:\n  backend: local\n  local_root: {tmp_path / 'objects'}\n")
+                      f"storage:\n  backend: local\n  local_root: {tmp_path / 'objects'}\n{more}")
     return config
 
 
@@ -51,3 +55,19 @@ def test_a_run_id_in_use_is_refused_without_resume_by_intakes_own_check(redis_ur
 def test_logs_of_a_run_with_none_here_say_where_they_looked(tmp_path):
     line = one_error_line(conveyor("run", "logs", "norun", cwd=tmp_path, CONVEYOR_RUNS_DIR=str(tmp_path / "runs")))
     assert line.startswith(f"run norun has no logs on this host: looked in {tmp_path / 'runs' / 'norun' / 'logs'} ")
+
+
+@pytest.mark.slow  # three conveyor processes start, one loads torch: about 20 s
+def test_a_failing_process_is_named_with_its_log_and_ends_the_runs_others(redis_url, tmp_path, run_id):
+    (tmp_path / "model").mkdir()  # no checkpoint in it: the weight follower cannot load the run's base model
+    config = _config(tmp_path, run_id, [GOOD_ROW], f"inference:\n  model_path: {tmp_path / 'model'}\n"
+                                                  "  base_url: http://127.0.0.1:9\n")
+    failed = conveyor("run", "submit", str(config), cwd=tmp_path, timeout_s=180, CONVEYOR_REDIS__URL=redis_url)
+    assert failed.returncode == 1, (failed.stdout, failed.stderr)
+    started = dict(re.findall(r"^run \S+: started (\w+) \(pid (\d+)\)", failed.stdout, re.M))
+    assert sorted(started) == ["follower", "intake", "trainer"], failed.stdout
+    log = tmp_path / "runs" / run_id / "logs" / "follower.log"
+    assert failed.stderr.startswith(f"run {run_id}: follower exited with 1; stopping the run's other processes. "
+                                    f"The last lines of {log}:\n"), failed.stderr
+    assert f"Unrecognized model in {tmp_path / 'model'}" in failed.stderr.replace("\n", "")
+    assert not any(process_running(int(pid)) for pid in started.values())
