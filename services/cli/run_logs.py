@@ -20,7 +20,6 @@ from typing import Optional
 import typer
 
 from services.cli import errors
-from services.cli.local_stack import log_tail
 from shared.settings import Settings, load_settings
 
 FOLLOW_POLL_S = 0.5
@@ -53,29 +52,35 @@ def logs_command(
         raise errors.CommandError(f"run {run} has no {process} log in {folder}; it has: "
                                   f"{', '.join(path.stem for path in found)}")
     prefixed = len(chosen) > 1
+    offsets = dict.fromkeys(chosen, 0)
     for path in chosen:
-        for line in log_tail(path, lines).splitlines() if lines else []:
+        for line in _whole_lines(path, offsets)[-lines:] if lines else []:
             _say(path, line, prefixed)
     if follow:
-        _follow(chosen, prefixed)
+        _follow(offsets, prefixed)
+
+
+def _whole_lines(path: Path, offsets: dict[Path, int]) -> list[str]:
+    """The whole lines written to ``path`` since ``offsets[path]``, which moves past them; a
+    half-written line waits for its end, so following after the tail loses and splits nothing."""
+    with path.open("rb") as log:
+        log.seek(offsets[path])
+        new = log.read()
+    complete = new[: new.rfind(b"\n") + 1]
+    offsets[path] += len(complete)
+    return complete.decode(errors="replace").splitlines()
 
 
 def _say(path: Path, line: str, prefixed: bool) -> None:
     print(f"[{path.stem}] {line}" if prefixed else line, flush=True)
 
 
-def _follow(paths: list[Path], prefixed: bool) -> None:
+def _follow(offsets: dict[Path, int], prefixed: bool) -> None:
     """Print what is appended to each log, a whole line at a time, until Ctrl-C (or SIGTERM)."""
-    offsets = {path: path.stat().st_size for path in paths}
     try:
         while True:
-            for path in paths:
-                with path.open("rb") as log:
-                    log.seek(offsets[path])
-                    new = log.read()
-                complete = new[: new.rfind(b"\n") + 1]  # a half-written line waits for its end
-                offsets[path] += len(complete)
-                for line in complete.decode(errors="replace").splitlines():
+            for path in offsets:
+                for line in _whole_lines(path, offsets):
                     _say(path, line, prefixed)
             time.sleep(FOLLOW_POLL_S)
     except KeyboardInterrupt:

@@ -1,12 +1,17 @@
 """``conveyor run submit CONFIG`` refuses a run it cannot start before it starts or writes
-anything, and ``conveyor run logs`` says where it looked when a run has no logs here. Real Redis,
+anything, and names a process of the run that fails; ``conveyor run logs`` says where it looked
+when a run has no logs here, and follows logs a whole line at a time. Real Redis,
 the real ``conveyor`` command; a submitted run that goes to its end is in
 ``tests/test_run_submit_e2e.py``."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +19,7 @@ from pipeline_support import process_running
 
 from shared.ledger import Ledger
 from shared.names import ROLLOUT_QUEUE
-from test_cli_errors import conveyor, one_error_line
+from test_cli_errors import CONVEYOR, conveyor, one_error_line
 
 GOOD_ROW = {"task_data": {"low": 1, "high": 20, "target": 3}}
 
@@ -71,3 +76,27 @@ def test_a_failing_process_is_named_with_its_log_and_ends_the_runs_others(redis_
                                     f"The last lines of {log}:\n"), failed.stderr
     assert f"Unrecognized model in {tmp_path / 'model'}" in failed.stderr.replace("\n", "")
     assert not any(process_running(int(pid)) for pid in started.values())
+
+
+def test_logs_follow_prints_whole_new_lines_prefixed_by_process_until_ctrl_c(tmp_path):
+    folder = tmp_path / "runs" / "r1" / "logs"
+    folder.mkdir(parents=True)
+    (folder / "intake.log").write_text("intake r1: publishing\n")
+    trainer = folder / "trainer.log"
+    trainer.write_text("old line\ntrainer r1: reading\n")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")},
+           "CONVEYOR_RUNS_DIR": str(tmp_path / "runs")}
+    follow = subprocess.Popen([CONVEYOR, "run", "logs", "r1", "--follow", "--lines", "1"], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert follow.stdout.readline() == "[intake] intake r1: publishing\n"
+        assert follow.stdout.readline() == "[trainer] trainer r1: reading\n"
+        with trainer.open("a") as log:
+            log.write("step 1 ")  # half a line: held back until its end comes
+            log.flush()
+            time.sleep(1.0)
+            log.write("done\n")
+        assert follow.stdout.readline() == "[trainer] step 1 done\n"
+    finally:
+        follow.send_signal(signal.SIGINT)
+        assert follow.wait(10) == 0, follow.stderr.read()
