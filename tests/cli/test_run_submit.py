@@ -1,6 +1,7 @@
 """``conveyor run submit CONFIG`` refuses a run it cannot start before it starts or writes
 anything, and names a process of the run that fails; ``conveyor run logs`` says where it looked
-when a run has no logs here, and follows logs a whole line at a time. Real Redis,
+when a run has no logs here, and follows logs a whole line at a time; SIGTERM stops the run's
+processes. Real Redis,
 the real ``conveyor`` command; a submitted run that goes to its end is in
 ``tests/test_run_submit_e2e.py``."""
 
@@ -10,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -100,3 +102,26 @@ def test_logs_follow_prints_whole_new_lines_prefixed_by_process_until_ctrl_c(tmp
     finally:
         follow.send_signal(signal.SIGINT)
         assert follow.wait(10) == 0, follow.stderr.read()
+
+
+def test_sigterm_stops_the_runs_processes_and_says_so(redis_url, tmp_path, run_id):
+    with socket.socket() as hung_inference:  # accepts connections, never answers: the follower waits on it
+        hung_inference.bind(("127.0.0.1", 0))
+        hung_inference.listen(8)
+        (tmp_path / "model").mkdir()
+        config = _config(tmp_path, run_id, [GOOD_ROW], f"inference:\n  model_path: {tmp_path / 'model'}\n"
+                                                      f"  base_url: http://127.0.0.1:{hung_inference.getsockname()[1]}\n")
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}, "CONVEYOR_REDIS__URL": redis_url}
+        supervisor = subprocess.Popen([CONVEYOR, "run", "submit", str(config)], cwd=tmp_path, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        started = {}
+        while len(started) < 3:
+            line = supervisor.stdout.readline()
+            assert line, supervisor.stderr.read()
+            name, pid = re.match(r"run \S+: started (\w+) \(pid (\d+)\)", line).groups()
+            started[name] = int(pid)
+        supervisor.send_signal(signal.SIGTERM)
+        assert supervisor.wait(60) == 128 + signal.SIGTERM, supervisor.stderr.read()
+    rest = supervisor.stdout.read()
+    assert rest.splitlines()[-1] == f"run {run_id}: terminated (SIGTERM); stopping its processes (the stack stays up)"
+    assert not any(process_running(pid) for pid in started.values())
