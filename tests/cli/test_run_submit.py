@@ -1,9 +1,8 @@
 """``conveyor run submit CONFIG`` refuses a run it cannot start before it starts or writes
-anything, and names a process of the run that fails; ``conveyor run logs`` says where it looked
-when a run has no logs here, and follows logs a whole line at a time; SIGTERM stops the run's
-processes. Real Redis,
-the real ``conveyor`` command; a submitted run that goes to its end is in
-``tests/test_run_submit_e2e.py``."""
+anything, names a process of the run that fails, and on SIGTERM stops the run's processes;
+``conveyor run logs`` says where it looked when a run has no logs here, and follows logs a whole
+line at a time. Real Redis, the real ``conveyor`` command; a submitted run that goes to its end
+is in ``tests/test_run_submit_e2e.py``."""
 
 from __future__ import annotations
 
