@@ -200,16 +200,17 @@ def process(
     settings = _settings(config)
     from services.cli.data import check_export_options, export_run
     from services.trainer.consumer import TrainerConsumer
+    from services.trainer.process import TrainerProcess
     from shared.ledger import Ledger
     from shared.storage import open_store
 
     check_export_options(fmt, form)
-    if settings.trainer.max_off_policy_steps is not None:  # nothing trains: intake must not wait for a trainer
-        console.print("process mode: trainer.max_off_policy_steps ignored, no trainer runs")
-        settings = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"max_off_policy_steps": None})})
+    if settings.trainer.mode != "assemble":  # nothing trains: intake must not wait for a trainer
+        console.print(f"process mode: trainer.mode {settings.trainer.mode} ignored, no trainer runs")
+        settings = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"mode": "assemble"})})
     _publish_dataset(settings, dataset, None, resume)
     consumer = TrainerConsumer(settings, Ledger.from_url(settings.redis.url, settings.outage), open_store(settings.storage, settings.outage))
-    consumer.run_forever(stop_when_idle=True)  # groups assembled, advantages computed, every trajectory terminal
+    TrainerProcess(consumer).run(stop_when_idle=True)  # groups assembled, advantages computed, every trajectory terminal
     counts = consumer.ledger.counts(settings.run_id)
     console.print(f"process {settings.run_id}: {counts['consumed']} trajectories scored, {counts['failed']} failed")
     export_run(settings.run_id, out, fmt, form, min_reward, max_reward, config, min_margin, settings=settings)
@@ -321,56 +322,37 @@ def trainer(
     exit_when_done: bool = typer.Option(False, help="exit once intake is done and every trajectory is terminal"),
 ) -> None:
     """Consume scored trajectories: assemble GRPO groups, compute advantages, emit batches;
-    with trainer.max_off_policy_steps set, also train, checkpoint and announce new versions.
+    with trainer.mode train, also train, checkpoint and announce new versions.
     Under ``torchrun --nproc-per-node N -m services.cli.app trainer``, train sharded with FSDP2
     on N ranks: rank 0 does all of the above, the others train with it (services.trainer.distributed)."""
     _logging()
     settings = _settings(config)
     ranks = None
-    if settings.trainer.max_off_policy_steps is not None:  # it trains: it loads the model
+    if settings.trainer.mode == "train":  # it loads the model
         require_model(settings)
         ranks = _join_ranks(settings)
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:  # N consumers of one stream would each assemble groups
-        raise errors.CommandError("under torchrun the trainer must train: set trainer.max_off_policy_steps")
+        raise errors.CommandError("under torchrun the trainer must train: set trainer.mode: train")
     if ranks is not None and not ranks.leader:
         _follow(settings, ranks)
         return
-    from services.trainer.consumer import TrainerConsumer
-    from shared.ledger import Ledger
-    from shared.storage import open_store
-
-    from shared.prometheus import serve_metrics
-
-    store = open_store(settings.storage, settings.outage)  # both wait out an outage (shared.outage)
-    consumer = TrainerConsumer(settings, Ledger.from_url(settings.redis.url, settings.outage), store)
-    serve_metrics(settings.trainer.prometheus_port or settings.metrics_port, consumer.redis)
-    loop = None
-    if consumer.budget is not None:  # a staleness bound is set: train, not only assemble
-        from services.trainer.loop import TrainingLoop
-        from services.trainer.metrics import MetricsSink
-
-        t = settings.trainer
-        sink = MetricsSink(t.step_metrics_path, t.prometheus_port or settings.metrics_port, t.wandb_project, settings.run_id)
-        loop = TrainingLoop(settings, store, consumer.budget, sink, evaluator=_evaluator(settings, consumer.ledger, store),
-                            ranks=ranks)
     from services.trainer.alarm import LogprobAlarm
+    from services.trainer.process import TrainerProcess
     from shared.processes import on_sigterm
 
-    import threading
-
-    stop = threading.Event()  # SIGTERM: finish the group in hand, then exit; the stream keeps the rest
-    on_sigterm(stop.set)
+    trainer_process = TrainerProcess.from_settings(settings, ranks, lambda ledger, store: _evaluator(settings, ledger, store))
+    on_sigterm(trainer_process.stop.set)  # SIGTERM: finish the group in hand, then exit; the stream keeps the rest
     try:
-        consumer.run_forever(stop_when_idle=exit_when_done, loop=loop, stop=stop)
+        trainer_process.run(stop_when_idle=exit_when_done)
     except LogprobAlarm as exc:
         logging.getLogger("conveyor.trainer").error("%s", exc)
         console.print(f"[red]trainer {settings.run_id} stopped: {exc}[/red]")
         raise typer.Exit(3) from None
     finally:
-        if loop is not None:
-            loop.close()
+        trainer_process.close()
         if ranks is not None:
             ranks.leave()
+    consumer = trainer_process.consumer
     if consumer.stopped is not None:
         console.print(f"trainer {settings.run_id}: the run was {consumer.stopped.describe()}; exiting")
     console.print(f"trainer {settings.run_id}: {consumer.counters()}")

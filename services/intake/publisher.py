@@ -202,7 +202,7 @@ def run_intake(
     check_startup(environments, settings.intake.env_name, settings.intake.env_config, settings.environments)
     RunMarker(ledger.redis, run, store).open()
     admission = None
-    if settings.trainer.max_off_policy_steps is not None:
+    if settings.trainer.mode == "train":  # admission waits for the trainer's steps
         budget = StalenessBudget(ledger.redis, run, settings.trainer.max_off_policy_steps, settings.trainer.groups_per_step)
         admission = AdmissionWait(budget, ledger, settings.intake.wait_log_every_s)
     groups, served = GroupRegistry(ledger.redis, run), PolicyVersion(ledger.redis, run)

@@ -13,7 +13,7 @@ An environment is a class with:
 
 Invariants:
 - ``reset``'s seed is the group's task seed: every member of a GRPO group gets the same task
-  instance, and no two groups of a run share it (``shared.ids.task_seed``). Sampling seeds are
+  instance, and no two groups of a run share it (``shared.schemas.RolloutRequest.task_seed``). Sampling seeds are
   per trajectory and turn, elsewhere.
 - An environment never raises on bad model output: a malformed or missing tool call becomes an
   error observation and the episode goes on. Raising means the environment itself broke
