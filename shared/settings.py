@@ -496,6 +496,8 @@ class Settings(BaseSettings):
     # Prometheus endpoint of a long-running service (workers, trainer, inference control
     # plane): None = off. shared.prometheus says what each exposes.
     metrics_port: Int | None = Field(None, gt=0, lt=65536)
+    # ``conveyor run submit``: each run's process logs under runs_dir/<run id>/logs (services.cli.run_submit)
+    runs_dir: Path = Path(".conveyor/runs")
     # environment plugins, {name: "module:Class"}, on top of the built-ins and the
     # ``conveyor.environments`` entry points (shared.environments.registry)
     environments: dict[str, str] = Field(default_factory=dict)

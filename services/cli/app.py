@@ -24,8 +24,11 @@ from rich.table import Table
 
 from services.cli import errors
 from services.cli.data import data_app
+from services.cli.preflight import check_environments, require_model
 from services.cli.progress import progress
-from services.cli.runs import refuse_stopped, require_run, run_app
+from services.cli.runs import refuse_run_in_use, refuse_stopped, require_run, run_app
+from services.cli.run_logs import logs_command
+from services.cli.run_submit import submit_command
 from services.cli.trajectories import inspect_command, replay_command
 from shared.settings import Settings, load_settings
 
@@ -33,7 +36,6 @@ if TYPE_CHECKING:  # imported where used: a command loads only what it runs
     from services.trainer.distributed import TrainerRanks
     from services.trainer.evaluation import Evaluator
     from shared.ledger import Ledger
-    from shared.model_source import ModelSource
     from shared.storage import ObjectStore
 
 # no locals in a traceback: they would print the settings' secrets
@@ -43,6 +45,8 @@ worker_app = typer.Typer(no_args_is_help=True, help="Celery workers.")
 app.add_typer(worker_app, name="worker")
 app.add_typer(data_app, name="data")
 app.add_typer(run_app, name="run")
+run_app.command("submit")(submit_command)
+run_app.command("logs")(logs_command)
 app.command("inspect")(inspect_command)
 app.command("replay")(replay_command)
 console = Console(stderr=True, soft_wrap=True)
@@ -79,17 +83,6 @@ def _logging() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
-def _require_model(settings: Settings) -> "ModelSource":
-    """``inference.model_path`` as a local checkpoint or a Hugging Face model name that can be
-    loaded (``shared.model_source``); a hub name is said in the log."""
-    from shared.model_source import resolve_model_source
-
-    source = resolve_model_source(settings.inference.model_path).require_available()
-    if source.is_hub_name:
-        logging.getLogger("conveyor").info("%s", source.describe())
-    return source
-
-
 def _wait_for_redis(settings: Settings) -> None:
     """A worker waits for Redis at start, as through any outage (``shared.outage``: logged,
     bounded by outage.limit_s, then one line and exit 2); a refused password stops it at once."""
@@ -116,7 +109,7 @@ def _publish_dataset(settings: Settings, dataset: Optional[str], demo_tasks: Opt
     ``resume`` is not set (checked before anything is written)."""
     from services.intake.datasets import read_dataset
     from services.intake.limits import PromptLimit
-    from services.intake.publisher import run_history, run_intake
+    from services.intake.publisher import run_intake
     from shared.celery_app import make_celery, publish_rollouts
     from shared.ledger import Ledger
     from shared.storage import open_store
@@ -127,19 +120,14 @@ def _publish_dataset(settings: Settings, dataset: Optional[str], demo_tasks: Opt
         from services.cli.demo import write_demo_dataset
 
         dataset = str(write_demo_dataset(Path(tempfile.mkdtemp(prefix="conveyor-demo-")) / "guess.jsonl", demo_tasks))
-    _check_environments(settings)
+    check_environments(settings)
     path = dataset or settings.intake.dataset
     if not path:
         raise errors.CommandError("no dataset: pass --dataset or set intake.dataset")
     data = read_dataset(path, settings.intake.split, settings.intake.dataset_label, settings.intake.max_row_bytes)
     celery = make_celery(settings)
     ledger = Ledger.from_url(settings.redis.url, settings.outage, settings.ledger.dispatch_ttl_s)  # waits out an outage of Redis
-    refuse_stopped(ledger.redis, settings.run_id, "set a new run id (CONVEYOR_RUN_ID, or run_id in the --config file)")
-    history = run_history(ledger, settings.run_id)
-    if history.started and not resume:
-        raise errors.CommandError(
-            f"run {settings.run_id} is already in Redis: {history.describe()}. Pass --resume to continue it (the groups "
-            f"it published are skipped and reported), or set a new run id (CONVEYOR_RUN_ID, or run_id in the --config file)")
+    refuse_run_in_use(ledger, settings.run_id, resume)
     store = open_store(settings.storage, settings.outage)  # keeps the run's marker (shared.run_marker)
     groups = settings.intake.num_groups if settings.intake.mode == "sample" else len(data.rows)
     with progress(f"intake {settings.run_id}: publishing groups", total=groups) as advance:
@@ -234,15 +222,6 @@ def process(
     export_run(settings.run_id, out, fmt, form, min_reward, max_reward, config, min_margin, settings=settings)
 
 
-def _check_environments(settings: Settings) -> None:
-    """Every plugin in settings resolves, and intake.env_config fits intake.env_name's Config:
-    a deployment that cannot run its environment stops here, before it takes or sends work."""
-    from shared.environments import check_startup, registry_for
-
-    check_startup(registry_for(settings.environments), settings.intake.env_name, settings.intake.env_config,
-                  settings.environments)
-
-
 def _celery_worker(module: str, queue: str, pool: str, concurrency: int, name: str, loglevel: str) -> None:
     import importlib
 
@@ -300,8 +279,8 @@ def worker_rollout(
     _logging()
     level = _log_level(loglevel, "--loglevel")
     settings = _settings(config)
-    _check_environments(settings)
-    _require_model(settings)
+    check_environments(settings)
+    require_model(settings)
     _wait_for_redis(settings)
     from shared.storage import open_store
 
@@ -333,7 +312,7 @@ def _evaluator(settings: Settings, ledger: "Ledger", store: "ObjectStore") -> "E
     from services.trainer.evaluation import Evaluator
     from shared.celery_app import make_celery, publish_rollouts
 
-    _check_environments(settings)
+    check_environments(settings)
     path = settings.evaluation.dataset or settings.intake.dataset
     if not path:
         raise errors.CommandError("evaluation is on but there is no dataset: set evaluation.dataset or intake.dataset")
@@ -356,7 +335,7 @@ def trainer(
     settings = _settings(config)
     ranks = None
     if settings.trainer.mode == "train":  # it loads the model
-        _require_model(settings)
+        require_model(settings)
         ranks = _join_ranks(settings)
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:  # N consumers of one stream would each assemble groups
         raise errors.CommandError("under torchrun the trainer must train: set trainer.mode: train")
@@ -467,7 +446,7 @@ def inference(
         from services.inference.tiny_model import generate_tiny_model
 
         generate_tiny_model(Path(settings.inference.model_path))
-    _require_model(settings)
+    require_model(settings)
     server = VllmServer.from_settings(settings.inference, lora_rank=settings.trainer.lora.served_rank)
     server.start()
     try:
