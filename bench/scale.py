@@ -7,7 +7,7 @@ What is measured. Throughput is trajectories *consumed by the trainer* per secon
 trajectory counts when the trainer has assembled its group (the group record's
 ``completed_at``, from the trainer's metrics), so every hop - rollout, upload, scoring,
 group assembly - is inside the figure. The trainer runs without a training loop
-(``trainer.max_off_policy_steps`` unset), as in bench/pipeline.py: this measures the
+(``trainer.mode: assemble``, the default), as in bench/pipeline.py: this measures the
 rollout side, not optimizer steps.
 
 Why it is fair.

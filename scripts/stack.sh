@@ -3,6 +3,7 @@
 # seconds when nothing changed), starts the stack with the CPU profile, and follows the
 # trainer's log until the demo run's last step; then prints the ledger.
 #   scripts/stack.sh up | down | images | status | scale N | env | worker-host [up args]
+#   scripts/stack.sh submit CONFIG [--resume] | logs RUN [--follow] | stop RUN: a run beside the first
 # `worker-host` starts only rollout workers, pointed at the head host CONVEYOR_HEAD through its
 # published ports (compose/worker-host.yml); PROJECT defaults to conveyor-workers there. It
 # records the project in compose/.worker-hosts, and `down` stops every worker-host project
@@ -14,6 +15,7 @@
 # Settings: compose/.env (copied from compose/.env.example on first use).
 # COMPOSE (default: `docker compose` if present, else docker-compose), PROFILE (cpu|gpu).
 set -euo pipefail
+CALLED_FROM=$PWD  # where a relative CONFIG of `submit` is
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 PROFILE=${PROFILE:-cpu}
@@ -61,6 +63,12 @@ down_worker_hosts() {
 # agent_coding: the rollout workers' proxy sockets, bind-mounted at the same path on both sides
 # (the daemon resolves the sandboxes' mounts on the host); sticky and writable by all, like /tmp
 agent_sockets() { install -d -m 1777 /tmp/conveyor-agents 2>/dev/null || true; }
+
+# inside a submit's container: the stack's endpoints stay, every other CONVEYOR_* variable of the
+# service (the stack's own run: its run id, group size, steps) goes, since a variable beats the
+# value in CONFIG; Prometheus too (the run's trainer and follower share the container)
+SUBMIT_KEEPS='CONVEYOR_REDIS__*|CONVEYOR_STORAGE__*|CONVEYOR_INFERENCE__BASE_URL|CONVEYOR_INFERENCE__MODEL|CONVEYOR_INFERENCE__DTYPE|CONVEYOR_INFERENCE__MAX_MODEL_LEN|CONVEYOR_STACK_ID|CONVEYOR_RUNS_DIR'
+SUBMIT_IN_CONTAINER='for name in $(env | sed -n "s/^\(CONVEYOR_[A-Z0-9_]*\)=.*/\1/p"); do case $name in '"$SUBMIT_KEEPS"') ;; *) unset "$name" ;; esac; done; exec conveyor run submit "$@"'
 
 case "${1:-up}" in
   images) images ;;
@@ -114,5 +122,27 @@ case "${1:-up}" in
     "$PY" -m services.cli.swarm_file --compose "$COMPOSE" --env-file compose/.stack.env --profile "$PROFILE" --out compose/.swarm.yml
     docker stack deploy --resolve-image never -c compose/.swarm.yml "$PROJECT"
     ;;
-  *) echo "usage: $0 up|down|images|status|scale N|env|worker-host|swarm" >&2; exit 2 ;;
+  submit)
+    # a run beside the stack's own (docs/compose.md): `conveyor run submit CONFIG` in a detached
+    # container of the trainer's image; CONFIG's folder is mounted read-only at the same path, so
+    # the paths in CONFIG (its dataset) work as they are
+    config=$(cd "$CALLED_FROM" && realpath -e "${2:?usage: $0 submit CONFIG [--resume]}") || exit 2
+    env_file
+    folder=$(dirname "$config")
+    container=$(dc run -d --rm --no-deps -v "$folder:$folder:ro" --entrypoint sh trainer -c "$SUBMIT_IN_CONTAINER" \
+      submit "$config" "${@:3}")
+    echo "[stack] submitted $config in container $container (its supervisor's output: docker logs -f $container)"
+    echo "[stack] the run's logs: $0 logs RUN [--follow]; to stop it: $0 stop RUN"
+    ;;
+  logs)
+    : "${2:?usage: $0 logs RUN [--process trainer|follower|intake] [--follow] [--lines N]}"
+    env_file
+    dc run --rm --no-deps -T trainer run logs "${@:2}"
+    ;;
+  stop)
+    : "${2:?usage: $0 stop RUN [--reason WHY]}"
+    env_file
+    dc run --rm --no-deps -T trainer run stop "${@:2}"
+    ;;
+  *) echo "usage: $0 up|down|images|status|scale N|env|worker-host|swarm|submit CONFIG|logs RUN|stop RUN" >&2; exit 2 ;;
 esac

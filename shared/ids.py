@@ -1,4 +1,4 @@
-"""Seeds and ids, exactly as the architecture page defines them.
+"""Seeds and ids: how a run's seeds, trajectory ids, row picks and splits are derived.
 
 - ``group_seed = base_seed + group_id``; ``episode_seed = group_seed + episode_index``.
 - The environment's ``reset`` gets the group seed (``RolloutRequest.task_seed``): every member

@@ -115,13 +115,13 @@ class Dependency:
         """``call``'s retry loop, from ``fn``'s first attempt on."""
 
         def failed(state: RetryCallState) -> None:
-            exc = state.outcome.exception()
+            exc = _attempt_failure(state)
             if on_failure is not None:
                 on_failure(exc)
             self._failed(exc)
 
         def give_up(state: RetryCallState) -> T:
-            exc = state.outcome.exception()
+            exc = _attempt_failure(state)
             line = (f"{self.name} has been unreachable for {self.down_for_s():.0f}s, longer than "
                     f"outage.limit_s ({self.settings.limit_s:g}s): {_brief(exc)}")
             log.error("%s", line)
@@ -195,6 +195,16 @@ def say_back_now() -> None:
     so that the error stays the last line it writes."""
     for dependency in list(Dependency._known.values()):
         dependency._confirm_back()
+
+
+def _attempt_failure(state: RetryCallState) -> BaseException:
+    """The exception of the attempt ``state`` reports on: tenacity calls ``after`` and
+    ``retry_error_callback`` only after an attempt, and here only after a failed one (the retry
+    condition is an exception's)."""
+    exc = state.outcome.exception() if state.outcome is not None else None
+    if exc is None:
+        raise RuntimeError(f"tenacity reported attempt {state.attempt_number} with no exception")
+    return exc
 
 
 def _brief(exc: BaseException | None) -> str:

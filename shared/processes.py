@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 from types import FrameType
-from typing import Any, Callable
+from typing import IO, Any, Callable, cast
 
 PR_SET_PDEATHSIG = 1
 
@@ -102,8 +102,9 @@ def _tell_reaper(line: str) -> None:
                 stdin=subprocess.PIPE, start_new_session=True, cwd=os.path.dirname(os.path.dirname(__file__)),
             )
         try:
-            _reaper.stdin.write(f"{line}\n".encode())
-            _reaper.stdin.flush()
+            reaper_stdin = cast(IO[bytes], _reaper.stdin)  # started with stdin=PIPE: never None
+            reaper_stdin.write(f"{line}\n".encode())
+            reaper_stdin.flush()
         except (BrokenPipeError, ValueError):  # it died: the next registration starts another
             _reaper = None
 

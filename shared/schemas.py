@@ -403,6 +403,9 @@ class GroupMember(BaseModel):
     failure_reason: str | None = None
 
 
+GroupStatus = Literal["accepted", "zero_variance", "all_failed", "stale", "filtered"]  # services.trainer.group_decision
+
+
 class GroupRecord(Message):
     """A completed GRPO group, as the trainer decided it."""
 
@@ -412,7 +415,7 @@ class GroupRecord(Message):
     members: list[GroupMember]
     reward_mean: float | None
     reward_std: float | None
-    status: Literal["accepted", "zero_variance", "all_failed", "stale", "filtered"]
+    status: GroupStatus
     batch_key: str | None = None  # object key of the emitted training batch
     filter_reason: str | None = None  # status "filtered": which filter of trainer.group_filters, and why
     completed_at: float

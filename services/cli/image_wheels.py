@@ -30,6 +30,7 @@ import threading
 from collections.abc import Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import cast
 
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
@@ -44,7 +45,7 @@ DEFAULT_WHEEL_PORT = 47_831
 
 
 def _image_environment(extra: str) -> dict[str, str]:
-    env = default_environment()
+    env = cast(dict[str, str], default_environment())  # a TypedDict whose values are all str
     env.update(python_full_version=IMAGE_PYTHON, python_version=IMAGE_PYTHON.rsplit(".", 1)[0], extra=extra)
     return env
 

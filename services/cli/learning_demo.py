@@ -84,6 +84,7 @@ def run_learning(
     groups = 4 * steps * int(settings["CONVEYOR_TRAINER__GROUPS_PER_STEP"])  # room for filtered groups
     stack = LocalStack(workdir / "stack", run_id=f"learn-k{max_off_policy_steps}", env={
         **settings,
+        "CONVEYOR_TRAINER__MODE": "train",
         "CONVEYOR_TRAINER__MAX_OFF_POLICY_STEPS": str(max_off_policy_steps),
         "CONVEYOR_TRAINER__MAX_STEPS": str(steps),
         "CONVEYOR_INTAKE__NUM_GROUPS": str(groups),

@@ -45,15 +45,15 @@ def _wait_for_port(port: int, timeout_s: float, proc: subprocess.Popen, log_path
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}:\n{_tail(log_path)}")
+            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}:\n{log_tail(log_path)}")
         with socket.socket() as sock:
             if sock.connect_ex(("127.0.0.1", port)) == 0:
                 return
         time.sleep(0.1)
-    raise TimeoutError(f"nothing listened on port {port} within {timeout_s}s:\n{_tail(log_path)}")
+    raise TimeoutError(f"nothing listened on port {port} within {timeout_s}s:\n{log_tail(log_path)}")
 
 
-def _tail(path: Path, lines: int = 30) -> str:
+def log_tail(path: Path, lines: int = 30) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except FileNotFoundError:
@@ -185,8 +185,8 @@ class LocalStack:
     def start_scoring_worker(self, name: str = "scoring") -> ManagedProcess:
         return self.conveyor(f"worker-{name}", "worker", "scoring", "--name", name)
 
-    def start_weight_follower(self) -> ManagedProcess:
-        return self.conveyor("weight-follower", "inference", "--attach")
+    def start_weight_follower(self, name: str = "weight-follower") -> ManagedProcess:
+        return self.conveyor(name, "inference", "--attach")
 
     def start_trainer(self, exit_when_done: bool = False) -> ManagedProcess:
         args = ["trainer"] + (["--exit-when-done"] if exit_when_done else [])
@@ -196,7 +196,7 @@ class LocalStack:
         return redis.Redis.from_url(self.env["CONVEYOR_REDIS__URL"], decode_responses=True)
 
     def logs(self, name: str, lines: int = 40) -> str:
-        return _tail(self.root / "logs" / f"{name}.log", lines)
+        return log_tail(self.root / "logs" / f"{name}.log", lines)
 
     def stop(self) -> None:
         for managed in reversed(self.processes):

@@ -3,7 +3,8 @@
 ``conveyor run list`` shows, per run: its groups (published, done), its trajectories by ledger
 state, its trainer (the last step and how long ago; or that none started, or that none reads
 the run's events), the policy version its rollouts are served with, and whether it was stopped.
-``conveyor run stop RUN`` ends a run (``shared.state.run_stop``).
+``conveyor run stop RUN`` ends a run (``shared.state.run_stop``). ``conveyor run submit`` and ``run logs``
+live in ``services.cli.run_submit`` and ``services.cli.run_logs``.
 
 Invariants:
 - ``run list`` is read only. Every key read or written has its owner elsewhere (the ledger,
@@ -12,6 +13,8 @@ Invariants:
   (``shared.state.trainer_reads``).
 - ``run stop`` writes through ``shared.state.run_stop`` only, and is idempotent: a second stop keeps
   the first one's reason and fails what is left unfinished by the same rule.
+- A run id in use is refused in one place, ``refuse_run_in_use``: intake and ``run submit`` both
+  ask it, so a run is continued only with ``--resume``, and a stopped run never.
 - A run is listed once Redis holds any of it (``Ledger.runs``); a run id that is not there is an
   error naming the runs that are.
 """
@@ -100,6 +103,22 @@ def refuse_stopped(client: Any, run_id: str, instead: str) -> None:
     stop = stop_of(client, run_id)
     if stop is not None:
         raise errors.CommandError(f"run {run_id} was {stop.describe()}; a stopped run is over: {instead}")
+
+
+NEW_RUN_ID = "set a new run id (CONVEYOR_RUN_ID, or run_id in the --config file)"
+
+
+def refuse_run_in_use(ledger: Any, run_id: str, resume: bool) -> None:
+    """A ``CommandError`` if the run was stopped, or if Redis holds it already and ``resume`` is
+    not set: a run id in use is continued only on purpose (intake and ``run submit`` both ask here)."""
+    from services.intake.publisher import run_history
+
+    refuse_stopped(ledger.redis, run_id, NEW_RUN_ID)
+    history = run_history(ledger, run_id)
+    if history.started and not resume:
+        raise errors.CommandError(
+            f"run {run_id} is already in Redis: {history.describe()}. Pass --resume to continue it (the groups "
+            f"it published are skipped and reported), or {NEW_RUN_ID}")
 
 
 @run_app.command("list")

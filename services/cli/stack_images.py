@@ -105,7 +105,7 @@ def show_build_progress(stream: Iterable[dict], name: str, started: float) -> No
     """Follow a build's output: each Dockerfile step as it starts, and within a long step its
     latest line at most every ``BUILD_REPORT_EVERY_S`` seconds; a failed build raises with its
     last lines."""
-    last_report, tail = started, []
+    last_report, tail = started, list[str]()
     for chunk in stream:
         if "error" in chunk:
             raise docker.errors.BuildError(f"{chunk['error'].strip()}; last lines: {' | '.join(tail[-5:])}", tail)

@@ -23,6 +23,7 @@ import io
 import sys
 import tokenize
 from dataclasses import dataclass
+from typing import cast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,9 +80,10 @@ def _pattern(node: ast.AST) -> str:
     for value in values[0].values:
         if isinstance(value, ast.Constant):
             parts.append(str(value.value))
-        else:
-            text = ast.unparse(value.value)  # type: ignore[attr-defined]
-            spec = ast.unparse(value.format_spec)[2:-1] if getattr(value, "format_spec", None) else ""  # f'06d' -> 06d
+        else:  # a JoinedStr holds only Constants and FormattedValues
+            formatted = cast(ast.FormattedValue, value)
+            text = ast.unparse(formatted.value)
+            spec = ast.unparse(formatted.format_spec)[2:-1] if formatted.format_spec else ""  # f'06d' -> 06d
             known = {"_P": "conveyor", "BUNDLE_SUFFIX": ".bundle.json.gz"}
             parts.append(known.get(text, "{" + text + (f":{spec}" if spec else "") + "}"))
     return "".join(parts).replace("{{", "{").replace("}}", "}")

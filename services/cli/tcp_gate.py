@@ -46,7 +46,8 @@ class TcpGate:
                 continue
             with self._lock:
                 if self._listener is not listener:  # closed meanwhile
-                    _shut(client), _shut(server)
+                    _shut(client)
+                    _shut(server)
                     continue
                 self._open |= {client, server}
             for source, sink in ((client, server), (server, client)):

@@ -157,7 +157,7 @@ def replay_command(
         raise errors.CommandError(f"cannot replay {trajectory_id}: {exc}") from None
     if json_out:
         print(json.dumps(report.as_dict()))
-    elif report.matches:
+    elif report.divergence is None:  # report.matches
         stdout.print(f"replay of {trajectory_id}: {report.turns_replayed} turns, every observation as recorded"
                      + ("" if report.verifier_reward is None else f"; verifier {report.verifier_reward:g}"))
     else:

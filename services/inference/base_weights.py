@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import httpx
 
@@ -107,7 +108,9 @@ def ensure_base_weights(http: httpx.Client, urls: list[str], run_id: str, model_
         _restore(http, off, run_id, model_dir, probe)
         restored += off
         gaps.update({url: _probe(http, url, run_id, found[url], model_dir, probe, last=True) for url in off})
-    checks = [BaseCheck(url, found[url], url in restored, gaps[url]) for url in urls]
+    # every gap is a number now: the replicas whose gap was None were probed again with last=True,
+    # which raises rather than answer None
+    checks = [BaseCheck(url, found[url], url in restored, cast(float, gaps[url])) for url in urls]
     for check in checks:
         if check.restored:
             log.warning("replica %s served %r, not run %s's base; restored run %s's base weights %s, probe max "

@@ -36,6 +36,7 @@ from services.inference.vllm_command import (  # noqa: F401 (callers import the 
     settings_options,
 )
 from shared.processes import release_group, start_group_leader
+from shared.required import required
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ class VllmServer:
 
         def probe() -> None:
             nonlocal last_report
-            code = self.process.poll()
+            code = required(self.process, "the vLLM server's process (start sets it)").poll()
             if code is not None:
                 raise self._fail(f"exited with code {code} before becoming ready")
             status = check_inference(self.base_url, timeout=2.0)

@@ -199,6 +199,8 @@ def generate_tiny_model(out_dir: Path, seed: int = 0, end_of_turn_bias: float = 
     vocab = tok.get_vocab_size(with_added_tokens=True)
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     bos_id, eos_id = ids[BOS], ids[IM_END]
+    if bos_id is None or eos_id is None:
+        raise RuntimeError(f"the trained tokenizer lacks {BOS!r} or {IM_END!r}: SPECIAL_TOKENS must hold both")
 
     save_file(_weights(vocab, eos_id, seed, end_of_turn_bias, layout), str(out_dir / "model.safetensors"),
               metadata={"format": "pt"})

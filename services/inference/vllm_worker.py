@@ -33,8 +33,12 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from shared.weight_group import Backend, WeightGroup
 
 log = logging.getLogger(__name__)
 
@@ -55,22 +59,24 @@ def _modules_sharing_parameters(model: torch.nn.Module) -> list[tuple[str, torch
 class ConveyorWorkerExtension:
     """Mixed into vLLM's worker class (``--worker-extension-cls``); methods run on every worker."""
 
+    _conveyor_weight_group: WeightGroup | None  # set while this worker is in the trainer's weight group
+
     def conveyor_reload_weights(self, weights_path: str) -> list[str]:
         """Reload ``weights_path`` in place, then reprocess layers with shared (tied) parameters.
 
         Returns the names of the reprocessed layers (``[]`` for an untied model).
         """
-        self.reload_weights(weights_path=weights_path)  # vLLM's own reload
+        self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]  # vLLM's own reload (its worker's)
         return self._conveyor_reprocess_tied()
 
-    def conveyor_join_weight_group(self, backend: str, host: str, port: int, rank_offset: int, world_size: int,
+    def conveyor_join_weight_group(self, backend: Backend, host: str, port: int, rank_offset: int, world_size: int,
                                    timeout_s: float = 300.0) -> int:
         """Join the trainer's weight group as rank ``rank_offset + <this worker's rank>``; returns it."""
         from shared.weight_group import WeightGroup
 
         self.conveyor_leave_weight_group()
         rank = rank_offset + int(getattr(self, "rank", 0))
-        device = self.device if backend == "nccl" else torch.device("cpu")
+        device = self.device if backend == "nccl" else torch.device("cpu")  # type: ignore[attr-defined]  # vLLM's worker's
         self._conveyor_weight_group = WeightGroup(backend, host, port, rank, world_size, device=device,
                                                   timeout_s=timeout_s)
         log.info("conveyor: joined the %s weight group at %s:%d as rank %d of %d", backend, host, port, rank,
@@ -100,7 +106,7 @@ class ConveyorWorkerExtension:
 
         stream = received()
         try:
-            self.reload_weights(weights_iterator=stream)
+            self.reload_weights(weights_iterator=stream)  # type: ignore[attr-defined]  # vLLM's worker's
         finally:
             # tensors the loader did not take (or did not get to, when it failed) are still
             # received: the trainer's broadcast never waits on this worker until its timeout
@@ -111,9 +117,9 @@ class ConveyorWorkerExtension:
     def _conveyor_reprocess_tied(self) -> list[str]:
         from vllm.config import set_current_vllm_config
 
-        model = self.model_runner.get_model()
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]  # vLLM's worker's
         reprocessed = []
-        with torch.no_grad(), set_current_vllm_config(self.vllm_config):
+        with torch.no_grad(), set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]  # vLLM's worker's
             for name, module in _modules_sharing_parameters(model):
                 method = getattr(module, "quant_method", None)
                 if method is None or not hasattr(method, "process_weights_after_loading"):

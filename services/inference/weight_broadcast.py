@@ -142,7 +142,7 @@ class WeightBroadcaster:
                     self.group.broadcast(t.to(device=self.group.device, dtype=dtype).contiguous())
             except Exception as exc:  # noqa: BLE001 - becomes every replica's failure below
                 send_error = exc
-        failed: dict[str, BaseException] = {u: f.exception() for u, f in futures.items() if f.exception() is not None}
+        failed: dict[str, BaseException] = {u: failure for u, f in futures.items() if (failure := f.exception()) is not None}
         if send_error is not None:
             failed = {u: failed.get(u, send_error) for u in urls}
         if failed:

@@ -61,7 +61,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
@@ -170,7 +170,7 @@ def set_weight_version(client: httpx.Client, base_url: str, version: str) -> Non
 
 def weight_version(client: httpx.Client, base_url: str, timeout_s: float | None = None) -> str:
     """``GET /weight_info`` -> ``{"weight_version": str}`` ("default" until first labelled)."""
-    extra = {} if timeout_s is None else {"timeout": httpx.Timeout(timeout_s, connect=min(timeout_s, 5.0))}
+    extra: dict[str, Any] = {} if timeout_s is None else {"timeout": httpx.Timeout(timeout_s, connect=min(timeout_s, 5.0))}
     r = admin_request(client, "GET", base_url, "/weight_info", call="weight_info", retry_5xx=True, **extra)
     return str(r.json()["weight_version"])
 
@@ -199,7 +199,7 @@ def on_all(urls: Iterable[str], fn: Callable[[str], None]) -> dict[str, BaseExce
         return {}
     with ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="weight-sync") as pool:
         futures = {url: pool.submit(fn, url) for url in urls}
-    return {url: f.exception() for url, f in futures.items() if f.exception() is not None}
+    return {url: failure for url, f in futures.items() if (failure := f.exception()) is not None}
 
 
 def _why(exc: BaseException) -> str:
@@ -254,7 +254,7 @@ def sync_weights(
     source = source or str(weights_dir)
     restore_dir = Path(restore_dir).resolve() if restore_dir is not None else None
     if check_dir and load_all is None:
-        check_weights_dir(weights_dir)
+        check_weights_dir(cast(Path, weights_dir))  # no load_all: weights_dir is set (checked above)
     own_client = client is None
     http = admin_client() if client is None else client
     label = str(version) if label is None else label
@@ -269,7 +269,8 @@ def sync_weights(
         pause(http, url)
 
     def reload_one(url: str) -> None:
-        _reload_and_reset(http, url, weights_dir, reload_timeout_s, reload_method)
+        # reload_one runs only without load_all, so weights_dir is set (checked above)
+        _reload_and_reset(http, url, cast(Path, weights_dir), reload_timeout_s, reload_method)
 
     try:
         t = time.perf_counter()

@@ -58,6 +58,7 @@ from shared.state.policy_version import PolicyVersion
 from shared.state.run_marker import RunMarker
 from shared.state.run_records import RunRecords
 from shared.state.run_stop import stop_of
+from shared.required import required
 from shared.schemas import GroupRegistration, RejectedRow, RolloutRequest, TaskProfile
 from shared.settings import Settings, SplitSettings
 from shared.state.staleness import StalenessBudget
@@ -201,8 +202,9 @@ def run_intake(
     check_startup(environments, settings.intake.env_name, settings.intake.env_config, settings.environments)
     RunMarker(ledger.redis, run, store).open()
     admission = None
-    if settings.trainer.max_off_policy_steps is not None:
-        budget = StalenessBudget(ledger.redis, run, settings.trainer.max_off_policy_steps, settings.trainer.groups_per_step)
+    if settings.trainer.mode == "train":  # admission waits for the trainer's steps
+        budget = StalenessBudget(ledger.redis, run, required(settings.trainer.max_off_policy_steps, "trainer.max_off_policy_steps"),
+                                 settings.trainer.groups_per_step)
         admission = AdmissionWait(budget, ledger, settings.intake.wait_log_every_s)
     groups, served, records = GroupRegistry(ledger.redis, run), PolicyVersion(ledger.redis, run), RunRecords(ledger.redis, run)
     if dataset_version:

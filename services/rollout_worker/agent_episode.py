@@ -23,22 +23,34 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable
+from typing import Any, Callable, Protocol, TypeGuard
 
 from services.rollout_worker import agent_artifacts
 from services.rollout_worker.agent_proxy import AgentProxy, RecordingLimits
-from services.rollout_worker.environments.agent_coding import AgentEndpoint
+from services.rollout_worker.environments.agent_coding import AgentEndpoint, AgentRun
 from services.rollout_worker.episode import EnvironmentFailure, EpisodeLimits, environment_call
-from shared.environments import Environment
+from shared.environments import Environment, VerifyResult
+from shared.required import required
 from shared.schemas import EpisodeTimings, RolloutRequest, StopReason, Trajectory
 from shared.storage import ObjectStore
 
 
-def is_agent_driven(env: Environment) -> bool:
+class AgentDrivenEnvironment(Protocol):
+    """What ``run_agent_episode`` calls on an environment that says ``driven_by_agent``."""
+
+    def bind_trajectory(self, *, run_id: str, group_id: str | int, trajectory_id: str) -> None: ...
+    def attach_agent(self, endpoint: AgentEndpoint) -> None: ...
+    async def reset(self, task_data: dict[str, Any], seed: int) -> list[dict[str, str]]: ...
+    async def run_agent(self) -> AgentRun: ...
+    async def verify(self) -> VerifyResult: ...
+    async def close(self) -> None: ...
+
+
+def is_agent_driven(env: Environment) -> TypeGuard[AgentDrivenEnvironment]:
     return bool(getattr(env, "driven_by_agent", False))
 
 
-async def run_agent_episode(request: RolloutRequest, env: Environment, proxy: AgentProxy, limits: EpisodeLimits,
+async def run_agent_episode(request: RolloutRequest, env: AgentDrivenEnvironment, proxy: AgentProxy, limits: EpisodeLimits,
                             policy_version: Callable[[], int], attempt: int = 1, worker: str = "",
                             store: ObjectStore | None = None) -> Trajectory:
     started = time.time()
@@ -48,7 +60,8 @@ async def run_agent_episode(request: RolloutRequest, env: Environment, proxy: Ag
     stop, error, env_reward, env_info, prompt_messages = StopReason.done, None, None, {}, []
     agent_info: dict = {}
     try:
-        env.attach_agent(AgentEndpoint(session.socket_path.parent, session.key, proxy.model_name))
+        socket_path = required(session.socket_path, "the session's socket (opened with_socket)")
+        env.attach_agent(AgentEndpoint(socket_path.parent, session.key, proxy.model_name))
         with environment_call("reset"):
             prompt_messages = [{"role": str(m.get("role", "")), "content": str(m.get("content", ""))}
                                for m in await env.reset(request.task.task_data, request.task_seed)]

@@ -37,7 +37,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, cast
 
 from services.rollout_worker.chat_tokens import ChatTokens
 from shared.environments import AgentAction, EnvConfig, Environment
@@ -97,6 +97,7 @@ async def run_episode(
     bind = getattr(env, "bind_trajectory", None)  # sandboxed environments label their containers
     if bind is not None:
         bind(run_id=request.run_id, group_id=request.group_id, trajectory_id=request.trajectory_id)
+    env_info: dict[str, Any]
     stop, error, env_reward, env_info = StopReason.max_turns, None, None, {}
     prompt_messages: list[dict[str, str]] = []
     trial = Trial(env.config.episodes_per_trial, env.config.free_shots)
@@ -111,8 +112,8 @@ async def run_episode(
         last_bound: StopReason | str = "turn"
         for index in range(limits.max_turns):
             budget, bound = _turn_budget(limits, sampled_total, len(context) + len(new_ids))
-            if budget <= 0:
-                stop = bound
+            if budget <= 0:  # the per-turn limit is positive (settings): an episode-wide limit, a StopReason
+                stop = cast(StopReason, bound)
                 break
             last_bound = bound
             remaining_s = limits.timeout_s - (time.time() - started - outage_s)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Awaitable, TypeVar
+from typing import Any, Coroutine, TypeVar
 
 T = TypeVar("T")
 
@@ -24,7 +24,7 @@ class BackgroundLoop:
         self._thread = threading.Thread(target=self.loop.run_forever, name="rollout-event-loop", daemon=True)
         self._thread.start()
 
-    def run(self, coro: Awaitable[T]) -> T:
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
 

@@ -84,9 +84,9 @@ class InferenceClient:
     ) -> Completion:
         """``budget_s``: seconds this call may spend waiting for answers; waiting out an outage
         is not counted. ``policy_version``: the served version read just before the call."""
-        adapter = self.lora_adapters and policy_version is not None
+        adapter_version = policy_version if self.lora_adapters else None
         body = {
-            "model": lora_adapter_name(self.model, policy_version) if adapter else self.model,
+            "model": lora_adapter_name(self.model, adapter_version) if adapter_version is not None else self.model,
             "prompt": prompt_ids,
             "max_tokens": max_tokens,
             "temperature": temperature,

@@ -27,6 +27,7 @@ import logging
 import os
 import socket
 import threading
+from typing import Any
 
 from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
@@ -104,7 +105,7 @@ class _TaskIntake:
     """This worker's consumption of the rollouts queue, stopped while inference is down."""
 
     def __init__(self) -> None:
-        self.consumer = None  # Celery's consumer, from worker_ready
+        self.consumer: Any = None  # Celery's consumer, from worker_ready
 
     def inference_up(self, up: bool) -> None:
         consumer = self.consumer

@@ -42,6 +42,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from peft import PeftModel
@@ -158,7 +159,7 @@ def save_checkpoint(
                 tokenizer.save_pretrained(local)
             probe = snapshot.probe if snapshot is not None else logprob_probe(model, version)
             (local / CHECKPOINT_PROBE).write_bytes(probe.to_json())
-            state = {"step": step, "version": version}
+            state: dict[str, Any] = {"step": step, "version": version}
             if not sharded_files:  # else the optimizer state is in the shards
                 state["optimizer"] = snapshot.optimizer if snapshot is not None else optimizer.state_dict()
             if lora:

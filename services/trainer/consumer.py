@@ -1,5 +1,6 @@
-"""The trainer's consumer: reads the run's trainer stream, assembles GRPO groups, computes
-advantages, emits training batches to object storage and logs metrics.
+"""The trainer's consumer: reads the run's trainer stream, assembles GRPO groups, applies the
+decision on each (``services.trainer.group_decision``): batches to object storage, the train
+queue, the ledger, counters and metrics.
 
 Invariants:
 - Stream entries are acknowledged only after their group was fully handled: batch and group
@@ -7,15 +8,15 @@ Invariants:
   at any point re-reads its pending entries on restart and finishes the same groups; every
   write on that path is idempotent (fixed keys, guarded ledger moves, set membership).
   So a restart loses no group and trains no group twice.
-- A group is accepted for training only if at least two scored members disagree (or, with
-  ``zero_variance_groups: keep``, with every advantage exactly 0) and, with a staleness
-  bound, its oldest turn is at most ``max_off_policy_steps`` behind the trainer, and no filter
-  of ``trainer.group_filters`` objects (``group_filters``);
-  zero-variance, all-failed, filtered and stale groups are dropped, counted, and free their
-  admission slot. Accepted groups' batch keys go on the run's append-only train queue in the same
-  transaction that marks the group done; a dropped zero-variance or filtered group goes there too, as a
-  ``skip`` entry with its rewards, so a step can count it (reward metrics, and the cap on
-  extra groups a step waits for). Their members are still consumed: every
+- What becomes of a completed group is decided by ``services.trainer.group_decision`` (pure:
+  accepted, zero_variance, all_failed, filtered or stale); this module applies the decision and
+  counts each group by its status. With ``trainer.mode: train`` the staleness bound
+  (``max_off_policy_steps``) is asked of each group and a dropped group frees its admission slot;
+  with ``assemble`` nothing is stale. An accepted group's batch is
+  written, and its batch key goes on the run's append-only train queue in the same transaction
+  that marks the group done; a dropped zero-variance or filtered group goes there too, as a
+  ``skip`` entry with its rewards, so a step can count it (reward metrics, and the cap on extra
+  groups a step waits for). Every group's members are consumed: every
   trajectory reaches the trainer exactly once, trained on or not.
 - With redundancy (a registration with ``keep``), a group is decided once ``keep`` members are
   scored; its other members are failed as ``superseded`` (``_supersede``) before the group is
@@ -35,8 +36,9 @@ Invariants:
 - A run whose data Redis lost (``shared.state.run_marker``: checked at start, against the object
   store too, and at every poll) stops the consumer with ``RedisDataLost``: it never goes on
   with an empty ledger.
-- Stopping (``run_forever(stop=...)``, set on SIGTERM) happens between two reads, never in the
-  middle of a group: what was read and not yet decided stays pending in the stream.
+- The loop that reads (``services.trainer.process.TrainerProcess``) asks ``keep_reading`` before
+  each read, and stops only between two reads, never in the middle of a group: what was read and
+  not yet decided stays pending in the stream.
 - A stopped run (``conveyor run stop``, ``shared.state.run_stop``) ends the consumer between two reads
   or two steps, never within a step: it first fails every trajectory of the run still
   unfinished, groups read and not yet decided included, so the run's ledger is exact.
@@ -45,18 +47,16 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, cast
 
 import redis
+from redis.typing import KeyT, StreamIdT
 
-from services.trainer.advantages import group_advantages
-from services.trainer.group_filters import build_filter, first_objection
-from services.trainer.token_rewards import place_rewards
-from services.trainer.token_rewards import token_advantages as token_advantages_of
+from services.trainer.group_decision import decide_group
+from services.trainer.group_filters import build_filter
 from services.trainer.group_metrics import GroupMetricsLog
 from services.trainer.groups import GroupAssembler, PendingGroup
 from shared import outage
@@ -68,17 +68,12 @@ from shared.state.run_records import RunRecords
 from shared.state.run_stop import RunStop, end_unfinished, stop_of
 from shared.state.dead_letters import DeadLetters
 from shared.state.group_registry import GroupRegistry
+from shared.required import required
 from shared.schemas import (
     BadMessage,
-    GroupMember,
     GroupRecord,
     GroupRegistration,
-    ScoredEvent,
-    SkippedGroupEntry,
-    TrainBatchEntry,
     TrainerEvent,
-    TrainingBatch,
-    TrainingSample,
     parse_message,
 )
 from shared.settings import Settings
@@ -89,9 +84,6 @@ from shared.state.trainer_reads import TRAINER_CONSUMER_GROUP
 from shared.state.train_queue import TrainQueue
 from shared.state.trainer_counters import TrainerCounter, TrainerCounters
 from shared.state.trainer_stream import stream_key
-
-if TYPE_CHECKING:
-    from services.trainer.loop import TrainingLoop
 
 log = logging.getLogger(__name__)
 CONSUMER_GROUP = TRAINER_CONSUMER_GROUP  # named in shared: intake reads whether a trainer reads the run
@@ -119,8 +111,9 @@ class TrainerConsumer:
         trainer = self.settings.trainer
         self.group_filters = [build_filter(spec) for spec in trainer.group_filters]
         self.budget = None
-        if trainer.max_off_policy_steps is not None:
-            self.budget = StalenessBudget(self.redis, self.run_id, trainer.max_off_policy_steps, trainer.groups_per_step)
+        if trainer.mode == "train":  # the staleness bound throttles rollouts to the training steps
+            self.budget = StalenessBudget(self.redis, self.run_id, required(trainer.max_off_policy_steps, "trainer.max_off_policy_steps"),
+                                          trainer.groups_per_step)
         self.metrics = GroupMetricsLog(Path(self.settings.trainer.metrics_path), self.run_id)
         self.marker = RunMarker(self.redis, self.run_id, self.store)
         self.marker.check(_STOPS, look_in_store=True)  # before anything of the run is created again
@@ -156,30 +149,17 @@ class TrainerConsumer:
             self._handle(entry_id, fields)
         return len(entries)
 
-    def run_forever(self, stop_when_idle: bool = False, loop: "TrainingLoop | None" = None,
-                    stop: threading.Event | None = None) -> None:
-        """Consume events; with a training loop, train whenever a step's groups are in. Once
-        ``stop`` is set (SIGTERM), return between two reads: unacknowledged entries wait in
-        the stream for the next trainer."""
-        self.recover()
-        while stop is None or not stop.is_set():
-            self.marker.check(_STOPS)
-            if self.end_if_stopped():
-                return
-            if outage.recoveries(self.redis) != self._recoveries:  # Redis was down
-                self._recoveries = outage.recoveries(self.redis)
-                self.recover()
-            handled = self.poll()
-            if loop is not None:
-                loop.check_alarms()
-            while loop is not None and not loop.done() and loop.ready():
-                if self.end_if_stopped():  # between two steps too: a backlog of ready steps is not trained
-                    return
-                loop.train_once()
-            if loop is not None and loop.done():
-                return
-            if stop_when_idle and not handled and self.finished():
-                return
+    def keep_reading(self) -> bool:
+        """Before each read: stop with ``RedisDataLost`` if Redis lost the run; False once the
+        run is stopped (``end_if_stopped``); after an outage of Redis, replay the pending
+        entries whose reply may have been lost with the connection."""
+        self.marker.check(_STOPS)
+        if self.end_if_stopped():
+            return False
+        if outage.recoveries(self.redis) != self._recoveries:  # Redis was down
+            self._recoveries = outage.recoveries(self.redis)
+            self.recover()
+        return True
 
     def end_if_stopped(self) -> bool:
         """True once the run is stopped (``shared.state.run_stop``): every trajectory of it still
@@ -193,9 +173,10 @@ class TrainerConsumer:
         self.stopped = stop
         return True
 
-    def _read(self, streams: dict[str, str], count: int, block: int | None = None) -> list:
+    def _read(self, streams: dict[KeyT, StreamIdT], count: int, block: int | None = None) -> list:
         try:
-            return self.redis.xreadgroup(CONSUMER_GROUP, self.consumer, streams, count=count, block=block)
+            # RESP2 (redis-py's default protocol): a list of [stream, entries]
+            return cast(list, self.redis.xreadgroup(CONSUMER_GROUP, self.consumer, streams, count=count, block=block))
         except redis.ResponseError as exc:
             if "NOGROUP" in str(exc):  # the stream is gone: say so if Redis lost the run
                 self.marker.check(_STOPS)
@@ -232,74 +213,41 @@ class TrainerConsumer:
             self._complete(group)
 
     def _complete(self, group: PendingGroup) -> None:
+        """Apply the group's decision (``services.trainer.group_decision``)."""
         started = time.perf_counter()
         registration = self._registration(group.group_id)
-        scored = group.scored
-        rewards = [e.reward for e in scored]
-        members: list[GroupMember] = [
-            GroupMember(trajectory_id=e.trajectory_id, reward=None, advantage=None, failure_reason=e.failure_reason)
-            for e in group.failed
-        ]
-        batch_object, oldest, keep, filter_reason = None, None, False, None
-        if not scored:
-            status, mean, std = "all_failed", None, None
-        else:
-            trainer = self.settings.trainer
-            adv = group_advantages(rewards, trainer.advantage_eps, trainer.scale_advantage_by_std, trainer.advantage_std)
-            mean, std = adv.mean, adv.std
-            keep = adv.zero_variance and trainer.zero_variance_groups == "keep"
-            advantages = [0.0] * len(rewards) if keep else adv.advantages
-            members += [
-                GroupMember(trajectory_id=e.trajectory_id, reward=e.reward, advantage=a)
-                for e, a in zip(scored, advantages)
-            ]
-            if adv.zero_variance and not keep:
-                status = "zero_variance"
-            else:
-                # per-token advantages share GRPO's statistics: (G_t - mean) / scale (token_rewards)
-                scale = (adv.std + trainer.advantage_eps) if trainer.scale_advantage_by_std else 1.0
-                per_token = None if keep or trainer.token_rewards == "terminal" else (adv.mean, scale)
-                batch = self._batch(group.group_id, scored, advantages, per_token)
-                oldest = min(sample.oldest_policy_version for sample in batch.samples)
-                filter_reason = first_objection(self.group_filters, batch)
-                if filter_reason is not None:
-                    status = "filtered"
-                elif self.budget is not None and self.budget.is_stale(oldest, self.budget.state().trainer_step):
-                    status = "stale"
-                else:
-                    status = "accepted"
-                    batch_object = batch_key(self.run_id, group.group_id)
-                    put_model(self.store, batch_object, batch)
-        record = GroupRecord(
-            run_id=self.run_id, group_id=group.group_id, expected_size=registration.expected_size,
-            members=sorted(members, key=lambda m: m.trajectory_id), reward_mean=mean, reward_std=std,
-            status=status, batch_key=batch_object, completed_at=time.time(), filter_reason=filter_reason,
-        )
+        decision = decide_group(group, self.run_id, self.settings.trainer, self.group_filters,
+                                lambda event: trajectory_of_event(self.store, event),
+                                None if self.budget is None else self._is_stale)
+        batch_object = None
+        if decision.batch is not None:
+            batch_object = batch_key(self.run_id, group.group_id)
+            put_model(self.store, batch_object, decision.batch)
+        record = decision.record(self.run_id, registration.expected_size, batch_object, completed_at=time.time())
         put_model(self.store, group_record_key(self.run_id, group.group_id), record)
-        self.ledger.mark_consumed_many([e.trajectory_id for e in scored])
+        self.ledger.mark_consumed_many([e.trajectory_id for e in group.scored])
         superseded = self._supersede(registration, group)
         self._log_metrics(record, registration, group.entry_ids[-1], assembly_s=time.perf_counter() - started)
+        entry = decision.queue_entry(batch_object, registration.env_name)
+
         def fill(tx: redis.client.Pipeline) -> None:  # done, counted, queued and acked together
             self.groups.mark_done(group.group_id, tx)
-            self.trainer_counters.add(TrainerCounter.for_group_status(status), transaction=tx)
+            self.trainer_counters.add(TrainerCounter.for_group_status(decision.status), transaction=tx)
             if superseded:
                 self.trainer_counters.add(TrainerCounter.superseded, superseded, transaction=tx)
-            if keep and batch_object is not None:
+            if decision.zero_variance_kept:
                 self.trainer_counters.add(TrainerCounter.groups_zero_variance_kept, transaction=tx)
-            entry: TrainBatchEntry | SkippedGroupEntry | None = None
-            if batch_object is not None:
-                entry = TrainBatchEntry(group_id=group.group_id, key=batch_object, oldest_policy_version=oldest,
-                                        env_name=registration.env_name)
-            else:
-                if status in ("zero_variance", "filtered"):
-                    entry = SkippedGroupEntry(group_id=group.group_id, skip=status, rewards=rewards)
-                if self.budget is not None:
-                    self.budget.filtered(1, transaction=tx)  # a dropped group frees its admission slot
+            if not decision.accepted and self.budget is not None:
+                self.budget.filtered(1, transaction=tx)  # a dropped group frees its admission slot
             if entry is not None:
                 self.train_queue.append(entry, transaction=tx)
             tx.xack(self.stream, CONSUMER_GROUP, *group.entry_ids)
 
         self._commit(group.group_id, fill)
+
+    def _is_stale(self, oldest_policy_version: int) -> bool:
+        budget = self.budget
+        return budget is not None and budget.is_stale(oldest_policy_version, budget.state().trainer_step)
 
     def _supersede(self, registration: GroupRegistration, group: PendingGroup) -> int:
         """Redundancy: fail the members the decided group does not keep (``superseded``); their
@@ -326,7 +274,7 @@ class TrainerConsumer:
                     tx.watch(self.marker.key, done)
                     if not tx.exists(self.marker.key):
                         self.marker.check(_STOPS)
-                    if tx.sismember(done, group_id):
+                    if tx.sismember(done, str(group_id)):  # what redis-py would send for the int
                         return
                     tx.multi()
                     fill(tx)
@@ -334,31 +282,6 @@ class TrainerConsumer:
                     return
             except redis.WatchError:
                 self.marker.check(_STOPS)
-
-    def _batch(self, group_id: int, scored: list[ScoredEvent], advantages: list[float],
-               per_token: tuple[float, float] | None = None) -> TrainingBatch:
-        """``per_token``: the group's (mean, scale) when rewards are placed per token."""
-        samples = []
-        for event, advantage in zip(scored, advantages):
-            trajectory = trajectory_of_event(self.store, event)
-            token_advantages = None
-            if per_token is not None:
-                placed = place_rewards(trajectory, event.reward, self.settings.trainer.token_rewards)
-                token_advantages = token_advantages_of(placed, trajectory.flatten().loss_mask, *per_token)
-            start = 0
-            for number, segment in enumerate(trajectory.segments()):  # one, unless an agent rewrote its history
-                end = start + len(segment.token_ids)
-                samples.append(
-                    TrainingSample(
-                        trajectory_id=event.trajectory_id, token_ids=segment.token_ids, loss_mask=segment.loss_mask,
-                        inference_logprobs=segment.inference_logprobs, advantage=advantage, reward=event.reward,
-                        oldest_policy_version=min((t.policy_version for t in trajectory.turns), default=0),
-                        stop_reason=trajectory.stop_reason, segment=number,
-                        token_advantages=None if token_advantages is None else token_advantages[start:end],
-                    )
-                )
-                start = end
-        return TrainingBatch(run_id=self.run_id, group_id=group_id, samples=samples)
 
     # --- bookkeeping ------------------------------------------------------------------------
     def _registration(self, group_id: int) -> GroupRegistration:

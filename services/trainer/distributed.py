@@ -48,6 +48,7 @@ import tempfile
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,7 @@ from services.trainer.sharding import full_state_dict, load_sharded, save_sharde
 from services.trainer.step import PolicyTrainer, train_version, trainer_from_settings
 from shared.checkpoint_files import CheckpointError
 from shared.names import checkpoint_prefix
+from shared.required import required
 from shared.schemas import TrainingBatch
 from shared.settings import LoraSettings, Settings
 from shared.storage import ObjectStore, get_model
@@ -96,7 +98,7 @@ class TrainerRanks:
     rank: int
     world_size: int
     lora: LoraSettings | None = None  # trainer.lora when enabled
-    base_path: Path | None = None  # inference.model_path: a LoRA policy's base
+    base_path: str | Path | None = None  # inference.model_path: a LoRA policy's base
     in_step: bool = field(default=False, init=False)  # an order was sent and its checkpoint not yet written
     _unsharded_lora: PeftModel | None = field(default=None, init=False)  # the leader's copy (module docstring)
 
@@ -104,7 +106,7 @@ class TrainerRanks:
     def leader(self) -> bool:
         return self.rank == 0
 
-    def _broadcast(self, value: object) -> object:
+    def _broadcast(self, value: object) -> Any:  # the leader's value, whatever this rank passed
         box = [value]
         dist.broadcast_object_list(box, src=0)
         return box[0]
@@ -168,10 +170,11 @@ class TrainerRanks:
         every: list[dict] | None = [{} for _ in range(self.world_size)] if self.leader else None
         dist.gather_object(mine, every, dst=0)  # after this every rank's shard is in the store
         if self.leader:
-            shards = {name: entry for files in every for name, entry in files.items()}
+            shards = {name: entry for files in cast(list[dict], every) for name, entry in files.items()}  # the leader's list
             if lora:  # the unsharded copy gives the probe and what is served
                 save_checkpoint(store, run_id, version, self._unsharded_lora, tokenizer, trainer.optimizer,
-                                trainer.step, dataset_versions=dataset_versions, lora_sync=self.lora.sync,
+                                trainer.step, dataset_versions=dataset_versions,
+                                lora_sync=required(self.lora, "TrainerRanks.lora (a LoRA policy has it)").sync,
                                 sharded_files=shards)
             else:
                 save_checkpoint(store, run_id, version, trainer.model, tokenizer, trainer.optimizer, trainer.step,

@@ -69,7 +69,7 @@ def eval_settings(settings: Settings, version: int) -> Settings:
         "run_id": eval_run_id(settings.run_id, version),
         "intake": settings.intake.model_copy(update={"mode": "traversal", "splits": splits}),
         "rollout": settings.rollout.model_copy(update={"group_size": evaluation.samples_per_task}),
-        "trainer": settings.trainer.model_copy(update={"max_off_policy_steps": None}),
+        "trainer": settings.trainer.model_copy(update={"mode": "assemble", "max_off_policy_steps": None}),
     })
 
 

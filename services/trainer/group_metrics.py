@@ -34,7 +34,8 @@ class GroupMetricsLog:
     def __init__(self, path: Path, run_id: str):
         self.path, self.run_id = Path(path), run_id
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.written: set[tuple[int, str]] = set()  # (group id, completing entry) of this run's lines in the file
+        # (group id, completing entry) of this run's lines in the file (None: a line without the field)
+        self.written: set[tuple[int | None, str | None]] = set()
         self._ends_cleanly = True
         self._read_written()
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
-from shared.schemas import TrainerEvent
+from shared.schemas import FailedEvent, ScoredEvent, TrainerEvent
 
 
 @dataclass
@@ -37,12 +37,12 @@ class PendingGroup:
         return len(self.events) >= self.expected_size
 
     @property
-    def scored(self) -> list[TrainerEvent]:
+    def scored(self) -> list[ScoredEvent]:
         arrived = [e for e in self.events.values() if e.kind == "scored"]
         return sorted(arrived[: self.keep] if self.keep else arrived, key=lambda e: e.trajectory_id)
 
     @property
-    def failed(self) -> list[TrainerEvent]:
+    def failed(self) -> list[FailedEvent]:
         return sorted((e for e in self.events.values() if e.kind == "failed"), key=lambda e: e.trajectory_id)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from shared.schemas import BadMessage, SkippedGroupEntry, TrainBatchEntry, TrainQueueEntry, parse_message
 
@@ -40,7 +40,7 @@ class Selection:
     dropped_filtered: int = 0  # of them, dropped by trainer.group_filters
     bad: dict[int, str] = field(default_factory=dict)  # position -> why an entry did not parse
     dropped_rewards: list[float] = field(default_factory=list)
-    deferred: list[str] = field(default_factory=list)  # raw entries to append to the queue again
+    deferred: list[str | bytes] = field(default_factory=list)  # raw entries to append to the queue again
     quota_short: int = 0  # slots the step's quotas did not get
     complete: bool = False  # False: the queue does not hold the step's groups yet
 
@@ -50,7 +50,7 @@ def quotas(min_env_share: dict[str, float], groups_per_step: int) -> dict[str, i
 
 
 def select(
-    raw_entries: list[str], cursor: int, version: int, groups_per_step: int, is_stale: Callable[[int, int], bool],
+    raw_entries: Sequence[str | bytes], cursor: int, version: int, groups_per_step: int, is_stale: Callable[[int, int], bool],
     max_extra_groups: int | None = None, min_env_share: dict[str, float] | None = None, mixing_window: int = 0,
 ) -> Selection:
     """The next step's groups among ``raw_entries`` (the queue from ``cursor``); not

@@ -41,6 +41,7 @@ from services.trainer.loss import loss_denominator, policy_loss
 from services.trainer.policy import frozen_reference, load_policy, sequence_logprobs
 from shared.model_source import resolve_model_source
 from shared.rates import per_second
+from shared.required import required
 from shared.schemas import TrainingBatch
 from shared.settings import (ALARM_MAD_BY_DTYPE, BatchingSettings, LogprobAlarmSettings, LossSettings, OptimSettings,
                              Settings)
@@ -111,6 +112,7 @@ class PolicyTrainer:
 
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        tokens: float  # counted in ints; all_sum sums in floats
         total_loss, tokens, loss_tokens = 0.0, 0, 0.0
         on_policy_abs, on_policy_tokens = 0.0, 0.0
         rank, world_size = world()
@@ -152,10 +154,11 @@ class PolicyTrainer:
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
             grad_norm = grad_norm.full_tensor()
         mad = on_policy_abs / on_policy_tokens if on_policy_tokens else math.nan
-        alarm = mad > self.alarm.max_on_policy_mad  # NaN (no on-policy token) never fires
+        threshold = required(self.alarm.max_on_policy_mad, "logprob_alarm.max_on_policy_mad (__init__ sets it)")
+        alarm = mad > threshold  # NaN (no on-policy token) never fires
         if alarm and self.alarm.action == "stop":
             self.optimizer.zero_grad(set_to_none=True)
-            raise LogprobAlarm(on_policy_message(mad, self.alarm.max_on_policy_mad))
+            raise LogprobAlarm(on_policy_message(mad, threshold))
         if alarm:
             self.optimizer.zero_grad(set_to_none=True)
         else:

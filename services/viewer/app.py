@@ -24,7 +24,7 @@ from shared.trajectory_lookup import TrajectoryNotFound
 
 log = logging.getLogger(__name__)
 DATA = web.AppKey("data", ViewerData)
-DECODE = web.AppKey("decode", object)
+DECODE: web.AppKey[Callable[[int], str] | None] = web.AppKey("decode")
 
 
 def _html(text: str, status: int = 200) -> web.Response:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -63,9 +63,14 @@ def table(headers: Iterable[str], rows: Iterable[Iterable[str]], css: str = "") 
     return f"<table class='{css}'>{f'<thead><tr>{head}</tr></thead>' if head else ''}<tbody>{body}</tbody></table>"
 
 
-def line_plot(title: str, series: dict[str, list[tuple[float, float]]], x_label: str, width: int = 520, height: int = 220) -> str:
+def _finite(points: Iterable[tuple[float, float | None]]) -> list[tuple[float, float]]:
+    """The points with a finite y (a missing or NaN value is no point)."""
+    return [(x, y) for x, y in points if y is not None and math.isfinite(y)]
+
+
+def line_plot(title: str, series: Mapping[str, Sequence[tuple[float, float | None]]], x_label: str, width: int = 520, height: int = 220) -> str:
     """An SVG line chart of one or more series of (x, y) points."""
-    points = [p for s in series.values() for p in s if p[1] is not None and math.isfinite(p[1])]
+    points = [p for s in series.values() for p in _finite(s)]
     if not points:
         return f"<div class='card'><b>{esc(title)}</b><p class='muted'>no data yet</p></div>"
     x0, x1 = min(p[0] for p in points), max(p[0] for p in points)
@@ -82,12 +87,12 @@ def line_plot(title: str, series: dict[str, list[tuple[float, float]]], x_label:
     colors = ["#3d7be0", "#d9534f", "#2e9b4f", "#d9a400", "#8a4fd9"]
     lines, legend = [], []
     for n, (name, pts) in enumerate(series.items()):
-        pts = [p for p in pts if p[1] is not None and math.isfinite(p[1])]
+        finite = _finite(pts)
         color = colors[n % len(colors)]
-        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
+        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in finite)
         lines.append(f"<polyline fill='none' stroke='{color}' stroke-width='2' points='{path}'/>")
         lines += [f"<circle cx='{sx(x):.1f}' cy='{sy(y):.1f}' r='2.5' fill='{color}'><title>{esc(name)} {fmt(x)}: {fmt(y, 4)}</title></circle>"
-                  for x, y in pts]
+                  for x, y in finite]
         legend.append(f"<span style='color:{color}'>■ {esc(name)}</span>")
     axes = (f"<line x1='{left}' y1='{height - bottom}' x2='{width - pad}' y2='{height - bottom}' stroke='#8a94a6'/>"
             f"<line x1='{left}' y1='{pad}' x2='{left}' y2='{height - bottom}' stroke='#8a94a6'/>"

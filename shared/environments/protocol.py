@@ -13,7 +13,7 @@ An environment is a class with:
 
 Invariants:
 - ``reset``'s seed is the group's task seed: every member of a GRPO group gets the same task
-  instance, and no two groups of a run share it (``shared.ids.task_seed``). Sampling seeds are
+  instance, and no two groups of a run share it (``shared.schemas.RolloutRequest.task_seed``). Sampling seeds are
   per trajectory and turn, elsewhere.
 - An environment never raises on bad model output: a malformed or missing tool call becomes an
   error observation and the episode goes on. Raising means the environment itself broke
@@ -103,7 +103,7 @@ class VerifyResult:
 
 
 class Environment(abc.ABC):
-    name: ClassVar[str]
+    name: str  # each class sets it; MainThreadFallback takes the one of the environment it wraps
     Config: ClassVar[type[EnvConfig]] = EnvConfig
     observation_role: ClassVar[str] = "user"  # default for ``EnvConfig.observation_role``
 
@@ -132,8 +132,9 @@ class Environment(abc.ABC):
         return None
 
     @classmethod
-    def check_task(cls, task_data: dict[str, Any], config: EnvConfig) -> dict[str, Any]:
-        """Checks that need the environment's settings; ``RowRejected``. Runs at intake only."""
+    def check_task(cls, task_data: dict[str, Any], config: Any) -> dict[str, Any]:
+        """Checks that need the environment's settings; ``RowRejected``. Runs at intake only.
+        ``config``: this class's own ``Config`` (what ``validate_config`` returns for it)."""
         return task_data
 
     # --- worker side: one episode -----------------------------------------------------------

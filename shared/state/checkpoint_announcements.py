@@ -22,7 +22,8 @@ class CheckpointAnnouncements:
         self.redis, self.key = client, RedisKeys.checkpoints(run_id)
 
     def announce(self, announcement: CheckpointAnnouncement) -> None:
-        self.redis.xadd(self.key, announcement.stream_fields())
+        # redis-py types the fields as an invariant Dict of its own unions, so it refuses a dict[str, str]
+        self.redis.xadd(self.key, announcement.stream_fields())  # type: ignore[arg-type]
 
     def read_after(self, cursor: str, block_ms: int | None) -> list[tuple[Any, dict[Any, Any]]]:
         """(entry id, fields) of the entries after ``cursor``, waiting up to ``block_ms`` for one

@@ -48,7 +48,7 @@ from shared.settings import OutageSettings
 
 log = logging.getLogger(__name__)
 
-Redispatch = Callable[[list[tuple[str, str]]], None]  # [(trajectory id, payload)] to publish again, in order
+Redispatch = Callable[[list[tuple[str, str]]], object]  # [(trajectory id, payload)] to publish again, in order
 
 
 def one_by_one(publish: Callable[[str, str], object]) -> Redispatch:

@@ -196,7 +196,7 @@ class Ledger:
 
     def expired_leases(self, now: float | None = None, limit: int = 500, stage: LeaseStage = ROLLOUT) -> list[str]:
         now = time.time() if now is None else now
-        return self.redis.zrangebyscore(stage.leases, "-inf", now, start=0, num=limit)
+        return cast(list[str], self.redis.zrangebyscore(stage.leases, "-inf", now, start=0, num=limit))
 
     def expire(self, trajectory_id: str, max_attempts: int, now: float | None = None, stage: LeaseStage = ROLLOUT,
                forgive_before: float = 0.0) -> str:
@@ -214,7 +214,7 @@ class Ledger:
         k, run = RedisKeys, ids.run_id
         keys = [k.states(run), k.counts(run), stage.owners(run), stage.leases, stage.attempts(run), k.failures(run),
                 stream_key(run), stage.resends(run), stage.queue]
-        args = [trajectory_id, now, max_attempts, event.model_dump_json(), stage.held.value, stage.claim_from.value,
+        args: list[str | float] = [trajectory_id, now, max_attempts, event.model_dump_json(), stage.held.value, stage.claim_from.value,
                 stage.expired_reason, self.dispatch_ttl_s, repr(forgive_before)]
         return self._expire(keys=keys, args=args)
 
@@ -341,12 +341,14 @@ class Ledger:
         return ScriptCall(self._transition, keys, args)
 
     # --- reads ------------------------------------------------------------------------------
+    # The client decodes replies (``decode_responses=True``, as ``from_url`` and ``redis_client``
+    # make it), which redis-py's types cannot express: the casts below name the str it returns.
     def payload(self, trajectory_id: str, stage: LeaseStage = ROLLOUT) -> str:
         run_id = parse_trajectory_id(trajectory_id).run_id
         raw = self.redis.hget(stage.payloads(run_id), trajectory_id)
         if raw is None:
             raise KeyError(f"no {stage.name} payload recorded for {trajectory_id}")
-        return raw
+        return cast(str, raw)
 
     def unclaimed_group_members(self, request: RolloutRequest) -> dict[str, str]:
         """Trajectory id -> stored request of the members of ``request``'s group that still wait
@@ -362,19 +364,19 @@ class Ledger:
         owners = self.redis.hmget(ROLLOUT.owners(run), members)
         waiting = [t for t, state, owner in zip(members, states, owners) if state == ROLLOUT.claim_from.value and owner is None]
         payloads = self.redis.hmget(ROLLOUT.payloads(run), waiting) if waiting else []
-        return {t: p for t, p in zip(waiting, payloads) if p is not None}
+        return {t: cast(str, p) for t, p in zip(waiting, payloads) if p is not None}
 
     def request(self, trajectory_id: str) -> RolloutRequest:
         return RolloutRequest.model_validate_json(self.payload(trajectory_id, ROLLOUT))
 
     def state(self, trajectory_id: str) -> str | None:
-        return self.redis.hget(RedisKeys.states(parse_trajectory_id(trajectory_id).run_id), trajectory_id)
+        return cast(str | None, self.redis.hget(RedisKeys.states(parse_trajectory_id(trajectory_id).run_id), trajectory_id))
 
     def states(self, run_id: str) -> dict[str, str]:
-        return self.redis.hgetall(RedisKeys.states(run_id))
+        return cast(dict[str, str], self.redis.hgetall(RedisKeys.states(run_id)))
 
     def failure_reasons(self, run_id: str) -> dict[str, str]:
-        return self.redis.hgetall(RedisKeys.failures(run_id))
+        return cast(dict[str, str], self.redis.hgetall(RedisKeys.failures(run_id)))
 
     def record(self, trajectory_id: str) -> tuple[str | None, str | None, str | None]:
         """The trajectory's state, failure reason and scoring task arguments (JSON), or None each."""
@@ -402,14 +404,14 @@ class Ledger:
         return self.redis.zscore(stage.leases, trajectory_id)
 
     def lease_owner(self, trajectory_id: str, stage: LeaseStage = ROLLOUT) -> str | None:
-        return self.redis.hget(stage.owners(parse_trajectory_id(trajectory_id).run_id), trajectory_id)
+        return cast(str | None, self.redis.hget(stage.owners(parse_trajectory_id(trajectory_id).run_id), trajectory_id))
 
     def counts(self, run_id: str) -> dict[str, int]:
         raw = self.redis.hgetall(RedisKeys.counts(run_id))
         return {state: int(raw.get(state, 0)) for state in STATES}
 
     def runs(self) -> list[str]:
-        return sorted(self.redis.smembers(RedisKeys.runs))
+        return sorted(cast(set[str], self.redis.smembers(RedisKeys.runs)))
 
     def retried(self, run_id: str, stage: LeaseStage = ROLLOUT) -> int:
         """How many of the run's trajectories the stage started more than once."""

@@ -24,6 +24,7 @@ import json
 import logging
 import threading
 import time
+from typing import cast
 
 import redis
 
@@ -65,7 +66,8 @@ class RunMarker:
             self.redis.set(self.key, marker_value(self.run_id), nx=True)
         self.seen = True
         if self.store is not None and not self._in_store():
-            self.store.put_bytes(run_marker_key(self.run_id), self.redis.get(self.key).encode(), "application/json")
+            marker = cast(str, self.redis.get(self.key))  # set above; the client decodes replies
+            self.store.put_bytes(run_marker_key(self.run_id), marker.encode(), "application/json")
 
     def in_redis(self) -> bool:
         return bool(self.redis.exists(self.key))

@@ -77,7 +77,10 @@ def request_stop(client: Any, run_id: str, why: str) -> tuple[RunStop, bool]:
     """Record the stop (once); returns the stop in force and whether this call recorded it."""
     stop = RunStop(why, f"{_user()}@{socket.gethostname()}", time.time())
     recorded = bool(client.set(RedisKeys.run_stop(run_id), json.dumps(asdict(stop)), nx=True))
-    return (stop if recorded else stop_of(client, run_id)), recorded
+    in_force = stop if recorded else stop_of(client, run_id)
+    if in_force is None:  # SET NX found it, GET did not: something deleted it in between
+        raise RuntimeError(f"the stop request of run {run_id} vanished while it was being read")
+    return in_force, recorded
 
 
 def end_unfinished(ledger: Ledger, run_id: str, stop: RunStop, states: list[TrajectoryState]) -> int:

@@ -50,7 +50,8 @@ class TrainQueue:
         cursor = int(self.redis.hget(self.cursor_key, str(version)) or 0)
         return cursor, self.redis.lrange(self.queue_key, cursor, -1)
 
-    def commit_selection(self, version: int, cursor: int, stale: int, trained: int, bad: int, deferred: list[str]) -> None:
+    def commit_selection(self, version: int, cursor: int, stale: int, trained: int, bad: int,
+                         deferred: list[str | bytes]) -> None:
         """Record the selection of step ``version`` (its cursor after): see the module invariants."""
         self._commit_selection(
             keys=[self.cursor_key, budget_key(self.run_id), TrainerCounters(self.redis, self.run_id).key, self.queue_key],

@@ -68,6 +68,6 @@ def _text(value: Any) -> str | None:
 
 def _number(value: Any) -> float:
     try:
-        return float(_text(value)) if value is not None else math.nan
+        return float(str(_text(value))) if value is not None else math.nan
     except ValueError:
         return math.nan

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+from pathlib import Path
 
 import httpx
 import openai

@@ -72,17 +72,29 @@ class Stack:
                                   ("volume", ["volume", "ls"]))}
 
     def tear_down(self) -> None:
-        """``down -v``, then prove that nothing of the project is left; what is left is removed
-        by force (so one failure does not fill the disk) and the teardown fails."""
+        """``stop``, then ``down -v``; prove that every running service stopped on SIGTERM (none was
+        killed at the timeout) and that nothing of the project is left. What is left is removed by
+        force (so one failure does not fill the disk) and the teardown fails."""
+        running = self.dc("ps", "-q", check=False).stdout.split()
+        self.dc("stop", "-t", "30", check=False, timeout=600)
+        killed = [name for name, code in _exit_codes(running).items() if code == 137]  # SIGKILL: SIGTERM was ignored
         result = self.dc("down", "-v", "--remove-orphans", "-t", "30", check=False, timeout=600)
         left = {kind: ids for kind, ids in self.leftovers().items() if ids}
         for kind, ids in left.items():
             subprocess.run(["docker", *({"container": ["rm", "-f"]}.get(kind, [kind, "rm"])), *ids], capture_output=True)
         assert not left, f"down left {left} behind:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+        assert not killed, f"{killed} ignored SIGTERM and were killed after 30 s: `make down` waits for each"
 
     def ledger(self) -> Ledger:
         """The head's ledger, read from this host through Redis's published port."""
         return Ledger.from_url(f"redis://:{SECRETS['REDIS_PASSWORD']}@{HEAD_ADDRESS}:{self.ports['redis']}/0")
+
+
+def _exit_codes(containers: list[str]) -> dict[str, int]:
+    if not containers:
+        return {}
+    states = json.loads(subprocess.run(["docker", "inspect", *containers], capture_output=True, text=True, check=True).stdout)
+    return {s["Name"].lstrip("/"): s["State"]["ExitCode"] for s in states}
 
 
 def docker_host_address() -> str:

@@ -7,7 +7,6 @@ the host processes are real interpreters."""
 
 from __future__ import annotations
 
-import textwrap
 
 import pytest
 

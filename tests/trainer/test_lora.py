@@ -228,7 +228,7 @@ def test_the_kl_reference_of_a_lora_policy_is_its_base_without_a_copy(tiny_dir, 
                                       alarm=SYNTHETIC_LOGPROBS, optim=OptimSettings(lr=2e-2), loss=LossSettings(kl_coef=0.5)))
     inside, copied = trainers
     assert inside.reference is None and inside.base_is_reference
-    for step in range(3):
+    for _step in range(3):
         got, want = inside.train_step(batches), copied.train_step(batches)
         assert got["kl"] == pytest.approx(want["kl"], abs=1e-7) and got["loss"] == pytest.approx(want["loss"], abs=1e-6)
     assert want["kl"] > 1e-4  # the policy has left its reference

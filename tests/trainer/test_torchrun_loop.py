@@ -105,7 +105,7 @@ def _assert_same_weights(store, sharded_run, single_run, version, tmp_path) -> N
     for name, value in single.items():
         # summation order differs across ranks (fp32 noise); Adam divides by sqrt(v), so where a
         # gradient is near 0 that noise grows to a small fraction of one step (lr 1e-3)
-        torch.testing.assert_close(sharded[name], value, atol=1e-5, rtol=1e-5, msg=lambda m: f"version {version}: {name}: {m}")
+        torch.testing.assert_close(sharded[name], value, atol=1e-5, rtol=1e-5, msg=lambda m, version=version, name=name: f"version {version}: {name}: {m}")
 
 
 @pytest.mark.slow
@@ -213,7 +213,7 @@ def test_a_lora_policy_trains_sharded_and_writes_the_adapter_one_process_writes(
         sharded, single = (_weights(store, run, version, tmp_path) for run in (sharded_id, single_id))
         assert sharded.keys() == single.keys() and all("lora_" in name for name in single)
         for name, value in single.items():
-            torch.testing.assert_close(sharded[name], value, atol=1e-5, rtol=1e-5, msg=lambda m: f"v{version} {name}: {m}")
+            torch.testing.assert_close(sharded[name], value, atol=1e-5, rtol=1e-5, msg=lambda m, version=version, name=name: f"v{version} {name}: {m}")
     manifests = [read_manifest(store, f"checkpoints/{run}/000002/") for run in (sharded_id, single_id)]
     assert manifests[0]["lora"] == manifests[1]["lora"] == {
         "rank": 4, "alpha": 8.0, "target_modules": ["k_proj", "o_proj", "q_proj", "v_proj"], "sync": "adapter"}

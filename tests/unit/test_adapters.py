@@ -303,7 +303,7 @@ def test_sample_mode_is_deterministic_for_a_seed(clean_env, redis_url, run_id):
 
     rows = [Row(f"m:{i}", {"id": f"t{i}", "low": 0, "high": 100, "target": i}) for i in range(20)]
     results = []
-    for attempt in range(2):
+    for _attempt in range(2):
         client = redis.Redis.from_url(redis_url, decode_responses=True)
         client.flushall()  # a fresh Redis each time: the choice depends only on the seed
         settings = make_settings(run_id, mode="sample", num_groups=6, base_seed=42)

@@ -14,6 +14,7 @@ from services.intake.publisher import run_intake
 from services.trainer.advantages import group_advantages
 from services.trainer.consumer import CONSUMER_GROUP, TrainerConsumer
 from services.trainer.groups import GroupAssembler
+from services.trainer.process import TrainerProcess
 from shared.state.dead_letters import DeadLetters
 from shared.state.ledger import Ledger
 from shared.names import RedisKeys, batch_key, group_record_key, scored_key, trajectory_key
@@ -616,7 +617,7 @@ def test_a_stopped_run_ends_the_consumer_between_reads_with_every_trajectory_ter
         deliver_scored(ledger, store, req, 1.0)
     drain(consumer)  # group 0 decided and consumed, group 1 read and undecided, group 2 queued
     request_stop(ledger.redis, run_id, "enough")
-    consumer.run_forever()  # returns: no SIGTERM, no loop, no stop_when_idle
+    TrainerProcess(consumer).run()  # returns: no SIGTERM, no training loop, no stop_when_idle
     counts = ledger.counts(run_id)
     assert (counts["consumed"], counts["failed"], sum(counts.values())) == (GROUP_SIZE, 2 * GROUP_SIZE, 3 * GROUP_SIZE)
     assert consumer.stopped.reason == "enough"

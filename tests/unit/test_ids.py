@@ -1,4 +1,4 @@
-"""Seeds and ids exactly as shared/ids.py (and the architecture page) define them."""
+"""Seeds and ids exactly as shared/ids.py defines them."""
 
 from __future__ import annotations
 

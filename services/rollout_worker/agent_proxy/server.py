@@ -41,7 +41,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from aiohttp import web
 
@@ -51,6 +51,7 @@ from services.rollout_worker.agent_proxy.recording import AgentRecording, Budget
 from services.rollout_worker.chat_tokens import ChatTokens
 from services.rollout_worker.episode import turn_seed
 from services.rollout_worker.inference_client import InferenceClient, InferenceOutage, InferenceRejected, InferenceUnavailable
+from shared.required import required
 from shared.settings import AgentProxySettings
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,8 @@ class AgentProxy:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        # a started TCPSite holds the asyncio Server that loop.create_server gave it
+        self.port = cast(asyncio.Server, site._server).sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
         for session in list(self._by_key.values()):
@@ -133,7 +135,8 @@ class AgentProxy:
             own_dir.mkdir(parents=True)
             own_dir.chmod(0o755)
             session.socket_path = own_dir / "proxy.sock"
-            session._site = SessionSite(self._runner, str(session.socket_path), self.limits.session_connections)
+            runner = required(self._runner, "the proxy's runner (start sets it up)")
+            session._site = SessionSite(runner, str(session.socket_path), self.limits.session_connections)
             await session._site.start()
             session.socket_path.chmod(0o666)  # the sandbox's user is not the worker's
             self._by_socket[str(session.socket_path)] = session
@@ -151,10 +154,11 @@ class AgentProxy:
             self._by_socket.pop(str(session.socket_path), None)
             await site.stop()
             site.abort()
-            session.socket_path.unlink(missing_ok=True)
-            session.socket_path.with_name(STOP_FILE).unlink(missing_ok=True)
+            socket_path = cast(Path, session.socket_path)  # set with the site (open_session)
+            socket_path.unlink(missing_ok=True)
+            socket_path.with_name(STOP_FILE).unlink(missing_ok=True)
             try:
-                session.socket_path.parent.rmdir()
+                socket_path.parent.rmdir()
             except OSError:  # a sandbox still has it mounted, or something else was put there
                 pass
 

@@ -44,6 +44,7 @@ from services.rollout_worker.sandbox import SandboxSpec
 from services.rollout_worker.agent_proxy.server import STOP_FILE
 from services.rollout_worker.sandbox.protocol import AGENT_DIR, AGENT_SOCKET
 from shared.environments import EnvironmentError_
+from shared.required import required
 
 FORWARDER_PATH = "/tmp/.conveyor-forward.py"
 TASK_PATH = "/tmp/task.md"
@@ -96,7 +97,8 @@ class AgentCodingEnv(CodingEnv):
         spec = super()._spec(command_s=command_s, episode_s=episode_s)
         if not self._mount_agent:
             return spec  # the verifier's sandbox: no way out
-        return spec.model_copy(update={"agent_socket_dir": str(self.endpoint.socket_dir)})
+        endpoint = required(self.endpoint, "the agent's proxy session (attach_agent)")
+        return spec.model_copy(update={"agent_socket_dir": str(endpoint.socket_dir)})
 
     async def reset(self, task_data: dict[str, Any], seed: int) -> list[dict[str, str]]:
         if self.endpoint is None:
@@ -109,12 +111,13 @@ class AgentCodingEnv(CodingEnv):
 
     async def run_agent(self) -> AgentRun:
         """Start the forwarder and the agent; return when the agent exits or is stopped."""
-        cfg, sandbox = self.config, self.sandbox
+        cfg, sandbox = self.config, self._agent_sandbox()
+        endpoint = required(self.endpoint, "the agent's proxy session (attach_agent)")
         await sandbox.write_file(FORWARDER_PATH, Path(forward.__file__).read_text())
-        await sandbox.write_file(TASK_PATH, self.task.problem_statement)
+        await sandbox.write_file(TASK_PATH, required(self.task, "the task (reset sets it)").problem_statement)
         url = f"http://127.0.0.1:{cfg.agent_port}/v1"
-        env = {"OPENAI_BASE_URL": url, "OPENAI_API_BASE": url, "OPENAI_API_KEY": self.endpoint.key,
-               "OPENAI_MODEL": self.endpoint.model, "AGENT_TASK_FILE": TASK_PATH, "AGENT_TIMEOUT_S": f"{cfg.agent_timeout_s:g}",
+        env = {"OPENAI_BASE_URL": url, "OPENAI_API_BASE": url, "OPENAI_API_KEY": endpoint.key,
+               "OPENAI_MODEL": endpoint.model, "AGENT_TASK_FILE": TASK_PATH, "AGENT_TIMEOUT_S": f"{cfg.agent_timeout_s:g}",
                **({"AGENT_ARTIFACTS_DIR": cfg.agent_artifacts_dir} if cfg.agent_artifacts_dir else {}), **cfg.agent_env}
         exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
         stop = f"{AGENT_DIR}/{STOP_FILE}"

@@ -153,7 +153,12 @@ class ProcessHost:
         loop = asyncio.get_running_loop()
         ready = loop.create_future()
         fd = self.conn.fileno()
-        loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+
+        def wake() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        loop.add_reader(fd, wake)
         try:
             self.conn.send((op, payload))
             await asyncio.wait_for(ready, timeout_s)
@@ -258,7 +263,7 @@ class HostedEnv(Environment):
         return {}
 
     async def reset(self, task_data: dict[str, Any], seed: int) -> list[dict[str, str]]:
-        self._host: ProcessHost | ThreadHost = POOL.acquire() if self.config.isolation == "process" else ThreadHost()
+        self._host: ProcessHost | ThreadHost | None = POOL.acquire() if self.config.isolation == "process" else ThreadHost()
         self._clean = False
         self._return = 0.0
         self._done = False
@@ -302,6 +307,8 @@ class HostedEnv(Environment):
                 host.kill()
 
     async def _call(self, op: str, payload: Any) -> Any:
+        if self._host is None:
+            raise RuntimeError(f"{type(self).__name__}.{op} after close: the environment has no host")
         return await self._host.call(op, payload, self.config.call_timeout_s)
 
 

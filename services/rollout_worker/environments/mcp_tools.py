@@ -30,7 +30,7 @@ import math
 import re
 import tempfile
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import Any, cast
 
 from pydantic import Field, model_validator
 
@@ -105,13 +105,13 @@ class McpToolEnv(Environment):
         self.task = task_data
         self.final_answer: str | None = None
         self.tool_log: list[dict[str, Any]] = []
-        self._stack = AsyncExitStack()
+        self._stack: AsyncExitStack | None = AsyncExitStack()
         # a stdio server's stderr goes to a file of the episode (a worker's sys.stderr may be no file)
         self._server_log = self._stack.enter_context(tempfile.TemporaryFile("w+", prefix="conveyor-mcp-"))
         if self.config.url is not None:
             server: Any = self.config.url
         else:
-            program, *args = self.config.command
+            program, *args = cast(list[str], self.config.command)  # McpConfig holds a url or a command
             server = stdio_client(StdioServerParameters(command=program, args=args, env=self.config.server_env or None),
                                   errlog=self._server_log)
         try:

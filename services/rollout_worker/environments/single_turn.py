@@ -36,6 +36,7 @@ class SingleTurnConfig(EnvConfig):
 class SingleTurnEnv(Environment):
     name = "single_turn"
     Config = SingleTurnConfig
+    config: SingleTurnConfig
 
     @classmethod
     def task_from_row(cls, data: dict[str, Any]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import IO, cast
 
 import docker
 import docker.errors
@@ -98,15 +99,16 @@ def build_python_base_image(client: docker.DockerClient | None = None, *, suite:
                        check=True, capture_output=True, timeout=timeout_s)
         _finish_rootfs(root, ca)
         tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
+        tar_stdout = cast(IO[bytes], tar.stdout)  # stdout=PIPE: never None
         try:
             repo, _, version = tag.rpartition(":")
-            client.api.import_image_from_stream(tar.stdout, repository=repo, tag=version, changes=[
+            client.api.import_image_from_stream(tar_stdout, repository=repo, tag=version, changes=[
                 "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                 "ENV HOME=/tmp", "WORKDIR /workspace", "USER 1000:1000", 'CMD ["/bin/sh"]',
                 "LABEL " + " ".join(f"{k}={v}" for k, v in image_labels("python-base", stack_id).items()),
             ])
         finally:
-            tar.stdout.close()
+            tar_stdout.close()
             if tar.wait() != 0:
                 raise RuntimeError(f"tar of the debootstrap root failed (exit {tar.returncode})")
     return tag

@@ -94,7 +94,8 @@ def _constant_returns(source: str, name: str) -> str | None:
         return None
     if name != "__hash__" and _ignores_other(function):
         return f"{name} never looks at what it compares with"
-    returns, stack = [], list(function.body)
+    returns: list[ast.expr | None] = []
+    stack: list[ast.AST] = list(function.body)
     while stack:
         node = stack.pop()
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
@@ -104,7 +105,7 @@ def _constant_returns(source: str, name: str) -> str | None:
         stack.extend(ast.iter_child_nodes(node))
     if not returns or not all(isinstance(v, ast.Constant) for v in returns):
         return None
-    truths = {bool(v.value) for v in returns}
+    truths = {bool(v.value) for v in returns if isinstance(v, ast.Constant)}  # all of them (checked above)
     if len(truths) != 1:
         return None
     truth = truths.pop()

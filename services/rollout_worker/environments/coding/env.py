@@ -24,12 +24,13 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, ClassVar
 
 from shared.environments import (AgentAction, Environment, EnvironmentError_, StepResult,
                                                        VerifyResult)
 from services.rollout_worker.sandbox import (EpisodeTimeout, Limits, Sandbox, SandboxClosed, SandboxFileError,
                                              SandboxLabels, SandboxLost, SandboxSpec, Timeouts, provision_with_retry)
+from shared.required import required
 from shared.schemas import ToolCall
 
 from . import grading
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 
 class CodingEnv(Environment):
     name = "coding"
-    Config = CodingConfig
+    Config: ClassVar[type[CodingConfig]] = CodingConfig
     config: CodingConfig
 
     @classmethod
@@ -83,10 +84,13 @@ class CodingEnv(Environment):
         """Label this trajectory's sandboxes (for the janitor and leak checks); call before ``reset``."""
         self.labels = SandboxLabels(run_id=run_id, group_id=str(group_id), trajectory_id=trajectory_id)
 
+    def _agent_sandbox(self) -> Sandbox:
+        return required(self.sandbox, f"{self.name}'s agent sandbox (reset starts it)")
+
     async def _provision(self, spec: SandboxSpec) -> Sandbox:
         """A sandbox with the task's workspace: streamed in, or copied from the snapshot image."""
         if not self.snapshot:
-            return await provision_with_retry(spec, workspace=self.workspace.archive)
+            return await provision_with_retry(spec, workspace=required(self.workspace, "the workspace (reset prepares it)").archive)
         sandbox = await provision_with_retry(spec)
         try:
             filled = await sandbox.exec(populate_command(spec.workspace_dir), timeout_s=spec.timeouts.provision_s)
@@ -163,24 +167,24 @@ class CodingEnv(Environment):
         return observation
 
     async def _tool_bash(self, entry: dict[str, Any], command: str) -> str:
-        result = await self.sandbox.exec(command, timeout_s=self.config.command_timeout_s,
-                                         max_output_bytes=self.config.max_output_bytes)
+        result = await self._agent_sandbox().exec(command, timeout_s=self.config.command_timeout_s,
+                                                  max_output_bytes=self.config.max_output_bytes)
         entry.update(exit_code=result.exit_code, timed_out=result.timed_out, output_bytes=result.output_bytes,
                      output=result.output)
         return bash_observation(result, self.config.command_timeout_s) or "[no output]"
 
     async def _tool_read_file(self, entry: dict[str, Any], path: str) -> str:
-        data = await self.sandbox.read_file(path, max_bytes=self.config.max_read_bytes)
+        data = await self._agent_sandbox().read_file(path, max_bytes=self.config.max_read_bytes)
         entry["bytes"] = len(data)
         return clip(data.decode(errors="replace"), self.config.max_output_bytes) if data else "[empty file]"
 
     async def _tool_write_file(self, entry: dict[str, Any], path: str, content: str) -> str:
-        await self.sandbox.write_file(path, content)
+        await self._agent_sandbox().write_file(path, content)
         entry["bytes"] = len(content.encode())
         return f"Wrote {entry['bytes']} bytes to {path}."
 
     async def _tool_str_replace(self, entry: dict[str, Any], path: str, old: str, new: str) -> str:
-        data = await self.sandbox.read_file(path, max_bytes=self.config.max_read_bytes)
+        data = await self._agent_sandbox().read_file(path, max_bytes=self.config.max_read_bytes)
         try:
             text = data.decode()
         except UnicodeDecodeError:
@@ -190,7 +194,7 @@ class CodingEnv(Environment):
         if isinstance(replaced, ToolError):
             entry["error"] = replaced.message
             return f"Error: {replaced.message}"
-        await self.sandbox.write_file(path, replaced)
+        await self._agent_sandbox().write_file(path, replaced)
         return f"Replaced 1 occurrence in {path}."
 
     async def _tool_submit(self, entry: dict[str, Any]) -> str:
@@ -209,7 +213,7 @@ class CodingEnv(Environment):
     # -- verify ----------------------------------------------------------------------------------
 
     async def verify(self) -> VerifyResult:
-        task = self.task
+        task = required(self.task, "the task (reset sets it)")
         info: dict[str, Any] = {"format": task.format, "repo": task.repo, "base_commit": task.base_commit,
                                 "image": self.image, "ended": self.ended, "submitted": self.ended == "submitted",
                                 "commands": self.command_log}
@@ -225,9 +229,9 @@ class CodingEnv(Environment):
 
     async def _remove_agent_sandbox(self, info: dict[str, Any]) -> None:
         try:
-            await self.sandbox.teardown()
+            await self._agent_sandbox().teardown()
         except Exception as exc:  # the janitor removes it after its TTL
-            log.warning("could not tear down the agent's sandbox %s: %s", self.sandbox.name, exc)
+            log.warning("could not tear down the agent's sandbox %s: %s", self._agent_sandbox().name, exc)
             info["agent_teardown_error"] = f"{type(exc).__name__}: {exc}"
 
     async def _verdict(self, task: CodingTask, diff: bytes | None, why: str | None, info: dict[str, Any]) -> VerifyResult:
@@ -256,8 +260,9 @@ class CodingEnv(Environment):
         sandbox = self.sandbox
         if sandbox is None or not sandbox.alive:
             return None, f"the agent's sandbox is gone ({self.ended})"
+        workspace = required(self.workspace, "the workspace (reset prepares it)")
         try:
-            result = await sandbox.exec(grading.diff_command(sandbox.spec.workspace_dir, self.workspace.base_sha),
+            result = await sandbox.exec(grading.diff_command(sandbox.spec.workspace_dir, workspace.base_sha),
                                         timeout_s=120, max_output_bytes=4096)
             if result.exit_code != 0:
                 return None, f"git diff failed in the agent's sandbox: {result.output[-500:] or result.exit_code}"

