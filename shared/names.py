@@ -111,6 +111,8 @@ class RedisKeys:
     runs = f"{_P}:runs"  # set of run ids
     leases = f"{_P}:leases"  # zset trajectory_id -> rollout lease deadline (unix s), all runs
     scoring_leases = f"{_P}:scoring_leases"  # zset trajectory_id -> scoring lease deadline, all runs
+    # hash replica URL -> JSON {run_id: {trains, model, until}}: whose weight follower holds it (shared.state.replica_holders)
+    replica_holders = f"{_P}:replica_holders"
     dead_letters = f"{_P}:dead_letters"  # list of messages that did not fit their schema, all runs (shared.state.dead_letters)
 
     @staticmethod
@@ -243,6 +245,7 @@ REDIS_KEY_OWNERS: dict[str, str] = {
                      "resends", "scoring_resends", "scoring_owners", "scoring_attempts", "scoring_tasks",
                      "requests"), _LEDGER),
     "dead_letters": "shared.state.dead_letters",
+    "replica_holders": "shared.state.replica_holders",
     "run_marker": "shared.state.run_marker",
     "groups": "shared.state.group_registry",
     "groups_published": "shared.state.group_registry",

@@ -1,0 +1,77 @@
+"""Which runs may share a vLLM replica (``shared.state.replica_holders``), on the session's real Redis:
+a run that trains is alone on its replicas, two assemble runs of one base model share them, and a
+holder that stopped renewing, or whose follower exited, blocks nobody."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from shared.state.replica_holders import ReplicaHold, ReplicaHolders
+
+R1, R2 = "http://replica-1:8000", "http://replica-2:8000"
+MODEL, OTHER = "/models/tiny", "/models/other"
+
+
+@pytest.fixture
+def holders(redis_client: Any) -> ReplicaHolders:
+    return ReplicaHolders(redis_client)
+
+
+def test_a_run_that_trains_is_alone_on_its_replicas(holders: ReplicaHolders) -> None:
+    assert holders.claim([R1], "A", trains=True, model=MODEL) is None
+    refusal = holders.claim([R1], "B", trains=False, model=MODEL)
+    assert refusal is not None and refusal.replica == R1 and refusal.holder.run_id == "A" and refusal.holder.trains
+    assert "A trains on it" in refusal.why()
+    assert [h.run_id for h in holders.holders(R1)] == ["A"]
+
+
+def test_a_run_that_trains_is_refused_a_replica_an_assemble_run_holds(holders: ReplicaHolders) -> None:
+    assert holders.claim([R1], "A", trains=False, model=MODEL) is None
+    refusal = holders.claim([R2, R1], "B", trains=True, model=MODEL)
+    assert refusal is not None and refusal.replica == R1 and "B trains" in refusal.why()
+    assert holders.holders(R2) == []  # all or nothing: the free replica was not taken either
+
+
+def test_two_assemble_runs_of_one_model_share_and_release_their_own_claims(holders: ReplicaHolders) -> None:
+    assert holders.claim([R1, R2], "A", trains=False, model=MODEL) is None
+    assert holders.claim([R1, R2], "B", trains=False, model=MODEL) is None
+    assert sorted(h.run_id for h in holders.holders(R2)) == ["A", "B"]
+    assert holders.release([R1, R2], "A") == 2
+    assert [h.run_id for h in holders.holders(R1)] == ["B"]
+    assert holders.claim([R1], "C", trains=True, model=MODEL) is not None  # B still serves from it
+    holders.release([R1, R2], "B")
+    assert holders.claim([R1], "C", trains=True, model=MODEL) is None
+
+
+def test_assemble_runs_of_different_models_are_refused(holders: ReplicaHolders) -> None:
+    assert holders.claim([R1], "A", trains=False, model=MODEL) is None
+    refusal = holders.claim([R1], "B", trains=False, model=OTHER)
+    assert refusal is not None and MODEL in refusal.why() and OTHER in refusal.why()
+
+
+def test_a_holder_that_stopped_renewing_blocks_nobody_after_its_ttl(holders: ReplicaHolders) -> None:
+    assert holders.claim([R1], "A", trains=True, model=MODEL, ttl_s=0.3) is None
+    assert holders.claim([R1], "B", trains=True, model=MODEL) is not None
+    time.sleep(0.4)
+    assert holders.holders(R1) == []
+    assert holders.claim([R1], "B", trains=True, model=MODEL) is None
+    assert [h.run_id for h in holders.holders(R1)] == ["B"]
+
+
+def test_a_run_takes_its_own_claim_again(holders: ReplicaHolders) -> None:
+    assert holders.claim([R1], "A", trains=True, model=MODEL) is None
+    assert holders.claim([R1], "A", trains=True, model=MODEL) is None  # a restarted follower
+
+
+def test_a_live_hold_is_renewed_past_its_ttl_and_released(holders: ReplicaHolders) -> None:
+    hold = ReplicaHold(holders, [R1], "A", trains=True, model=MODEL, ttl_s=0.3)
+    assert hold.take() is None
+    time.sleep(0.6)  # two TTLs: only the heartbeat keeps it
+    assert [h.run_id for h in holders.holders(R1)] == ["A"] and hold.lost is None
+    hold.release()
+    assert holders.holders(R1) == []
+    assert holders.claim([R1], "B", trains=True, model=MODEL) is None
+
