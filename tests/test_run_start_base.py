@@ -43,9 +43,10 @@ def admin() -> Iterator[httpx.Client]:
         yield client
 
 
-def follower(redis_client: Any, tmp_path: Path, urls: list[str], base: Path) -> WeightFollower:
-    return WeightFollower(redis_client, LocalStore(tmp_path / "objects"), "runA", urls, tmp_path / "weights",
-                          initial_weights_dir=base, probe_model=SERVED)
+def follower(redis_client: Any, tmp_path: Path, urls: list[str], base: Path, run_id: str = "runA",
+             trains: bool = True) -> WeightFollower:
+    return WeightFollower(redis_client, LocalStore(tmp_path / "objects"), run_id, urls, tmp_path / run_id,
+                          initial_weights_dir=base, probe_model=SERVED, trains=trains)
 
 
 def count_reloads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -102,3 +103,23 @@ def test_an_unreachable_replica_stops_the_run(models: dict[str, Path], redis_cli
     with follower(redis_client, tmp_path, ["http://127.0.0.1:9"], models["A"]) as f, \
             pytest.raises(BaseWeightsError, match=r"replica http://127.0.0.1:9"):
         f.ensure_base()
+
+
+def test_a_second_run_is_refused_the_replica_a_training_run_holds(server: ServedModel, models: dict[str, Path],
+                                                                  admin: httpx.Client, redis_client: Any, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    with follower(redis_client, tmp_path, [server.base_url], models["A"]) as first:
+        first.ensure_base()  # run A trains on the replica from here on
+        reloads = count_reloads(monkeypatch)
+        for trains in (False, True):
+            with follower(redis_client, tmp_path, [server.base_url], models["A"], "runB", trains) as second, \
+                    pytest.raises(BaseWeightsError) as refused:
+                second.ensure_base()
+            line = str(refused.value)
+            assert "\n" not in line and server.base_url in line and "runA trains on it" in line \
+                and "inference.base_url" in line and "conveyor run stop runA" in line, line
+        assert reloads == [] and ws.weight_version(admin, server.base_url) == base_label("runA")
+    with follower(redis_client, tmp_path, [server.base_url], models["A"], "runB") as second:
+        [check] = second.ensure_base()  # run A's follower exited: its hold went with it
+    assert check.found == base_label("runA") and check.restored
+    assert ws.weight_version(admin, server.base_url) == base_label("runB")

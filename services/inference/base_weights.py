@@ -7,6 +7,13 @@ so it owns this check (``WeightFollower.ensure_base``, from ``run()`` while the 
 version is 0, before it follows the run's checkpoints).
 
 Invariants:
+- Before it reads or reloads any replica, the follower holds every replica for its run
+  (``hold_replicas``: ``shared.state.replica_holders``, one atomic claim, a lease renewed while the
+  follower runs and released at its exit). A replica serves one run's policy: a run that trains
+  shares its replicas with no other run, and only assemble runs of the same base model share
+  one. A refused claim raises ``BaseWeightsError`` (one line naming the replica, the run holding
+  it, why, and what to do) and touches no replica: another run's weights and label stay as they
+  were. A run whose follower exited, or died ``HOLD_TTL_S`` ago, holds nothing.
 - A run's base weights are ``inference.model_path``, labelled ``base_label(run_id)``
   (``{run_id}@0``) on a replica that serves them for that run. Labels of later versions stay
   ``str(version)``: only the base label names its run.
@@ -39,6 +46,7 @@ from services.inference.sync_probe import ProbeMismatch, SyncProbe, verify_repli
 from services.inference.weight_sync import AdminCallError, WeightSyncError, sync_weights, weight_version
 from shared.logprob_probe import LogprobProbe
 from shared.model_source import ModelSourceError, resolve_model_source
+from shared.state.replica_holders import ReplicaHold
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +68,17 @@ class BaseCheck:
 def base_label(run_id: str) -> str:
     """The weight label of a replica serving ``run_id``'s base weights."""
     return f"{run_id}@0"
+
+
+def hold_replicas(hold: ReplicaHold) -> None:
+    """Claim (or renew) the run's hold on its replicas before touching them; the refusal raised as one line."""
+    refusal = hold.take()
+    if refusal is None:
+        return
+    other = refusal.holder.run_id
+    raise BaseWeightsError(f"run {hold.run_id} cannot use replica {refusal.replica}: it is held by run {other}'s weight "
+                           f"follower and {refusal.why()}; give run {hold.run_id} its own inference server "
+                           f"(inference.base_url) or stop run {other} (conveyor run stop {other})")
 
 
 def base_dir(model_path: str | Path) -> Path:

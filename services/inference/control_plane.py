@@ -35,6 +35,8 @@ Invariants:
   ``run()`` first makes every replica serve ``inference.model_path`` under the run's base label
   and probes each (``ensure_base``, ``services.inference.base_weights``); a replica that cannot
   be restored stops the follower with ``BaseWeightsError``, one line naming it and the gap.
+  The follower holds its replicas for its run first, and renews the hold while it runs (a
+  replica another run holds, or a hold lost, stops it with ``BaseWeightsError``; see there).
 - A failed sync leaves ``policy_version`` unchanged and is retried with backoff by
   ``run()``; with the previous checkpoint as ``restore_dir``, a failed reload or probe puts
   every replica back on the weights they served before.
@@ -66,7 +68,8 @@ from pathlib import Path
 from typing import Any, Self
 
 from services.inference import weight_sync
-from services.inference.base_weights import BaseCheck, BaseWeightsError, base_dir, base_probe, ensure_base_weights
+from services.inference.base_weights import (BaseCheck, BaseWeightsError, base_dir, base_probe, ensure_base_weights,
+                                             hold_replicas)
 from services.inference.lora_sync import sync_adapter
 from services.inference.weight_sync import SyncProbe, SyncReport, WeightSyncError, sync_weights
 from shared.checkpoint_files import (  # noqa: F401 - re-exported for callers of the follower
@@ -84,6 +87,7 @@ from shared.outage import OutageTooLong
 from shared.outage import redis_client as redis_client_waiting
 from shared.state.run_marker import RedisDataLost, RunMarker
 from shared.state.policy_version import PolicyVersion
+from shared.state.replica_holders import ReplicaHold, ReplicaHolders
 from shared.prometheus import SERVED_POLICY_VERSION, WEIGHT_SYNC_SECONDS
 from shared.schemas import BadMessage, CheckpointAnnouncement, parse_message
 from shared.storage import ObjectStore
@@ -147,6 +151,7 @@ class WeightFollower:
         probe_model: str | None = None,
         probe_tolerance: float = FP32_TOLERANCE,
         served_model: str = "tiny",
+        trains: bool = True,
     ):
         self.redis = redis_client
         self.announcements = CheckpointAnnouncements(redis_client, run_id)
@@ -171,8 +176,11 @@ class WeightFollower:
         self.weight_syncs = WeightSyncRecord(redis_client, run_id)
         self.dead_letters = DeadLetters(redis_client)
         self._http = weight_sync.admin_client()  # one for the follower's life: no per-sync setup cost
+        self.hold = ReplicaHold(ReplicaHolders(redis_client), self.base_urls, run_id, trains,
+                                str(initial_weights_dir or ""))
 
     def close(self) -> None:
+        self.hold.release()
         self._http.close()
 
     def __enter__(self) -> Self:
@@ -196,6 +204,7 @@ class WeightFollower:
         kwargs.setdefault("probe_model", inference.model if inference.sync_probe else None)
         kwargs.setdefault("probe_tolerance", inference.sync_probe_tolerance or default_tolerance(inference.dtype))
         kwargs.setdefault("served_model", inference.model)
+        kwargs.setdefault("trains", settings.trainer.mode == "train")
         return cls(redis_client, store, settings.run_id, replicas,
                    work_dir or Path(inference.weights_dir) / settings.run_id,
                    initial_weights_dir=kwargs.pop("initial_weights_dir", inference.model_path), **kwargs)
@@ -293,6 +302,7 @@ class WeightFollower:
         if self.initial_weights_dir is None:
             raise BaseWeightsError(f"run {self.run_id} cannot start: the weight follower has no base checkpoint "
                                    "(inference.model_path) to check its replicas against")
+        hold_replicas(self.hold)
         model_dir = base_dir(self.initial_weights_dir)
         probe = SyncProbe(base_probe(model_dir), self.probe_model or self.served_model, self.probe_tolerance)
         return ensure_base_weights(self._http, self.base_urls, self.run_id, model_dir, probe)
@@ -368,11 +378,13 @@ class WeightFollower:
         log.info("following %s for %d replica(s)", self.announcements.key, len(self.base_urls))
         marker = RunMarker(self.redis, self.run_id, self.store)
         marker.check(_STOPS, look_in_store=True)
+        hold_replicas(self.hold)  # a restarted follower past version 0 holds its replicas too
         if self.served_version() == 0:
             self._resume_left_paused()  # a paused replica would not answer the base probe
             self.ensure_base()
         while not stop_event.is_set():
             marker.check(_STOPS)
+            hold_replicas(self.hold)  # raises once a renewal found another run on a replica
             try:
                 self.process_once(block_ms=self.block_ms)
             except (OutageTooLong, RedisDataLost):

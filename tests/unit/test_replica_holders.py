@@ -5,11 +5,15 @@ holder that stopped renewing, or whose follower exited, blocks nobody."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from services.inference.base_weights import BaseWeightsError
+from services.inference.control_plane import WeightFollower
 from shared.state.replica_holders import ReplicaHold, ReplicaHolders
+from shared.storage import LocalStore
 
 R1, R2 = "http://replica-1:8000", "http://replica-2:8000"
 MODEL, OTHER = "/models/tiny", "/models/other"
@@ -75,3 +79,19 @@ def test_a_live_hold_is_renewed_past_its_ttl_and_released(holders: ReplicaHolder
     assert holders.holders(R1) == []
     assert holders.claim([R1], "B", trains=True, model=MODEL) is None
 
+
+def test_a_followers_exit_releases_its_replicas(redis_client: Any, holders: ReplicaHolders, tmp_path: Path) -> None:
+    with WeightFollower(redis_client, LocalStore(tmp_path / "objects"), "A", [R1], tmp_path / "weights",
+                        initial_weights_dir=tmp_path / "no-model", trains=True) as follower:
+        with pytest.raises(BaseWeightsError):  # held, then the base checkpoint is missing
+            follower.ensure_base()
+        assert [h.run_id for h in holders.holders(R1)] == ["A"]
+    assert holders.holders(R1) == []
+    assert holders.claim([R1], "C", trains=False, model=MODEL) is None
+    with WeightFollower(redis_client, LocalStore(tmp_path / "objects"), "B", [R1], tmp_path / "weights",
+                        initial_weights_dir=tmp_path / "no-model", trains=True) as follower:
+        with pytest.raises(BaseWeightsError) as refused:
+            follower.ensure_base()
+    line = str(refused.value)
+    assert "\n" not in line and R1 in line and "run C" in line and "inference.base_url" in line \
+        and "conveyor run stop C" in line, line
