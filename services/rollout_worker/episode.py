@@ -94,9 +94,6 @@ async def run_episode(
     started = time.time()
     turns: list[Turn] = []
     role = env.role_of_observations()
-    bind = getattr(env, "bind_trajectory", None)  # sandboxed environments label their containers
-    if bind is not None:
-        bind(run_id=request.run_id, group_id=request.group_id, trajectory_id=request.trajectory_id)
     env_info: dict[str, Any]
     stop, error, env_reward, env_info = StopReason.max_turns, None, None, {}
     prompt_messages: list[dict[str, str]] = []

@@ -43,7 +43,7 @@ from services.rollout_worker.environments.coding.env import CodingEnv
 from services.rollout_worker.sandbox import SandboxSpec
 from services.rollout_worker.agent_proxy.server import STOP_FILE
 from services.rollout_worker.sandbox.protocol import AGENT_DIR, AGENT_SOCKET
-from shared.environments import EnvironmentError_
+from shared.environments import AgentDrivenEnvironment, EnvironmentError_
 from shared.required import required
 
 FORWARDER_PATH = "/tmp/.conveyor-forward.py"
@@ -79,11 +79,10 @@ class AgentRun:
     artifacts: AgentArtifacts = field(default_factory=AgentArtifacts)
 
 
-class AgentCodingEnv(CodingEnv):
+class AgentCodingEnv(CodingEnv, AgentDrivenEnvironment):
     name = "agent_coding"
     Config = AgentCodingConfig
     config: AgentCodingConfig
-    driven_by_agent = True  # agent_episode runs it, not the turn loop
 
     def __init__(self, env_config: dict[str, Any] | AgentCodingConfig | None = None):
         super().__init__(env_config)
