@@ -52,10 +52,10 @@ from typing import Any, Callable
 import kombu.exceptions
 import redis
 
-from services.rollout_worker.agent_proxy import AgentProxy
+from services.rollout_worker.agents.proxy import AgentProxy
 from services.rollout_worker.chat_tokens import ChatTokens
-from services.rollout_worker.episode import EpisodeLimits
-from services.rollout_worker.episode_drivers import AgentDriver, TokenLoopDriver, driver_for
+from services.rollout_worker.episode.loop import EpisodeLimits
+from services.rollout_worker.episode.drivers import AgentDriver, TokenLoopDriver, driver_for
 from services.rollout_worker.in_flight import HandBack, InFlight, LeaseLost
 from services.rollout_worker.inference_client import InferenceClient, InferenceOutage, InferenceRejected, InferenceUnavailable
 from services.rollout_worker.sandbox.errors import SandboxInfraError

@@ -82,7 +82,7 @@ class EnvConfig(BaseModel):
     # the chat role observations are rendered with; None: the environment's own default
     observation_role: Literal["user", "tool"] | None = None
     # several episodes of the task in one trajectory; the first free_shots do not count
-    # (services/rollout_worker/trials.py)
+    # (services/rollout_worker/episode/trials.py)
     episodes_per_trial: int = Field(1, ge=1)
     free_shots: int = Field(0, ge=0)
 

@@ -1,5 +1,5 @@
 """Declared capabilities pick the episode driver and attach artifacts
-(``services.rollout_worker.episode_drivers``, ``shared.environments.protocol``): the checks are
+(``services.rollout_worker.episode.drivers``, ``shared.environments.protocol``): the checks are
 structural, so a plugin that merely defines the methods is recognised as a built-in subclass is.
 """
 
@@ -12,7 +12,7 @@ from services.rollout_worker.environments.agent_coding import AgentCodingEnv
 from services.rollout_worker.environments.coding import CodingEnv
 from services.rollout_worker.environments.guess_number import GuessNumberEnv
 from services.rollout_worker.environments.main_thread import on_main_thread
-from services.rollout_worker.episode_drivers import AgentDriver, TokenLoopDriver, attach_artifacts, driver_for
+from services.rollout_worker.episode.drivers import AgentDriver, TokenLoopDriver, attach_artifacts, driver_for
 from shared.environments import AgentDrivenEnvironment, ArtifactWriter, SandboxedEnvironment, StepResult, VerifyResult
 from shared.schemas import RolloutRequest, StopReason, TaskProfile, Trajectory
 

@@ -1,4 +1,4 @@
-"""The episode driver's state transitions (``services.rollout_worker.episode``): what one
+"""The episode driver's state transitions (``services.rollout_worker.episode.loop``): what one
 ``take_turn`` does to an ``EpisodeState``, and which stop reason ends the episode.
 
 The policy is ``scripted_completions`` (vLLM's token API answering with known replies, no
@@ -16,9 +16,9 @@ from scripted_completions import scripted_completions
 
 from services.inference.tiny_model import generate_tiny_model
 from services.rollout_worker.chat_tokens import load_chat_tokens
-from services.rollout_worker.episode import EpisodeLimits, EpisodeState, run_episode, take_turn
+from services.rollout_worker.episode.loop import EpisodeLimits, EpisodeState, run_episode, take_turn
 from services.rollout_worker.inference_client import InferenceClient
-from services.rollout_worker.trials import Trial
+from services.rollout_worker.episode.trials import Trial
 from shared import ids
 from shared.environments import AgentAction, Environment, StepResult, VerifyResult
 from shared.schemas import RolloutRequest, StopReason, TaskProfile

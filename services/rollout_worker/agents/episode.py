@@ -7,7 +7,7 @@ they are the trajectory.
 
 Invariants:
 - The trajectory's turns are exactly the calls the proxy recorded for this trajectory's session,
-  in order, segments included (``agent_proxy.recording``); nothing else is sampled.
+  in order, segments included (``agents.proxy.recording``); nothing else is sampled.
 - The session is closed before ``verify``: nothing the agent left running can add a turn after
   the episode ended. It is closed, and the environment too, whatever happened.
 - Stop reason: ``timeout`` when the agent was stopped at its time limit, the recording's own
@@ -26,10 +26,10 @@ import asyncio
 import time
 from typing import Callable
 
-from services.rollout_worker import agent_artifacts
-from services.rollout_worker.agent_proxy import AgentProxy, RecordingLimits
+from services.rollout_worker.agents import artifacts as agent_artifacts
+from services.rollout_worker.agents.proxy import AgentProxy, RecordingLimits
 from services.rollout_worker.environments.agent_coding import AgentEndpoint, AgentRun
-from services.rollout_worker.episode import EnvironmentFailure, EpisodeLimits, environment_call
+from services.rollout_worker.episode.loop import EnvironmentFailure, EpisodeLimits, environment_call
 from shared.environments import AgentDrivenEnvironment
 from shared.required import required
 from shared.schemas import EpisodeTimings, RolloutRequest, StopReason, Trajectory

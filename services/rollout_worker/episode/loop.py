@@ -49,7 +49,7 @@ from shared.environments import AgentAction, EnvConfig, Environment
 from services.rollout_worker.inference_client import InferenceClient
 from services.rollout_worker.sandbox.errors import SandboxInfraError
 from services.rollout_worker.tool_calls import parse_tool_calls
-from services.rollout_worker.trials import Trial
+from services.rollout_worker.episode.trials import Trial
 from shared.schemas import EpisodeTimings, RolloutRequest, StopReason, Trajectory, Turn, TurnTimings
 from shared.settings import RolloutSettings
 

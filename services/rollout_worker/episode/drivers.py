@@ -2,7 +2,7 @@
 
 Invariants:
 - ``driver_for`` is the one place that picks: an ``AgentDrivenEnvironment`` goes to the agent
-  driver (``agent_episode``), every other environment to the token loop (``episode``). The
+  driver (``agents.episode``), every other environment to the token loop (``episode.loop``). The
   capability is declared (``shared.environments.protocol``), never probed.
 - A ``SandboxedEnvironment`` is bound to its trajectory before ``reset``, so every container it
   makes carries the trajectory's labels (the janitor's); the token loop binds the environment
@@ -19,11 +19,11 @@ import asyncio
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Protocol
 
-from services.rollout_worker.agent_episode import run_agent_episode
-from services.rollout_worker.agent_proxy import AgentProxy
+from services.rollout_worker.agents.episode import run_agent_episode
+from services.rollout_worker.agents.proxy import AgentProxy
 from services.rollout_worker.chat_tokens import ChatTokens
 from services.rollout_worker.environments.main_thread import on_main_thread
-from services.rollout_worker.episode import EpisodeLimits, run_episode
+from services.rollout_worker.episode.loop import EpisodeLimits, run_episode
 from services.rollout_worker.inference_client import InferenceClient
 from shared.environments import AgentDrivenEnvironment, ArtifactWriter, Environment, SandboxedEnvironment
 from shared.schemas import RolloutRequest, StopReason, Trajectory
@@ -39,7 +39,7 @@ class EpisodeDriver(Protocol):
 
 @dataclass(frozen=True)
 class TokenLoopDriver:
-    """The model samples every turn, token in, token out (``episode.run_episode``)."""
+    """The model samples every turn, token in, token out (``episode.loop.run_episode``)."""
 
     inference: InferenceClient
     chat: ChatTokens
@@ -56,7 +56,7 @@ class TokenLoopDriver:
 
 @dataclass(frozen=True)
 class AgentDriver:
-    """The environment's agent makes the model calls through the recording proxy (``agent_episode``)."""
+    """The environment's agent makes the model calls through the recording proxy (``agents.episode``)."""
 
     proxy: Callable[[], Awaitable[AgentProxy]]  # the process's proxy, started on first use
     store: ObjectStore | None = None
