@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from agent_support import proxy_on_stub  # noqa: E402
 
-from services.rollout_worker.agent_proxy import RecordingLimits  # noqa: E402
+from services.rollout_worker.agents.proxy import RecordingLimits  # noqa: E402
 from shared.settings import AgentProxySettings  # noqa: E402
 
 MiB = 1024 * 1024

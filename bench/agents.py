@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from agent_support import proxy_on_tiny_vllm  # noqa: E402
 
-from services.rollout_worker.agent_proxy import RecordingLimits  # noqa: E402
+from services.rollout_worker.agents.proxy import RecordingLimits  # noqa: E402
 
 CLINE_CONTEXT = 40960
 MESSAGES = [{"role": "system", "content": "You fix bugs in the repository."},
@@ -105,10 +105,10 @@ def _python_image():
 
 def _episodes(proxy, image: str, agent_command: str, episodes: int, root: Path, max_model_len: int = 1024, **config) -> list:
     """``episodes`` agent_coding trajectories of ``agent_command`` on the generated repository."""
-    from services.rollout_worker.agent_episode import run_agent_episode
+    from services.rollout_worker.agents.episode import run_agent_episode
     from services.rollout_worker.environments.agent_coding import AgentCodingEnv
     from services.rollout_worker.environments.coding import coding_task
-    from services.rollout_worker.episode import EpisodeLimits
+    from services.rollout_worker.episode.loop import EpisodeLimits
     from shared.schemas import RolloutRequest, TaskProfile
 
     task_data = coding_task(_repo(root))
@@ -147,7 +147,7 @@ def cline_in_sandboxes(episodes: int, root: Path) -> None:
     client, image = _python_image()
     if image is None:
         return
-    from services.rollout_worker.agent_images import build_agent_image
+    from services.rollout_worker.agents.images import build_agent_image
 
     started = time.monotonic()
     cline = build_agent_image(client, "cline", image)

@@ -127,7 +127,7 @@ class SamplingSettings(Section):
 
 
 class AgentProxySettings(Section):
-    """Bounds of the recording proxy (``services.rollout_worker.agent_proxy``) per trajectory's
+    """Bounds of the recording proxy (``services.rollout_worker.agents.proxy``) per trajectory's
     session, so that one sandbox cannot starve the worker's other trajectories."""
     # a body over this is refused with 413 before it is read (declared length), or as soon as
     # the bytes read pass it (chunked)

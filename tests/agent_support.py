@@ -1,4 +1,4 @@
-"""A recording proxy (``services.rollout_worker.agent_proxy``) on a real vLLM, or on
+"""A recording proxy (``services.rollout_worker.agents.proxy``) on a real vLLM, or on
 ``StubInference`` (answers of a fixed length after a fixed delay, for tests of the proxy's own
 bounds), in a background event loop of its own, for tests that call it from the test's thread."""
 
@@ -14,7 +14,7 @@ from pipeline_support import ServedModel
 from vllm_support import running_vllm
 
 from services.inference.tiny_model import generate_tiny_model
-from services.rollout_worker.agent_proxy import AgentProxy
+from services.rollout_worker.agents.proxy import AgentProxy
 from services.rollout_worker.chat_tokens import load_chat_tokens
 from services.rollout_worker.event_loop import BackgroundLoop
 from services.rollout_worker.inference_client import Completion, InferenceClient

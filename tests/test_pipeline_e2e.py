@@ -19,7 +19,7 @@ from pipeline_support import (REWARD_WEIGHTS, base_stack, run_stack, start_and_p
 
 from services.cli.demo import write_demo_dataset
 from services.cli.local_stack import LocalStack
-from services.rollout_worker.episode import turn_seed
+from services.rollout_worker.episode.loop import turn_seed
 from services.trainer.advantages import group_advantages
 from shared.state.ledger import Ledger
 from shared.names import RedisKeys, group_record_key

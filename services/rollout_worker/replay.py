@@ -18,9 +18,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from services.rollout_worker.agent_episode import is_agent_driven
 from services.rollout_worker.tool_calls import parse_tool_calls
-from shared.environments import AgentAction, Environment
+from shared.environments import AgentAction, AgentDrivenEnvironment, Environment
 from shared.schemas import Trajectory
 
 
@@ -54,7 +53,7 @@ class ReplayReport:
 
 
 async def replay(trajectory: Trajectory, env: Environment) -> ReplayReport:
-    if is_agent_driven(env):
+    if isinstance(env, AgentDrivenEnvironment):
         raise CannotReplay(f"{trajectory.request.task.env_name} is agent-driven: its agent acts, not the model's text")
     if env.config.episodes_per_trial > 1:
         raise CannotReplay("trials of several episodes are not replayed yet")

@@ -52,12 +52,10 @@ from typing import Any, Callable
 import kombu.exceptions
 import redis
 
-from services.rollout_worker.agent_episode import is_agent_driven, run_agent_episode
-from services.rollout_worker.agent_proxy import AgentProxy
+from services.rollout_worker.agents.proxy import AgentProxy
 from services.rollout_worker.chat_tokens import ChatTokens
-from services.rollout_worker.environments.coding.artifacts import write_artifacts
-from services.rollout_worker.environments.main_thread import on_main_thread
-from services.rollout_worker.episode import EpisodeLimits, run_episode
+from services.rollout_worker.episode.loop import EpisodeLimits
+from services.rollout_worker.episode.drivers import AgentDriver, TokenLoopDriver, driver_for
 from services.rollout_worker.in_flight import HandBack, InFlight, LeaseLost
 from services.rollout_worker.inference_client import InferenceClient, InferenceOutage, InferenceRejected, InferenceUnavailable
 from services.rollout_worker.sandbox.errors import SandboxInfraError
@@ -181,14 +179,8 @@ async def _episode(ctx: RolloutContext, request: RolloutRequest, attempt: int) -
     env = registry_for(ctx.settings.environments).make(request.task.env_name, request.task.env_config)
     limits = EpisodeLimits.from_settings(ctx.settings.rollout, ctx.settings.inference.max_model_len, env.config)
     served = PolicyVersion(ctx.redis, request.run_id)
-    if is_agent_driven(env):
-        return await run_agent_episode(request, env, await agent_proxy_of(ctx), limits, policy_version=served.get,
-                                       attempt=attempt, worker=ctx.worker_name, store=ctx.store)
-    return await run_episode(
-        request, on_main_thread(env), ctx.inference, ctx.chat, limits,
-        policy_version=served.get,
-        attempt=attempt, worker=ctx.worker_name,
-    )
+    driver = driver_for(env, TokenLoopDriver(ctx.inference, ctx.chat, ctx.store), AgentDriver(lambda: agent_proxy_of(ctx), ctx.store))
+    return await driver.run(request, env, limits, policy_version=served.get, attempt=attempt, worker=ctx.worker_name)
 
 
 async def agent_proxy_of(ctx: RolloutContext) -> AgentProxy:
@@ -206,8 +198,9 @@ async def agent_proxy_of(ctx: RolloutContext) -> AgentProxy:
 
 def upload_bundle(ctx: RolloutContext, finished: list[FinishedEpisode]) -> list[HandedOn]:
     """Write finished trajectories as one object per run (a bundle; artifacts keep objects of
-    their own), then move each to ``uploaded`` with its scoring task stored, in one pipelined
-    round trip; each one's task comes back to be sent (batched) when the move was its attempt's."""
+    their own, which the episode drivers wrote), then move each to ``uploaded`` with its scoring
+    task stored, in one pipelined round trip; each one's task comes back to be sent (batched)
+    when the move was its attempt's."""
     by_run: dict[str, list[FinishedEpisode]] = {}
     for trajectory, token in finished:
         by_run.setdefault(trajectory.request.run_id, []).append((trajectory, token))
@@ -216,10 +209,7 @@ def upload_bundle(ctx: RolloutContext, finished: list[FinishedEpisode]) -> list[
         first, first_token = members[0]
         key = trajectory_bundle_key(first.request.run_id, first.request.group_id, first.trajectory_id, first.attempt, first_token)
         t0 = time.perf_counter()
-        refs = put_bundle(ctx.store, key, [trajectory for trajectory, _ in members])
-        for trajectory, _ in members:
-            if "diff" in trajectory.env_info:  # a sandboxed environment's diff, test output and command log
-                write_artifacts(ctx.store, trajectory.request.run_id, trajectory.trajectory_id, trajectory.env_info)
+        refs = put_bundle(ctx.store, key, [trajectory for trajectory, _ in members])  # artifacts: their drivers wrote them
         upload_s = time.perf_counter() - t0
         scorings = [ScoringTask(trajectory_id=t.trajectory_id, trajectory_key=ref, upload_s=upload_s) for (t, _), ref in zip(members, refs)]
         moves = ctx.ledger.mark_uploaded_many([(s.trajectory_id, token, s.model_dump_json()) for s, (_, token) in zip(scorings, members)],

@@ -36,7 +36,7 @@ from services.rollout_worker.event_loop import background_loop
 from services.rollout_worker.in_flight import InFlight
 from services.rollout_worker.inference_client import InferenceClient
 from services.rollout_worker.runner import RolloutContext, run_requests
-from services.rollout_worker.sandbox_janitor import SandboxJanitor
+from services.rollout_worker.sandbox.worker_janitor import SandboxJanitor
 from services.rollout_worker.scoring_outbox import ScoringOutbox
 from shared.celery_app import make_celery, publish_rollouts, publish_rollouts_by_group, publish_scoring
 from shared.state.leases import LeaseKeeper, Reaper, settle_s

@@ -11,6 +11,19 @@ An environment is a class with:
   ``verify()`` -> ``VerifyResult``; ``close()``. All async, so a container-backed environment
   awaits its sandbox without blocking the worker's event loop.
 
+Capabilities beyond that are declared, never probed with ``getattr``: the episode path checks
+``isinstance`` against these protocols (``runtime_checkable``, so the check is structural):
+- ``SandboxedEnvironment``: ``bind_trajectory(run_id=, group_id=, trajectory_id=)`` labels the
+  environment's containers with the trajectory (for the janitor), before ``reset``;
+- ``AgentDrivenEnvironment``: a sandboxed environment whose own agent makes the model calls
+  (``attach_agent(endpoint)``, ``run_agent()``); the agent driver runs it, not the token loop;
+- ``ArtifactWriter``: ``write_artifacts(store, run_id, trajectory_id, info)`` writes the
+  trajectory's artifacts (a coding environment's diff, test output, command log) from its
+  ``env_info``; the episode driver calls it once the episode ended without ``env_error``.
+The rule: an environment has a capability when it defines the protocol's methods. Built-in
+environments also subclass the protocol, so mypy checks their signatures; a third-party plugin
+that merely defines the methods keeps working, since the ``isinstance`` check is structural.
+
 Invariants:
 - ``reset``'s seed is the group's task seed: every member of a GRPO group gets the same task
   instance, and no two groups of a run share it (``shared.schemas.RolloutRequest.task_seed``). Sampling seeds are
@@ -29,7 +42,7 @@ from __future__ import annotations
 import abc
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -69,7 +82,7 @@ class EnvConfig(BaseModel):
     # the chat role observations are rendered with; None: the environment's own default
     observation_role: Literal["user", "tool"] | None = None
     # several episodes of the task in one trajectory; the first free_shots do not count
-    # (services/rollout_worker/trials.py)
+    # (services/rollout_worker/episode/trials.py)
     episodes_per_trial: int = Field(1, ge=1)
     free_shots: int = Field(0, ge=0)
 
@@ -173,3 +186,31 @@ def validate_config(env_type: type[Environment], env_config: dict[str, Any]) -> 
         problems = "; ".join(f"env_config.{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']}"
                              for e in exc.errors()[:3])
         raise EnvironmentConfigError(f"environment {env_type.name!r} ({env_type.Config.__name__}): {problems}") from None
+
+
+@runtime_checkable
+class SandboxedEnvironment(Protocol):
+    """An environment whose containers carry the trajectory's labels (the module docstring)."""
+
+    def bind_trajectory(self, *, run_id: str, group_id: str | int, trajectory_id: str) -> None: ...
+
+
+@runtime_checkable
+class AgentDrivenEnvironment(SandboxedEnvironment, Protocol):
+    """A sandboxed environment driven by an agent of its own: ``attach_agent`` takes the proxy
+    session's endpoint before ``reset``; ``run_agent`` returns when the agent exits or is stopped
+    (``services.rollout_worker.environments.agent_coding``: ``AgentEndpoint``, ``AgentRun``)."""
+
+    def attach_agent(self, endpoint: Any) -> None: ...
+    async def reset(self, task_data: dict[str, Any], seed: int) -> list[dict[str, str]]: ...
+    async def run_agent(self) -> Any: ...
+    async def verify(self) -> VerifyResult: ...
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class ArtifactWriter(Protocol):
+    """An environment that writes a finished trajectory's artifacts to the object store from its
+    ``env_info``; returns the keys written, by artifact name."""
+
+    def write_artifacts(self, store: Any, run_id: str, trajectory_id: str, info: dict[str, Any]) -> dict[str, str]: ...

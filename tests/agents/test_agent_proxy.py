@@ -13,8 +13,8 @@ import openai
 import pytest
 from agent_support import proxy_on_served
 
-from services.rollout_worker.agent_proxy import RecordingLimits
-from services.rollout_worker.episode import turn_seed
+from services.rollout_worker.agents.proxy import RecordingLimits
+from services.rollout_worker.episode.loop import turn_seed
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ import json
 import pytest
 
 from services.inference.tiny_model import generate_tiny_model
-from services.rollout_worker.agent_proxy.messages import BadChatRequest, template_messages
-from services.rollout_worker.agent_proxy.recording import AgentRecording, BudgetExhausted, RecordingLimits
+from services.rollout_worker.agents.proxy.messages import BadChatRequest, template_messages
+from services.rollout_worker.agents.proxy.recording import AgentRecording, BudgetExhausted, RecordingLimits
 from services.rollout_worker.chat_tokens import load_chat_tokens
 from services.rollout_worker.inference_client import Completion
 from shared.schemas import StopReason, Trajectory

@@ -121,7 +121,7 @@ def coding_run_id(docker_client) -> str:
 @pytest.fixture(scope="session")
 def cline_image(python_image, docker_client) -> str:
     """Cline from the npm registry, with its driver, on the Python image (built once, ~2 min; reused by its tag)."""
-    from services.rollout_worker.agent_images import build_agent_image
+    from services.rollout_worker.agents.images import build_agent_image
 
     try:
         started = time.monotonic()

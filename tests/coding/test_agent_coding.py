@@ -22,11 +22,11 @@ from urllib.parse import urlparse
 import pytest
 from agent_support import proxy_on_served
 
-from services.rollout_worker.agent_episode import run_agent_episode
-from services.rollout_worker.agent_images import build_agent_image
-from services.rollout_worker.agent_proxy import RecordingLimits
+from services.rollout_worker.agents.episode import run_agent_episode
+from services.rollout_worker.agents.images import build_agent_image
+from services.rollout_worker.agents.proxy import RecordingLimits
 from services.rollout_worker.environments.agent_coding import AgentCodingEnv
-from services.rollout_worker.episode import EpisodeLimits
+from services.rollout_worker.episode.loop import EpisodeLimits
 from shared.names import agent_artifact_key
 from shared.schemas import RolloutRequest, StopReason, TaskProfile
 from shared.storage import LocalStore

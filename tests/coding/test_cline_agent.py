@@ -21,7 +21,7 @@ import pytest
 from agent_support import proxy_on_tiny_vllm
 from test_agent_coding import episode  # noqa: F401  (the fixture)
 
-from services.rollout_worker.episode import EpisodeLimits, turn_seed
+from services.rollout_worker.episode.loop import EpisodeLimits, turn_seed
 from shared.names import agent_artifact_key
 from shared.schemas import StopReason
 from shared.settings import StorageSettings

@@ -22,7 +22,7 @@ import pytest
 
 from services.intake.adapters import RowRejected, adapt_row
 from services.intake.publisher import build_group
-from services.rollout_worker.episode import EpisodeLimits, _turn_budget, final_stop_reason
+from services.rollout_worker.episode.loop import EpisodeLimits, _turn_budget, final_stop_reason
 from services.rollout_worker.environments.hosted import POOL
 from services.rollout_worker.environments.mcp_tools import McpToolEnv
 from services.rollout_worker.environments.skyrl_gym_env import SkyRLGymEnv
@@ -355,7 +355,7 @@ def test_an_unreachable_mcp_server_is_an_environment_error_and_a_bad_config_is_r
 
 
 def test_a_trial_counts_the_episodes_after_its_free_shots():
-    from services.rollout_worker.trials import Trial
+    from services.rollout_worker.episode.trials import Trial
 
     single = Trial()
     single.record(VerifyResult(0.5, {"solved": False}))

@@ -14,7 +14,7 @@ import pytest
 from services.rollout_worker.sandbox import Sandbox, SandboxLabels
 from services.rollout_worker.sandbox.deployment import LABEL_CREATED_AT, LABEL_RUN_ID, LABEL_TRAJECTORY_ID, LABEL_TTL
 from services.rollout_worker.sandbox.janitor import legacy_sandboxes
-from services.rollout_worker.sandbox_janitor import SandboxJanitor
+from services.rollout_worker.sandbox.worker_janitor import SandboxJanitor
 from shared.state.ledger import Ledger
 from shared.stack_id import LABEL_STACK
 
@@ -47,7 +47,7 @@ def test_each_stacks_janitor_removes_only_its_own_expired_sandboxes(make_spec, d
         assert {len(containers_of_stack(s)) for s in stacks} == {2}
         time.sleep(1.2)  # every sandbox is past its time to live
         janitor_a, janitor_b = (SandboxJanitor(ledger, stack_id=s) for s in stacks)
-        with caplog.at_level(logging.WARNING, logger="services.rollout_worker.sandbox_janitor"):
+        with caplog.at_level(logging.WARNING, logger="services.rollout_worker.sandbox.worker_janitor"):
             assert janitor_a.sweep() == 2
         assert containers_of_stack(stacks[0]) == set()
         assert len(containers_of_stack(stacks[1])) == 2  # stack b's expired sandboxes are b's to remove
@@ -55,7 +55,7 @@ def test_each_stacks_janitor_removes_only_its_own_expired_sandboxes(make_spec, d
         assert docker_client.api.inspect_container(legacy)["Id"] == legacy  # left alone...
         assert "without a conveyor.stack label" in caplog.text and legacy[:12] in caplog.text  # ...and reported
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="services.rollout_worker.sandbox_janitor"):
+        with caplog.at_level(logging.WARNING, logger="services.rollout_worker.sandbox.worker_janitor"):
             assert janitor_a.sweep() == 0
         assert "without a conveyor.stack label" not in caplog.text  # reported once per janitor
         assert janitor_b.sweep() == 2

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from services.rollout_worker.sandbox_janitor import SandboxJanitor
+from services.rollout_worker.sandbox.worker_janitor import SandboxJanitor
 from services.rollout_worker.sandbox import Sandbox
 from services.rollout_worker.sandbox.spec import SandboxLabels
 from services.intake.publisher import build_group

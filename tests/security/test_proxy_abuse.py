@@ -1,7 +1,7 @@
 """A sandbox abusing the recording proxy it shares with the worker's other trajectories: huge
 bodies, many connections, slow heads, giant prompts, calls after the stop or the close. Each
 test does it over real sockets to a real proxy (the tiny model's tokenizer; vLLM stood in for by
-``StubInference``) and asserts the bound held (``AgentProxySettings``, ``agent_proxy.bounds``)."""
+``StubInference``) and asserts the bound held (``AgentProxySettings``, ``agents.proxy.bounds``)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import httpx
 import pytest
 from agent_support import proxy_on_stub
 
-from services.rollout_worker.agent_proxy import RecordingLimits
-from services.rollout_worker.agent_proxy.server import STOP_FILE
+from services.rollout_worker.agents.proxy import RecordingLimits
+from services.rollout_worker.agents.proxy.server import STOP_FILE
 from shared.settings import AgentProxySettings
 
 pytestmark = pytest.mark.timeout(120)

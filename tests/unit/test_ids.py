@@ -86,7 +86,7 @@ def test_split_of_is_monotone_in_fraction_and_depends_on_salt():
 
 
 def test_sampling_seeds_differ_across_groups_even_where_episode_seeds_repeat():
-    from services.rollout_worker.episode import turn_seed
+    from services.rollout_worker.episode.loop import turn_seed
 
     # group 0 episode 1 and group 1 episode 0 share episode seed 1 (base_seed 0) ...
     assert ids.episode_seed(0, 0, 1) == ids.episode_seed(0, 1, 0)

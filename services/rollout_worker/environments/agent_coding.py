@@ -4,14 +4,14 @@ The coding environment (workspace, image, hidden-test verifier) with the tool lo
 agent: ``run_agent`` runs ``agent_command`` in the trajectory's sandbox with
 
 - ``OPENAI_BASE_URL`` / ``OPENAI_API_BASE``: ``http://127.0.0.1:<agent_port>/v1``, a forwarder on
-  the container's loopback to the trajectory's proxy socket (``agent_proxy.forward``);
+  the container's loopback to the trajectory's proxy socket (``agents.proxy.forward``);
 - ``OPENAI_API_KEY``: the trajectory's proxy session key; ``OPENAI_MODEL``: the served model;
 - ``AGENT_TASK_FILE``: the problem statement, also in the workspace's parent as ``task.md``;
 - ``AGENT_TIMEOUT_S``: ``agent_timeout_s``, so an agent can end cleanly before it is killed;
 - ``AGENT_ARTIFACTS_DIR``: ``agent_artifacts_dir``, when set: the files the agent leaves there
   are read back after it ends (``agent_artifacts.collect``) and kept with the trajectory.
 
-The model calls the agent makes are the trajectory (``agent_episode``); the reward is the
+The model calls the agent makes are the trajectory (``agents.episode``); the reward is the
 hidden tests' verdict on the final workspace, as for ``coding``.
 
 Invariants:
@@ -35,15 +35,15 @@ from typing import Any
 
 from pydantic import Field
 
-from services.rollout_worker import agent_artifacts
-from services.rollout_worker.agent_artifacts import AgentArtifacts
-from services.rollout_worker.agent_proxy import forward
+from services.rollout_worker.agents import artifacts as agent_artifacts
+from services.rollout_worker.agents.artifacts import AgentArtifacts
+from services.rollout_worker.agents.proxy import forward
 from services.rollout_worker.environments.coding.config import CodingConfig
 from services.rollout_worker.environments.coding.env import CodingEnv
 from services.rollout_worker.sandbox import SandboxSpec
-from services.rollout_worker.agent_proxy.server import STOP_FILE
+from services.rollout_worker.agents.proxy.server import STOP_FILE
 from services.rollout_worker.sandbox.protocol import AGENT_DIR, AGENT_SOCKET
-from shared.environments import EnvironmentError_
+from shared.environments import AgentDrivenEnvironment, EnvironmentError_
 from shared.required import required
 
 FORWARDER_PATH = "/tmp/.conveyor-forward.py"
@@ -79,11 +79,10 @@ class AgentRun:
     artifacts: AgentArtifacts = field(default_factory=AgentArtifacts)
 
 
-class AgentCodingEnv(CodingEnv):
+class AgentCodingEnv(CodingEnv, AgentDrivenEnvironment):
     name = "agent_coding"
     Config = AgentCodingConfig
     config: AgentCodingConfig
-    driven_by_agent = True  # agent_episode runs it, not the turn loop
 
     def __init__(self, env_config: dict[str, Any] | AgentCodingConfig | None = None):
         super().__init__(env_config)

@@ -86,7 +86,7 @@ class SandboxSpec(_Model):
     output_flood_bytes: int = Field(16 << 20, gt=0)  # a command that prints more is killed
     session: bool = True  # a persistent shell on an attached socket; False: one `docker exec` per command
     # A host directory holding exactly one trajectory's agent-proxy socket, mounted read-only at
-    # protocol.AGENT_DIR: the one way out of a network-less sandbox (agent_proxy.server). None: no mount.
+    # protocol.AGENT_DIR: the one way out of a network-less sandbox (agents.proxy.server). None: no mount.
     agent_socket_dir: str | None = None
     ttl_s: float | None = Field(None, gt=0)  # janitor deadline; default: provision + episode + 5 min
 

@@ -26,14 +26,16 @@ import time
 import uuid
 from typing import Any, ClassVar
 
-from shared.environments import (AgentAction, Environment, EnvironmentError_, StepResult,
-                                                       VerifyResult)
+from shared.environments import (AgentAction, ArtifactWriter, Environment, EnvironmentError_, SandboxedEnvironment,
+                                 StepResult, VerifyResult)
 from services.rollout_worker.sandbox import (EpisodeTimeout, Limits, Sandbox, SandboxClosed, SandboxFileError,
                                              SandboxLabels, SandboxLost, SandboxSpec, Timeouts, provision_with_retry)
 from shared.required import required
 from shared.schemas import ToolCall
+from shared.storage import ObjectStore
 
 from . import grading
+from .artifacts import write_artifacts
 from .config import CodingConfig
 from .images import resolve_image
 from .prompts import system_prompt
@@ -49,7 +51,7 @@ _STOPPED = (SandboxLost, EpisodeTimeout, SandboxClosed)
 log = logging.getLogger(__name__)
 
 
-class CodingEnv(Environment):
+class CodingEnv(Environment, SandboxedEnvironment, ArtifactWriter):
     name = "coding"
     Config: ClassVar[type[CodingConfig]] = CodingConfig
     config: CodingConfig
@@ -83,6 +85,12 @@ class CodingEnv(Environment):
     def bind_trajectory(self, *, run_id: str, group_id: str | int, trajectory_id: str) -> None:
         """Label this trajectory's sandboxes (for the janitor and leak checks); call before ``reset``."""
         self.labels = SandboxLabels(run_id=run_id, group_id=str(group_id), trajectory_id=trajectory_id)
+
+    def write_artifacts(self, store: ObjectStore, run_id: str, trajectory_id: str, info: dict[str, Any]) -> dict[str, str]:
+        """The diff, test output and command log (``artifacts``); nothing when ``verify`` never ran."""
+        if "diff" not in info:
+            return {}
+        return write_artifacts(store, run_id, trajectory_id, info)
 
     def _agent_sandbox(self) -> Sandbox:
         return required(self.sandbox, f"{self.name}'s agent sandbox (reset starts it)")

@@ -1,12 +1,13 @@
-"""An episode driven by an agent of its own (``driven_by_agent`` environments): the agent makes
-the model calls through the recording proxy, and they are the trajectory.
+"""An episode driven by an agent of its own (an ``AgentDrivenEnvironment``, declared in
+``shared.environments``): the agent makes the model calls through the recording proxy, and
+they are the trajectory.
 
     open a proxy session (with its socket) -> attach it -> reset (sandbox, socket mounted)
     -> run the agent -> close the session -> verify (the reward) -> close
 
 Invariants:
 - The trajectory's turns are exactly the calls the proxy recorded for this trajectory's session,
-  in order, segments included (``agent_proxy.recording``); nothing else is sampled.
+  in order, segments included (``agents.proxy.recording``); nothing else is sampled.
 - The session is closed before ``verify``: nothing the agent left running can add a turn after
   the episode ended. It is closed, and the environment too, whatever happened.
 - Stop reason: ``timeout`` when the agent was stopped at its time limit, the recording's own
@@ -23,31 +24,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable, Protocol, TypeGuard
+from typing import Callable
 
-from services.rollout_worker import agent_artifacts
-from services.rollout_worker.agent_proxy import AgentProxy, RecordingLimits
+from services.rollout_worker.agents import artifacts as agent_artifacts
+from services.rollout_worker.agents.proxy import AgentProxy, RecordingLimits
 from services.rollout_worker.environments.agent_coding import AgentEndpoint, AgentRun
-from services.rollout_worker.episode import EnvironmentFailure, EpisodeLimits, environment_call
-from shared.environments import Environment, VerifyResult
+from services.rollout_worker.episode.loop import EnvironmentFailure, EpisodeLimits, environment_call
+from shared.environments import AgentDrivenEnvironment
 from shared.required import required
 from shared.schemas import EpisodeTimings, RolloutRequest, StopReason, Trajectory
 from shared.storage import ObjectStore
-
-
-class AgentDrivenEnvironment(Protocol):
-    """What ``run_agent_episode`` calls on an environment that says ``driven_by_agent``."""
-
-    def bind_trajectory(self, *, run_id: str, group_id: str | int, trajectory_id: str) -> None: ...
-    def attach_agent(self, endpoint: AgentEndpoint) -> None: ...
-    async def reset(self, task_data: dict[str, Any], seed: int) -> list[dict[str, str]]: ...
-    async def run_agent(self) -> AgentRun: ...
-    async def verify(self) -> VerifyResult: ...
-    async def close(self) -> None: ...
-
-
-def is_agent_driven(env: Environment) -> TypeGuard[AgentDrivenEnvironment]:
-    return bool(getattr(env, "driven_by_agent", False))
 
 
 async def run_agent_episode(request: RolloutRequest, env: AgentDrivenEnvironment, proxy: AgentProxy, limits: EpisodeLimits,
@@ -66,7 +52,7 @@ async def run_agent_episode(request: RolloutRequest, env: AgentDrivenEnvironment
             prompt_messages = [{"role": str(m.get("role", "")), "content": str(m.get("content", ""))}
                                for m in await env.reset(request.task.task_data, request.task_seed)]
         with environment_call("agent"):
-            run = await env.run_agent()
+            run: AgentRun = await env.run_agent()
         await proxy.close_session(session)
         agent_info = {"exit_code": run.exit_code, "timed_out": run.timed_out, "duration_s": round(run.duration_s, 3),
                       "first_call_s": None if session.first_call_at is None else round(session.first_call_at - started, 3),

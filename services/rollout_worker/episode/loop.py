@@ -1,5 +1,10 @@
 """The episode loop: one trajectory, token-in/token-out against the inference service.
 
+    reset -> ``take_turn`` until the ``EpisodeState`` has a stop reason -> verify -> close
+
+``run_episode`` is that short driver; ``take_turn`` is one turn, and the only place a turn's
+limits are checked.
+
 Invariants:
 - The context is a list of token ids that only grows: initial prompt ids, then per turn the
   sampled ids and the observation ids. Nothing already in it is re-tokenized.
@@ -36,7 +41,7 @@ import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, cast
 
 from services.rollout_worker.chat_tokens import ChatTokens
@@ -44,7 +49,7 @@ from shared.environments import AgentAction, EnvConfig, Environment
 from services.rollout_worker.inference_client import InferenceClient
 from services.rollout_worker.sandbox.errors import SandboxInfraError
 from services.rollout_worker.tool_calls import parse_tool_calls
-from services.rollout_worker.trials import Trial
+from services.rollout_worker.episode.trials import Trial
 from shared.schemas import EpisodeTimings, RolloutRequest, StopReason, Trajectory, Turn, TurnTimings
 from shared.settings import RolloutSettings
 
@@ -81,6 +86,85 @@ def turn_seed(trajectory_id: str, turn_index: int) -> int:
     return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
+@dataclass
+class EpisodeState:
+    """One episode so far; ``take_turn`` moves it on by one turn, and sets ``stop`` when it ends.
+
+    ``next_ids``: the ids the next turn's prompt adds to the context (the initial prompt, then
+    each observation's); ``last_bound``: which limit set the last turn's token budget."""
+
+    request: RolloutRequest
+    trial: Trial
+    role: str
+    started: float = field(default_factory=time.time)
+    next_ids: list[int] = field(default_factory=list)
+    context: list[int] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    sampled_total: int = 0
+    last_bound: StopReason | str = "turn"
+    outage_s: float = 0.0  # waited out for inference: not the episode's time
+    stop: StopReason | None = None  # None while the episode goes on
+
+
+async def take_turn(state: EpisodeState, env: Environment, client: InferenceClient, chat: ChatTokens,
+                    limits: EpisodeLimits, policy_version: Callable[[], int]) -> EpisodeState:
+    """One turn: sample a reply within the turn's budget, step the environment with it, keep the
+    turn. Ends the episode (``state.stop``) when a limit leaves no turn to take, or when the
+    environment (the trial's last episode) is done; ``EnvironmentFailure`` when it raises."""
+    index = len(state.turns)
+    if index >= limits.max_turns:
+        state.stop = StopReason.max_turns
+        return state
+    budget, bound = _turn_budget(limits, state.sampled_total, len(state.context) + len(state.next_ids))
+    if budget <= 0:  # the per-turn limit is positive (settings): an episode-wide limit, a StopReason
+        state.stop = cast(StopReason, bound)
+        return state
+    state.last_bound = bound
+    remaining_s = limits.timeout_s - (time.time() - state.started - state.outage_s)
+    if remaining_s <= 0:
+        state.stop = StopReason.timeout
+        return state
+    state.context += state.next_ids
+    request, trial = state.request, state.trial
+    version = await asyncio.to_thread(policy_version)  # a Redis read may wait out an outage: not in the loop
+    t0 = time.perf_counter()
+    completion = await client.complete(
+        state.context, budget, turn_seed(request.trajectory_id, index), limits.temperature, limits.top_p,
+        budget_s=remaining_s, policy_version=version,
+    )
+    state.outage_s += completion.outage_wait_s
+    inference_s = time.perf_counter() - t0 - completion.outage_wait_s
+    state.context += completion.token_ids
+    state.sampled_total += len(completion.token_ids)
+    text = chat.decode(completion.token_ids)
+    calls, call_error = parse_tool_calls(text)
+    t1 = time.perf_counter()
+    with environment_call(f"step {index}"):
+        result = await env.step(AgentAction(text, calls, call_error))
+    observation = None if result.done else result.observation
+    if result.done and trial.episodes > 1:
+        with environment_call(f"verify episode {len(trial.verdicts) + 1}"):
+            trial.record(await env.verify())
+        if not trial.complete:  # the next episode of the trial: same task, fresh environment
+            with environment_call(f"reset episode {len(trial.verdicts) + 1}"):
+                await env.close()
+                observation = trial.opening(await env.reset(request.task.task_data, request.task_seed))
+    env_step_s = time.perf_counter() - t1
+    state.turns.append(Turn(
+        index=index, prompt_token_ids=state.next_ids, sampled_token_ids=completion.token_ids,
+        logprobs=completion.logprobs, policy_version=version, finish_reason=completion.finish_reason,
+        completion_text=text, tool_calls=calls, tool_call_error=call_error, observation=observation,
+        reward=_finite(result.reward, index), info=_json_values(result.info),
+        timings=TurnTimings(inference_s=inference_s, env_step_s=env_step_s),
+    ))
+    if observation is None:
+        state.stop = StopReason.done
+        return state
+    ended_with_eos = bool(completion.token_ids) and completion.token_ids[-1] == chat.eos_token_id
+    state.next_ids = chat.observation_ids(observation, ended_with_eos, state.role)
+    return state
+
+
 async def run_episode(
     request: RolloutRequest,
     env: Environment,
@@ -91,88 +175,24 @@ async def run_episode(
     attempt: int = 1,
     worker: str = "",
 ) -> Trajectory:
-    started = time.time()
-    turns: list[Turn] = []
-    role = env.role_of_observations()
-    bind = getattr(env, "bind_trajectory", None)  # sandboxed environments label their containers
-    if bind is not None:
-        bind(run_id=request.run_id, group_id=request.group_id, trajectory_id=request.trajectory_id)
-    env_info: dict[str, Any]
-    stop, error, env_reward, env_info = StopReason.max_turns, None, None, {}
+    state = EpisodeState(request, Trial(env.config.episodes_per_trial, env.config.free_shots), env.role_of_observations())
+    stop, error, env_reward = StopReason.max_turns, None, None
+    env_info: dict[str, Any] = {}
     prompt_messages: list[dict[str, str]] = []
-    trial = Trial(env.config.episodes_per_trial, env.config.free_shots)
-    outage_s = 0.0  # waited out for inference: not the episode's time
     try:
         with environment_call("reset"):
             messages = await env.reset(request.task.task_data, request.task_seed)
-        new_ids = chat.initial_prompt(messages)
+        state.next_ids = chat.initial_prompt(messages)
         prompt_messages = [{"role": str(m.get("role", "")), "content": str(m.get("content", ""))} for m in messages]
-        context: list[int] = []
-        sampled_total = 0
-        last_bound: StopReason | str = "turn"
-        for index in range(limits.max_turns):
-            budget, bound = _turn_budget(limits, sampled_total, len(context) + len(new_ids))
-            if budget <= 0:  # the per-turn limit is positive (settings): an episode-wide limit, a StopReason
-                stop = cast(StopReason, bound)
-                break
-            last_bound = bound
-            remaining_s = limits.timeout_s - (time.time() - started - outage_s)
-            if remaining_s <= 0:
-                stop = StopReason.timeout
-                break
-            context += new_ids
-            version = await asyncio.to_thread(policy_version)  # a Redis read may wait out an outage: not in the loop
-            t0 = time.perf_counter()
-            completion = await client.complete(
-                context, budget, turn_seed(request.trajectory_id, index), limits.temperature, limits.top_p,
-                budget_s=remaining_s, policy_version=version,
-            )
-            outage_s += completion.outage_wait_s
-            inference_s = time.perf_counter() - t0 - completion.outage_wait_s
-            context += completion.token_ids
-            sampled_total += len(completion.token_ids)
-            text = chat.decode(completion.token_ids)
-            calls, call_error = parse_tool_calls(text)
-            t1 = time.perf_counter()
-            with environment_call(f"step {index}"):
-                result = await env.step(AgentAction(text, calls, call_error))
-            observation = None if result.done else result.observation
-            if result.done and trial.episodes > 1:
-                with environment_call(f"verify episode {len(trial.verdicts) + 1}"):
-                    trial.record(await env.verify())
-                if not trial.complete:  # the next episode of the trial: same task, fresh environment
-                    with environment_call(f"reset episode {len(trial.verdicts) + 1}"):
-                        await env.close()
-                        observation = trial.opening(await env.reset(request.task.task_data, request.task_seed))
-            env_step_s = time.perf_counter() - t1
-            turns.append(
-                Turn(
-                    index=index,
-                    prompt_token_ids=new_ids,
-                    sampled_token_ids=completion.token_ids,
-                    logprobs=completion.logprobs,
-                    policy_version=version,
-                    finish_reason=completion.finish_reason,
-                    completion_text=text,
-                    tool_calls=calls,
-                    tool_call_error=call_error,
-                    observation=observation,
-                    reward=_finite(result.reward, index),
-                    info=_json_values(result.info),
-                    timings=TurnTimings(inference_s=inference_s, env_step_s=env_step_s),
-                )
-            )
-            if observation is None:
-                stop = StopReason.done
-                break
-            ended_with_eos = bool(completion.token_ids) and completion.token_ids[-1] == chat.eos_token_id
-            new_ids = chat.observation_ids(observation, ended_with_eos, role)
-        if turns:
-            stop = final_stop_reason(stop, turns[-1].finish_reason, last_bound)
-        if not trial.complete:
+        while state.stop is None:
+            await take_turn(state, env, client, chat, limits, policy_version)
+        stop = state.stop
+        if state.turns:
+            stop = final_stop_reason(stop, state.turns[-1].finish_reason, state.last_bound)
+        if not state.trial.complete:
             with environment_call("verify"):
-                trial.record(await env.verify())
-        env_reward, env_info = trial.result()
+                state.trial.record(await env.verify())
+        env_reward, env_info = state.trial.result()
     except EnvironmentFailure as exc:
         stop, error = StopReason.env_error, str(exc)
     except asyncio.TimeoutError:
@@ -182,17 +202,17 @@ async def run_episode(
             await env.close()
         except Exception as exc:  # a failed close must not hide the episode's outcome
             error = error or f"close: {type(exc).__name__}: {exc}"
-    ended = time.time()
+    turns = state.turns
     timings = EpisodeTimings(
-        queue_wait_s=max(0.0, started - request.dispatched_at),
-        episode_s=ended - started,
+        queue_wait_s=max(0.0, state.started - request.dispatched_at),
+        episode_s=time.time() - state.started,
         inference_s=sum(t.timings.inference_s for t in turns),
         env_s=sum(t.timings.env_step_s for t in turns),
     )
     return Trajectory(
         request=request, turns=turns, stop_reason=stop, error=error, env_reward=env_reward,
         env_info=env_info, attempt=attempt, worker=worker, timings=timings,
-        prompt_messages=prompt_messages, observation_role=role,
+        prompt_messages=prompt_messages, observation_role=state.role,
     )
 
 

@@ -45,11 +45,11 @@ from typing import Any, Callable, cast
 
 from aiohttp import web
 
-from services.rollout_worker.agent_proxy.bounds import BodyRefused, BytesInFlight, SessionSite, read_body, refusal
-from services.rollout_worker.agent_proxy.messages import BadChatRequest, check_tools, template_messages
-from services.rollout_worker.agent_proxy.recording import AgentRecording, BudgetExhausted, RecordingLimits, Reply
+from services.rollout_worker.agents.proxy.bounds import BodyRefused, BytesInFlight, SessionSite, read_body, refusal
+from services.rollout_worker.agents.proxy.messages import BadChatRequest, check_tools, template_messages
+from services.rollout_worker.agents.proxy.recording import AgentRecording, BudgetExhausted, RecordingLimits, Reply
 from services.rollout_worker.chat_tokens import ChatTokens
-from services.rollout_worker.episode import turn_seed
+from services.rollout_worker.episode.loop import turn_seed
 from services.rollout_worker.inference_client import InferenceClient, InferenceOutage, InferenceRejected, InferenceUnavailable
 from shared.required import required
 from shared.settings import AgentProxySettings

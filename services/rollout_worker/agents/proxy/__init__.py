@@ -7,7 +7,7 @@ HTTP side and the per-trajectory sessions are ``server``; what one session may t
 worker (connections, body bytes) is ``bounds``.
 """
 
-from services.rollout_worker.agent_proxy.recording import AgentRecording, BudgetExhausted, RecordingLimits
-from services.rollout_worker.agent_proxy.server import AgentProxy, ProxySession
+from services.rollout_worker.agents.proxy.recording import AgentRecording, BudgetExhausted, RecordingLimits
+from services.rollout_worker.agents.proxy.server import AgentProxy, ProxySession
 
 __all__ = ["AgentProxy", "AgentRecording", "BudgetExhausted", "ProxySession", "RecordingLimits"]

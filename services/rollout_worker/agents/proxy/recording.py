@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.rollout_worker.chat_tokens import ChatTokens
-from services.rollout_worker.agent_proxy.messages import message_key, with_tools_in_system
+from services.rollout_worker.agents.proxy.messages import message_key, with_tools_in_system
 from services.rollout_worker.inference_client import Completion
 from services.rollout_worker.tool_calls import parse_tool_calls, without_tool_calls
 from shared.schemas import StopReason, ToolCall, Turn, TurnTimings
