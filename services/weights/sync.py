@@ -7,12 +7,12 @@ the next phase starts):
                      -> [resume -> probe] -> update_weight_version -> [on_served()] -> resume
 
 The load step is pluggable (``load_all``): the broadcast path
-(``services.inference.weight_broadcast``) replaces the reload from disk with the trainer's
+(``services.weights.broadcast``) replaces the reload from disk with the trainer's
 broadcast and keeps every other step and invariant below.
 
 Invariants:
 - A sync that does not take fails loudly and the served version does not move: with a
-  ``probe`` (the trainer's logprobs of a fixed sequence, ``shared.logprob_probe``), every
+  ``probe`` (the trainer's logprobs of a fixed sequence, ``services.weights.logprob_probe``), every
   replica must reproduce them within the tolerance before any label is set or ``on_served``
   runs. A mismatch raises ``WeightSyncError(phase="probe")`` after every replica was
   reloaded from ``restore_dir`` (when given).
@@ -65,8 +65,8 @@ from typing import Any, cast
 
 import httpx
 
-from services.inference.admin_http import AdminCallError, admin_client, admin_request
-from services.inference.sync_probe import ProbeMismatch, SyncProbe, verify_replica
+from services.weights.admin_http import AdminCallError, admin_client, admin_request
+from services.weights.probe import ProbeMismatch, SyncProbe, verify_replica
 
 log = logging.getLogger(__name__)
 
@@ -241,9 +241,9 @@ def sync_weights(
     checked on every replica before the version moves. ``check_dir=False`` skips the local
     pre-flight check. ``load_all(client, urls)``: loads the new weights into every (paused)
     replica in place of the reload of ``weights_dir`` and returns the failures by replica
-    (the broadcast path, ``services.inference.weight_broadcast``); ``source`` names what it
+    (the broadcast path, ``services.weights.broadcast``); ``source`` names what it
     loads, for errors. ``label``: the weight label to set in place of ``str(version)`` (the
-    run-start check labels a run's base weights with ``services.inference.base_weights.base_label``).
+    run-start check labels a run's base weights with ``services.weights.base.base_label``).
     """
     urls = [u.rstrip("/") for u in base_urls]
     if not urls or len(set(urls)) != len(urls):
