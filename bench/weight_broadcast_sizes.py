@@ -36,8 +36,8 @@ from bench.weight_sync_sizes import CONFIGS, RUN, random_tensor, write_checkpoin
 from services.cli.local_stack import free_port
 from services.inference.server import VllmServer
 from services.inference.tiny_model import generate_tiny_model
-from services.inference.weight_broadcast import WeightBroadcaster
-from shared.checkpoint_files import download_checkpoint
+from services.weights.broadcast import WeightBroadcaster
+from services.weights.checkpoint_files import download_checkpoint
 from shared.names import checkpoint_prefix
 from shared.storage import LocalStore
 

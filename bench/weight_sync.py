@@ -8,7 +8,7 @@ the ``COMMITTED`` marker last), takes t0, XADDs the announcement, and polls Redi
 ``policy_version`` (what rollout workers read) every millisecond until it shows the new
 version: latency = t1 - t0. That covers the stream wake-up, the download, pause, reload
 (+ prefix-cache reset), version label and resume; Redis is advanced just before the resume
-(see ``services.inference.control_plane``), so the resume is added from the follower's own
+(see ``services.weights.follower``), so the resume is added from the follower's own
 timings. The checkpoints alternate between two tiny models (seed 0 and 1), so every sync
 really changes the weights. One warm-up sync is not counted.
 
@@ -50,8 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx
 
 from services.cli.local_stack import LocalStack, free_port
-from services.inference import weight_sync as ws
-from services.inference.control_plane import (
+from services.weights import sync as ws
+from services.weights.follower import (
     COMMITTED_MARKER,
     WeightFollower,
 )

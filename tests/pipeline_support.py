@@ -50,7 +50,7 @@ def tiny_vllm(root: Path) -> Iterator[ServedModel]:
 def back_as_it_was(served: ServedModel) -> Iterator[ServedModel]:
     """On the way out, vLLM serves the tiny model again, resumed, under the label it had on the way
     in. The weights are always loaded again: a sync cut short can change them and not the label."""
-    from services.inference import weight_sync as ws
+    from services.weights import sync as ws
 
     with ws.admin_client() as admin:
         label = ws.weight_version(admin, served.base_url)

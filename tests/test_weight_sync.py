@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from services.cli.local_stack import free_port
-from services.inference import weight_sync as ws
-from services.inference.control_plane import (
+from services.weights import sync as ws
+from services.weights.follower import (
     COMMITTED_MARKER,
     CheckpointCorrupt,
     CheckpointNotCommitted,

@@ -15,10 +15,10 @@ import pytest
 import torch
 from model_layouts import policy_dir
 
-from services.inference import weight_sync as ws
-from services.inference.sync_probe import SyncProbe, served_prompt_logprobs
+from services.weights import sync as ws
+from services.weights.probe import SyncProbe, served_prompt_logprobs
 from services.trainer.policy import load_policy, logprob_probe
-from shared.logprob_probe import FP32_TOLERANCE
+from services.weights.logprob_probe import FP32_TOLERANCE
 from vllm_support import running_vllm
 
 pytestmark = pytest.mark.slow

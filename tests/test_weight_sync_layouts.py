@@ -18,12 +18,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.inference import weight_sync as ws
+from services.weights import sync as ws
 from services.inference.server import VllmServer
-from services.inference.sync_probe import SyncProbe, served_prompt_logprobs
+from services.weights.probe import SyncProbe, served_prompt_logprobs
 from services.inference.tiny_model import generate_tiny_model
 from services.trainer.policy import logprob_probe
-from shared.logprob_probe import FP32_TOLERANCE
+from services.weights.logprob_probe import FP32_TOLERANCE
 from vllm_support import running_vllm
 
 pytestmark = pytest.mark.slow

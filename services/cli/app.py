@@ -418,8 +418,8 @@ def inference(
     settings = _settings(config)
     import threading
 
-    from services.inference.base_weights import BaseWeightsError
-    from services.inference.control_plane import WeightFollower
+    from services.weights.base import BaseWeightsError
+    from services.weights.follower import WeightFollower
     from services.inference.server import VllmServer, check_inference
     from shared.required import required
 

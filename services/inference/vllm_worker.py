@@ -11,9 +11,9 @@ embedding) is never loaded from the checkpoint, so the processed copy its kernel
 with stays at the launch values while its parameter holds the new ones. That was the
 silent "tied embeddings stop learning" bug.
 
-The broadcast path (``inference.weight_sync: nccl``, ``services.inference.weight_broadcast``):
+The broadcast path (``inference.weight_sync: nccl``, ``services.weights.broadcast``):
 ``conveyor_join_weight_group`` makes each worker a rank of the trainer's process group
-(``shared.weight_group``), and ``conveyor_receive_weights(names, dtypes, shapes)`` receives
+(``services.weights.group``), and ``conveyor_receive_weights(names, dtypes, shapes)`` receives
 the trainer's tensors one at a time, in that order, straight into vLLM's in-place reload (the
 same lifecycle as a reload from disk: ``reload_weights(weights_iterator=...)``).
 
@@ -22,7 +22,7 @@ Invariants:
   owns a parameter shared with another layer has been processed again from the parameter's
   current values, so what a layer computes with is what its parameters hold. Whether the
   served model is the trainer's is checked from outside by the sync probe
-  (``services.inference.sync_probe``).
+  (``services.weights.probe``).
 - ``conveyor_receive_weights`` takes part in exactly one broadcast per named tensor, in the
   order given, whatever the model's loader does with the tensor (a tied head it skips is
   still received), so the trainer and every worker stay in step.
@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from shared.weight_group import Backend, WeightGroup
+    from services.weights.group import Backend, WeightGroup
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class ConveyorWorkerExtension:
     def conveyor_join_weight_group(self, backend: Backend, host: str, port: int, rank_offset: int, world_size: int,
                                    timeout_s: float = 300.0) -> int:
         """Join the trainer's weight group as rank ``rank_offset + <this worker's rank>``; returns it."""
-        from shared.weight_group import WeightGroup
+        from services.weights.group import WeightGroup
 
         self.conveyor_leave_weight_group()
         rank = rank_offset + int(getattr(self, "rank", 0))

@@ -6,7 +6,7 @@ Two signals, both enforced by ``trainer.logprob_alarm`` (action ``stop`` or ``sk
   ``max_on_policy_mad``. It needs samples of the trainer's own version, so it is blind when
   every sample is off-policy.
 - **Served weights** (``ServedWeightsAlarm``): every weight sync checks the trainer's probe
-  logprobs on every replica (``services.inference.weight_sync``) and records a failure in the
+  logprobs on every replica (``services.weights.sync``) and records a failure in the
   run's ``WeightSyncRecord`` (``shared.state.weight_sync_record``). That covers every version, on-policy or not. The trainer reads
   the record while it waits for groups, so a stalled run (admission waits for a version that
   never comes) still stops.

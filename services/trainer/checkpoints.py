@@ -5,7 +5,7 @@ Layout, one checkpoint per policy version:
 (``*.safetensors`` in shards of at most ``CHECKPOINT_SHARD_SIZE`` with their index,
 ``config.json``, ``generation_config.json``) and the tokenizer, the
 logprob probe (``logprob_probe.json``: what a replica serving these weights must answer,
-``shared.logprob_probe``), then ``trainer_state.pt`` (optimizer state dict, step, version), then ``COMMITTED``: a JSON
+``services.weights.logprob_probe``), then ``trainer_state.pt`` (optimizer state dict, step, version), then ``COMMITTED``: a JSON
 manifest naming every file with its size and sha256. A sharded trainer (torchrun,
 ``services.trainer.distributed``) keeps its optimizer state (and its model's shards) in
 ``trainer_state_sharded/`` instead, each rank's files written by that rank; ``trainer_state.pt``
@@ -49,8 +49,8 @@ from peft import PeftModel
 from torch.utils._pytree import tree_map
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from shared.checkpoint_files import CheckpointError
-from shared.checkpoint_files import download_checkpoint as fetch_checkpoint
+from services.weights.checkpoint_files import CheckpointError
+from services.weights.checkpoint_files import download_checkpoint as fetch_checkpoint
 from services.trainer.lora import adapter_state, check_adapter_shape, load_adapter_state, lora_shape, save_served
 from services.trainer.policy import logprob_probe
 from services.trainer.sharding import load_sharded
@@ -62,7 +62,7 @@ from shared.names import (
     checkpoint_prefix,
     checkpoints_of_run,
 )
-from shared.logprob_probe import LogprobProbe
+from services.weights.logprob_probe import LogprobProbe
 from shared.storage import ObjectStore, StorageError
 from shared.storage_faults import wait_out_disk_faults
 
@@ -215,7 +215,7 @@ def latest_checkpoint(store: ObjectStore, run_id: str) -> tuple[int, str] | None
 def download_checkpoint(store: ObjectStore, prefix: str, local_dir: str | Path, with_trainer_state: bool = False,
                         only: frozenset[str] | None = None) -> Path:
     """Fetch the committed checkpoint (``only`` those files, if given) into ``local_dir`` (which
-    must not exist yet) and return it; the one reader in ``shared.checkpoint_files`` checks
+    must not exist yet) and return it; the one reader in ``services.weights.checkpoint_files`` checks
     every file against the manifest."""
     return fetch_checkpoint(store, prefix, Path(local_dir), with_trainer_state=with_trainer_state, only=only).local_dir
 

@@ -63,7 +63,7 @@ from services.trainer.lora import load_trainable_weights, with_lora
 from services.trainer.policy import load_policy, logprob_probe
 from services.trainer.sharding import full_state_dict, load_sharded, save_sharded
 from services.trainer.step import PolicyTrainer, train_version, trainer_from_settings
-from shared.checkpoint_files import CheckpointError
+from services.weights.checkpoint_files import CheckpointError
 from shared.names import checkpoint_prefix
 from shared.required import required
 from shared.schemas import TrainingBatch

@@ -5,7 +5,7 @@ Invariants:
 - The trainer announces a version only after its checkpoint is committed
   (``services.trainer.loop``), and again on start for the latest one: a reader ignores a version
   it already serves.
-- The weight follower reads the stream from its own cursor (``services.inference.control_plane``);
+- The weight follower reads the stream from its own cursor (``services.weights.follower``);
   an entry that does not parse stays in the stream.
 """
 

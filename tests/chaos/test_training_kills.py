@@ -38,7 +38,7 @@ from pipeline_support import REWARD_WEIGHTS, back_as_it_was, poll, run_stack, st
 
 from services.cli.demo import write_demo_dataset
 from services.cli.local_stack import LocalStack, ManagedProcess
-from services.inference import weight_sync as ws
+from services.weights import sync as ws
 from services.trainer.metrics import read_steps
 from shared.state.group_registry import GroupRegistry
 from shared.state.ledger import Ledger

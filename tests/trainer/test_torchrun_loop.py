@@ -196,7 +196,7 @@ def test_a_lora_policy_trains_sharded_and_writes_the_adapter_one_process_writes(
     equals the one-process run's, loads into the base with peft, and one process resumes it."""
     from peft import PeftModel
     from services.trainer.policy import load_policy, logprob_probe
-    from shared.logprob_probe import LogprobProbe
+    from services.weights.logprob_probe import LogprobProbe
 
     store = LocalStore(tmp_path / "objects")
     single_id, sharded_id = run_id + "-one", run_id + "-two"

@@ -23,7 +23,7 @@ from services.trainer.checkpoints import (
 )
 from services.trainer.policy import load_policy
 from services.trainer.step import PolicyTrainer
-from shared.logprob_probe import LogprobProbe, probe_token_ids
+from services.weights.logprob_probe import LogprobProbe, probe_token_ids
 from shared.names import CHECKPOINT_PROBE
 from shared.settings import LogprobAlarmSettings, OptimSettings
 from shared.settings import StorageSettings

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from services.inference.base_weights import BaseWeightsError
-from services.inference.control_plane import WeightFollower
+from services.weights.base import BaseWeightsError
+from services.weights.follower import WeightFollower
 from shared.state.replica_holders import ReplicaHold, ReplicaHolders
 from shared.storage import LocalStore
 

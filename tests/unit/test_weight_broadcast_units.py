@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from services.cli.local_stack import free_port
-from services.inference.weight_broadcast import WeightBroadcaster
+from services.weights.broadcast import WeightBroadcaster
 from shared.settings import SettingsError, load_settings
-from shared.weight_group import WeightGroup, WeightGroupError
+from services.weights.group import WeightGroup, WeightGroupError
 
 SENT = [("a", torch.arange(12, dtype=torch.float32).reshape(3, 4) / 7),
         ("b", (torch.arange(5, dtype=torch.float32) - 2.5).to(torch.bfloat16)),
@@ -38,7 +38,7 @@ def test_s3_is_the_default_and_nccl_is_a_choice(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without a GPU")
 def test_nccl_without_cuda_is_refused_before_any_replica_is_touched():
-    from services.trainer.weight_push import BroadcastPublisher
+    from services.weights.publish import BroadcastPublisher
 
     settings = load_settings(inference={"weight_sync": "nccl", "base_url": "http://127.0.0.1:9"})
     with pytest.raises(WeightGroupError, match="nccl weight-sync path needs CUDA.*inference.weight_sync: s3"):

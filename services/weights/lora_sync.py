@@ -39,9 +39,9 @@ from pathlib import Path
 
 import httpx
 
-from services.inference.admin_http import admin_client, admin_request
-from services.inference.sync_probe import ProbeMismatch, SyncProbe, verify_replica
-from services.inference.weight_sync import (
+from services.weights.admin_http import admin_client, admin_request
+from services.weights.probe import ProbeMismatch, SyncProbe, verify_replica
+from services.weights.sync import (
     SyncReport,
     WeightSyncError,
     describe_failures,

@@ -3,7 +3,7 @@
 The trainer writes, into every checkpoint, a fixed token sequence and the logprob its own
 model gives each token (``CHECKPOINT_PROBE``). After a weight sync, the control plane asks
 each replica for the prompt logprobs of the same sequence and compares
-(``services.inference.weight_sync``). A sync whose probe disagrees did not take.
+(``services.weights.sync``). A sync whose probe disagrees did not take.
 
 Invariants:
 - The probe sequence is a pure function of the vocabulary size (``probe_token_ids``), so the

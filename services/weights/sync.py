@@ -6,13 +6,15 @@ the next phase starts):
     pause(mode=keep) -> conveyor_reload_weights(weights_path) + reset_prefix_cache
                      -> [resume -> probe] -> update_weight_version -> [on_served()] -> resume
 
+Each phase is a method of ``ReplicaSet`` (pause, load, probe, label, served, resume_all);
+``sync_weights`` composes them. The admin calls themselves are ``services.weights.admin_calls``'s.
 The load step is pluggable (``load_all``): the broadcast path
-(``services.inference.weight_broadcast``) replaces the reload from disk with the trainer's
+(``services.weights.broadcast``) replaces the reload from disk with the trainer's
 broadcast and keeps every other step and invariant below.
 
 Invariants:
 - A sync that does not take fails loudly and the served version does not move: with a
-  ``probe`` (the trainer's logprobs of a fixed sequence, ``shared.logprob_probe``), every
+  ``probe`` (the trainer's logprobs of a fixed sequence, ``services.weights.logprob_probe``), every
   replica must reproduce them within the tolerance before any label is set or ``on_served``
   runs. A mismatch raises ``WeightSyncError(phase="probe")`` after every replica was
   reloaded from ``restore_dir`` (when given).
@@ -57,27 +59,35 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 import httpx
 
-from services.inference.admin_http import AdminCallError, admin_client, admin_request
-from services.inference.sync_probe import ProbeMismatch, SyncProbe, verify_replica
+from services.weights.admin_calls import (  # noqa: F401 - the admin calls, re-exported for the sync's callers
+    EXTENSION_RELOAD,
+    PLAIN_RELOAD,
+    RELOAD_TIMEOUT_S,
+    is_paused,
+    pause,
+    reload_weights,
+    reset_prefix_cache,
+    resume,
+    set_weight_version,
+    weight_version,
+)
+from services.weights.admin_http import AdminCallError, admin_client, admin_request  # noqa: F401 - re-exported
+from services.weights.probe import ProbeMismatch, SyncProbe, verify_replica
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AdminCallError", "SyncProbe", "SyncReport", "WeightSyncError", "admin_client", "sync_weights"]
-
-RELOAD_TIMEOUT_S = 600.0  # a real model's safetensors can take minutes to read
+__all__ = ["AdminCallError", "ReplicaSet", "SyncProbe", "SyncReport", "WeightSyncError", "admin_client",
+           "sync_weights"]
 WEIGHT_FILE_GLOBS = ("*.safetensors", "*.bin", "*.pt")
-# Conveyor's worker extension (services.inference.vllm_worker); vLLM's own method otherwise
-EXTENSION_RELOAD = "conveyor_reload_weights"
-PLAIN_RELOAD = "reload_weights"
-_WITHOUT_EXTENSION: set[str] = set()  # replicas seen to lack the extension: warned once, then plain reloads
 
 
 class WeightSyncError(RuntimeError):
@@ -104,75 +114,6 @@ class SyncReport:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-# ---------------------------------------------------------------- one admin call each
-
-
-def pause(client: httpx.Client, base_url: str, mode: str = "keep") -> None:
-    """``POST /pause?mode=keep``: stop scheduling; in-flight requests are frozen, not aborted."""
-    admin_request(client, "POST", base_url, "/pause", call="pause", retry_5xx=True, params={"mode": mode})
-
-
-def resume(client: httpx.Client, base_url: str) -> None:
-    """``POST /resume`` (a no-op on a replica that is not paused)."""
-    admin_request(client, "POST", base_url, "/resume", call="resume", retry_5xx=True)
-
-
-def is_paused(client: httpx.Client, base_url: str) -> bool:
-    """``GET /is_paused`` -> ``{"is_paused": bool}``."""
-    r = admin_request(client, "GET", base_url, "/is_paused", call="is_paused", retry_5xx=True)
-    return bool(r.json()["is_paused"])
-
-
-def reload_weights(client: httpx.Client, base_url: str, weights_path: str | Path,
-                   timeout_s: float = RELOAD_TIMEOUT_S, method: str = EXTENSION_RELOAD) -> None:
-    """``POST /collective_rpc`` ``<method>(weights_path=...)``: load a checkpoint dir in place.
-
-    ``conveyor_reload_weights`` (the worker extension) is vLLM's reload plus the re-processing
-    of tied layers; a replica launched without the extension gets vLLM's plain
-    ``reload_weights`` (the sync probe then tells whether that was enough).
-    """
-    if method == EXTENSION_RELOAD and base_url in _WITHOUT_EXTENSION:
-        method = PLAIN_RELOAD
-    body = {"method": method, "kwargs": {"weights_path": str(weights_path)}, "timeout": timeout_s}
-    try:
-        admin_request(client, "POST", base_url, "/collective_rpc", call=method, retry_5xx=False,
-                      json=body, timeout=httpx.Timeout(timeout_s + 10.0, connect=5.0))
-    except AdminCallError as exc:
-        if method != EXTENSION_RELOAD or not _lacks_extension(exc):
-            raise
-        log.warning("%s was launched without Conveyor's worker extension (--worker-extension-cls "
-                    "services.inference.vllm_worker.ConveyorWorkerExtension): using vLLM's plain reload_weights, "
-                    "which leaves tied output heads stale on some backends", base_url)
-        _WITHOUT_EXTENSION.add(base_url)
-        reload_weights(client, base_url, weights_path, timeout_s, method=PLAIN_RELOAD)
-
-
-def _lacks_extension(exc: AdminCallError) -> bool:
-    return exc.status is not None and EXTENSION_RELOAD in exc.detail and (
-        "attribute" in exc.detail or "not found" in exc.detail.lower() or "not implemented" in exc.detail.lower())
-
-
-def reset_prefix_cache(client: httpx.Client, base_url: str) -> None:
-    """``POST /reset_prefix_cache?reset_running_requests=true``: drop KV computed by old weights."""
-    r = admin_request(client, "POST", base_url, "/reset_prefix_cache", call="reset_prefix_cache", retry_5xx=True,
-                 params={"reset_running_requests": "true"})
-    if not r.json().get("success", False):
-        raise AdminCallError(base_url, "reset_prefix_cache", f"answered {r.text[:200]}")
-
-
-def set_weight_version(client: httpx.Client, base_url: str, version: str) -> None:
-    """``POST /update_weight_version`` with ``{"new_version": "<str>"}`` (a JSON int is a 400)."""
-    admin_request(client, "POST", base_url, "/update_weight_version", call="update_weight_version", retry_5xx=True,
-             json={"new_version": str(version)})
-
-
-def weight_version(client: httpx.Client, base_url: str, timeout_s: float | None = None) -> str:
-    """``GET /weight_info`` -> ``{"weight_version": str}`` ("default" until first labelled)."""
-    extra: dict[str, Any] = {} if timeout_s is None else {"timeout": httpx.Timeout(timeout_s, connect=min(timeout_s, 5.0))}
-    r = admin_request(client, "GET", base_url, "/weight_info", call="weight_info", retry_5xx=True, **extra)
-    return str(r.json()["weight_version"])
 
 
 # ---------------------------------------------------------------- the sync
@@ -216,6 +157,92 @@ def failure_listing(failures: dict[str, BaseException]) -> str:
     return "; ".join(f"{url} ({_why(exc)})" for url, exc in failures.items())
 
 
+class ReplicaSet:
+    """The replicas of one sync and what it did to them so far: the phases (``pause``, ``load``,
+    ``probe``, ``label``, ``served``, then ``resume_all`` in a ``finally``) each run on every
+    replica in parallel and raise ``WeightSyncError`` naming that phase. Records which replicas
+    were sent a pause (each gets a resume), seconds per phase, and the probe's numbers."""
+
+    def __init__(self, urls: list[str], version: int, http: httpx.Client, *, restore_dir: Path | None = None,
+                 reload_timeout_s: float = RELOAD_TIMEOUT_S):
+        self.urls, self.version, self.http = urls, version, http
+        self.restore_dir, self.reload_timeout_s = restore_dir, reload_timeout_s
+        self.sent_pause: list[str] = []
+        self.timings = {"pause_s": 0.0, "reload_s": 0.0, "version_s": 0.0, "resume_s": 0.0}
+        self.extra: dict[str, Any] = {}
+
+    @contextmanager
+    def _timed(self, seconds: dict[str, Any], key: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds[key] = time.perf_counter() - started
+
+    def _error(self, what: str, failed: dict[str, BaseException], phase: str) -> WeightSyncError:
+        return WeightSyncError(f"weight sync to version {self.version}: {what} " + failure_listing(failed),
+                               self.version, describe_failures(failed), phase)
+
+    def _pause_one(self, url: str) -> None:
+        self.sent_pause.append(url)  # list.append is atomic; a sent pause may act even if it times out
+        pause(self.http, url)
+
+    def pause(self) -> None:
+        with self._timed(self.timings, "pause_s"):
+            failed = on_all(self.urls, self._pause_one)
+        if failed:
+            raise self._error("pause failed on", failed, "pause")
+
+    def load(self, load_all: Callable[[httpx.Client, list[str]], dict[str, BaseException]], source: str) -> None:
+        """Load the new weights into every paused replica; on failure restore ``restore_dir``
+        everywhere (when given) and raise."""
+        with self._timed(self.timings, "reload_s"):
+            failed = load_all(self.http, self.urls)
+        if failed:
+            raise _reload_failure(self.http, self.urls, failed, self.version, source, self.restore_dir,
+                                  self.reload_timeout_s)
+
+    def probe(self, probe: SyncProbe) -> None:
+        with self._timed(self.extra, "probe_s"):
+            _verify_served(self.http, self.urls, probe, self.version, self.restore_dir, self.reload_timeout_s,
+                           self._pause_one, self.extra)
+
+    def label(self, label: str) -> None:
+        with self._timed(self.timings, "version_s"):
+            failed = on_all(self.urls, lambda url: set_weight_version(self.http, url, label))
+        if failed:
+            raise self._error("weights reloaded everywhere, but setting the version label failed on", failed, "label")
+
+    def served(self, on_served: Callable[[], None]) -> None:
+        with self._timed(self.extra, "on_served_s"):
+            on_served()
+
+    def resume_all(self, error: BaseException | None) -> None:
+        """Resume every replica a pause was sent to. A resume failure becomes a note on
+        ``error`` (the error already on its way out wins) or, with none, the error."""
+        with self._timed(self.timings, "resume_s"):
+            failed = on_all(list(self.sent_pause), lambda url: resume(self.http, url)) if self.sent_pause else {}
+        if not failed:
+            return
+        msg = f"weight sync to version {self.version}: resume failed on {failure_listing(failed)}; they stay paused"
+        log.error(msg)
+        if error is not None:
+            error.add_note(msg)
+        else:
+            raise WeightSyncError(msg, self.version, describe_failures(failed), "resume")
+
+    def report(self, total_s: float) -> SyncReport:
+        return SyncReport(version=self.version, replicas=tuple(self.urls), total_s=total_s, extra=self.extra,
+                          **self.timings)
+
+
+def reload_from(weights_dir: Path, reload_timeout_s: float = RELOAD_TIMEOUT_S, method: str = EXTENSION_RELOAD,
+                ) -> Callable[[httpx.Client, list[str]], dict[str, BaseException]]:
+    """The default load phase: every replica reloads ``weights_dir`` and resets its prefix cache."""
+    return lambda http, urls: on_all(urls, lambda url: _reload_and_reset(http, url, weights_dir, reload_timeout_s,
+                                                                         method))
+
+
 def sync_weights(
     base_urls: list[str],
     weights_dir: Path | None,
@@ -241,9 +268,10 @@ def sync_weights(
     checked on every replica before the version moves. ``check_dir=False`` skips the local
     pre-flight check. ``load_all(client, urls)``: loads the new weights into every (paused)
     replica in place of the reload of ``weights_dir`` and returns the failures by replica
-    (the broadcast path, ``services.inference.weight_broadcast``); ``source`` names what it
+    (the broadcast path, ``services.weights.broadcast``); ``source`` names what it
     loads, for errors. ``label``: the weight label to set in place of ``str(version)`` (the
-    run-start check labels a run's base weights with ``services.inference.base_weights.base_label``).
+    run-start check labels a run's base weights with ``services.weights.base.base_label``).
+    The phases themselves are ``ReplicaSet``'s; this composes them.
     """
     urls = [u.rstrip("/") for u in base_urls]
     if not urls or len(set(urls)) != len(urls):
@@ -253,74 +281,35 @@ def sync_weights(
     weights_dir = Path(weights_dir).resolve() if weights_dir is not None else None
     source = source or str(weights_dir)
     restore_dir = Path(restore_dir).resolve() if restore_dir is not None else None
-    if check_dir and load_all is None:
-        check_weights_dir(cast(Path, weights_dir))  # no load_all: weights_dir is set (checked above)
+    if load_all is None:
+        weights_dir = cast(Path, weights_dir)  # no load_all: weights_dir is set (checked above)
+        if check_dir:
+            check_weights_dir(weights_dir)
+        load_all = reload_from(weights_dir, reload_timeout_s, reload_method)
     own_client = client is None
     http = admin_client() if client is None else client
-    label = str(version) if label is None else label
     t0 = time.perf_counter()
-    timings = {"pause_s": 0.0, "reload_s": 0.0, "version_s": 0.0, "resume_s": 0.0}
-    extra: dict[str, Any] = {}
-    sent_pause: list[str] = []
+    replicas = ReplicaSet(urls, version, http, restore_dir=restore_dir, reload_timeout_s=reload_timeout_s)
     error: BaseException | None = None
-
-    def pause_one(url: str) -> None:
-        sent_pause.append(url)  # list.append is atomic; a sent pause may act even if it times out
-        pause(http, url)
-
-    def reload_one(url: str) -> None:
-        # reload_one runs only without load_all, so weights_dir is set (checked above)
-        _reload_and_reset(http, url, cast(Path, weights_dir), reload_timeout_s, reload_method)
-
     try:
-        t = time.perf_counter()
-        failed = on_all(urls, pause_one)
-        timings["pause_s"] = time.perf_counter() - t
-        if failed:
-            raise WeightSyncError(f"weight sync to version {version}: pause failed on " + failure_listing(failed), version,
-                                  describe_failures(failed), "pause")
-
-        t = time.perf_counter()
-        failed = load_all(http, urls) if load_all is not None else on_all(urls, reload_one)
-        timings["reload_s"] = time.perf_counter() - t
-        if failed:
-            raise _reload_failure(http, urls, failed, version, source, restore_dir, reload_timeout_s)
-
+        replicas.pause()
+        replicas.load(load_all, source)
         if probe is not None:
-            t = time.perf_counter()
-            _verify_served(http, urls, probe, version, restore_dir, reload_timeout_s, pause_one, extra)
-            extra["probe_s"] = time.perf_counter() - t
-
-        t = time.perf_counter()
-        failed = on_all(urls, lambda url: set_weight_version(http, url, label))
-        timings["version_s"] = time.perf_counter() - t
-        if failed:
-            raise WeightSyncError(f"weight sync to version {version}: weights reloaded everywhere, but setting the "
-                                  "version label failed on " + failure_listing(failed),
-                                  version, describe_failures(failed), "label")
+            replicas.probe(probe)
+        replicas.label(str(version) if label is None else label)
         if on_served is not None:
-            t = time.perf_counter()
-            on_served()
-            extra["on_served_s"] = time.perf_counter() - t
+            replicas.served(on_served)
     except BaseException as exc:
         error = exc
         raise
     finally:
-        t = time.perf_counter()
-        resume_failed = on_all(list(sent_pause), lambda url: resume(http, url)) if sent_pause else {}
-        timings["resume_s"] = time.perf_counter() - t
-        if own_client:
-            http.close()
-        if resume_failed:
-            msg = f"weight sync to version {version}: resume failed on {failure_listing(resume_failed)}; they stay paused"
-            log.error(msg)
-            # An error already on its way out wins and carries the resume failure as a
-            # note; otherwise the resume failure is the error.
-            if error is not None:
-                error.add_note(msg)
-            else:
-                raise WeightSyncError(msg, version, describe_failures(resume_failed), "resume")
-    report = SyncReport(version=version, replicas=tuple(urls), total_s=time.perf_counter() - t0, extra=extra, **timings)
+        try:
+            replicas.resume_all(error)
+        finally:
+            if own_client:
+                http.close()
+    report = replicas.report(time.perf_counter() - t0)
+    extra = report.extra
     log.info("weight sync to version %d on %d replica(s): %.3fs (pause %.3f, reload %.3f, version %.3f, resume %.3f)%s",
              version, len(urls), report.total_s, report.pause_s, report.reload_s, report.version_s, report.resume_s,
              f"; probe max |dlogprob| {extra['probe_max_abs_diff']:.2g}" if "probe_max_abs_diff" in extra else "")

@@ -25,7 +25,7 @@ Invariants:
 - Every replica, reloaded or not, is probed against the base model's logprobs
   (``base_probe``: the trainer's own ``logprob_probe`` of the base checkpoint, float32) at the
   follower's probe tolerance (``inference.sync_probe_tolerance``, by default the precision's,
-  ``shared.logprob_probe.default_tolerance``: 1e-4 in fp32), never the looser logprob alarm's.
+  ``services.weights.logprob_probe.default_tolerance``: 1e-4 in fp32), never the looser logprob alarm's.
 - Any failure (a label that cannot be read, a reload or probe that fails) raises
   ``BaseWeightsError``, one line naming the replica and why (the probe's gap when it is the
   probe), and the follower stops: a run never starts on weights it did not check.
@@ -42,9 +42,9 @@ from typing import cast
 
 import httpx
 
-from services.inference.sync_probe import ProbeMismatch, SyncProbe, verify_replica
-from services.inference.weight_sync import AdminCallError, WeightSyncError, sync_weights, weight_version
-from shared.logprob_probe import LogprobProbe
+from services.weights.probe import ProbeMismatch, SyncProbe, verify_replica
+from services.weights.sync import AdminCallError, WeightSyncError, sync_weights, weight_version
+from services.weights.logprob_probe import LogprobProbe
 from shared.model_source import ModelSourceError, resolve_model_source
 from shared.state.replica_holders import ReplicaHold
 

@@ -3,7 +3,7 @@ replicas, and write an S3 checkpoint (the durable record a restart resumes from)
 ``inference.weight_sync_checkpoint_every``-th version in the background.
 
 Per version, in the trainer's thread: compute the logprob probe, broadcast the weights
-(``services.inference.weight_broadcast``: pause, receive, probe, label, advance
+(``services.weights.broadcast``: pause, receive, probe, label, advance
 ``policy_version``, resume). A version due for a durable checkpoint is first copied to CPU
 (``services.trainer.checkpoints.take_snapshot``), and one background thread writes that copy
 and announces it once committed. A version is due when it is at least ``every`` versions past
@@ -41,11 +41,11 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from services.inference.weight_broadcast import WeightBroadcaster
-from services.inference.weight_sync import SyncProbe, SyncReport
+from services.weights.broadcast import WeightBroadcaster
+from services.weights.sync import SyncProbe, SyncReport
 from services.trainer.checkpoints import save_checkpoint, take_snapshot
 from services.trainer.policy import logprob_probe
-from shared.logprob_probe import default_tolerance
+from services.weights.logprob_probe import default_tolerance
 from shared.state.policy_version import PolicyVersion
 from shared.settings import Settings
 from shared.storage import ObjectStore

@@ -33,7 +33,7 @@ Invariants:
   its launch checkpoint) are re-synced to it.
 - A run starts from its base weights on every replica: while the run's served version is 0,
   ``run()`` first makes every replica serve ``inference.model_path`` under the run's base label
-  and probes each (``ensure_base``, ``services.inference.base_weights``); a replica that cannot
+  and probes each (``ensure_base``, ``services.weights.base``); a replica that cannot
   be restored stops the follower with ``BaseWeightsError``, one line naming it and the gap.
   The follower holds its replicas for its run first, and renews the hold while it runs (a
   replica another run holds, or a hold lost, stops it with ``BaseWeightsError``; see there).
@@ -67,19 +67,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
-from services.inference import weight_sync
-from services.inference.base_weights import (BaseCheck, BaseWeightsError, base_dir, base_probe, ensure_base_weights,
-                                             hold_replicas)
-from services.inference.lora_sync import sync_adapter
-from services.inference.weight_sync import SyncProbe, SyncReport, WeightSyncError, sync_weights
-from shared.checkpoint_files import (  # noqa: F401 - re-exported for callers of the follower
+from services.weights import sync as weight_sync
+from services.weights.base import (BaseCheck, BaseWeightsError, base_dir, base_probe, ensure_base_weights,
+                                  hold_replicas)
+from services.weights.lora_sync import sync_adapter
+from services.weights.sync import SyncProbe, SyncReport, WeightSyncError, sync_weights
+from services.weights.checkpoint_files import (  # noqa: F401 - re-exported for callers of the follower
     COMMITTED_MARKER,
     CheckpointCorrupt,
     CheckpointNotCommitted,
     Download,
     download_checkpoint,
 )
-from shared.logprob_probe import FP32_TOLERANCE, LogprobProbe, default_tolerance
+from services.weights.logprob_probe import FP32_TOLERANCE, LogprobProbe, default_tolerance
 from shared.state.checkpoint_announcements import CheckpointAnnouncements
 from shared.state.dead_letters import DeadLetters
 from shared.names import CHECKPOINT_ADAPTER_CONFIG, CHECKPOINT_PROBE, checkpoint_prefix
@@ -298,7 +298,7 @@ class WeightFollower:
 
     def ensure_base(self) -> list[BaseCheck]:
         """Run start: every replica serves the base checkpoint as this run's version 0, probed
-        (``services.inference.base_weights``); raises ``BaseWeightsError`` otherwise."""
+        (``services.weights.base``); raises ``BaseWeightsError`` otherwise."""
         if self.initial_weights_dir is None:
             raise BaseWeightsError(f"run {self.run_id} cannot start: the weight follower has no base checkpoint "
                                    "(inference.model_path) to check its replicas against")

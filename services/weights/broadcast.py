@@ -1,8 +1,8 @@
 """Weight sync by broadcast (``inference.weight_sync: nccl``): trainer to replicas, no S3 round trip.
 
-The trainer is rank 0 of a process group (``shared.weight_group``) that every vLLM worker of
+The trainer is rank 0 of a process group (``services.weights.group``) that every vLLM worker of
 every replica joins through Conveyor's worker extension (``conveyor_join_weight_group``). A
-sync is ``sync_weights`` (``services.inference.weight_sync``) with the reload replaced by the
+sync is ``sync_weights`` (``services.weights.sync``) with the reload replaced by the
 broadcast, so it keeps the same discipline:
 
     pause(mode=keep) -> [collective_rpc conveyor_receive_weights  ||  broadcast each tensor]
@@ -20,7 +20,7 @@ Invariants (besides those of ``sync_weights``: resume in a ``finally``, the vers
   caller writes (asynchronously) after the sync; a replica restarted from it is re-synced by
   the weight follower as before.
 - Without CUDA, ``backend="nccl"`` is refused before any replica is touched
-  (``shared.weight_group.check_backend``); ``gloo`` runs the same path on CPU.
+  (``services.weights.group.check_backend``); ``gloo`` runs the same path on CPU.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from typing import Any, Self
 import httpx
 import torch
 
-from services.inference import weight_sync as ws
-from services.inference.admin_http import admin_request
-from shared.weight_group import Backend, WeightGroup, check_backend
+from services.weights import sync as ws
+from services.weights.admin_http import admin_request
+from services.weights.group import Backend, WeightGroup, check_backend
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Asking a replica what it serves: prompt logprobs of the probe sequence (``shared.logprob_probe``).
+"""Asking a replica what it serves: prompt logprobs of the probe sequence (``services.weights.logprob_probe``).
 
 Invariants:
 - The probe request is an ordinary ``/v1/completions`` call (token ids in, ``max_tokens=1``,
@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 
-from services.inference.admin_http import admin_request
-from shared.logprob_probe import LogprobProbe, ProbeResult, compare
+from services.weights.admin_http import admin_request
+from services.weights.logprob_probe import LogprobProbe, ProbeResult, compare
 
 PROBE_TIMEOUT_S = 120.0
 

@@ -1,0 +1,17 @@
+"""Conveyor's weights plane: how a trained policy version reaches every vLLM replica.
+
+The trainer publishes (``publish``: an S3 checkpoint, sharded or whole, and optionally an NCCL
+broadcast, ``broadcast`` over the process group of ``group``); the follower (``follower``)
+reads the checkpoint announcements and brings each replica to the new version through
+``sync``'s phases (pause, load, probe, label, resume), a LoRA adapter through ``lora_sync``, and
+a run's version 0 through ``base``. ``probe`` and ``logprob_probe`` are the check that a replica
+serves exactly the trainer's weights; ``checkpoint_files`` reads a committed checkpoint;
+``admin_http`` holds the replicas' admin calls. The sync record (a Redis key) stays with its
+owner in ``shared.state.weight_sync_record``.
+
+Invariants:
+- ``services.inference`` keeps only the vLLM launcher (server, GPU launch, command line, the
+  worker extension vLLM imports by dotted path) and the tiny model; the trainer reaches
+  inference only through this package, never by importing ``services.inference``
+  (tests/unit/test_import_boundaries.py).
+"""
