@@ -58,10 +58,9 @@ from shared.state.policy_version import PolicyVersion
 from shared.state.run_marker import RunMarker
 from shared.state.run_records import RunRecords
 from shared.state.run_stop import stop_of
-from shared.required import required
 from shared.schemas import GroupRegistration, RejectedRow, RolloutRequest, TaskProfile
 from shared.settings import Settings, SplitSettings
-from shared.state.staleness import StalenessBudget
+from shared.state.staleness import budget_of
 from shared.storage import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -201,11 +200,8 @@ def run_intake(
     # an unknown environment or a bad intake.env_config stops intake before anything is published
     check_startup(environments, settings.intake.env_name, settings.intake.env_config, settings.environments)
     RunMarker(ledger.redis, run, store).open()
-    admission = None
-    if settings.trainer.mode == "train":  # admission waits for the trainer's steps
-        budget = StalenessBudget(ledger.redis, run, required(settings.trainer.max_off_policy_steps, "trainer.max_off_policy_steps"),
-                                 settings.trainer.groups_per_step)
-        admission = AdmissionWait(budget, ledger, settings.intake.wait_log_every_s)
+    budget = budget_of(ledger.redis, run, settings.trainer)  # mode train: admission waits for the trainer's steps
+    admission = None if budget is None else AdmissionWait(budget, ledger, settings.intake.wait_log_every_s)
     groups, served, records = GroupRegistry(ledger.redis, run), PolicyVersion(ledger.redis, run), RunRecords(ledger.redis, run)
     if dataset_version:
         records.add_dataset_version(dataset_version)

@@ -68,7 +68,6 @@ from shared.state.run_records import RunRecords
 from shared.state.run_stop import RunStop, end_unfinished, stop_of
 from shared.state.dead_letters import DeadLetters
 from shared.state.group_registry import GroupRegistry
-from shared.required import required
 from shared.schemas import (
     BadMessage,
     GroupRecord,
@@ -77,7 +76,7 @@ from shared.schemas import (
     parse_message,
 )
 from shared.settings import Settings
-from shared.state.staleness import StalenessBudget
+from shared.state.staleness import budget_of
 from shared.storage import ObjectStore, put_model
 from shared.trajectory_lookup import trajectory_of_event
 from shared.state.trainer_reads import TRAINER_CONSUMER_GROUP
@@ -110,10 +109,7 @@ class TrainerConsumer:
         self.assembler = GroupAssembler(self._expected_size, self.groups.is_done, lambda g: self._registration(g).keep)
         trainer = self.settings.trainer
         self.group_filters = [build_filter(spec) for spec in trainer.group_filters]
-        self.budget = None
-        if trainer.mode == "train":  # the staleness bound throttles rollouts to the training steps
-            self.budget = StalenessBudget(self.redis, self.run_id, required(trainer.max_off_policy_steps, "trainer.max_off_policy_steps"),
-                                          trainer.groups_per_step)
+        self.budget = budget_of(self.redis, self.run_id, trainer)  # mode train: it throttles rollouts to the steps
         self.metrics = GroupMetricsLog(Path(self.settings.trainer.metrics_path), self.run_id)
         self.marker = RunMarker(self.redis, self.run_id, self.store)
         self.marker.check(_STOPS, look_in_store=True)  # before anything of the run is created again

@@ -97,9 +97,6 @@ log = logging.getLogger(__name__)
 _STOPS = "stops following it"
 
 
-
-
-
 @dataclass(frozen=True)
 class Announcement:
     version: int

@@ -33,6 +33,8 @@ from typing import Any
 import redis
 
 from shared.names import RedisKeys
+from shared.required import required
+from shared.settings import TrainerSettings
 from shared.state.policy_version import PolicyVersion
 
 # KEYS: staleness hash, served policy version ; ARGV: max_off_policy_steps, groups_per_step
@@ -130,3 +132,12 @@ class StalenessBudget:
     def is_stale(self, oldest_policy_version: int, trainer_step: int) -> bool:
         """A group is stale when its oldest turn is more than max_off_policy_steps behind."""
         return trainer_step - oldest_policy_version > self.max_off_policy_steps
+
+
+def budget_of(client: Any, run_id: str, trainer: TrainerSettings) -> StalenessBudget | None:
+    """The run's staleness bound when its trainer trains (``trainer.mode: train``, which needs
+    ``max_off_policy_steps``); None in assemble mode, where nothing throttles the rollouts."""
+    if trainer.mode != "train":
+        return None
+    return StalenessBudget(client, run_id, required(trainer.max_off_policy_steps, "trainer.max_off_policy_steps"),
+                           trainer.groups_per_step)
