@@ -367,6 +367,9 @@ class TrainerSettings(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["fp32", "bf16"] = "fp32"
     activation_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
+    # torch.compile each decoder layer (services/trainer/compile.py): fused elementwise kernels,
+    # the first step pays the compilation
+    compile_layers: bool = False
     # the float32 log-softmax over this many positions at a time, each chunk recomputed in backward
     # (services/trainer/policy.py): less logits memory, a little more compute. None: all at once
     logprob_chunk_tokens: Int | None = Field(None, gt=0)

@@ -33,6 +33,7 @@ from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from services.trainer.alarm import LogprobAlarm, on_policy_message
+from services.trainer.compile import compile_decoder_layers
 from services.trainer.device import compute_precision, resolve_device
 from services.trainer.lora import with_lora
 from services.trainer.sharding import all_sum, rank_share, shard_policy, world
@@ -49,7 +50,10 @@ from shared.settings import (ALARM_MAD_BY_DTYPE, BatchingSettings, LogprobAlarmS
 
 def build_optimizer(model: torch.nn.Module, optim: OptimSettings) -> torch.optim.AdamW:
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
+    # torch's fused AdamW (one kernel for every parameter's update) where every parameter is on a GPU
+    fused = bool(params) and all(p.device.type == "cuda" for p in params)
+    return torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay,
+                             fused=fused or None)
 
 
 class PolicyTrainer:
@@ -189,6 +193,8 @@ def trainer_from_settings(settings: Settings, shard: bool = False) -> tuple[Poli
         model.gradient_checkpointing_enable()
     if trainer.lora.enabled:  # transformers' checkpointing (non-reentrant) carries grad past the frozen base
         model = with_lora(model, trainer.lora)
+    if trainer.compile_layers:
+        compile_decoder_layers(model)
     if shard:
         shard_policy(model)
     policy_trainer = PolicyTrainer(
