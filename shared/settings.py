@@ -238,6 +238,10 @@ class IntakeSettings(Section):
     base_seed: Int = 0
     # intake blocked (the staleness bound) says why after this long, then at doubling intervals up to 5 min
     wait_log_every_s: Float = Field(10.0, gt=0)
+    # fair share between runs on the same rollout workers (services/intake/queue_share.py): publish a
+    # group only while fewer than this many of the run's groups wait unclaimed in the rollout queue.
+    # None: publish as fast as rows are read
+    max_queued_groups: Int | None = Field(None, gt=0)
 
     @field_validator("env_config")
     @classmethod

@@ -19,6 +19,9 @@ Invariants:
   which so ends the supervisor too). The follower is then stopped and the supervisor exits 0. A
   process that exits non-zero, or a follower that exits before the trainer, ends the others, and
   the supervisor exits 1 naming it with the tail of its log.
+- Runs submitted beside each other share the rollout workers fairly: each run's intake keeps at
+  most ``intake.max_queued_groups`` groups waiting in the rollout queue (``SUBMITTED_RUN_QUEUED_GROUPS``
+  unless the config sets it; ``services.intake.queue_share``).
 - It never waits silently: every ``PROGRESS_EVERY_S`` it says which processes it waits for and
   the run's trajectories by ledger state.
 """
@@ -44,6 +47,8 @@ if TYPE_CHECKING:
     from shared.state.ledger import Ledger
 
 PROGRESS_EVERY_S = 10.0
+# a submitted run's share of the rollout queue, in groups, unless its config sets intake.max_queued_groups
+SUBMITTED_RUN_QUEUED_GROUPS = 8
 WATCH_POLL_S = 0.5
 FAILED_LOG_LINES = 30
 UNTIL = {"intake": "to publish every group",
@@ -104,6 +109,14 @@ def check_dataset(settings: Settings) -> int:
     return report.rows
 
 
+def queue_share_env(settings: Settings) -> dict[str, str]:
+    """A submitted run shares the workers: its intake gets ``SUBMITTED_RUN_QUEUED_GROUPS`` as
+    ``intake.max_queued_groups`` unless the config sets one (``services.intake.queue_share``)."""
+    if settings.intake.max_queued_groups is not None:
+        return {}
+    return {"CONVEYOR_INTAKE__MAX_QUEUED_GROUPS": str(SUBMITTED_RUN_QUEUED_GROUPS)}
+
+
 def supervise(config: Path, settings: Settings, resume: bool) -> int:
     """Start the run's processes, watch them to the end; the exit code of ``run submit``."""
     from shared.processes import Terminated
@@ -116,7 +129,7 @@ def supervise(config: Path, settings: Settings, resume: bool) -> int:
     try:
         stack.start_trainer(exit_when_done=True)
         stack.start_weight_follower(name="follower")
-        stack.conveyor("intake", "intake", *(["--resume"] if resume else []))
+        stack.conveyor("intake", "intake", *(["--resume"] if resume else []), extra_env=queue_share_env(settings))
         for process in stack.processes:
             print(f"run {run_id}: started {process.name} (pid {process.proc.pid}), log {process.log_path}", flush=True)
         return _watch(stack, settings)

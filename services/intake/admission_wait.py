@@ -1,4 +1,6 @@
-"""Intake's wait on the staleness bound, said out loud: intake never waits without saying why.
+"""Intake's waits, said out loud: intake never waits without saying why. It waits on the
+staleness bound (``AdmissionWait``) and on its share of the rollout queue
+(``services.intake.queue_share``); both wait through ``wait_saying_why``.
 
 Invariants:
 - A group is admitted exactly as ``StalenessBudget.try_admit`` admits it (one Lua call per try,
@@ -10,6 +12,8 @@ Invariants:
   ``MAX_LOG_INTERVAL_S`` apart, and a wait that was logged logs its end.
 - A wait ends, unadmitted, once the run is stopped (``shared.state.run_stop``); intake then checks
   the stop and publishes no more.
+- ``wait_saying_why`` is the one wait loop: a run's stop ends it, a long wait is logged with its
+  reason at doubling intervals, and a logged wait logs its end.
 - Every other wait of intake is an outage of Redis or of the S3 server, which ``shared.outage``
   logs.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from shared.state.ledger import Ledger
 from shared.state.run_stop import stop_of
@@ -50,20 +55,9 @@ class AdmissionWait:
             return
         run = self.budget.run_id
         start = WaitStart(time.monotonic(), self.ledger.counts(run)["consumed"], self.budget.state().trainer_step)
-        interval = self.log_every_s
-        next_line, logged = start.monotonic + interval, False
-        while not self.budget.try_admit():
-            if stop_of(self.ledger.redis, run) is not None:
-                return
-            now = time.monotonic()
-            if now >= next_line:
-                log.warning("%s", self.why(start, now))
-                logged = True
-                interval = min(2 * interval, max(MAX_LOG_INTERVAL_S, self.log_every_s))
-                next_line = now + interval
-            time.sleep(self.poll_s)
-        if logged:
-            log.warning("intake of run %s: the staleness bound admits groups again after %.0fs", run, time.monotonic() - start.monotonic)
+        wait_saying_why(self.ledger, run, self.budget.try_admit, lambda waited: self.why(start, start.monotonic + waited),
+                        self.log_every_s,
+                        "the staleness bound admits groups again", self.poll_s)
 
     def why(self, start: WaitStart, now: float) -> str:
         run, budget = self.budget.run_id, self.budget
@@ -83,6 +77,28 @@ class AdmissionWait:
                          f"{terms.trainer_step}: the bound waits for the weight sync")
         parts.append(_trainer_line(run, trainer_reading(self.ledger.redis, run)))
         return "; ".join(parts)
+
+
+def wait_saying_why(ledger: Ledger, run: str, ready: Callable[[], bool], why: Callable[[float], str],
+                    log_every_s: float, ended: str, poll_s: float = 0.2) -> None:
+    """Poll ``ready`` until it is true or the run is stopped. A wait longer than ``log_every_s``
+    logs ``why(seconds waited)``, then at doubling intervals (at most ``MAX_LOG_INTERVAL_S`` apart), and a
+    wait that was logged logs its end (``ended``)."""
+    started = time.monotonic()
+    interval = log_every_s
+    next_line, logged = started + interval, False
+    while not ready():
+        if stop_of(ledger.redis, run) is not None:
+            return
+        now = time.monotonic()
+        if now >= next_line:
+            log.warning("%s", why(now - started))
+            logged = True
+            interval = min(2 * interval, max(MAX_LOG_INTERVAL_S, log_every_s))
+            next_line = now + interval
+        time.sleep(poll_s)
+    if logged:
+        log.warning("intake of run %s: %s after %.0fs", run, ended, time.monotonic() - started)
 
 
 def _trainer_line(run: str, reading: TrainerReading) -> str:

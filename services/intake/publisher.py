@@ -33,6 +33,9 @@ Invariants:
 - ``run_intake`` itself resumes a run: what Redis holds of it (``run_history``) is skipped and
   counted. Refusing to reuse a run id unasked is the command's part (``conveyor intake
   --resume``), checked before the run's marker is opened, so a refused intake writes nothing.
+- With ``intake.max_queued_groups`` set, a group is published only while the run has fewer
+  than that many groups' trajectories waiting unclaimed in the rollout queue
+  (``queue_share``): runs that share the workers share the queue fairly.
 - A stopped run (``shared.state.run_stop``) gets no group after the stop: intake checks it before
   each group (after any wait on the staleness bound, which a stop ends) and stops publishing
   with one line. The command refuses to resume a stopped run.
@@ -48,6 +51,7 @@ from typing import Callable, Iterable
 from services.intake.adapters import RowRejected, admit_row
 from services.intake.admission_wait import AdmissionWait
 from services.intake.limits import PromptLimit
+from services.intake.queue_share import QueueShare
 from services.intake.splits import assign_splits
 from services.intake.datasets import BadRow, Row
 from shared import ids
@@ -113,6 +117,14 @@ def build_group(settings: Settings, group_id: int, task: TaskProfile, policy_ver
             )
         )
     return requests
+
+
+def queue_share_of(ledger: Ledger, settings: Settings) -> QueueShare | None:
+    """The run's share of the rollout queue (``intake.max_queued_groups``), or None: no share."""
+    if settings.intake.max_queued_groups is None:
+        return None
+    return QueueShare(ledger, settings.run_id, settings.intake.max_queued_groups,
+                      settings.rollout.group_size + settings.rollout.redundancy, settings.intake.wait_log_every_s)
 
 
 def _redundancy(settings: Settings, requests: list[RolloutRequest]) -> dict:
@@ -202,6 +214,7 @@ def run_intake(
     RunMarker(ledger.redis, run, store).open()
     budget = budget_of(ledger.redis, run, settings.trainer)  # mode train: admission waits for the trainer's steps
     admission = None if budget is None else AdmissionWait(budget, ledger, settings.intake.wait_log_every_s)
+    share = queue_share_of(ledger, settings)  # fair share of the rollout queue between runs, if set
     groups, served, records = GroupRegistry(ledger.redis, run), PolicyVersion(ledger.redis, run), RunRecords(ledger.redis, run)
     if dataset_version:
         records.add_dataset_version(dataset_version)
@@ -227,6 +240,8 @@ def run_intake(
             continue
         if admission is not None and not groups.is_registered(group_id):
             admission.admit()  # wait for the trainer rather than run too far ahead of it, saying why
+        if share is not None and not groups.is_registered(group_id):
+            share.wait_for_room()  # leave the queue to other runs' groups too, saying why
         stop = stop_of(ledger.redis, run)
         if stop is not None:
             report.stopped = stop.describe()

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from pipeline_support import process_running
 
+from shared.settings import load_settings
 from shared.state.ledger import Ledger
 from shared.names import ROLLOUT_QUEUE
 from test_cli_errors import CONVEYOR, conveyor, one_error_line
@@ -124,3 +125,17 @@ def test_sigterm_stops_the_runs_processes_and_says_so(redis_url, tmp_path, run_i
     rest = supervisor.stdout.read()
     assert rest.splitlines()[-1] == f"run {run_id}: terminated (SIGTERM); stopping its processes (the stack stays up)"
     assert not any(process_running(pid) for pid in started.values())
+
+
+def test_a_submitted_run_shares_the_queue_unless_its_config_says_how(tmp_path):
+    from services.cli.run_submit import SUBMITTED_RUN_QUEUED_GROUPS, queue_share_env
+
+    env = queue_share_env(load_settings())
+    assert env == {"CONVEYOR_INTAKE__MAX_QUEUED_GROUPS": str(SUBMITTED_RUN_QUEUED_GROUPS)}
+    config = tmp_path / "run.yaml"
+    config.write_text("run_id: shared-queue\n")
+    with pytest.MonkeyPatch.context() as patch:  # the env reaches intake's settings over the config file
+        for name, value in {**env, "CONVEYOR_CONFIG": str(config)}.items():
+            patch.setenv(name, value)
+        assert load_settings().intake.max_queued_groups == SUBMITTED_RUN_QUEUED_GROUPS
+    assert queue_share_env(load_settings(intake={"max_queued_groups": 3})) == {}
