@@ -42,7 +42,7 @@ DELIMITER = "__"
 # Read straight from os.environ by Conveyor's own code; they are not settings.
 RUNTIME_VARIABLES = {
     "CONVEYOR_CONFIG": "the YAML settings file (shared/settings.py)",
-    "CONVEYOR_LOG_LEVEL": "the log level of a service's own log lines (services/cli/app.py)",
+    "CONVEYOR_LOG_LEVEL": "the log level of a service's own log lines (services/cli/command_support.py)",
     "CONVEYOR_CA_BUNDLE": "the CA bundle the stack images trust (services/cli/stack_images.py)",
     "CONVEYOR_WHEEL_PORT": "the wheel server's port while images build (services/cli/image_wheels.py)",
     "CONVEYOR_STACK_ID": "the stack id in the conveyor.stack label of what this stack creates (shared/stack_id.py)",
