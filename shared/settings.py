@@ -108,7 +108,7 @@ class InferenceSettings(Section):
     weight_sync_port: Int = Field(29531, gt=0, lt=65536)
     # nccl only: every how many versions the trainer writes the S3 checkpoint (the durable
     # record a restart resumes from); the versions between are served by broadcast only.
-    # The last version a trainer publishes is always written at shutdown (services.weights.publish).
+    # The last version a trainer publishes is always written at shutdown (services.trainer.broadcast_publish).
     weight_sync_checkpoint_every: Int = Field(1, gt=0)
 
     @model_validator(mode="after")

@@ -141,7 +141,7 @@ def test_trainer_publishes_by_broadcast_then_commits_the_checkpoint(server: Vllm
     moved) by the broadcast; the checkpoint is committed and announced afterwards, holding
     the weights that were broadcast even though training changed them meanwhile."""
     from services.trainer.checkpoints import download_checkpoint, latest_checkpoint
-    from services.weights.publish import BroadcastPublisher
+    from services.trainer.broadcast_publish import BroadcastPublisher
     from shared.state.policy_version import PolicyVersion
     from shared.settings import StorageSettings, load_settings
     from shared.storage import S3Store

@@ -21,7 +21,7 @@ Invariants:
 - A step is announced (a ``CheckpointAnnouncement`` on the checkpoints stream) only after its checkpoint is committed, and the
   staleness step advances with it (with ``inference.weight_sync: nccl`` the version is served
   by broadcast first, and only every ``inference.weight_sync_checkpoint_every``-th version is
-  checkpointed, committed and announced, in the background: ``services.weights.publish``;
+  checkpointed, committed and announced, in the background: ``services.trainer.broadcast_publish``;
   a restart there replays the versions the replicas serve beyond the newest checkpoint,
   without serving them again); on start the latest checkpoint is announced again (the
   weight follower ignores versions it already serves).
@@ -58,7 +58,7 @@ from services.trainer.evaluation import Evaluator
 from services.trainer.metrics import MetricsSink, finite_or_none, metric_name, plot_reward_curve
 from services.trainer.selection import Selection, select
 from services.trainer.step import train_version, trainer_from_settings
-from services.weights.publish import BroadcastPublisher
+from services.trainer.broadcast_publish import BroadcastPublisher
 from shared.names import checkpoint_prefix
 from shared.rates import per_second, show
 from shared.schemas import CheckpointAnnouncement, TrainingBatch

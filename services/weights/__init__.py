@@ -1,7 +1,8 @@
 """Conveyor's weights plane: how a trained policy version reaches every vLLM replica.
 
-The trainer publishes (``publish``: an S3 checkpoint, sharded or whole, and optionally an NCCL
-broadcast, ``broadcast`` over the process group of ``group``); the follower (``follower``)
+The trainer publishes into it (an S3 checkpoint, sharded or whole, announced for the follower,
+and optionally an NCCL broadcast, ``broadcast`` over the process group of ``group``, driven by
+the trainer's ``services.trainer.broadcast_publish``); the follower (``follower``)
 reads the checkpoint announcements and brings each replica to the new version through
 ``sync``'s phases (pause, load, probe, label, resume), a LoRA adapter through ``lora_sync``, and
 a run's version 0 through ``base``. ``probe`` and ``logprob_probe`` are the check that a replica
@@ -13,5 +14,8 @@ Invariants:
 - ``services.inference`` keeps only the vLLM launcher (server, GPU launch, command line, the
   worker extension vLLM imports by dotted path) and the tiny model; the trainer reaches
   inference only through this package, never by importing ``services.inference``
+  (tests/unit/test_import_boundaries.py).
+- Arrows run one way, trainer -> weights -> inference: the only trainer code this package
+  imports is the policy model (``services.trainer.policy``), loaded where a probe needs it
   (tests/unit/test_import_boundaries.py).
 """

@@ -1,4 +1,4 @@
-"""Durable checkpoints on the broadcast path (``services.weights.publish``): which versions
+"""Durable checkpoints on the broadcast path (``services.trainer.broadcast_publish``): which versions
 are written, what happens when the writer is still busy, what is written at shutdown, and how a
 restart replays the versions served beyond the newest checkpoint. Real Redis, a real local store
 and the tiny model; the replicas are a stand-in that records what it was sent (the broadcast
@@ -16,7 +16,7 @@ from services.trainer.checkpoints import download_checkpoint, latest_checkpoint
 from services.trainer.loop import TrainingLoop
 from services.trainer.metrics import MetricsSink
 from services.trainer.policy import load_policy
-from services.weights.publish import BroadcastPublisher
+from services.trainer.broadcast_publish import BroadcastPublisher
 from shared.names import RedisKeys, checkpoints_of_run
 from shared.state.policy_version import PolicyVersion
 from shared.schemas import CheckpointAnnouncement, parse_message

@@ -40,3 +40,13 @@ def test_the_scan_sees_an_import_of_inference_in_any_form():
 
 def test_no_trainer_module_imports_services_inference():
     assert _imports_of("services.trainer", "services.inference") == {}
+
+
+def test_the_weights_plane_takes_only_the_policy_model_from_the_trainer():
+    """The trainer publishes into the weights plane (``services.trainer.broadcast_publish``), not
+    the other way round: the weights plane's one use of trainer code is the policy model it
+    loads to compute a logprob probe (``services.trainer.policy``)."""
+    found = _imports_of("services.weights", "services.trainer")
+    allowed = {"services.trainer.policy", "services.trainer.policy.load_policy", "services.trainer.policy.logprob_probe"}
+    assert {path: [n for n in names if n not in allowed] for path, names in found.items()
+            if set(names) - allowed} == {}

@@ -38,7 +38,7 @@ def test_s3_is_the_default_and_nccl_is_a_choice(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without a GPU")
 def test_nccl_without_cuda_is_refused_before_any_replica_is_touched():
-    from services.weights.publish import BroadcastPublisher
+    from services.trainer.broadcast_publish import BroadcastPublisher
 
     settings = load_settings(inference={"weight_sync": "nccl", "base_url": "http://127.0.0.1:9"})
     with pytest.raises(WeightGroupError, match="nccl weight-sync path needs CUDA.*inference.weight_sync: s3"):
