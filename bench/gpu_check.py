@@ -79,7 +79,7 @@ from services.trainer.alarm import LogprobAlarm  # noqa: E402
 from services.trainer.compile import compile_decoder_layers  # noqa: E402
 from services.trainer.checkpoints import TRAINER_STATE, download_checkpoint, read_manifest, save_checkpoint  # noqa: E402
 from services.trainer.lora import with_lora  # noqa: E402
-from services.trainer.policy import sequence_logprobs, without_dropout  # noqa: E402
+from services.policy.model import sequence_logprobs, without_dropout  # noqa: E402
 from services.trainer.sharding import full_state_dict, shard_policy  # noqa: E402
 from services.trainer.step import PolicyTrainer  # noqa: E402
 from shared.schemas import StopReason, TrainingBatch, TrainingSample  # noqa: E402
@@ -133,7 +133,7 @@ TINY_SCALE = Scale(TINY_FULL_SHAPE, TINY_LARGE_SHAPE, fsdp_layers=None, seq_len=
 
 def build_model(shape: dict, scale: Scale, device: torch.device, seed: int = 0, layers: int | None = None) -> PreTrainedModel:
     """A Qwen2 causal LM with ``shape``, random float32 weights (seeded), built on ``device``, set
-    up as ``services.trainer.policy.load_policy`` sets up a loaded one (no dropout, no cache)."""
+    up as ``services.policy.model.load_policy`` sets up a loaded one (no dropout, no cache)."""
     config = Qwen2Config(**{**shape, **({"num_hidden_layers": layers} if layers else {})},
                          max_position_embeddings=scale.max_position, rope_theta=1e6, rms_norm_eps=1e-6,
                          use_cache=False, pad_token_id=0, bos_token_id=0, eos_token_id=2)

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 from services.inference.tiny_model import generate_tiny_model  # noqa: E402
 from services.trainer.batching import micro_batches, prepare_samples  # noqa: E402
-from services.trainer.policy import load_policy, sequence_logprobs  # noqa: E402
+from services.policy.model import load_policy, sequence_logprobs  # noqa: E402
 from services.trainer.step import PolicyTrainer, build_optimizer  # noqa: E402
 from shared.settings import BatchingSettings, LossSettings, OptimSettings  # noqa: E402
 from shared.schemas import StopReason, TrainingBatch, TrainingSample  # noqa: E402

@@ -69,7 +69,7 @@ def group_record_key(run_id: str, group_id: int) -> str:
 
 
 CHECKPOINT_COMMITTED = "COMMITTED"  # written last; a checkpoint without it does not exist
-CHECKPOINT_PROBE = "logprob_probe.json"  # the trainer's logprobs of a fixed sequence (services.weights.logprob_probe)
+CHECKPOINT_PROBE = "logprob_probe.json"  # the trainer's logprobs of a fixed sequence (services.policy.probe)
 CHECKPOINT_TRAINER_STATE = "trainer_state.pt"  # optimizer state and step: the trainer's only
 # a sharded trainer's (torchrun) model and optimizer shards, torch.distributed.checkpoint's files: the trainer's only
 CHECKPOINT_SHARDED_STATE = "trainer_state_sharded"

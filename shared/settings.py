@@ -93,7 +93,7 @@ class InferenceSettings(Section):
     gpu_memory_utilization: Float = Field(0.85, gt=0, le=1)  # GPU hosts: vLLM's share of each GPU's memory
     tensor_parallel_size: Int = Field(1, gt=0)  # GPU hosts: GPUs one vLLM server shards the model over
     # After every weight sync, each replica must reproduce the trainer's logprobs of a fixed
-    # sequence (services.weights.logprob_probe) within the tolerance, or the sync fails and the served
+    # sequence (services.policy.probe) within the tolerance, or the sync fails and the served
     # version does not move. None: 1e-4 for float32, 5e-2 for lower precisions.
     sync_probe: bool = True
     sync_probe_tolerance: Float | None = Field(None, gt=0)
@@ -375,7 +375,7 @@ class TrainerSettings(Section):
     # the first step pays the compilation
     compile_layers: bool = False
     # the float32 log-softmax over this many positions at a time, each chunk recomputed in backward
-    # (services/trainer/policy.py): less logits memory, a little more compute. None: all at once
+    # (services/policy/model.py): less logits memory, a little more compute. None: all at once
     logprob_chunk_tokens: Int | None = Field(None, gt=0)
     lora: LoraSettings = LoraSettings()
     # train: the trainer steps on accepted groups, rollouts throttled by max_off_policy_steps;

@@ -17,7 +17,7 @@ import torch
 from services.cli.learning_demo import LearningRun, run_learning
 from services.cli.local_stack import LocalStack
 from services.trainer.metrics import read_steps
-from services.weights.logprob_probe import FP32_TOLERANCE, LOW_PRECISION_TOLERANCE
+from services.policy.probe import FP32_TOLERANCE, LOW_PRECISION_TOLERANCE
 from shared.state.policy_version import PolicyVersion
 from shared.state.weight_sync_record import WeightSyncRecord
 

@@ -31,9 +31,9 @@ from services.inference.tiny_model import generate_tiny_model
 from services.rollout_worker.inference_client import Completion, InferenceClient
 from services.trainer.checkpoints import save_checkpoint
 from services.trainer.lora import with_lora
-from services.trainer.policy import load_policy, logprob_probe, sequence_logprobs
+from services.policy.model import load_policy, logprob_probe, sequence_logprobs
 from services.trainer.step import build_optimizer
-from services.weights.logprob_probe import FP32_TOLERANCE
+from services.policy.probe import FP32_TOLERANCE
 from shared.names import RedisKeys, lora_adapter_name
 from shared.schemas import CheckpointAnnouncement
 from shared.settings import LoraSettings, OptimSettings

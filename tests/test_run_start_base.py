@@ -16,7 +16,7 @@ from services.weights import sync as ws
 from services.weights.base import BaseWeightsError, base_label
 from services.weights.follower import WeightFollower
 from services.inference.tiny_model import generate_tiny_model
-from services.weights.logprob_probe import FP32_TOLERANCE
+from services.policy.probe import FP32_TOLERANCE
 from shared.storage import LocalStore
 
 pytestmark = pytest.mark.slow

@@ -24,8 +24,8 @@ from services.weights import sync as ws
 from services.inference.server import VllmServer
 from services.inference.tiny_model import generate_tiny_model
 from services.weights.broadcast import WeightBroadcaster
-from services.trainer.policy import load_policy, logprob_probe
-from services.weights.logprob_probe import FP32_TOLERANCE
+from services.policy.model import load_policy, logprob_probe
+from services.policy.probe import FP32_TOLERANCE
 from vllm_support import running_vllm
 
 SERVED = "tiny"

@@ -17,8 +17,8 @@ from model_layouts import policy_dir
 
 from services.weights import sync as ws
 from services.weights.probe import SyncProbe, served_prompt_logprobs
-from services.trainer.policy import load_policy, logprob_probe
-from services.weights.logprob_probe import FP32_TOLERANCE
+from services.policy.model import load_policy, logprob_probe
+from services.policy.probe import FP32_TOLERANCE
 from vllm_support import running_vllm
 
 pytestmark = pytest.mark.slow

@@ -22,8 +22,8 @@ from services.weights import sync as ws
 from services.inference.server import VllmServer
 from services.weights.probe import SyncProbe, served_prompt_logprobs
 from services.inference.tiny_model import generate_tiny_model
-from services.trainer.policy import logprob_probe
-from services.weights.logprob_probe import FP32_TOLERANCE
+from services.policy.model import logprob_probe
+from services.policy.probe import FP32_TOLERANCE
 from vllm_support import running_vllm
 
 pytestmark = pytest.mark.slow

@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from services.weights.broadcast import WeightBroadcaster
 from services.weights.sync import SyncProbe, SyncReport
 from services.trainer.checkpoints import save_checkpoint, take_snapshot
-from services.trainer.policy import logprob_probe
-from services.weights.logprob_probe import default_tolerance
+from services.policy.model import logprob_probe
+from services.policy.probe import default_tolerance
 from shared.state.policy_version import PolicyVersion
 from shared.settings import Settings
 from shared.storage import ObjectStore

@@ -5,7 +5,7 @@ Layout, one checkpoint per policy version:
 (``*.safetensors`` in shards of at most ``CHECKPOINT_SHARD_SIZE`` with their index,
 ``config.json``, ``generation_config.json``) and the tokenizer, the
 logprob probe (``logprob_probe.json``: what a replica serving these weights must answer,
-``services.weights.logprob_probe``), then ``trainer_state.pt`` (optimizer state dict, step, version), then ``COMMITTED``: a JSON
+``services.policy.probe``), then ``trainer_state.pt`` (optimizer state dict, step, version), then ``COMMITTED``: a JSON
 manifest naming every file with its size and sha256. A sharded trainer (torchrun,
 ``services.trainer.distributed``) keeps its optimizer state (and its model's shards) in
 ``trainer_state_sharded/`` instead, each rank's files written by that rank; ``trainer_state.pt``
@@ -52,7 +52,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from services.weights.checkpoint_files import CheckpointError
 from services.weights.checkpoint_files import download_checkpoint as fetch_checkpoint
 from services.trainer.lora import adapter_state, check_adapter_shape, load_adapter_state, lora_shape, save_served
-from services.trainer.policy import logprob_probe
+from services.policy.model import logprob_probe
 from services.trainer.sharding import load_sharded
 from shared.names import (
     CHECKPOINT_COMMITTED,
@@ -62,7 +62,7 @@ from shared.names import (
     checkpoint_prefix,
     checkpoints_of_run,
 )
-from services.weights.logprob_probe import LogprobProbe
+from services.policy.probe import LogprobProbe
 from shared.storage import ObjectStore, StorageError
 from shared.storage_faults import wait_out_disk_faults
 

@@ -60,7 +60,7 @@ from services.trainer.checkpoints import (SHARDED_STATE, TRAINER_STATE, Snapshot
                                           sharded_state_files, upload_file)
 from services.trainer.device import resolve_device
 from services.trainer.lora import load_trainable_weights, with_lora
-from services.trainer.policy import load_policy, logprob_probe
+from services.policy.model import load_policy, logprob_probe
 from services.trainer.sharding import full_state_dict, load_sharded, save_sharded
 from services.trainer.step import PolicyTrainer, train_version, trainer_from_settings
 from services.weights.checkpoint_files import CheckpointError

@@ -39,7 +39,7 @@ from services.trainer.lora import with_lora
 from services.trainer.sharding import all_sum, rank_share, shard_policy, world
 from services.trainer.batching import masked_copy, micro_batches, prepare_samples
 from services.trainer.loss import loss_denominator, policy_loss
-from services.trainer.policy import frozen_reference, load_policy, sequence_logprobs
+from services.policy.model import frozen_reference, load_policy, sequence_logprobs
 from shared.model_source import resolve_model_source
 from shared.rates import per_second
 from shared.required import required

@@ -5,7 +5,7 @@ and optionally an NCCL broadcast, ``broadcast`` over the process group of ``grou
 the trainer's ``services.trainer.broadcast_publish``); the follower (``follower``)
 reads the checkpoint announcements and brings each replica to the new version through
 ``sync``'s phases (pause, load, probe, label, resume), a LoRA adapter through ``lora_sync``, and
-a run's version 0 through ``base``. ``probe`` and ``logprob_probe`` are the check that a replica
+a run's version 0 through ``base``. ``probe`` (with ``services.policy.probe``) is the check that a replica
 serves exactly the trainer's weights; ``checkpoint_files`` reads a committed checkpoint;
 ``admin_http`` holds the replicas' admin calls. The sync record (a Redis key) stays with its
 owner in ``shared.state.weight_sync_record``.
@@ -15,7 +15,7 @@ Invariants:
   worker extension vLLM imports by dotted path) and the tiny model; the trainer reaches
   inference only through this package, never by importing ``services.inference``
   (tests/unit/test_import_boundaries.py).
-- Arrows run one way, trainer -> weights -> inference: the only trainer code this package
-  imports is the policy model (``services.trainer.policy``), loaded where a probe needs it
+- Arrows run one way, trainer -> weights -> inference: this package imports no trainer code;
+  the policy model and its probe live beneath both, in ``services.policy``
   (tests/unit/test_import_boundaries.py).
 """

@@ -25,7 +25,7 @@ Invariants:
 - Every replica, reloaded or not, is probed against the base model's logprobs
   (``base_probe``: the trainer's own ``logprob_probe`` of the base checkpoint, float32) at the
   follower's probe tolerance (``inference.sync_probe_tolerance``, by default the precision's,
-  ``services.weights.logprob_probe.default_tolerance``: 1e-4 in fp32), never the looser logprob alarm's.
+  ``services.policy.probe.default_tolerance``: 1e-4 in fp32), never the looser logprob alarm's.
 - Any failure (a label that cannot be read, a reload or probe that fails) raises
   ``BaseWeightsError``, one line naming the replica and why (the probe's gap when it is the
   probe), and the follower stops: a run never starts on weights it did not check.
@@ -44,7 +44,7 @@ import httpx
 
 from services.weights.probe import ProbeMismatch, SyncProbe, verify_replica
 from services.weights.sync import AdminCallError, WeightSyncError, sync_weights, weight_version
-from services.weights.logprob_probe import LogprobProbe
+from services.policy.probe import LogprobProbe
 from shared.model_source import ModelSourceError, resolve_model_source
 from shared.state.replica_holders import ReplicaHold
 
@@ -100,7 +100,7 @@ def base_dir(model_path: str | Path) -> Path:
 
 def base_probe(model_dir: Path) -> LogprobProbe:
     """The trainer's probe of the base checkpoint (a forward pass of it, float32, on this host)."""
-    from services.trainer.policy import load_policy, logprob_probe
+    from services.policy.model import load_policy, logprob_probe
 
     model, _ = load_policy(model_dir)
     return logprob_probe(model, 0)

@@ -79,7 +79,7 @@ from services.weights.checkpoint_files import (  # noqa: F401 - re-exported for 
     Download,
     download_checkpoint,
 )
-from services.weights.logprob_probe import FP32_TOLERANCE, LogprobProbe, default_tolerance
+from services.policy.probe import FP32_TOLERANCE, LogprobProbe, default_tolerance
 from shared.state.checkpoint_announcements import CheckpointAnnouncements
 from shared.state.dead_letters import DeadLetters
 from shared.names import CHECKPOINT_ADAPTER_CONFIG, CHECKPOINT_PROBE, checkpoint_prefix

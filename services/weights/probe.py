@@ -1,4 +1,4 @@
-"""Asking a replica what it serves: prompt logprobs of the probe sequence (``services.weights.logprob_probe``).
+"""Asking a replica what it serves: prompt logprobs of the probe sequence (``services.policy.probe``).
 
 Invariants:
 - The probe request is an ordinary ``/v1/completions`` call (token ids in, ``max_tokens=1``,
@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from services.weights.admin_http import admin_request
-from services.weights.logprob_probe import LogprobProbe, ProbeResult, compare
+from services.policy.probe import LogprobProbe, ProbeResult, compare
 
 PROBE_TIMEOUT_S = 120.0
 

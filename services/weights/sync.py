@@ -14,7 +14,7 @@ broadcast and keeps every other step and invariant below.
 
 Invariants:
 - A sync that does not take fails loudly and the served version does not move: with a
-  ``probe`` (the trainer's logprobs of a fixed sequence, ``services.weights.logprob_probe``), every
+  ``probe`` (the trainer's logprobs of a fixed sequence, ``services.policy.probe``), every
   replica must reproduce them within the tolerance before any label is set or ``on_served``
   runs. A mismatch raises ``WeightSyncError(phase="probe")`` after every replica was
   reloaded from ``restore_dir`` (when given).

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.inference.tiny_model import generate_tiny_model
-from services.trainer.policy import load_policy, sequence_logprobs
+from services.policy.model import load_policy, sequence_logprobs
 from shared.schemas import StopReason, TrainingBatch, TrainingSample
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from services.trainer.alarm import LogprobAlarm, ServedWeightsAlarm
-from services.trainer.policy import sequence_logprobs
+from services.policy.model import sequence_logprobs
 from services.trainer.step import PolicyTrainer
 from shared.names import RedisKeys
 from shared.schemas import TrainingBatch

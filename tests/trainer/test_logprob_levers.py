@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from services.trainer.policy import sequence_logprobs
+from services.policy.model import sequence_logprobs
 from services.trainer.step import PolicyTrainer, trainer_from_settings
 from shared.settings import BatchingSettings, LogprobAlarmSettings, OptimSettings, SettingsError, load_settings
 

@@ -25,9 +25,9 @@ from services.trainer.checkpoints import (
 from services.trainer.lora import LoraShapeError, lora_shape, merged_state_dict, with_lora
 from services.trainer.loop import TrainingLoop
 from services.trainer.metrics import MetricsSink
-from services.trainer.policy import frozen_reference, load_policy, sequence_logprobs
+from services.policy.model import frozen_reference, load_policy, sequence_logprobs
 from services.trainer.step import PolicyTrainer
-from services.weights.logprob_probe import LogprobProbe
+from services.policy.probe import LogprobProbe
 from shared.names import CHECKPOINT_ADAPTER_CONFIG, CHECKPOINT_PROBE, batch_key, checkpoint_prefix
 from shared.schemas import TrainingBatch
 from shared.settings import LogprobAlarmSettings, LoraSettings, LossSettings, OptimSettings, Settings

@@ -16,7 +16,7 @@ from model_layouts import policy_dir
 
 from services.cli.local_stack import free_port
 from services.trainer.batching import micro_batches, prepare_samples
-from services.trainer.policy import load_policy
+from services.policy.model import load_policy
 from services.trainer.step import PolicyTrainer, build_optimizer
 from shared.schemas import TrainingBatch
 from shared.settings import BatchingSettings, LogprobAlarmSettings, OptimSettings

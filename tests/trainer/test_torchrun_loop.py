@@ -195,8 +195,8 @@ def test_a_lora_policy_trains_sharded_and_writes_the_adapter_one_process_writes(
     """Adapters wrapped, then FSDP2: after 2 steps the adapter the leader gathers and writes
     equals the one-process run's, loads into the base with peft, and one process resumes it."""
     from peft import PeftModel
-    from services.trainer.policy import load_policy, logprob_probe
-    from services.weights.logprob_probe import LogprobProbe
+    from services.policy.model import load_policy, logprob_probe
+    from services.policy.probe import LogprobProbe
 
     store = LocalStore(tmp_path / "objects")
     single_id, sharded_id = run_id + "-one", run_id + "-two"

@@ -21,9 +21,9 @@ from services.trainer.checkpoints import (
     save_checkpoint,
     take_snapshot,
 )
-from services.trainer.policy import load_policy
+from services.policy.model import load_policy
 from services.trainer.step import PolicyTrainer
-from services.weights.logprob_probe import LogprobProbe, probe_token_ids
+from services.policy.probe import LogprobProbe, probe_token_ids
 from shared.names import CHECKPOINT_PROBE
 from shared.settings import LogprobAlarmSettings, OptimSettings
 from shared.settings import StorageSettings

@@ -9,7 +9,7 @@ import torch
 
 from model_layouts import policy_dir
 
-from services.trainer.policy import load_policy, sequence_logprobs
+from services.policy.model import load_policy, sequence_logprobs
 from services.trainer.step import PolicyTrainer
 from shared.settings import BatchingSettings, LogprobAlarmSettings, LossSettings, OptimSettings
 from shared.schemas import StopReason, TrainingBatch, TrainingSample

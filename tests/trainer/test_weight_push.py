@@ -15,7 +15,7 @@ from services.weights.sync import SyncReport
 from services.trainer.checkpoints import download_checkpoint, latest_checkpoint
 from services.trainer.loop import TrainingLoop
 from services.trainer.metrics import MetricsSink
-from services.trainer.policy import load_policy
+from services.policy.model import load_policy
 from services.trainer.broadcast_publish import BroadcastPublisher
 from shared.names import RedisKeys, checkpoints_of_run
 from shared.state.policy_version import PolicyVersion

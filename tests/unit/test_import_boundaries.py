@@ -1,5 +1,6 @@
-"""The trainer reaches inference only through the weights plane (``services.weights``): no module
-under services/trainer/ imports ``services.inference``, at module level or inside a function."""
+"""Imports run down the data flow, at module level or inside a function: the trainer reaches
+inference only through the weights plane (``services.weights``), the weights plane imports no
+trainer code, and the policy model (``services.policy``) imports none of the three."""
 
 from __future__ import annotations
 
@@ -42,11 +43,10 @@ def test_no_trainer_module_imports_services_inference():
     assert _imports_of("services.trainer", "services.inference") == {}
 
 
-def test_the_weights_plane_takes_only_the_policy_model_from_the_trainer():
+def test_arrows_run_one_way_trainer_to_weights_to_policy():
     """The trainer publishes into the weights plane (``services.trainer.broadcast_publish``), not
-    the other way round: the weights plane's one use of trainer code is the policy model it
-    loads to compute a logprob probe (``services.trainer.policy``)."""
-    found = _imports_of("services.weights", "services.trainer")
-    allowed = {"services.trainer.policy", "services.trainer.policy.load_policy", "services.trainer.policy.logprob_probe"}
-    assert {path: [n for n in names if n not in allowed] for path, names in found.items()
-            if set(names) - allowed} == {}
+    the other way round; the policy model both use (``services.policy``) imports neither, nor
+    inference."""
+    assert _imports_of("services.weights", "services.trainer") == {}
+    for above in ("services.trainer", "services.weights", "services.inference"):
+        assert _imports_of("services.policy", above) == {}, above

@@ -1,4 +1,4 @@
-"""The logprob probe's sequence, comparison and file format (services.weights.logprob_probe)."""
+"""The logprob probe's sequence, comparison and file format (services.policy.probe)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from services.weights.logprob_probe import LogprobProbe, compare, default_tolerance, probe_token_ids
+from services.policy.probe import LogprobProbe, compare, default_tolerance, probe_token_ids
 
 
 @pytest.mark.parametrize("vocab", [2, 7, 512, 32000, 151936])

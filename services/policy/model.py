@@ -21,7 +21,7 @@ Invariants:
   not be 1, and the updates would follow the noise. The checkpoint's config is not changed.
 - The frozen reference is a copy of the initial policy with gradients off, in eval mode.
 - ``logprob_probe(model, version)`` is the probe every checkpoint carries
-  (``services.weights.logprob_probe``): temperature 1, eval mode, no gradient, and the model's
+  (``services.policy.probe``): temperature 1, eval mode, no gradient, and the model's
   train/eval mode is left as it was.
 """
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from services.weights.logprob_probe import LogprobProbe, probe_token_ids
+from services.policy.probe import LogprobProbe, probe_token_ids
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
