@@ -10,14 +10,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
+import pytest
 from pipeline_support import ServedModel
 from vllm_support import running_vllm
 
 from services.inference.tiny_model import generate_tiny_model
 from services.rollout_worker.agents.proxy import AgentProxy
 from services.rollout_worker.chat_tokens import load_chat_tokens
+from services.rollout_worker.episode.loop import turn_seed
 from services.rollout_worker.event_loop import BackgroundLoop
 from services.rollout_worker.inference_client import Completion, InferenceClient
+from shared.schemas import Turn
 from shared.settings import AgentProxySettings
 
 
@@ -98,3 +102,18 @@ def proxy_on_stub(root: Path, limits: AgentProxySettings, delay_s: float = 0.02)
     eos = load_chat_tokens(model_dir).eos_token_id
     with running_proxy(model_dir, StubInference(eos, delay_s=delay_s), "tiny", root / "sockets", limits) as proxy:
         yield proxy
+
+
+def assert_recorded_as_vllm_sampled(base_url: str, trajectory_id: str, turns: list[Turn], served: str = "tiny") -> None:
+    """Each recorded call, sent again straight to vLLM with its seed (its context: its segment's
+    prompt and sampled ids so far), gives the recorded ids and logprobs."""
+    context: list[int] = []
+    for turn in turns:
+        context = (turn.prompt_token_ids if turn.segment_start else context + turn.prompt_token_ids)
+        body = {"model": served, "prompt": context, "max_tokens": len(turn.sampled_token_ids), "temperature": 1.0,
+                "top_p": 1.0, "seed": turn_seed(trajectory_id, turn.index), "logprobs": 0,
+                "return_token_ids": True, "skip_special_tokens": False}
+        choice = httpx.post(f"{base_url}/v1/completions", json=body, timeout=300).json()["choices"][0]
+        assert turn.sampled_token_ids == choice["token_ids"], turn.index
+        assert turn.logprobs == pytest.approx(choice["logprobs"]["token_logprobs"], abs=1e-5)
+        context = context + turn.sampled_token_ids

@@ -103,3 +103,9 @@ def test_end_of_turn_bias_raises_eos_probability(tmp_path: Path, model_dir: Path
     assert p_plain < 2 / vocab
     # bias 4 nats: measured ~0.04 per step (uniform would be 1/512 ~ 0.002)
     assert 10 / vocab < p_biased < 0.2, p_biased
+
+
+def test_an_unknown_template_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown tiny-model chat template 'qwen3'; choose one of chatml, reasoning"):
+        generate_tiny_model(tmp_path / "m", template="qwen3")
+    assert not (tmp_path / "m").exists()

@@ -18,6 +18,12 @@ Invariants:
   The model's vocab size equals the tokenizer's, so every sampled id decodes.
 - ChatML template: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message,
   generation prompt ``<|im_start|>assistant\\n``.
+- ``template`` picks the chat template (``TEMPLATES``), and nothing else: every other file is
+  the same. ``chatml`` renders every message as it is (append-only). ``reasoning`` rewrites
+  history as reasoning models' templates do (Qwen3's, for one): an assistant message before
+  the last user message loses its reasoning, everything up to its last ``</think>`` and the
+  newlines after it; the rest renders as in ``chatml``. Rendering a conversation that grew
+  by a turn can then change text already rendered, so it is not a prefix of the new one.
 - ``end_of_turn_bias`` is a property of the weights, not of sampling: hidden dimension 0
   carries a constant (1 in every embedding row, never written by attention or MLP
   outputs, and every embedding row has RMS exactly 1). After the final RMSNorm it is close
@@ -53,6 +59,22 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+# The reasoning of an assistant message before the last user message is dropped (up to the
+# last ``</think>``, then leading newlines), as reasoning models' templates do.
+REASONING_CHAT_TEMPLATE = (
+    "{% set state = namespace(last_user=-1) %}"
+    "{% for message in messages %}{% if message['role'] == 'user' %}{% set state.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for message in messages %}"
+    "{% set content = message['content'] or '' %}"
+    "{% if message['role'] == 'assistant' and loop.index0 < state.last_user and '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+TEMPLATES = {"chatml": CHAT_TEMPLATE, "reasoning": REASONING_CHAT_TEMPLATE}
 
 HIDDEN = 128
 HEADS = 2
@@ -189,10 +211,14 @@ def _config(layout: str, vocab: int, bos_id: int, eos_id: int) -> dict:
             "head_dim": HIDDEN // HEADS, "attention_bias": False, "mlp_bias": False}
 
 
-def generate_tiny_model(out_dir: Path, seed: int = 0, end_of_turn_bias: float = 0.0, layout: str = "llama") -> Path:
-    """Write the tiny checkpoint of ``layout`` (see ``LAYOUTS``) to ``out_dir`` and return it."""
+def generate_tiny_model(out_dir: Path, seed: int = 0, end_of_turn_bias: float = 0.0, layout: str = "llama",
+                        template: str = "chatml") -> Path:
+    """Write the tiny checkpoint of ``layout`` (see ``LAYOUTS``) with the chat template
+    ``template`` (see ``TEMPLATES``) to ``out_dir`` and return it."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown tiny-model layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    if template not in TEMPLATES:
+        raise ValueError(f"unknown tiny-model chat template {template!r}; choose one of {', '.join(TEMPLATES)}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = _train_tokenizer()
@@ -224,6 +250,6 @@ def generate_tiny_model(out_dir: Path, seed: int = 0, end_of_turn_bias: float = 
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": MAX_POSITIONS,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": TEMPLATES[template],
     })
     return out_dir

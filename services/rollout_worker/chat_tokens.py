@@ -4,7 +4,11 @@ Invariant: earlier turns are never re-tokenized. The initial prompt is rendered 
 later turn only appends the ids of the text that closes the assistant turn, carries the
 observation and opens the next assistant turn. That text is derived from the model's own chat
 template (render a conversation around a placeholder and cut at it), so any template that
-renders an assistant message as its content followed by an end marker works.
+renders an assistant message as its content followed by an end marker works. That includes
+templates that rewrite earlier turns (Qwen3's drops the reasoning of assistant turns before
+the last user message): the placeholder has no reasoning to drop, and nothing rendered before
+is rendered again, so sampled reasoning stays in the context as sampled
+(``tests/agents/test_rewriting_template.py``).
 
 The ids of recent initial prompts are kept, by their messages and tools as JSON (key order
 included, as the template may render it): a group's members all start from the same prompt,

@@ -11,10 +11,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from agent_support import proxy_on_served
+from agent_support import assert_recorded_as_vllm_sampled, proxy_on_served
 
 from services.rollout_worker.agents.proxy import RecordingLimits
-from services.rollout_worker.episode.loop import turn_seed
 
 pytestmark = pytest.mark.slow
 
@@ -37,13 +36,6 @@ def _open(proxy, trajectory_id, with_socket=False, version=7):
     return proxy.loop.run(proxy.open_session(trajectory_id, LIMITS, lambda: version, with_socket=with_socket))
 
 
-def _direct(vllm, prompt_ids, max_tokens, seed):
-    body = {"model": SERVED, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 1.0, "top_p": 1.0, "seed": seed,
-            "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False}
-    choice = httpx.post(f"{vllm.base_url}/v1/completions", json=body, timeout=120).json()["choices"][0]
-    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
-
-
 def test_it_records_exactly_what_vllm_sampled_over_a_multi_turn_conversation(proxy, vllm):
     session = _open(proxy, "traj-a")
     client = openai.OpenAI(base_url=proxy.url, api_key=session.key)
@@ -61,14 +53,8 @@ def test_it_records_exactly_what_vllm_sampled_over_a_multi_turn_conversation(pro
     turns = session.turns
     assert len(turns) == 2 and not turns[1].segment_start
     assert first.choices[0].message.content == turns[0].completion_text and streamed == turns[1].completion_text
-    context: list[int] = []
-    for turn in turns:  # each call, sent again straight to vLLM with its seed, gives the recorded ids and logprobs
-        context += turn.prompt_token_ids
-        ids, logprobs = _direct(vllm, context, LIMITS.max_tokens_per_turn, turn_seed("traj-a", turn.index))
-        assert turn.sampled_token_ids == ids
-        assert turn.logprobs == pytest.approx(logprobs, abs=1e-5)
-        assert turn.policy_version == 7
-        context += turn.sampled_token_ids
+    assert_recorded_as_vllm_sampled(vllm.base_url, "traj-a", turns)
+    assert all(t.policy_version == 7 for t in turns)
     # the agent's temperature 0 and max_tokens 500 were not used: the rollout's sampling and limits were
     assert all(len(t.sampled_token_ids) <= LIMITS.max_tokens_per_turn for t in turns)
     proxy.loop.run(proxy.close_session(session))

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
-from agent_support import proxy_on_tiny_vllm
+from agent_support import assert_recorded_as_vllm_sampled, proxy_on_tiny_vllm
 from test_agent_coding import episode  # noqa: F401  (the fixture)
 
-from services.rollout_worker.episode.loop import EpisodeLimits, turn_seed
+from services.rollout_worker.episode.loop import EpisodeLimits
 from shared.names import agent_artifact_key
 from shared.schemas import StopReason
 from shared.settings import StorageSettings
@@ -49,20 +48,6 @@ def store(s3_endpoint) -> S3Store:
     return s3
 
 
-def _recorded_as_vllm_sampled(proxy, trajectory) -> None:
-    """Each call, sent again straight to vLLM with its seed, gives the recorded ids and logprobs."""
-    context: list[int] = []
-    for turn in trajectory.turns:
-        context = (turn.prompt_token_ids if turn.segment_start else context + turn.prompt_token_ids)
-        body = {"model": "tiny", "prompt": context, "max_tokens": len(turn.sampled_token_ids), "temperature": 1.0,
-                "top_p": 1.0, "seed": turn_seed(trajectory.request.trajectory_id, turn.index), "logprobs": 0,
-                "return_token_ids": True, "skip_special_tokens": False}
-        choice = httpx.post(f"{proxy.vllm.base_url}/v1/completions", json=body, timeout=300).json()["choices"][0]
-        assert turn.sampled_token_ids == choice["token_ids"], turn.index
-        assert turn.logprobs == pytest.approx(choice["logprobs"]["token_logprobs"], abs=1e-5)
-        context = context + turn.sampled_token_ids
-
-
 def test_cline_works_a_task_against_the_tiny_model_through_the_proxy(episode, proxy, cline_image, store):  # noqa: F811
     trajectory = episode(CLINE, store=store, limits=LIMITS, image=cline_image, agent_timeout_s=240, agent_artifacts_dir=ARTIFACTS_DIR)
     agent = trajectory.env_info["agent"]
@@ -83,7 +68,7 @@ def test_cline_works_a_task_against_the_tiny_model_through_the_proxy(episode, pr
     # Cline's calls are the trajectory, recorded exactly as vLLM sampled them
     assert len(trajectory.turns) >= 1 and agent["calls"] == len(trajectory.turns)
     assert "<task>" in proxy.chat.tokenizer.decode(trajectory.turns[0].prompt_token_ids)
-    _recorded_as_vllm_sampled(proxy, trajectory)
+    assert_recorded_as_vllm_sampled(proxy.vllm.base_url, trajectory.request.trajectory_id, trajectory.turns)
     flat = trajectory.flatten()
     assert sum(flat.loss_mask) == sum(len(t.sampled_token_ids) for t in trajectory.turns) > 0
     assert trajectory.env_reward == 0.0 and trajectory.error is None
