@@ -31,9 +31,9 @@ from services.rollout_worker.chat_tokens import load_chat_tokens
 from services.rollout_worker.inference_client import Completion, InferenceClient
 from services.trainer.batching import micro_batches, prepare_samples
 from services.trainer.group_decision import training_batch
-from services.trainer.policy import load_policy, sequence_logprobs
+from services.policy.model import load_policy, sequence_logprobs
 from services.trainer.step import PolicyTrainer
-from services.weights.logprob_probe import FP32_TOLERANCE
+from services.policy.probe import FP32_TOLERANCE
 from shared.schemas import ScoredEvent, StopReason, Trajectory
 from shared.settings import ALARM_MAD_BY_DTYPE, BatchingSettings, TrainerSettings
 from unit.test_schemas import make_request
