@@ -278,7 +278,24 @@ class LossSettings(Section):
     clip_eps: Float = Field(0.2, gt=0, lt=1)  # lower clip: ratio >= 1 - clip_eps
     clip_eps_high: Float | None = Field(None, gt=0)  # upper clip (DAPO clip-higher); None: clip_eps
     kl_coef: Float = Field(0.0, ge=0)  # k3 penalty to the frozen reference; 0 loads no reference
+    # kind grpo only: the other kinds normalise as their paper does (services/trainer/losses.py)
     aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
+    # the policy-gradient term (services/trainer/losses.py); clip_eps / clip_eps_high left unset
+    # take the kind's defaults (dapo: high 0.28; gspo: 3e-4 / 4e-4; cispo: no lower bound, high 0.28)
+    kind: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"] = "grpo"
+    # the bounded importance weight w = exp(proximal - behaviour) (services/trainer/loss.py):
+    # none keeps the ratio against the behaviour (vLLM) logprobs, with no weight
+    correction: Literal["none", "tis", "icepop", "seq_mask"] = "none"
+    tis_cap: Float = Field(2.0, ge=1)  # tis: w = min(w, tis_cap)
+    icepop_band: Float = Field(2.0, gt=1)  # icepop: w = 0 outside [1/band, band]
+    seq_mask_band: Float = Field(1.1, gt=1)  # seq_mask: drop a sequence whose geometric-mean w is outside [1/band, band]
+
+    @model_validator(mode="after")
+    def _aggregation_is_grpos(self) -> "LossSettings":
+        if self.kind != "grpo" and "aggregation" in self.model_fields_set:
+            raise ValueError(f"aggregation applies to kind grpo only; kind {self.kind} normalises as its paper does "
+                             "(services/trainer/losses.py): leave aggregation unset")
+        return self
 
 
 class OptimSettings(Section):
@@ -426,6 +443,17 @@ class TrainerSettings(Section):
     def _training_is_bounded(self) -> "TrainerSettings":
         if self.mode == "train" and self.max_off_policy_steps is None:
             raise ValueError("mode train needs max_off_policy_steps (the staleness bound, 0: synchronous)")
+        return self
+
+    @model_validator(mode="after")
+    def _dr_grpo_unscaled(self) -> "TrainerSettings":
+        """Dr. GRPO's advantages are not divided by the group's std: loss.kind dr_grpo sets
+        scale_advantage_by_std false, and refuses it set true."""
+        if self.loss.kind == "dr_grpo":
+            if "scale_advantage_by_std" in self.model_fields_set and self.scale_advantage_by_std:
+                raise ValueError("scale_advantage_by_std: loss.kind dr_grpo does not scale advantages by the group's "
+                                 "std; set it false or leave it unset")
+            self.scale_advantage_by_std = False
         return self
 
     @model_validator(mode="after")

@@ -17,6 +17,12 @@ Invariants:
   (``sequence_logprobs(needed=loss_mask)``): the loss, its statistics and the alarm read only
   loss-masked positions, so nothing changes but the work (``trim_prompt_logits=False`` computes
   every position, for comparison). ``logprob_chunk_tokens`` bounds the float32 logits held at once.
+- The loss is ``trainer.loss`` (``services.trainer.loss``: kind and off-policy correction). One
+  step is one update, so the proximal logprobs are the current ones detached: no extra forward.
+  Every step reports the mismatch of behaviour (vLLM) and proximal (trainer) logprobs on its
+  masked tokens: ``mismatch_kl`` and ``correction_masked_frac`` (token-weighted means over the
+  micro-batches) and ``mismatch_ratio_p05/p50/p95`` (quantiles of their ratio, computed once
+  over the step's tokens; under FSDP over the rank's own micro-batches).
 - The logprob alarm (``services.trainer.alarm``) is decided before the update: past
   ``alarm.max_on_policy_mad`` the step raises ``LogprobAlarm`` (``stop``) or applies no update
   and reports ``skipped=1, alarm=1`` (``skip_step``).
@@ -28,6 +34,7 @@ import contextlib
 import math
 import time
 
+import numpy as np
 import torch
 from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -38,7 +45,8 @@ from services.trainer.device import compute_precision, resolve_device
 from services.trainer.lora import with_lora
 from services.trainer.sharding import all_sum, rank_share, shard_policy, world
 from services.trainer.batching import masked_copy, micro_batches, prepare_samples
-from services.trainer.loss import loss_denominator, policy_loss
+from services.trainer.loss import decoupled_loss, loss_denominator
+from services.trainer.losses import aggregation_of
 from services.policy.model import frozen_reference, load_policy, sequence_logprobs
 from shared.model_source import resolve_model_source
 from shared.rates import per_second
@@ -46,6 +54,8 @@ from shared.required import required
 from shared.schemas import TrainingBatch
 from shared.settings import (ALARM_MAD_BY_DTYPE, BatchingSettings, LogprobAlarmSettings, LossSettings, OptimSettings,
                              Settings)
+
+QUANTILES = (5, 50, 95)  # the percentiles of the mismatch ratio a step reports
 
 
 def build_optimizer(model: torch.nn.Module, optim: OptimSettings) -> torch.optim.AdamW:
@@ -99,16 +109,18 @@ class PolicyTrainer:
         started = time.perf_counter()
         prepared = prepare_samples([s for b in batches for s in b.samples], self.batching)
         mbs = micro_batches(prepared.samples, self.batching.micro_batch_tokens, self.pad_token_id)
-        agg = self.loss.aggregation
-        denominator = sum(loss_denominator(mb.loss_mask, agg) for mb in mbs)
+        agg, max_seq_len = aggregation_of(self.loss), self.batching.max_seq_len
+        denominator = sum(loss_denominator(mb.loss_mask, agg, max_seq_len) for mb in mbs)
         metrics: dict[str, float] = {
             "sequences": float(len(prepared.samples)), "dropped": float(len(prepared.dropped)),
             "truncated": float(prepared.truncated), "overlong_masked": float(prepared.overlong_masked),
             "micro_batches": float(len(mbs)),
         }
-        weighted = {"clip_frac": 0.0, "ratio_mean": 0.0, "kl": 0.0, "logprob_mad_vs_inference": 0.0}
+        weighted = {"clip_frac": 0.0, "ratio_mean": 0.0, "kl": 0.0, "logprob_mad_vs_inference": 0.0,
+                    "mismatch_kl": 0.0, "correction_masked_frac": 0.0}
+        log_weights: list[torch.Tensor] = []  # every masked token's log(proximal / behaviour), for quantiles
         if denominator == 0:  # same keys, so a metrics log has one shape
-            return metrics | weighted | {
+            return metrics | weighted | mismatch_quantiles(log_weights) | {
                 "skipped": 1.0, "alarm": 0.0, "loss": 0.0, "grad_norm": 0.0, "tokens": 0.0, "loss_tokens": 0.0,
                 "tokens_per_s": 0.0, "step_time_s": time.perf_counter() - started, "step": float(self.step),
                 "logprob_mad_on_policy": math.nan,
@@ -137,11 +149,10 @@ class PolicyTrainer:
                 with torch.no_grad(), compute_precision(self.device, self.dtype), adapters_off:
                     ref = sequence_logprobs(self.reference or self.model, mb.input_ids, mb.attention_mask,
                                             self.temperature, **needed)
-            loss, stats = policy_loss(
-                logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
-                clip_eps=self.loss.clip_eps, clip_eps_high=self.loss.clip_eps_high,
-                kl_coef=self.loss.kl_coef, ref_logprobs=ref, aggregation=agg, denominator=denominator,
-            )
+            result = decoupled_loss(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, self.loss,
+                                    ref_logprobs=ref, denominator=denominator, max_seq_len=max_seq_len)
+            loss, stats = result.loss, result.stats
+            log_weights.append(result.log_weights.float().cpu())
             (loss * world_size).backward()  # FSDP averages gradients over ranks (services.trainer.sharding)
             total_loss += float(loss.detach())
             tokens += mb.tokens if real else 0
@@ -169,11 +180,20 @@ class PolicyTrainer:
             self.optimizer.step()
             self.step += 1
         elapsed = time.perf_counter() - started
-        return metrics | {k: v / loss_tokens for k, v in weighted.items()} | {
+        return metrics | {k: v / loss_tokens for k, v in weighted.items()} | mismatch_quantiles(log_weights) | {
             "skipped": float(alarm), "alarm": float(alarm), "loss": total_loss, "grad_norm": float(grad_norm),
             "tokens": float(tokens), "loss_tokens": loss_tokens, "tokens_per_s": _unknown_as_nan(per_second(tokens, elapsed)),
             "step_time_s": elapsed, "step": float(self.step), "logprob_mad_on_policy": mad,
         }
+
+
+def mismatch_quantiles(log_weights: list[torch.Tensor]) -> dict[str, float]:
+    """The 5th, 50th and 95th percentiles of ``w = proximal / behaviour`` over the step's masked
+    tokens (NaN with none). Under FSDP, over this rank's micro-batches only."""
+    values = torch.cat(log_weights).double().exp().numpy() if log_weights else np.empty(0)
+    if values.size == 0:
+        return {f"mismatch_ratio_p{q:02d}": math.nan for q in QUANTILES}
+    return {f"mismatch_ratio_p{q:02d}": float(np.quantile(values, q / 100)) for q in QUANTILES}
 
 
 def _unknown_as_nan(rate: float | None) -> float:

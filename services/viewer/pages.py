@@ -129,8 +129,14 @@ def run_page(run_id: str, counts: dict[str, int], steps: list[dict[str, Any]], e
         for name, value in end.metrics.items():
             if name.startswith("eval_pass_at_") or name == "eval_reward_mean":
                 eval_series.setdefault(name.removeprefix("eval_"), []).append((end.policy_version, value))
+    # the off-policy mismatch of behaviour (vLLM) and trainer logprobs (services.trainer.loss)
+    mismatch = {key.removeprefix("mismatch_"): [(s["step"], s.get(key)) for s in steps]
+                for key in ("mismatch_ratio_p05", "mismatch_ratio_p50", "mismatch_ratio_p95")}
+    correction = {key: [(s["step"], s.get(key)) for s in steps] for key in ("mismatch_kl", "correction_masked_frac")}
     plots = (line_plot("reward per step", reward, "step") + line_plot("trajectories / s", {"trained": throughput}, "step")
-             + line_plot("evaluation (eval split)", eval_series, "version"))
+             + line_plot("evaluation (eval split)", eval_series, "version")
+             + line_plot("proximal / behaviour ratio (quantiles)", mismatch, "step")
+             + line_plot("mismatch KL and corrected share", correction, "step"))
     eval_rows = [[str(e.policy_version), str(e.served_version), str(e.tasks), str(e.trajectories), str(e.failed),
                   "yes" if e.timed_out else "no", esc(", ".join(f"{k.removeprefix('eval_')} {fmt(v)}" for k, v in sorted(e.metrics.items())
                                                              if "pass_at" in k or k.endswith("reward_mean")))] for e in evals]

@@ -19,7 +19,8 @@ from shared.schemas import StopReason, TrainingBatch, TrainingSample
 SYNTHETIC_LOGPROBS = LogprobAlarmSettings(max_on_policy_mad=1e6)
 
 METRICS = {"loss", "grad_norm", "tokens", "tokens_per_s", "step_time_s", "clip_frac", "kl",
-           "logprob_mad_vs_inference", "overlong_masked", "truncated"}
+           "logprob_mad_vs_inference", "overlong_masked", "truncated", "mismatch_kl", "mismatch_ratio_p05",
+           "mismatch_ratio_p50", "mismatch_ratio_p95", "correction_masked_frac"}
 
 
 def test_logprobs_do_not_depend_on_padding(tiny_policy) -> None:
