@@ -41,7 +41,7 @@ DELIMITER = "__"
 
 # Read straight from os.environ by Conveyor's own code; they are not settings.
 RUNTIME_VARIABLES = {
-    "CONVEYOR_CONFIG": "the YAML settings file (shared/settings.py)",
+    "CONVEYOR_CONFIG": "the YAML settings file (shared/settings/)",
     "CONVEYOR_LOG_LEVEL": "the log level of a service's own log lines (services/cli/command_support.py)",
     "CONVEYOR_CA_BUNDLE": "the CA bundle the stack images trust (services/cli/stack_images.py)",
     "CONVEYOR_WHEEL_PORT": "the wheel server's port while images build (services/cli/image_wheels.py)",
@@ -107,7 +107,7 @@ def env_problem(model: type[BaseModel], variable: str, where: str = "environment
     if name in known.json_valued or name in ALLOWED_VARIABLES or name.startswith(known.open_prefixes):
         return None
     close = difflib.get_close_matches(name, [*known.json_valued, *ALLOWED_VARIABLES], n=1, cutoff=0.6)
-    hint = f"did you mean {close[0]}?" if close else "settings are CONVEYOR_<SECTION>__<FIELD>, see shared/settings.py"
+    hint = f"did you mean {close[0]}?" if close else "settings are CONVEYOR_<SECTION>__<FIELD>, see shared/settings/"
     return f"unknown {where.format(variable)}: {hint}"
 
 

@@ -1,0 +1,51 @@
+"""Settings of the shared services: Redis, the object store, the ledger's timings, and how an
+outage of either is waited out.
+
+Part of ``shared.settings`` (its docstring states the invariants every section keeps).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from shared.settings.base import Float, Int, Section
+
+
+class RedisSettings(Section):
+    url: str = "redis://127.0.0.1:6379/0"
+
+
+class StorageSettings(Section):
+    backend: Literal["s3", "local"] = "s3"
+    endpoint: str = "127.0.0.1:9000"  # host:port of the S3 server
+    access_key: str = "conveyor"
+    secret_key: str = "conveyor-secret"
+    bucket: str = "conveyor"
+    secure: bool = False
+    region: str = "us-east-1"
+    local_root: Path = Path(".conveyor/objects")  # for backend=local
+
+
+class LedgerSettings(Section):
+    lease_ttl_s: Float = Field(30.0, gt=0)  # a running trajectory whose lease is older is re-dispatched
+    heartbeat_s: Float = Field(5.0, gt=0)
+    reaper_interval_s: Float = Field(5.0, gt=0)
+    max_attempts: Int = Field(3, gt=0)
+    # Celery redelivers a message unacknowledged this long (a backstop for a worker that died before
+    # its first claim; a copy of a task still running is a no-op at the claim). Above lease_ttl_s + reaper_interval_s.
+    visibility_timeout_s: Int = Field(300, gt=0)
+    # a trajectory waiting to be claimed (queued, or uploaded and sent to scoring) this long has its
+    # message sent again (it was lost; a copy of one only waiting is a no-op at the claim); the wait
+    # doubles after each re-send, up to 32x (shared.state.ledger)
+    dispatch_ttl_s: Float = Field(120.0, gt=0)
+
+
+class OutageSettings(Section):
+    """How a long-running service waits out an outage of Redis or the S3 server (shared.outage)."""
+
+    limit_s: Float = Field(900.0, gt=0)  # down longer than this: the service exits with code 2
+    backoff_max_s: Float = Field(2.0, gt=0)  # the longest wait between two tries
+    log_every_s: Float = Field(30.0, gt=0)  # while it lasts, one "still waiting" line this often
