@@ -161,17 +161,16 @@ def decoupled_loss(
         raise ValueError(f"unknown loss aggregation {aggregation!r}")
 
     with torch.no_grad():
-        tokens = float(mask.sum())
-        n = max(tokens, 1.0)
-        stats = {
-            "loss_tokens": tokens,
-            "clip_frac": float((clipped.to(mask.dtype) * mask).sum() / n),
-            "ratio_mean": float((torch.exp(log_ratio) * mask).sum() / n),
-            "kl": float((kl * mask).sum() / n),
-            "logprob_mad_vs_inference": float((log_k.abs() * mask).sum() / n),
-            "mismatch_kl": float(((torch.exp(log_k) - log_k - 1.0) * mask).sum() / n),
-            "correction_masked_frac": float((cut.to(mask.dtype) * mask).sum() / n),
+        tokens = mask.sum()
+        n = tokens.clamp(min=1.0)
+        sums = {
+            "clip_frac": clipped.to(mask.dtype), "ratio_mean": torch.exp(log_ratio), "kl": kl,
+            "logprob_mad_vs_inference": log_k.abs(), "mismatch_kl": torch.exp(log_k) - log_k - 1.0,
+            "correction_masked_frac": cut.to(mask.dtype),
         }
+        # one transfer from the device for every statistic, not one per statistic
+        values = torch.stack([tokens] + [(v * mask).sum() / n for v in sums.values()]).tolist()
+        stats = {"loss_tokens": values[0], **dict(zip(sums, values[1:]))}
     return LossResult(loss, stats, log_k[loss_mask.bool()].detach())
 
 

@@ -152,7 +152,7 @@ class PolicyTrainer:
             result = decoupled_loss(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, self.loss,
                                     ref_logprobs=ref, denominator=denominator, max_seq_len=max_seq_len)
             loss, stats = result.loss, result.stats
-            log_weights.append(result.log_weights.float().cpu())
+            log_weights.append(result.log_weights.float())  # on the device: one transfer per step, in mismatch_quantiles
             (loss * world_size).backward()  # FSDP averages gradients over ranks (services.trainer.sharding)
             total_loss += float(loss.detach())
             tokens += mb.tokens if real else 0
@@ -190,7 +190,7 @@ class PolicyTrainer:
 def mismatch_quantiles(log_weights: list[torch.Tensor]) -> dict[str, float]:
     """The 5th, 50th and 95th percentiles of ``w = proximal / behaviour`` over the step's masked
     tokens (NaN with none). Under FSDP, over this rank's micro-batches only."""
-    values = torch.cat(log_weights).double().exp().numpy() if log_weights else np.empty(0)
+    values = torch.cat(log_weights).cpu().double().exp().numpy() if log_weights else np.empty(0)
     if values.size == 0:
         return {f"mismatch_ratio_p{q:02d}": math.nan for q in QUANTILES}
     return {f"mismatch_ratio_p{q:02d}": float(np.quantile(values, q / 100)) for q in QUANTILES}
