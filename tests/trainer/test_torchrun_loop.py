@@ -7,14 +7,17 @@ A LoRA policy trains sharded as well, and its 2-rank adapter equals the one-proc
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import redis
 import torch
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 from safetensors.torch import load_file
 
 from services.cli.local_stack import free_port
@@ -58,6 +61,13 @@ class _RecordingStore(LocalStore):
 
 
 def _rank(rank: int, settings_kwargs: dict, store_root: str, out_dir: str, port: int) -> None:
+    # the rank's own log (stdout and stderr, native aborts included) and its Python stacks on a
+    # fatal signal, so a crashed rank says where in _torchrun's failure message
+    log = open(Path(out_dir) / f"rank{rank}.log", "a", buffering=1)  # noqa: SIM115 - open for the process's life
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
+    faulthandler.enable(log)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
@@ -89,9 +99,30 @@ def _rank(rank: int, settings_kwargs: dict, store_root: str, out_dir: str, port:
 
 def _torchrun(settings_kwargs: dict, store_root: Path, out_dir: Path) -> list[dict]:
     out_dir.mkdir()
-    mp.start_processes(_rank, args=(settings_kwargs, str(store_root), str(out_dir), free_port()), nprocs=WORLD,
-                       start_method="spawn", join=True)
+    try:
+        mp.start_processes(_rank, args=(settings_kwargs, str(store_root), str(out_dir), free_port()), nprocs=WORLD,
+                           start_method="spawn", join=True)
+    except ProcessException as e:
+        raise AssertionError(_ranks_failure(e, out_dir)) from e
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def _ranks_failure(error: Exception, out_dir: Path) -> str:
+    """One line that names the failure and each rank's last words (what a truncated CI log still
+    shows), then each rank's log tail."""
+    tails = {r: (out_dir / f"rank{r}.log").read_text(errors="replace").splitlines()[-40:]
+             if (out_dir / f"rank{r}.log").exists() else ["(no log)"] for r in range(WORLD)}
+
+    def last_words(lines: list[str]) -> str:
+        native = [line for line in lines if "what()" in line or "terminate called" in line]
+        errors = [line for line in lines if "Error" in line or "error" in line]
+        frames = [line for line in lines if line.lstrip().startswith('File "')]  # faulthandler: most recent first
+        words = (native or errors or lines or [""])[-1].strip()
+        return words + (f" at {frames[0].strip()}" if native and frames else "")
+
+    summary = "; ".join(f"rank {r}: {last_words(lines)}" for r, lines in tails.items())
+    return "\n".join([f"{error} ({summary})"] + [f"--- rank {r} log tail ---\n" + "\n".join(lines)
+                                                  for r, lines in tails.items()])
 
 
 def _weights(store: LocalStore, run_id: str, version: int, tmp_path: Path) -> dict[str, torch.Tensor]:
