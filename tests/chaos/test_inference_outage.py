@@ -43,7 +43,7 @@ GROUPS, GROUP_SIZE = 25, 4
 TOTAL = GROUPS * GROUP_SIZE
 KILL_AFTER_DONE = 20  # vLLM is killed once this many trajectories of the first run are rolled out
 ROLLED_OUT = ("uploaded", "scored", "consumed", "failed")
-HEAD_START_S = 60  # the fresh worker starts this long (plus vLLM's start) before vLLM is ready
+HEAD_START_S = 20  # ten times outage.backoff_max_s: the fresh worker starts this long (plus vLLM's start) before vLLM is ready
 
 
 class ConveyorInference:
