@@ -5,7 +5,7 @@ Measures, per optimizer step, TRL's in-process wall time (generation with transf
 reward of the step's 32 completions. One JSON line per step goes to ``--out``.
 
 It trains the same tiny model as Conveyor's learning run (``generate_tiny_model`` with seed 0,
-end-of-turn bias 4, the given layout) on the same 16 prompts (``learning_demo.write_prompts``)
+end-of-turn bias 4, the given layout) on the same 16 prompts (``demo.write_prompts``)
 with the same reward (``toy_rewards.digit_share`` of the reply) and the same batch shape: 4
 prompts x 8 generations = 32 completions per step, at most 24 tokens, temperature 1, lr 5e-3
 constant, AdamW, grad clip 1, beta 0 (no reference model), clip eps 0.2, one iteration per
@@ -56,7 +56,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from services.cli.learning_demo import write_prompts
+    from services.cli.demo import write_prompts
     from services.inference.tiny_model import generate_tiny_model
 
     if args.threads:

@@ -58,15 +58,18 @@ def _every_command(debug: bool = typer.Option(False, "--debug", help="show the t
 def intake(
     config: Optional[Path] = ConfigOption,
     dataset: Optional[str] = typer.Option(None, help="JSONL file or saved HF dataset dir (overrides intake.dataset)"),
-    demo_tasks: Optional[int] = typer.Option(None, min=1, help="instead of a dataset: N generated guess-the-number tasks (the demo's)"),
+    demo_tasks: Optional[int] = typer.Option(None, min=1, help="instead of a dataset: N generated tasks of the --demo task"),
+    demo: str = typer.Option("guess", help="with --demo-tasks: 'guess' (guess-the-number, multi-turn) or 'digits' "
+                                           "(the learning demo's toy task, which the tiny model learns)"),
     resume: bool = ResumeOption,
 ) -> None:
     """Publish the dataset's groups of rollout tasks on queue 'rollouts'."""
     setup_logging()
-    _publish_dataset(command_settings(config), dataset, demo_tasks, resume)
+    _publish_dataset(command_settings(config), dataset, demo_tasks, resume, demo)
 
 
-def _publish_dataset(settings: Settings, dataset: Optional[str], demo_tasks: Optional[int], resume: bool) -> None:
+def _publish_dataset(settings: Settings, dataset: Optional[str], demo_tasks: Optional[int], resume: bool,
+                     demo: str = "guess") -> None:
     """What ``conveyor intake`` does: the dataset's groups to queue 'rollouts', a summary line,
     and a ``CommandError`` when every row was rejected, or when the run id is in use and
     ``resume`` is not set (checked before anything is written)."""
@@ -80,9 +83,14 @@ def _publish_dataset(settings: Settings, dataset: Optional[str], demo_tasks: Opt
     if demo_tasks is not None:
         import tempfile
 
-        from services.cli.demo import write_demo_dataset
+        from services.cli.demo import demo_dataset
 
-        dataset = str(write_demo_dataset(Path(tempfile.mkdtemp(prefix="conveyor-demo-")) / "guess.jsonl", demo_tasks))
+        try:
+            demo_path, environment = demo_dataset(demo, demo_tasks, Path(tempfile.mkdtemp(prefix="conveyor-demo-")))
+        except ValueError as e:
+            raise errors.CommandError(str(e)) from None
+        dataset = str(demo_path)
+        settings = settings.model_copy(update={"intake": settings.intake.model_copy(update=environment)})
     check_environments(settings)
     path = dataset or settings.intake.dataset
     if not path:

@@ -29,6 +29,9 @@ from shared.state.trainer_counters import TrainerCounters
 
 console = Console()
 DEMO_REWARD_WEIGHTS = {"verifier": 1.0, "format": 0.1, "brevity": 0.1}
+# the learning demo's toy task: a single turn whose reward is the share of digits in the reply
+TOY_REWARD_FN = "services.rollout_worker.environments.toy_rewards:digit_share"
+DIGITS_ENVIRONMENT = {"env_name": "single_turn", "env_config": {"reward_fn": TOY_REWARD_FN}}
 
 
 def write_demo_dataset(path: Path, tasks: int, seed: int = 0) -> Path:
@@ -38,6 +41,27 @@ def write_demo_dataset(path: Path, tasks: int, seed: int = 0) -> Path:
         for index in range(tasks):
             fh.write(json.dumps({"id": f"guess-{index}", "task_data": {"low": 1, "high": 20, "target": rng.randint(1, 20)}}) + "\n")
     return path
+
+
+def write_prompts(path: Path, n: int = 16) -> Path:
+    """The toy task's prompts (``TOY_REWARD_FN`` scores the replies)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as fh:
+        for i in range(n):
+            fh.write(json.dumps({"id": f"p{i}", "prompt": f"Write some numbers, please ({i})."}) + "\n")
+    return path
+
+
+def demo_dataset(kind: str, tasks: int, directory: Path) -> tuple[Path, dict]:
+    """``conveyor intake --demo KIND --demo-tasks N``: the dataset, and the ``intake`` settings
+    it needs. ``guess``: guess-the-number tasks (multi-turn; the intake's own environment
+    settings). ``digits``: the toy task's prompts, in the ``single_turn`` environment scored by
+    ``TOY_REWARD_FN``, which the tiny model learns within a few steps (docs/learning.md)."""
+    if kind == "guess":
+        return write_demo_dataset(directory / "guess.jsonl", tasks), {}
+    if kind == "digits":
+        return write_prompts(directory / "prompts.jsonl", tasks), DIGITS_ENVIRONMENT
+    raise ValueError(f"--demo must be 'guess' or 'digits', got {kind!r}")
 
 
 def run_demo(config: Path | None, tasks: int, workdir: Path, timeout_s: float = 1200) -> int:

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from services.cli.demo import TOY_REWARD_FN, write_prompts
 from services.cli.local_stack import LocalStack, free_port
 from services.trainer.metrics import read_steps
-
-TOY_REWARD_FN = "services.rollout_worker.environments.toy_rewards:digit_share"
 
 LEARNING_SETTINGS = {
     "CONVEYOR_INTAKE__ENV_NAME": "single_turn",
@@ -51,14 +50,6 @@ class LearningRun:
     @property
     def reward_curve(self) -> Path:
         return self.workdir / "reward_curve.png"
-
-
-def write_prompts(path: Path, n: int = 16) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as fh:
-        for i in range(n):
-            fh.write(json.dumps({"id": f"p{i}", "prompt": f"Write some numbers, please ({i})."}) + "\n")
-    return path
 
 
 def run_learning(

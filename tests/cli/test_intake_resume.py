@@ -86,3 +86,29 @@ def test_the_wait_line_names_a_weight_sync_that_holds_the_bound(redis_client, ru
     assert f"intake of run {run_id} waiting 30s" in line and "+ step 0 + 1)" in line
     assert "advanced 1 steps (now at step 1)" in line
     assert "serves policy version 0, behind trainer step 1: the bound waits for the weight sync" in line
+
+
+def _published_requests(redis_client) -> list[dict]:
+    """The rollout requests in the queue's Celery messages (protocol 2: base64 body [args, kwargs, embed])."""
+    import base64
+    import json
+
+    messages = [json.loads(m) for m in redis_client.lrange(ROLLOUT_QUEUE, 0, -1)]
+    bodies = [json.loads(base64.b64decode(m["body"])) for m in messages]
+    return [request for args, _kwargs, _embed in bodies for request in args[0]]
+
+
+def test_the_digit_demo_publishes_the_toy_task_and_a_wrong_demo_is_one_line(redis_url, redis_client, tmp_path, run_id):
+    """``--demo digits`` (compose's demo, which the tiny model learns) publishes the toy task's
+    prompts in the single_turn environment with its reward function; ``--demo guess`` stays the default."""
+    from services.cli.demo import TOY_REWARD_FN
+
+    assert _intake(tmp_path, redis_url, run_id, 2, "--demo", "digits").returncode == 0
+    requests = _published_requests(redis_client)
+    assert len(requests) == 2 * 4
+    tasks = [r["task"] for r in requests]
+    assert {(t["env_name"], t["env_config"]["reward_fn"]) for t in tasks} == {("single_turn", TOY_REWARD_FN)}
+    assert {t["task_data"]["prompt"] for t in tasks} == {"Write some numbers, please (0).",
+                                                            "Write some numbers, please (1)."}
+    line = one_error_line(_intake(tmp_path, redis_url, run_id + "x", 2, "--demo", "chess"))
+    assert line == "--demo must be 'guess' or 'digits', got 'chess'", line

@@ -111,6 +111,11 @@ HEAD_ADDRESS = docker_host_address() if shutil.which("docker") else "127.0.0.1"
 
 
 
+# `docker-compose run -e` flags for a run of the guess-the-number demo (`intake --demo-tasks N`,
+# whose --demo is guess) on a stack whose .env holds the digit demo: groups of 4, each task once
+GUESS_RUN = ["-e", "CONVEYOR_ROLLOUT__GROUP_SIZE=4", "-e", "CONVEYOR_INTAKE__MODE=traversal"]
+
+
 def example_env() -> dict[str, str]:
     """compose/.env.example's variables and the test secrets."""
     return {**dict(line.split("=", 1) for line in (ROOT / "compose" / ".env.example").read_text().splitlines()

@@ -21,7 +21,7 @@ import pytest
 
 from services.cli.local_stack import free_port
 from services.cli.stack_images import StackImages
-from compose_support import HEAD_ADDRESS, ROOT, SECRETS, Stack, compose_command, stack_env, write_env
+from compose_support import GUESS_RUN, HEAD_ADDRESS, ROOT, SECRETS, Stack, compose_command, stack_env, write_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
@@ -30,7 +30,8 @@ def stack(images: StackImages, tmp_path_factory: pytest.TempPathFactory) -> Iter
     compose = compose_command()
     ports = {name: free_port() for name in ("redis", "s3", "inference", "flower", "viewer")}
     project = f"conveyortest{uuid.uuid4().hex[:6]}"
-    env = stack_env(images, ports, CONVEYOR_MAX_STEPS="3", CONVEYOR_DEMO_TASKS="6",  # traversal: 6 groups of 4
+    # .env.example's demo (the digit task), shortened: 6 groups of 8 sampled, 3 steps of 2 groups
+    env = stack_env(images, ports, CONVEYOR_MAX_STEPS="3", CONVEYOR_NUM_GROUPS="6", CONVEYOR_GROUPS_PER_STEP="2",
                     CONVEYOR_STACK_ID=project)
     env_file = write_env(tmp_path_factory.mktemp("compose") / "stack.env", env)
     stack = Stack(project, env_file, ports, compose)
@@ -62,13 +63,13 @@ def test_the_demo_experiment_runs_end_to_end(stack: Stack) -> None:
     # the trainer's log shows progress: step, reward and throughput
     assert "step 1: reward" in trainer and "tokens/s" in trainer and "trajectories/s" in trainer, trainer[-3000:]
     counts = json.loads(stack.conveyor("status", "--json"))["runs"]["demo"]
-    assert counts == {"queued": 0, "running": 0, "uploaded": 0, "scored": 0, "consumed": 24, "failed": 0}
+    assert counts == {"queued": 0, "running": 0, "uploaded": 0, "scored": 0, "consumed": 48, "failed": 0}
     # weight sync reached the inference container: it serves a trained version
     assert "serving version 1" in stack.logs("inference")
     # the viewer, from the compose stack, shows the run and its trained steps
     viewer = f"http://127.0.0.1:{stack.ports['viewer']}"
     run_page = httpx.get(f"{viewer}/runs/demo", timeout=30).text
-    assert ">24<" in run_page and "class='plot'" in run_page, run_page[-2000:]
+    assert ">48<" in run_page and "class='plot'" in run_page, run_page[-2000:]
 
 
 def test_flower_shows_workers_and_queues_behind_basic_auth(stack: Stack) -> None:
@@ -124,7 +125,7 @@ def test_every_service_exposes_prometheus_metrics(stack: Stack) -> None:
     assert metric_value(inference, "conveyor_weight_sync_seconds_count") >= 1
     assert metric_value(inference, "conveyor_served_policy_version") >= 1
     for page in (worker, scorer, inference):
-        assert metric_value(page, "conveyor_ledger_trajectories") >= 24  # the demo run's trajectories, by state
+        assert metric_value(page, "conveyor_ledger_trajectories") >= 48  # the demo run's trajectories, by state
         metric_value(page, "conveyor_queue_depth")
     assert "vllm:" in pages[urls["vllm"]]
     assert "flower_" in pages[urls["flower"]]
@@ -208,7 +209,7 @@ def test_scaled_workers_are_distinct_and_a_stopped_worker_loses_nothing(stack: S
         time.sleep(3)
     assert len(names) == 2, names  # rollout@<container id> each
     run = ["-e", "CONVEYOR_RUN_ID=scale", "-e", "CONVEYOR_TRAINER__MAX_OFF_POLICY_STEPS=1000",
-           "-e", "CONVEYOR_TRAINER__MAX_STEPS=1000"]
+           "-e", "CONVEYOR_TRAINER__MAX_STEPS=1000", *GUESS_RUN]  # multi-turn episodes, long enough to interrupt
     trainer = stack.dc("run", "-d", *run, "trainer", "trainer", "--exit-when-done").stdout.strip().splitlines()[-1]
     stack.dc("run", "-d", *run, "intake", "intake", "--demo-tasks", "16", timeout=600)
     ledger, deadline = stack.ledger(), time.time() + 600
@@ -241,7 +242,7 @@ def test_a_worker_on_another_host_joins_through_published_ports(stack: Stack, tm
                                              check=True).stdout)[0]["NetworkSettings"]["Networks"]
         assert list(networks) == [f"{remote.project}_stack"], networks  # not on the head's network
         run = ["-e", "CONVEYOR_RUN_ID=remote", "-e", "CONVEYOR_TRAINER__MAX_STEPS=1000",
-               "-e", "CONVEYOR_TRAINER__MAX_OFF_POLICY_STEPS=1000"]
+               "-e", "CONVEYOR_TRAINER__MAX_OFF_POLICY_STEPS=1000", *GUESS_RUN]
         trainer = stack.dc("run", "-d", *run, "trainer", "trainer", "--exit-when-done").stdout.strip().splitlines()[-1]
         stack.dc("run", "--rm", "-T", *run, "intake", "intake", "--demo-tasks", "4", timeout=600)
         exit_code = subprocess.run(["docker", "wait", trainer], capture_output=True, text=True, timeout=900).stdout.strip()

@@ -82,7 +82,8 @@ def test_the_demo_runs_from_docker_stack_deploy(swarm: None, images: StackImages
     ports = {name: free_port() for name in ("redis", "s3", "inference", "flower")}
     name = f"conveyorswarm{uuid.uuid4().hex[:6]}"
     env_file = write_env(tmp_path / "stack.env", stack_env(images, ports, CONVEYOR_MAX_STEPS="2",
-                                                           CONVEYOR_DEMO_TASKS="4", CONVEYOR_STACK_ID=name))
+                                                           CONVEYOR_NUM_GROUPS="4", CONVEYOR_GROUPS_PER_STEP="2",
+                                                           CONVEYOR_STACK_ID=name))
     stack_file = render(compose_command(), COMPOSE_FILE, env_file, ("cpu",), tmp_path / "stack.yml")
     try:
         docker("stack", "deploy", "--resolve-image", "never", "-c", str(stack_file), name, timeout=600)
@@ -96,8 +97,8 @@ def test_the_demo_runs_from_docker_stack_deploy(swarm: None, images: StackImages
         counts = ledger.counts("demo")
         logs = {svc: service_logs(f"{name}_{svc}")[-3000:] for svc in ("trainer", "inference", "rollout-worker", "intake")}
         assert trainer_state and trainer_state[0].startswith("Complete"), (trainer_state, logs)
-        # the same run as under compose: 4 groups of 4, every trajectory consumed, weights synced
-        assert counts == {"queued": 0, "running": 0, "uploaded": 0, "scored": 0, "consumed": 16, "failed": 0}, logs
+        # the digit demo as under compose, shortened: 4 groups of 8, every trajectory consumed, weights synced
+        assert counts == {"queued": 0, "running": 0, "uploaded": 0, "scored": 0, "consumed": 32, "failed": 0}, logs
         assert "serving version 1" in service_logs(f"{name}_inference"), logs
         services = json.loads(docker("service", "inspect", f"{name}_rollout-worker"))[0]
         mounts = services["Spec"]["TaskTemplate"]["ContainerSpec"].get("Mounts", [])
