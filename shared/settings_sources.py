@@ -2,7 +2,9 @@
 environment variables exist, so a misspelt one is refused, not ignored.
 
 A variable is known when it names a setting (``CONVEYOR_ROLLOUT__GROUP_SIZE``, a whole section
-as JSON such as ``CONVEYOR_ROLLOUT``, or an entry of a dict setting such as
+as JSON such as ``CONVEYOR_ROLLOUT``, a field of any variant of a discriminated setting such as
+``CONVEYOR_INFERENCE__WEIGHT_SYNC__HOST``, an older flat name a section folds such as
+``CONVEYOR_INFERENCE__WEIGHT_SYNC_HOST``, or an entry of a dict setting such as
 ``CONVEYOR_REWARDS__WEIGHTS__VERIFIER``), or when it is on one of the two allow-lists below.
 
 Invariants:
@@ -68,6 +70,7 @@ ALLOWED_VARIABLES = frozenset(RUNTIME_VARIABLES) | COMPOSE_VARIABLES
 class SettingNames:
     json_valued: dict[str, bool]  # variable -> whether its value is JSON
     open_prefixes: tuple[str, ...]  # "CONVEYOR_INTAKE__ENV_CONFIG__": any key below a dict setting
+    discriminated: tuple[str, ...]  # "CONVEYOR_INFERENCE__WEIGHT_SYNC": a union of sections
 
 
 def unwrap_optional(annotation: Any) -> Any:
@@ -78,14 +81,30 @@ def unwrap_optional(annotation: Any) -> Any:
     return annotation
 
 
-def _walk(model: type[BaseModel], prefix: str, names: dict[str, bool], open_prefixes: list[str]) -> None:
+def _variants(annotation: Any) -> list[type[BaseModel]]:
+    """The models of a discriminated setting (a union of sections), else []."""
+    if get_origin(annotation) not in (Union, types.UnionType):
+        return []
+    args = get_args(annotation)
+    return list(args) if all(isinstance(a, type) and issubclass(a, BaseModel) for a in args) else []
+
+
+def _walk(model: type[BaseModel], prefix: str, names: dict[str, bool], open_prefixes: list[str],
+          discriminated: list[str]) -> None:
+    for old_name in getattr(model, "FOLDED_NAMES", {}):  # shared.settings.base.Section
+        names[f"{prefix}{old_name.upper()}"] = False
     for field_name, field in model.model_fields.items():
         name = f"{prefix}{field_name.upper()}"
         annotation = unwrap_optional(field.annotation)
         origin = get_origin(annotation)
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             names[name] = True
-            _walk(annotation, name + DELIMITER, names, open_prefixes)
+            _walk(annotation, name + DELIMITER, names, open_prefixes, discriminated)
+        elif _variants(annotation):  # JSON, or its mode alone (CONVEYOR_INFERENCE__WEIGHT_SYNC=nccl)
+            names[name] = False
+            discriminated.append(name)
+            for variant in _variants(annotation):
+                _walk(variant, name + DELIMITER, names, open_prefixes, discriminated)
         else:
             names[name] = origin in (dict, list, tuple, set) or annotation in (dict, list, tuple, set)
             if origin is dict or annotation is dict:
@@ -96,8 +115,9 @@ def _walk(model: type[BaseModel], prefix: str, names: dict[str, bool], open_pref
 def setting_names(model: type[BaseModel]) -> SettingNames:
     names: dict[str, bool] = {}
     open_prefixes: list[str] = []
-    _walk(model, PREFIX, names, open_prefixes)
-    return SettingNames(names, tuple(open_prefixes))
+    discriminated: list[str] = []
+    _walk(model, PREFIX, names, open_prefixes, discriminated)
+    return SettingNames(names, tuple(open_prefixes), tuple(discriminated))
 
 
 def env_problem(model: type[BaseModel], variable: str, where: str = "environment variable {}") -> str | None:
@@ -126,6 +146,12 @@ def _check_variables(model: type[BaseModel], variables: dict[str, str | None], w
         problem = env_problem(model, name, where) or json_problem(model, name, value or "", where)
         if problem:
             raise SettingsError(problem)
+    given = {name.upper() for name in variables}
+    for whole in sorted(given & set(setting_names(model).discriminated)):
+        beneath = sorted(n for n in given if n.startswith(whole + DELIMITER))
+        if beneath:  # one would silently replace the other
+            raise SettingsError(f"{where.format(whole)} sets the whole setting, and {beneath[0]} a field of it: "
+                                f"set the mode as {whole}{DELIMITER}MODE instead")
 
 
 class CheckedEnv(EnvSettingsSource):

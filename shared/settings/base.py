@@ -1,5 +1,7 @@
-"""The building blocks of every settings section: ``Section`` (unknown keys are errors) and the
-number types that refuse booleans.
+"""The building blocks of every settings section: ``Section`` (unknown keys are errors), the
+number types that refuse booleans, and the two readings that keep older spellings of a
+discriminated setting working: ``mode_alone`` (a bare mode string) and ``fold_names`` (the
+flat names a section's ``FOLDED_NAMES`` moves under their nested setting).
 
 Part of ``shared.settings`` (its docstring states the invariants every section keeps).
 """
@@ -7,7 +9,7 @@ Part of ``shared.settings`` (its docstring states the invariants every section k
 from __future__ import annotations
 
 import os
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict
 
@@ -27,3 +29,35 @@ PathOrName = Annotated[str, BeforeValidator(lambda v: os.fspath(v) if isinstance
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # older flat names of nested settings, {old name: (field, key)}: read as field.key by a
+    # section's before-validator (fold_names), and known to the CONVEYOR_* checks
+    # (shared.settings_sources) so their variables still work
+    FOLDED_NAMES: ClassVar[dict[str, tuple[str, str]]] = {}
+
+
+def mode_alone(value: Any) -> Any:
+    """A discriminated setting written as its mode only (``weight_sync: nccl``) reads as
+    ``{mode: nccl}``, the variant's defaults for the rest."""
+    return {"mode": value} if isinstance(value, str) else value
+
+
+def _as_dict(value: Any) -> dict[str, Any]:
+    if isinstance(value, BaseModel):
+        return value.model_dump()
+    value = mode_alone(value)
+    return dict(value) if isinstance(value, dict) else {}
+
+
+def fold_names(section: type[Section], data: Any) -> Any:
+    """``data`` with each older flat name of ``section.FOLDED_NAMES`` moved under its field
+    (``weight_sync_host: x`` reads as ``weight_sync: {host: x}``, on the field's value or its
+    default). A key written both ways keeps the nested spelling."""
+    if not isinstance(data, dict) or not section.FOLDED_NAMES.keys() & data.keys():
+        return data
+    data = dict(data)
+    for old, (field, key) in section.FOLDED_NAMES.items():
+        if old in data:
+            nested = _as_dict(data.get(field, section.model_fields[field].default))
+            nested.setdefault(key, data.pop(old))
+            data[field] = nested
+    return data
