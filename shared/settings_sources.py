@@ -70,7 +70,7 @@ ALLOWED_VARIABLES = frozenset(RUNTIME_VARIABLES) | COMPOSE_VARIABLES
 class SettingNames:
     json_valued: dict[str, bool]  # variable -> whether its value is JSON
     open_prefixes: tuple[str, ...]  # "CONVEYOR_INTAKE__ENV_CONFIG__": any key below a dict setting
-    discriminated: tuple[str, ...]  # "CONVEYOR_INFERENCE__WEIGHT_SYNC": a union of sections
+    discriminated: dict[str, str]  # "CONVEYOR_INFERENCE__WEIGHT_SYNC" -> "MODE": a union of sections, its tag
 
 
 def unwrap_optional(annotation: Any) -> Any:
@@ -90,7 +90,7 @@ def _variants(annotation: Any) -> list[type[BaseModel]]:
 
 
 def _walk(model: type[BaseModel], prefix: str, names: dict[str, bool], open_prefixes: list[str],
-          discriminated: list[str]) -> None:
+          discriminated: dict[str, str]) -> None:
     for old_name in getattr(model, "FOLDED_NAMES", {}):  # shared.settings.base.Section
         names[f"{prefix}{old_name.upper()}"] = False
     for field_name, field in model.model_fields.items():
@@ -102,7 +102,7 @@ def _walk(model: type[BaseModel], prefix: str, names: dict[str, bool], open_pref
             _walk(annotation, name + DELIMITER, names, open_prefixes, discriminated)
         elif _variants(annotation):  # JSON, or its mode alone (CONVEYOR_INFERENCE__WEIGHT_SYNC=nccl)
             names[name] = False
-            discriminated.append(name)
+            discriminated[name] = str(field.discriminator).upper()
             for variant in _variants(annotation):
                 _walk(variant, name + DELIMITER, names, open_prefixes, discriminated)
         else:
@@ -115,9 +115,9 @@ def _walk(model: type[BaseModel], prefix: str, names: dict[str, bool], open_pref
 def setting_names(model: type[BaseModel]) -> SettingNames:
     names: dict[str, bool] = {}
     open_prefixes: list[str] = []
-    discriminated: list[str] = []
+    discriminated: dict[str, str] = {}
     _walk(model, PREFIX, names, open_prefixes, discriminated)
-    return SettingNames(names, tuple(open_prefixes), tuple(discriminated))
+    return SettingNames(names, tuple(open_prefixes), discriminated)
 
 
 def env_problem(model: type[BaseModel], variable: str, where: str = "environment variable {}") -> str | None:
@@ -146,12 +146,13 @@ def _check_variables(model: type[BaseModel], variables: dict[str, str | None], w
         problem = env_problem(model, name, where) or json_problem(model, name, value or "", where)
         if problem:
             raise SettingsError(problem)
-    given = {name.upper() for name in variables}
-    for whole in sorted(given & set(setting_names(model).discriminated)):
+    given = {name.upper(): value for name, value in variables.items()}
+    for whole, tag in sorted(setting_names(model).discriminated.items()):
         beneath = sorted(n for n in given if n.startswith(whole + DELIMITER))
-        if beneath:  # one would silently replace the other
+        if whole in given and beneath and not (given[whole] or "").lstrip().startswith("{"):
+            # its mode alone (not JSON, so not merged with the fields): one would replace the other
             raise SettingsError(f"{where.format(whole)} sets the whole setting, and {beneath[0]} a field of it: "
-                                f"set the mode as {whole}{DELIMITER}MODE instead")
+                                f"set the mode as {whole}{DELIMITER}{tag} instead")
 
 
 class CheckedEnv(EnvSettingsSource):

@@ -44,8 +44,10 @@ from shared.settings.rollout import (  # noqa: F401
 )
 from shared.settings.services import (  # noqa: F401
     LedgerSettings,
+    LocalStorageSettings,
     OutageSettings,
     RedisSettings,
+    S3StorageSettings,
     StorageSettings,
 )
 from shared.settings.trainer import (  # noqa: F401
@@ -82,7 +84,7 @@ class Settings(BaseSettings):
     # ``conveyor.environments`` entry points (shared.environments.registry)
     environments: dict[str, str] = Field(default_factory=dict)
     redis: RedisSettings = RedisSettings()
-    storage: StorageSettings = StorageSettings()
+    storage: StorageSettings = S3StorageSettings()
     inference: InferenceSettings = InferenceSettings()
     rollout: RolloutSettings = RolloutSettings()
     ledger: LedgerSettings = LedgerSettings()
@@ -134,6 +136,15 @@ class Settings(BaseSettings):
         return tuple(sources)
 
 
+def _place(error: Any) -> str:
+    """The dotted field of a validation error; a mode no variant has names the mode's field
+    (``storage.backend``), not only the setting."""
+    loc = [str(p) for p in error["loc"]]
+    if error["type"] == "union_tag_invalid":
+        loc.append(str(error["ctx"]["discriminator"]).strip("'"))
+    return ".".join(loc)
+
+
 def load_settings(yaml_file: str | Path | None = None, **overrides: Any) -> Settings:
     """Validate settings now; raise SettingsError naming each bad field."""
     if yaml_file is not None:
@@ -143,9 +154,7 @@ def load_settings(yaml_file: str | Path | None = None, **overrides: Any) -> Sett
     try:
         return Settings(**overrides)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg'].removeprefix('Value error, ')}" for err in exc.errors()
-        )
+        problems = "; ".join(f"{_place(err)}: {err['msg'].removeprefix('Value error, ')}" for err in exc.errors())
         raise SettingsError(f"invalid Conveyor settings: {problems}") from None
     except SourceError as exc:  # a source could not parse a value (the checks above catch the known cases)
         raise SettingsError(f"invalid Conveyor settings: {exc}") from None

@@ -1,7 +1,7 @@
 """The building blocks of every settings section: ``Section`` (unknown keys are errors), the
-number types that refuse booleans, and the two readings that keep older spellings of a
-discriminated setting working: ``mode_alone`` (a bare mode string) and ``fold_names`` (the
-flat names a section's ``FOLDED_NAMES`` moves under their nested setting).
+number types that refuse booleans, and how a setting with modes reads its input: ``read_mode``
+(a bare mode string, a mapping without its mode) and ``fold_names`` (the older flat names a
+section's ``FOLDED_NAMES`` moves under their nested setting).
 
 Part of ``shared.settings`` (its docstring states the invariants every section keeps).
 """
@@ -35,16 +35,26 @@ class Section(BaseModel):
     FOLDED_NAMES: ClassVar[dict[str, tuple[str, str]]] = {}
 
 
-def mode_alone(value: Any) -> Any:
-    """A discriminated setting written as its mode only (``weight_sync: nccl``) reads as
-    ``{mode: nccl}``, the variant's defaults for the rest."""
-    return {"mode": value} if isinstance(value, str) else value
+def read_mode(tag: str, default: str) -> BeforeValidator:
+    """How a setting with modes (a union of sections told apart by ``Field(discriminator=tag)``)
+    reads its input: a bare string is the mode alone (``weight_sync: nccl`` is
+    ``{mode: nccl}``, the variant's defaults for the rest), and a mapping without the tag is the
+    ``default`` mode (``CONVEYOR_STORAGE__ENDPOINT=...`` alone is an s3 store, as before there
+    were modes)."""
+    def read(value: Any) -> Any:
+        if isinstance(value, str):
+            return {tag: value}
+        if isinstance(value, dict) and tag not in value:
+            return {**value, tag: default}
+        return value
+    return BeforeValidator(read)
 
 
-def _as_dict(value: Any) -> dict[str, Any]:
+def _as_dict(value: Any, tag: str) -> dict[str, Any]:
     if isinstance(value, BaseModel):
         return value.model_dump()
-    value = mode_alone(value)
+    if isinstance(value, str):
+        return {tag: value}
     return dict(value) if isinstance(value, dict) else {}
 
 
@@ -57,7 +67,8 @@ def fold_names(section: type[Section], data: Any) -> Any:
     data = dict(data)
     for old, (field, key) in section.FOLDED_NAMES.items():
         if old in data:
-            nested = _as_dict(data.get(field, section.model_fields[field].default))
+            info = section.model_fields[field]
+            nested = _as_dict(data.get(field, info.default), str(info.discriminator))
             nested.setdefault(key, data.pop(old))
             data[field] = nested
     return data

@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import Field, model_validator
 
-from shared.settings.base import Float, Int, PathOrName, Section, fold_names, mode_alone
+from shared.settings.base import Float, Int, PathOrName, Section, fold_names, read_mode
 
 
 class S3WeightSync(Section):
@@ -38,8 +38,7 @@ class NcclWeightSync(Section):
 
 # the mode names the variant: a field of the other mode is an error naming it
 # (inference.weight_sync.s3.checkpoint_every: Extra inputs are not permitted)
-WeightSync = Annotated[Union[S3WeightSync, NcclWeightSync], Field(discriminator="mode"),
-                       BeforeValidator(mode_alone)]
+WeightSync = Annotated[Union[S3WeightSync, NcclWeightSync], Field(discriminator="mode"), read_mode("mode", "s3")]
 
 
 class InferenceSettings(Section):
