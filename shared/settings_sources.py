@@ -14,6 +14,8 @@ Invariants:
   JSON. Neither raises.
 - Each source raises ``SettingsError`` naming the variable, or the file and line, before
   pydantic-settings sees a value it would fail on with a traceback or silently drop.
+  Among them: a setting with modes given its mode alone (``CONVEYOR_STORAGE=local``, not
+  JSON) together with a field beneath it, which pydantic-settings would drop one of.
 """
 
 from __future__ import annotations

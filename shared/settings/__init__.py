@@ -14,8 +14,18 @@ an import path that does not import (``intake.env_config.reward_fn``, a ``module
 ``rewards.weights``) names the setting and the import error. Numbers refuse booleans
 (``group_size: true`` is an error, not 1); digits in a string still parse, as env vars need.
 
+A setting with modes (``storage``, ``inference.weight_sync``, each entry of
+``trainer.group_filters``) is a discriminated union of sections: a field of another mode is
+refused with its place (``storage.local.bucket``), never ignored, and a mode no variant has
+names the mode's field (``storage.backend``). Older spellings still read: a mode alone as a
+string, a mapping without its mode (the default mode), and flat names a section folds
+(``inference.weight_sync_host``, ``shared.settings.base.fold_names``). Cross-field checks remain
+only where no type can say it (e.g. ``trainer.mode`` train needs ``max_off_policy_steps``; nccl
+with LoRA spans two sections).
+
 The sections live by component: ``base``, ``services``, ``inference``, ``rollout``, ``intake``,
-``trainer`` and ``evaluation``; every name is importable from ``shared.settings`` as before.
+``trainer``, ``evaluation`` and the ``group_filters`` entries; every name is importable from
+``shared.settings`` as before.
 """
 
 from __future__ import annotations
