@@ -51,8 +51,8 @@ def read_mode(tag: str, default: str) -> BeforeValidator:
 
 
 def _as_dict(value: Any, tag: str) -> dict[str, Any]:
-    if isinstance(value, BaseModel):
-        return value.model_dump()
+    if isinstance(value, BaseModel):  # what was set, and its mode
+        return {**value.model_dump(exclude_unset=True), tag: getattr(value, tag)}
     if isinstance(value, str):
         return {tag: value}
     return dict(value) if isinstance(value, dict) else {}
@@ -61,7 +61,7 @@ def _as_dict(value: Any, tag: str) -> dict[str, Any]:
 def fold_names(section: type[Section], data: Any) -> Any:
     """``data`` with each older flat name of ``section.FOLDED_NAMES`` moved under its field
     (``weight_sync_host: x`` reads as ``weight_sync: {host: x}``, on the field's value or its
-    default). A key written both ways keeps the nested spelling."""
+    default). A key written both ways is refused: one would be silently dropped."""
     if not isinstance(data, dict) or not section.FOLDED_NAMES.keys() & data.keys():
         return data
     data = dict(data)
@@ -69,6 +69,8 @@ def fold_names(section: type[Section], data: Any) -> Any:
         if old in data:
             info = section.model_fields[field]
             nested = _as_dict(data.get(field, info.default), str(info.discriminator))
-            nested.setdefault(key, data.pop(old))
+            if key in nested:
+                raise ValueError(f"{old} and {field}.{key} are the same setting: set one")
+            nested[key] = data.pop(old)
             data[field] = nested
     return data

@@ -123,3 +123,5 @@ def test_sparse_checkpoints_are_refused_where_every_version_is_served_from_its_c
         load_settings(inference={"weight_sync_checkpoint_every": 4})
     with pytest.raises(SettingsError, match="inference.weight_sync.s3.checkpoint_every: Extra inputs are not permitted"):
         load_settings(inference={"weight_sync": {"mode": "s3", "checkpoint_every": 4}})
+    with pytest.raises(SettingsError, match="weight_sync_checkpoint_every and weight_sync.checkpoint_every are the same"):
+        load_settings(inference={"weight_sync": {"mode": "nccl", "checkpoint_every": 2}, "weight_sync_checkpoint_every": 4})
