@@ -60,7 +60,7 @@ from services.inference.tiny_model import generate_tiny_model
 from shared.names import RedisKeys, checkpoint_prefix
 from shared.state.policy_version import PolicyVersion
 from shared.schemas import CheckpointAnnouncement
-from shared.settings import StorageSettings
+from shared.settings import S3StorageSettings
 from shared.storage import LocalStore, open_store
 from shared.state.weight_sync_record import WeightSyncRecord
 
@@ -177,7 +177,7 @@ def main() -> None:
         stack.start_redis()
         if args.storage == "s3":
             endpoint = stack.start_s3()
-            store = open_store(StorageSettings(endpoint=endpoint, access_key="testing", secret_key="testing"))
+            store = open_store(S3StorageSettings(endpoint=endpoint, access_key="testing", secret_key="testing"))
         else:
             store = LocalStore(root / "objects")
         redis_client = stack.redis_client()

@@ -43,7 +43,7 @@ from services.inference.tiny_model import generate_tiny_model
 from services.trainer.checkpoints import CHECKPOINT_SHARD_SIZE, commit_checkpoint, upload_file
 from services.weights.checkpoint_files import download_checkpoint
 from shared.names import checkpoint_prefix
-from shared.settings import StorageSettings
+from shared.settings import S3StorageSettings
 from shared.storage import open_store
 
 RUN = "bench-ws-sizes"
@@ -221,7 +221,7 @@ def measure_size(size: str, root: Path, *, reload: bool, reloads: int) -> dict:
     stack = LocalStack(work / "stack", run_id=RUN)
     try:
         endpoint = stack.start_s3()
-        store = open_store(StorageSettings(endpoint=endpoint, access_key="testing", secret_key="testing"))
+        store = open_store(S3StorageSettings(endpoint=endpoint, access_key="testing", secret_key="testing"))
         prefix = checkpoint_prefix(RUN, 1)
         write = write_checkpoint(store, prefix, config, work / "scratch", tokenizer_dir)
         print(f"{size}: wrote {write.bytes / 1e9:.2f} GB in {write.files} files: build {write.build_s:.1f}s "

@@ -2,7 +2,9 @@
 environment variables exist, so a misspelt one is refused, not ignored.
 
 A variable is known when it names a setting (``CONVEYOR_ROLLOUT__GROUP_SIZE``, a whole section
-as JSON such as ``CONVEYOR_ROLLOUT``, or an entry of a dict setting such as
+as JSON such as ``CONVEYOR_ROLLOUT``, a field of any variant of a discriminated setting such as
+``CONVEYOR_INFERENCE__WEIGHT_SYNC__HOST``, an older flat name a section folds such as
+``CONVEYOR_INFERENCE__WEIGHT_SYNC_HOST``, or an entry of a dict setting such as
 ``CONVEYOR_REWARDS__WEIGHTS__VERIFIER``), or when it is on one of the two allow-lists below.
 
 Invariants:
@@ -12,6 +14,8 @@ Invariants:
   JSON. Neither raises.
 - Each source raises ``SettingsError`` naming the variable, or the file and line, before
   pydantic-settings sees a value it would fail on with a traceback or silently drop.
+  Among them: a setting with modes given its mode alone (``CONVEYOR_STORAGE=local``, not
+  JSON) together with a field beneath it, which pydantic-settings would drop one of.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ ALLOWED_VARIABLES = frozenset(RUNTIME_VARIABLES) | COMPOSE_VARIABLES
 class SettingNames:
     json_valued: dict[str, bool]  # variable -> whether its value is JSON
     open_prefixes: tuple[str, ...]  # "CONVEYOR_INTAKE__ENV_CONFIG__": any key below a dict setting
+    discriminated: dict[str, str]  # "CONVEYOR_INFERENCE__WEIGHT_SYNC" -> "MODE": a union of sections, its tag
 
 
 def unwrap_optional(annotation: Any) -> Any:
@@ -79,14 +84,30 @@ def unwrap_optional(annotation: Any) -> Any:
     return annotation
 
 
-def _walk(model: type[BaseModel], prefix: str, names: dict[str, bool], open_prefixes: list[str]) -> None:
+def _variants(annotation: Any) -> list[type[BaseModel]]:
+    """The models of a discriminated setting (a union of sections), else []."""
+    if get_origin(annotation) not in (Union, types.UnionType):
+        return []
+    args = get_args(annotation)
+    return list(args) if all(isinstance(a, type) and issubclass(a, BaseModel) for a in args) else []
+
+
+def _walk(model: type[BaseModel], prefix: str, names: dict[str, bool], open_prefixes: list[str],
+          discriminated: dict[str, str]) -> None:
+    for old_name in getattr(model, "FOLDED_NAMES", {}):  # shared.settings.base.Section
+        names[f"{prefix}{old_name.upper()}"] = False
     for field_name, field in model.model_fields.items():
         name = f"{prefix}{field_name.upper()}"
         annotation = unwrap_optional(field.annotation)
         origin = get_origin(annotation)
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             names[name] = True
-            _walk(annotation, name + DELIMITER, names, open_prefixes)
+            _walk(annotation, name + DELIMITER, names, open_prefixes, discriminated)
+        elif _variants(annotation):  # JSON, or its mode alone (CONVEYOR_INFERENCE__WEIGHT_SYNC=nccl)
+            names[name] = False
+            discriminated[name] = str(field.discriminator).upper()
+            for variant in _variants(annotation):
+                _walk(variant, name + DELIMITER, names, open_prefixes, discriminated)
         else:
             names[name] = origin in (dict, list, tuple, set) or annotation in (dict, list, tuple, set)
             if origin is dict or annotation is dict:
@@ -97,8 +118,9 @@ def _walk(model: type[BaseModel], prefix: str, names: dict[str, bool], open_pref
 def setting_names(model: type[BaseModel]) -> SettingNames:
     names: dict[str, bool] = {}
     open_prefixes: list[str] = []
-    _walk(model, PREFIX, names, open_prefixes)
-    return SettingNames(names, tuple(open_prefixes))
+    discriminated: dict[str, str] = {}
+    _walk(model, PREFIX, names, open_prefixes, discriminated)
+    return SettingNames(names, tuple(open_prefixes), discriminated)
 
 
 def env_problem(model: type[BaseModel], variable: str, where: str = "environment variable {}") -> str | None:
@@ -127,6 +149,13 @@ def _check_variables(model: type[BaseModel], variables: dict[str, str | None], w
         problem = env_problem(model, name, where) or json_problem(model, name, value or "", where)
         if problem:
             raise SettingsError(problem)
+    given = {name.upper(): value for name, value in variables.items()}
+    for whole, tag in sorted(setting_names(model).discriminated.items()):
+        beneath = sorted(n for n in given if n.startswith(whole + DELIMITER))
+        if whole in given and beneath and not (given[whole] or "").lstrip().startswith("{"):
+            # its mode alone (not JSON, so not merged with the fields): one would replace the other
+            raise SettingsError(f"{where.format(whole)} sets the whole setting, and {beneath[0]} a field of it: "
+                                f"set the mode as {whole}{DELIMITER}{tag} instead")
 
 
 class CheckedEnv(EnvSettingsSource):

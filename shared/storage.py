@@ -40,7 +40,7 @@ from typing import Callable, Protocol, Sequence, TypeVar
 from pydantic import BaseModel
 from shared.object_bundles import cache_of, decode_bundle, encode_bundle, is_bundle_key, member_ref, split_ref
 from shared.outage import Dependency
-from shared.settings import OutageSettings, StorageSettings
+from shared.settings import LocalStorageSettings, OutageSettings, S3StorageSettings, StorageSettings
 from shared.storage_faults import S3_FAULT_CODES, StoreRootMissing, local_fault, s3_fault_status
 
 M = TypeVar("M", bound=BaseModel)
@@ -171,7 +171,7 @@ class LocalStore:
 
 
 class S3Store:
-    def __init__(self, settings: StorageSettings, outage: OutageSettings | None = None):
+    def __init__(self, settings: S3StorageSettings, outage: OutageSettings | None = None):
         import urllib3
         from minio import Minio
         from minio.error import S3Error, ServerError
@@ -247,7 +247,7 @@ def _certifi_bundle() -> str:
 
 def open_store(settings: StorageSettings, outage: OutageSettings | None = None) -> ObjectStore:
     """The configured store; an S3 server is checked at once (waiting out an outage)."""
-    if settings.backend == "local":
+    if isinstance(settings, LocalStorageSettings):
         return LocalStore(settings.local_root, outage)
     store = S3Store(settings, outage)
     store.ensure_bucket()

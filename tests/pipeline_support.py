@@ -23,7 +23,7 @@ from services.cli.local_stack import LocalStack
 from shared.state.ledger import Ledger
 from shared.names import RedisKeys
 from shared.schemas import TrainerEvent, parse_message
-from shared.settings import StorageSettings
+from shared.settings import S3StorageSettings
 from shared.storage import S3Store
 
 # the random tiny model never solves the game; brevity makes rewards differ within a group
@@ -114,7 +114,7 @@ def process_running(pid: int) -> bool:
 
 
 def store_of(stack: LocalStack) -> S3Store:
-    return S3Store(StorageSettings(endpoint=stack.env["CONVEYOR_STORAGE__ENDPOINT"], access_key="testing", secret_key="testing"))
+    return S3Store(S3StorageSettings(endpoint=stack.env["CONVEYOR_STORAGE__ENDPOINT"], access_key="testing", secret_key="testing"))
 
 
 def stream_events(stack: LocalStack, run_id: str) -> list[TrainerEvent]:

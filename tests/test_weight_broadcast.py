@@ -143,10 +143,10 @@ def test_trainer_publishes_by_broadcast_then_commits_the_checkpoint(server: Vllm
     from services.trainer.checkpoints import download_checkpoint, latest_checkpoint
     from services.trainer.broadcast_publish import BroadcastPublisher
     from shared.state.policy_version import PolicyVersion
-    from shared.settings import StorageSettings, load_settings
+    from shared.settings import S3StorageSettings, load_settings
     from shared.storage import S3Store
 
-    store = S3Store(StorageSettings(endpoint=s3_endpoint, access_key="testing", secret_key="testing"))
+    store = S3Store(S3StorageSettings(endpoint=s3_endpoint, access_key="testing", secret_key="testing"))
     store.ensure_bucket()
     settings = load_settings(run_id=run_id, inference={"weight_sync": "nccl", "base_url": server.base_url,
                                                        "model": SERVED})

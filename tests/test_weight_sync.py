@@ -39,7 +39,7 @@ from services.inference.tiny_model import generate_tiny_model
 from shared.state.dead_letters import DeadLetters
 from shared.names import RedisKeys, checkpoint_prefix
 from shared.schemas import CheckpointAnnouncement
-from shared.settings import StorageSettings
+from shared.settings import S3StorageSettings
 from shared.storage import LocalStore, S3Store
 
 SERVED = "tiny"
@@ -328,7 +328,7 @@ def test_pause_failure_on_one_replica_resumes_the_others(server: VllmServer, mod
 def test_follower_end_to_end(server: VllmServer, models: dict[str, Path], hf: dict[str, Any], prompt: list[int],
                              admin: httpx.Client, redis_client: Any, s3_endpoint: str, run_id: str,
                              tmp_path: Path) -> None:
-    store = S3Store(StorageSettings(endpoint=s3_endpoint, access_key="testing", secret_key="testing"))
+    store = S3Store(S3StorageSettings(endpoint=s3_endpoint, access_key="testing", secret_key="testing"))
     store.ensure_bucket()
     stream, version_key = RedisKeys.checkpoints(run_id), RedisKeys.policy_version(run_id)
 

@@ -45,7 +45,7 @@ from shared.state.ledger import ROLLOUT, SCORING, Ledger
 from shared.outcomes import FailureKind, kind_of
 from shared.schemas import GroupRecord, TrainerEvent, parse_message
 from shared.outage import redis_client
-from shared.settings import OutageSettings, StorageSettings
+from shared.settings import OutageSettings, S3StorageSettings
 from shared.storage import LocalStore, ObjectStore, S3Store, get_models_under
 from shared.state.trainer_counters import TrainerCounters
 from shared.state.trainer_stream import stream_entries
@@ -260,7 +260,7 @@ class ChaosRun:
         env = self.stack.env
         if self.config.storage == "s3":
             endpoint = f"127.0.0.1:{self.s3_gate.target_port}" if self.s3_gate else env["CONVEYOR_STORAGE__ENDPOINT"]
-            return S3Store(StorageSettings(endpoint=endpoint, access_key="testing", secret_key="testing"))
+            return S3Store(S3StorageSettings(endpoint=endpoint, access_key="testing", secret_key="testing"))
         return LocalStore(Path(env["CONVEYOR_STORAGE__LOCAL_ROOT"]))
 
     def _store_root(self) -> Path:

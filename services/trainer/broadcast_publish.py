@@ -1,6 +1,6 @@
 """The trainer's side of ``inference.weight_sync: nccl``: broadcast each new version to the
 replicas, and write an S3 checkpoint (the durable record a restart resumes from) of every
-``inference.weight_sync_checkpoint_every``-th version in the background.
+``inference.weight_sync.checkpoint_every``-th version in the background.
 
 Per version, in the trainer's thread: compute the logprob probe, broadcast the weights
 (``services.weights.broadcast``: pause, receive, probe, label, advance
@@ -47,7 +47,7 @@ from services.trainer.checkpoints import save_checkpoint, take_snapshot
 from services.policy.model import logprob_probe
 from services.policy.probe import default_tolerance
 from shared.state.policy_version import PolicyVersion
-from shared.settings import Settings
+from shared.settings import NcclWeightSync, Settings
 from shared.storage import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,10 @@ class BroadcastPublisher:
                  broadcaster: WeightBroadcaster | None = None):
         """``resumed_version``: the committed checkpoint the trainer resumed from (0: none)."""
         self.settings, self.store = settings, store
-        self.every = settings.inference.weight_sync_checkpoint_every
+        sync = settings.inference.weight_sync
+        if not isinstance(sync, NcclWeightSync):
+            raise ValueError(f"inference.weight_sync is {sync.mode!r}: the broadcast path is not chosen")
+        self.every = sync.checkpoint_every
         self.broadcaster = broadcaster or WeightBroadcaster.from_settings(settings)  # refuses nccl without CUDA
         self.policy_version = PolicyVersion(redis_client, settings.run_id)
         self.served_at_start = self.policy_version.get()  # versions up to it are replays

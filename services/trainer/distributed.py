@@ -86,7 +86,7 @@ class StepOrder:
 def unsupported(settings: Settings) -> list[str]:
     """The settings a sharded trainer does not support yet."""
     return [reason for reason, on in [
-        ("inference.weight_sync: nccl", settings.inference.weight_sync == "nccl"),
+        ("inference.weight_sync: nccl", settings.inference.weight_sync.mode == "nccl"),
         ("trainer.loss.kl_coef > 0", settings.trainer.loss.kl_coef > 0),
     ] if on]
 

@@ -3,7 +3,8 @@ on (``trainer.group_filters``). Zero-variance and all-failed groups are decided 
 chain (``trainer.zero_variance_groups``); the chain sees every other group, as the training
 batch it would become.
 
-Filters (each entry of the list is one):
+Filters (each entry of the list is one; their types, checked when settings load, are in
+``shared.settings.group_filters``):
 - ``{"score_range": [lo, hi]}``: the group's mean reward must lie in [lo, hi] (drop groups
   the policy always or never solves);
 - ``{"max_sampled_tokens": n}``: no member may have sampled more than n tokens;
@@ -19,19 +20,22 @@ filter, or a path that does not import, is refused when settings load.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 from shared.import_path import import_callable
 from shared.schemas import TrainingBatch
+from shared.settings.group_filters import (
+    GroupFilterSpec,
+    MaxSampledTokensFilter,
+    ScoreRangeFilter,
+    StopReasonsFilter,
+)
 
 GroupFilter = Callable[[TrainingBatch], "str | None"]
 
 
-def _score_range(bounds: Any) -> GroupFilter:
-    if not (isinstance(bounds, (list, tuple)) and len(bounds) == 2 and all(isinstance(b, (int, float)) for b in bounds)
-            and bounds[0] <= bounds[1]):
-        raise ValueError(f"score_range takes [low, high] with low <= high, got {bounds!r}")
-    low, high = float(bounds[0]), float(bounds[1])
+def _score_range(spec: ScoreRangeFilter) -> GroupFilter:
+    low, high = spec.score_range
 
     def check(batch: TrainingBatch) -> str | None:
         members = [s for s in batch.samples if s.segment == 0]  # a trajectory's reward counts once
@@ -40,9 +44,8 @@ def _score_range(bounds: Any) -> GroupFilter:
     return check
 
 
-def _max_sampled_tokens(limit: Any) -> GroupFilter:
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
-        raise ValueError(f"max_sampled_tokens takes a positive integer, got {limit!r}")
+def _max_sampled_tokens(spec: MaxSampledTokensFilter) -> GroupFilter:
+    limit = spec.max_sampled_tokens
 
     def check(batch: TrainingBatch) -> str | None:
         sampled: dict[str, int] = {}
@@ -53,10 +56,8 @@ def _max_sampled_tokens(limit: Any) -> GroupFilter:
     return check
 
 
-def _stop_reasons(reasons: Any) -> GroupFilter:
-    if not isinstance(reasons, list) or not all(isinstance(r, str) for r in reasons):
-        raise ValueError(f"stop_reasons takes a list of stop reasons, got {reasons!r}")
-    refused = set(reasons)
+def _stop_reasons(spec: StopReasonsFilter) -> GroupFilter:
+    refused = {r.value for r in spec.stop_reasons}
 
     def check(batch: TrainingBatch) -> str | None:
         found = sorted({s.stop_reason.value for s in batch.samples} & refused)
@@ -64,27 +65,24 @@ def _stop_reasons(reasons: Any) -> GroupFilter:
     return check
 
 
-_BUILDERS: dict[str, Callable[[Any], GroupFilter]] = {
-    "score_range": _score_range, "max_sampled_tokens": _max_sampled_tokens, "stop_reasons": _stop_reasons,
-}
+def _custom(path: str) -> GroupFilter:
+    fn = import_callable(path, "group filter")
+
+    def check(batch: TrainingBatch) -> str | None:
+        verdict = fn(batch)
+        return None if verdict is None else f"{path}: {verdict}"
+    return check
 
 
-def build_filter(spec: str | dict[str, Any]) -> GroupFilter:
-    """One filter from its settings entry; ``ValueError`` naming what is wrong."""
+def build_filter(spec: GroupFilterSpec) -> GroupFilter:
+    """One filter from its validated settings entry (``shared.settings.group_filters``)."""
     if isinstance(spec, str):
-        fn = import_callable(spec, "group filter")
-
-        def custom(batch: TrainingBatch) -> str | None:
-            verdict = fn(batch)
-            return None if verdict is None else f"{spec}: {verdict}"
-        return custom
-    if not isinstance(spec, dict) or len(spec) != 1:
-        raise ValueError(f"a group filter is 'module:function' or one of {{name: argument}} with a name in "
-                         f"{sorted(_BUILDERS)}; got {spec!r}")
-    [(name, argument)] = spec.items()
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown group filter {name!r}; known: {sorted(_BUILDERS)} or 'module:function'")
-    return _BUILDERS[name](argument)
+        return _custom(spec)
+    if isinstance(spec, ScoreRangeFilter):
+        return _score_range(spec)
+    if isinstance(spec, MaxSampledTokensFilter):
+        return _max_sampled_tokens(spec)
+    return _stop_reasons(spec)
 
 
 def first_objection(filters: list[GroupFilter], batch: TrainingBatch) -> str | None:

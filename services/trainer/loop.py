@@ -20,7 +20,7 @@ Invariants:
   one) is logged once and passed over, and counted (``bad_train_entries``) with the selection.
 - A step is announced (a ``CheckpointAnnouncement`` on the checkpoints stream) only after its checkpoint is committed, and the
   staleness step advances with it (with ``inference.weight_sync: nccl`` the version is served
-  by broadcast first, and only every ``inference.weight_sync_checkpoint_every``-th version is
+  by broadcast first, and only every ``inference.weight_sync.checkpoint_every``-th version is
   checkpointed, committed and announced, in the background: ``services.trainer.broadcast_publish``;
   a restart there replays the versions the replicas serve beyond the newest checkpoint,
   without serving them again); on start the latest checkpoint is announced again (the
@@ -102,7 +102,7 @@ class TrainingLoop:
         # inference.weight_sync nccl: broadcast, S3 checkpoint in the background (refused without CUDA)
         self.publisher = BroadcastPublisher(self.settings, self.redis, self.store, resumed_version=self.version,
                                             broadcaster=self.broadcaster) \
-            if self.settings.inference.weight_sync == "nccl" else None
+            if self.settings.inference.weight_sync.mode == "nccl" else None
         self._in_step = False  # weights may differ from the last published version's
         self.budget.advance_step(self.version)
         self.train_queue = TrainQueue(self.redis, self.run_id)

@@ -36,6 +36,7 @@ import torch
 from services.weights import sync as ws
 from services.weights.admin_http import admin_request
 from services.weights.group import Backend, WeightGroup, check_backend
+from shared.settings import NcclWeightSync
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +72,14 @@ class WeightBroadcaster:
     def from_settings(cls, settings: Any, **kwargs: Any) -> WeightBroadcaster:
         """Build from ``shared.settings.Settings`` (refused unless ``inference.weight_sync`` is nccl)."""
         inference = settings.inference
-        if inference.weight_sync != "nccl":
-            raise ValueError(f"inference.weight_sync is {inference.weight_sync!r}: the broadcast path is not chosen")
+        sync = inference.weight_sync
+        if not isinstance(sync, NcclWeightSync):
+            raise ValueError(f"inference.weight_sync is {sync.mode!r}: the broadcast path is not chosen")
         wire = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
                 "float16": torch.float16}.get(inference.dtype)
         kwargs.setdefault("wire_dtype", wire)
-        return cls(inference.replica_urls or [inference.base_url], backend="nccl", host=inference.weight_sync_host,
-                   port=inference.weight_sync_port, workers_per_replica=inference.tensor_parallel_size, **kwargs)
+        return cls(inference.replica_urls or [inference.base_url], backend="nccl", host=sync.host,
+                   port=sync.port, workers_per_replica=inference.tensor_parallel_size, **kwargs)
 
     @property
     def world_size(self) -> int:

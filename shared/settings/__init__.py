@@ -14,8 +14,18 @@ an import path that does not import (``intake.env_config.reward_fn``, a ``module
 ``rewards.weights``) names the setting and the import error. Numbers refuse booleans
 (``group_size: true`` is an error, not 1); digits in a string still parse, as env vars need.
 
+A setting with modes (``storage``, ``inference.weight_sync``, each entry of
+``trainer.group_filters``) is a discriminated union of sections: a field of another mode is
+refused with its place (``storage.local.bucket``), never ignored, and a mode no variant has
+names the mode's field (``storage.backend``). Older spellings still read: a mode alone as a
+string, a mapping without its mode (the default mode), and flat names a section folds
+(``inference.weight_sync_host``, ``shared.settings.base.fold_names``). Cross-field checks remain
+only where no type can say it (e.g. ``trainer.mode`` train needs ``max_off_policy_steps``; nccl
+with LoRA spans two sections).
+
 The sections live by component: ``base``, ``services``, ``inference``, ``rollout``, ``intake``,
-``trainer`` and ``evaluation``; every name is importable from ``shared.settings`` as before.
+``trainer``, ``evaluation`` and the ``group_filters`` entries; every name is importable from
+``shared.settings`` as before.
 """
 
 from __future__ import annotations
@@ -33,8 +43,9 @@ from pydantic_settings import (
 from pydantic_settings import SettingsError as SourceError
 
 from shared.settings.base import Float, Int, PathOrName, Section  # noqa: F401
+from shared.settings.group_filters import GroupFilterSpec  # noqa: F401
 from shared.settings.evaluation import EvaluationSettings  # noqa: F401
-from shared.settings.inference import InferenceSettings  # noqa: F401
+from shared.settings.inference import InferenceSettings, NcclWeightSync, S3WeightSync, WeightSync  # noqa: F401
 from shared.settings.intake import IntakeSettings, RewardSettings, SplitSettings  # noqa: F401
 from shared.settings.rollout import (  # noqa: F401
     AgentProxySettings,
@@ -43,8 +54,10 @@ from shared.settings.rollout import (  # noqa: F401
 )
 from shared.settings.services import (  # noqa: F401
     LedgerSettings,
+    LocalStorageSettings,
     OutageSettings,
     RedisSettings,
+    S3StorageSettings,
     StorageSettings,
 )
 from shared.settings.trainer import (  # noqa: F401
@@ -81,7 +94,7 @@ class Settings(BaseSettings):
     # ``conveyor.environments`` entry points (shared.environments.registry)
     environments: dict[str, str] = Field(default_factory=dict)
     redis: RedisSettings = RedisSettings()
-    storage: StorageSettings = StorageSettings()
+    storage: StorageSettings = S3StorageSettings()
     inference: InferenceSettings = InferenceSettings()
     rollout: RolloutSettings = RolloutSettings()
     ledger: LedgerSettings = LedgerSettings()
@@ -110,7 +123,7 @@ class Settings(BaseSettings):
         """The nccl broadcast sends the model's own parameters and checkpoints a CPU snapshot of
         its state dict; a LoRA policy serves merged weights or an adapter instead, which neither
         path knows, so the combination is refused rather than served wrong."""
-        if self.trainer.lora.enabled and self.inference.weight_sync == "nccl":
+        if self.trainer.lora.enabled and self.inference.weight_sync.mode == "nccl":
             raise ValueError("inference.weight_sync: nccl does not support trainer.lora (either sync mode); "
                              "use weight_sync: s3 with LoRA")
         return self
@@ -133,6 +146,15 @@ class Settings(BaseSettings):
         return tuple(sources)
 
 
+def _place(error: Any) -> str:
+    """The dotted field of a validation error; a mode no variant has names the mode's field
+    (``storage.backend``), not only the setting."""
+    loc = [str(p) for p in error["loc"]]
+    if error["type"] == "union_tag_invalid":
+        loc.append(str(error["ctx"]["discriminator"]).strip("'"))
+    return ".".join(loc)
+
+
 def load_settings(yaml_file: str | Path | None = None, **overrides: Any) -> Settings:
     """Validate settings now; raise SettingsError naming each bad field."""
     if yaml_file is not None:
@@ -142,9 +164,7 @@ def load_settings(yaml_file: str | Path | None = None, **overrides: Any) -> Sett
     try:
         return Settings(**overrides)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg'].removeprefix('Value error, ')}" for err in exc.errors()
-        )
+        problems = "; ".join(f"{_place(err)}: {err['msg'].removeprefix('Value error, ')}" for err in exc.errors())
         raise SettingsError(f"invalid Conveyor settings: {problems}") from None
     except SourceError as exc:  # a source could not parse a value (the checks above catch the known cases)
         raise SettingsError(f"invalid Conveyor settings: {exc}") from None

@@ -7,11 +7,38 @@ Part of ``shared.settings`` (its docstring states the invariants every section k
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import Field, model_validator
 
-from shared.settings.base import Float, Int, PathOrName, Section
+from shared.settings.base import Float, Int, PathOrName, Section, fold_names, read_mode
+
+
+class S3WeightSync(Section):
+    """The trainer writes a checkpoint of every version; the weight follower downloads it and
+    reloads the replicas (``services.weights.follower``)."""
+
+    mode: Literal["s3"] = "s3"
+
+
+class NcclWeightSync(Section):
+    """The trainer broadcasts each version GPU to GPU through a process group the replicas join
+    (``services.weights.broadcast``), and writes the S3 checkpoint in the background as the
+    durable record. Needs CUDA on the trainer and the replicas: the trainer refuses to start
+    without it."""
+
+    mode: Literal["nccl"] = "nccl"
+    host: str = "127.0.0.1"  # the trainer's address as the replicas reach it (its group's store)
+    port: Int = Field(29531, gt=0, lt=65536)
+    # every how many versions the trainer writes the S3 checkpoint (the durable record a restart
+    # resumes from); the versions between are served by broadcast only. The last version a
+    # trainer publishes is always written at shutdown (services.trainer.broadcast_publish)
+    checkpoint_every: Int = Field(1, gt=0)
+
+
+# the mode names the variant: a field of the other mode is an error naming it
+# (inference.weight_sync.s3.checkpoint_every: Extra inputs are not permitted)
+WeightSync = Annotated[Union[S3WeightSync, NcclWeightSync], Field(discriminator="mode"), read_mode("mode", "s3")]
 
 
 class InferenceSettings(Section):
@@ -41,25 +68,20 @@ class InferenceSettings(Section):
     # version does not move. None: 1e-4 for float32, 5e-2 for lower precisions.
     sync_probe: bool = True
     sync_probe_tolerance: Float | None = Field(None, gt=0)
-    # How new weights reach the replicas. s3: the trainer writes a checkpoint, the weight
-    # follower downloads and reloads it. nccl: the trainer broadcasts them GPU to GPU through a
-    # process group the replicas join (services.weights.broadcast), and the S3
-    # checkpoint is written in the background as the durable record. nccl needs CUDA on the
-    # trainer and the replicas: the trainer refuses to start without it. nccl with trainer.lora
-    # is refused here (Settings): the broadcast carries full weights only.
-    weight_sync: Literal["s3", "nccl"] = "s3"
-    weight_sync_host: str = "127.0.0.1"  # the trainer's address as the replicas reach it (its group's store)
-    weight_sync_port: Int = Field(29531, gt=0, lt=65536)
-    # nccl only: every how many versions the trainer writes the S3 checkpoint (the durable
-    # record a restart resumes from); the versions between are served by broadcast only.
-    # The last version a trainer publishes is always written at shutdown (services.trainer.broadcast_publish).
-    weight_sync_checkpoint_every: Int = Field(1, gt=0)
+    # How new weights reach the replicas: {mode: s3} or {mode: nccl, host, port, checkpoint_every}
+    # (S3WeightSync, NcclWeightSync). The mode alone may be written as a string (weight_sync: nccl),
+    # and the nccl fields by their older flat names (weight_sync_host, weight_sync_port,
+    # weight_sync_checkpoint_every: FOLDED_NAMES). nccl with trainer.lora is refused (Settings):
+    # the broadcast carries full weights only.
+    weight_sync: WeightSync = S3WeightSync()
 
-    @model_validator(mode="after")
-    def _sparse_checkpoints_need_broadcast(self) -> "InferenceSettings":
-        """On the s3 path a version reaches the replicas only through its checkpoint."""
-        if self.weight_sync_checkpoint_every > 1 and self.weight_sync != "nccl":
-            raise ValueError(f"weight_sync_checkpoint_every is {self.weight_sync_checkpoint_every}, but with "
-                             f"weight_sync: {self.weight_sync} every version is served from its checkpoint; "
-                             "set it to 1, or use weight_sync: nccl")
-        return self
+    FOLDED_NAMES: ClassVar[dict[str, tuple[str, str]]] = {
+        "weight_sync_host": ("weight_sync", "host"),
+        "weight_sync_port": ("weight_sync", "port"),
+        "weight_sync_checkpoint_every": ("weight_sync", "checkpoint_every"),
+    }
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fold_flat_names(cls, data: Any) -> Any:
+        return fold_names(cls, data)

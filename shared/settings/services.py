@@ -1,5 +1,5 @@
-"""Settings of the shared services: Redis, the object store, the ledger's timings, and how an
-outage of either is waited out.
+"""Settings of the shared services: Redis, the object store (an S3 server or a local directory,
+by ``storage.backend``), the ledger's timings, and how an outage of either is waited out.
 
 Part of ``shared.settings`` (its docstring states the invariants every section keeps).
 """
@@ -7,26 +7,40 @@ Part of ``shared.settings`` (its docstring states the invariants every section k
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal, Union
 
 from pydantic import Field
 
-from shared.settings.base import Float, Int, Section
+from shared.settings.base import Float, Int, Section, read_mode
 
 
 class RedisSettings(Section):
     url: str = "redis://127.0.0.1:6379/0"
 
 
-class StorageSettings(Section):
-    backend: Literal["s3", "local"] = "s3"
+class S3StorageSettings(Section):
+    """An S3 server (MinIO, or any S3 API) holds the objects (``shared.storage.S3Store``)."""
+
+    backend: Literal["s3"] = "s3"
     endpoint: str = "127.0.0.1:9000"  # host:port of the S3 server
     access_key: str = "conveyor"
     secret_key: str = "conveyor-secret"
     bucket: str = "conveyor"
     secure: bool = False
     region: str = "us-east-1"
-    local_root: Path = Path(".conveyor/objects")  # for backend=local
+
+
+class LocalStorageSettings(Section):
+    """A directory every process of the stack shares holds the objects (``shared.storage.LocalStore``)."""
+
+    backend: Literal["local"] = "local"
+    local_root: Path = Path(".conveyor/objects")
+
+
+# backend names the variant, s3 when it is left out (CONVEYOR_STORAGE__ENDPOINT alone is an s3
+# store); a field of the other backend is an error naming it (storage.local.endpoint: Extra inputs ...)
+StorageSettings = Annotated[Union[S3StorageSettings, LocalStorageSettings], Field(discriminator="backend"),
+                            read_mode("backend", "s3")]
 
 
 class LedgerSettings(Section):

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from shared.settings.base import Float, Int, Section
+from shared.settings.group_filters import GroupFilterSpec
 
 
 class LossSettings(Section):
@@ -152,17 +153,9 @@ class TrainerSettings(Section):
     # where a trajectory's reward sits among its tokens (services/trainer/token_rewards.py):
     # terminal = plain GRPO; last_token / distributed place each turn's reward on its tokens
     token_rewards: Literal["terminal", "last_token", "distributed"] = "terminal"
-    # a chain that may drop a finished group before training (services/trainer/group_filters.py)
-    group_filters: list[str | dict[str, Any]] = Field(default_factory=list)
-
-    @field_validator("group_filters")
-    @classmethod
-    def _filters_build(cls, specs: list[str | dict[str, Any]]) -> list[str | dict[str, Any]]:
-        from services.trainer.group_filters import build_filter
-
-        for spec in specs:
-            build_filter(spec)  # ValueError (an ImportPathError too) names the bad entry
-        return specs
+    # a chain that may drop a finished group before training (services/trainer/group_filters.py);
+    # each entry's type is in shared/settings/group_filters.py
+    group_filters: list[GroupFilterSpec] = Field(default_factory=list)
     # while dropping: how many dropped groups one step may wait for beyond groups_per_step;
     # past it the step trains on the groups it has. None: wait for groups_per_step groups.
     max_extra_groups_per_step: Int | None = Field(None, ge=0)

@@ -33,7 +33,7 @@ from shared.celery_app import make_celery, publish_rollouts, publish_scoring
 from shared.state.ledger import SCORING, Ledger
 from shared.names import RedisKeys
 from shared.schemas import GroupRecord, ScoringTask
-from shared.settings import StorageSettings, load_settings
+from shared.settings import S3StorageSettings, load_settings
 from shared.storage import LocalStore, ObjectStore, S3Store, get_model
 
 pytestmark = pytest.mark.slow
@@ -257,7 +257,7 @@ def test_s3_unreachable_for_a_minute_mid_run_loses_fails_and_repeats_nothing(ser
                         waiting=("worker-rollout",))  # holding episodes to upload; the others if they had work
         try:
             recovery = _ride_out(run, outage)
-            store = S3Store(StorageSettings(endpoint=moto, access_key="testing", secret_key="testing"))
+            store = S3Store(S3StorageSettings(endpoint=moto, access_key="testing", secret_key="testing"))
             _assert_exactly_once_and_untouched(run, store, recovery.counts)
         finally:
             gate.close()

@@ -23,7 +23,7 @@ from test_agent_coding import episode  # noqa: F401  (the fixture)
 from services.rollout_worker.episode.loop import EpisodeLimits
 from shared.names import agent_artifact_key
 from shared.schemas import StopReason
-from shared.settings import StorageSettings
+from shared.settings import S3StorageSettings
 from shared.storage import S3Store
 
 pytestmark = pytest.mark.slow
@@ -43,7 +43,7 @@ def proxy(tmp_path_factory):
 
 @pytest.fixture
 def store(s3_endpoint) -> S3Store:
-    s3 = S3Store(StorageSettings(endpoint=s3_endpoint, access_key="testing", secret_key="testing", bucket="cline"))
+    s3 = S3Store(S3StorageSettings(endpoint=s3_endpoint, access_key="testing", secret_key="testing", bucket="cline"))
     s3.ensure_bucket()
     return s3
 

@@ -26,7 +26,7 @@ from services.trainer.step import PolicyTrainer
 from services.policy.probe import LogprobProbe, probe_token_ids
 from shared.names import CHECKPOINT_PROBE
 from shared.settings import LogprobAlarmSettings, OptimSettings
-from shared.settings import StorageSettings
+from shared.settings import S3StorageSettings
 from shared.storage import S3Store
 
 # make_batch's inference logprobs are deliberately not the model's own (noise, or random
@@ -36,7 +36,7 @@ SYNTHETIC_LOGPROBS = LogprobAlarmSettings(max_on_policy_mad=1e6)
 
 @pytest.fixture
 def store(s3_endpoint: str) -> S3Store:
-    s3 = S3Store(StorageSettings(endpoint=s3_endpoint, access_key="testing", secret_key="testing", bucket="ckpt"))
+    s3 = S3Store(S3StorageSettings(endpoint=s3_endpoint, access_key="testing", secret_key="testing", bucket="ckpt"))
     s3.ensure_bucket()
     return s3
 

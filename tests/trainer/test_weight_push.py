@@ -168,5 +168,5 @@ def test_a_restart_replays_the_versions_served_past_the_newest_checkpoint_withou
 
 @pytest.mark.parametrize("every", [0, -1])
 def test_a_checkpoint_cadence_below_one_is_refused(every, tiny_dir, tmp_path, redis_url, run_id):
-    with pytest.raises(ValueError, match="weight_sync_checkpoint_every"):
+    with pytest.raises(ValueError, match="inference.weight_sync.nccl.checkpoint_every"):
         _nccl_settings(run_id, redis_url, tiny_dir, tmp_path, every)

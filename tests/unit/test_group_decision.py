@@ -7,6 +7,7 @@ import pytest
 
 from services.trainer.group_decision import decide_group
 from services.trainer.group_filters import build_filter
+from shared.settings.group_filters import ScoreRangeFilter
 from services.trainer.groups import PendingGroup
 from shared.schemas import (
     FailedEvent,
@@ -124,7 +125,7 @@ def test_disagreeing_rewards_are_accepted_with_grpo_advantages_and_a_batch_entry
 
 
 def test_a_filter_objection_drops_the_group_before_the_staleness_bound_is_asked():
-    score_range = build_filter({"score_range": [0.9, 1.0]})
+    score_range = build_filter(ScoreRangeFilter(score_range=(0.9, 1.0)))
     decision = decide(group_of(scored(0, 1.0), scored(1, 0.0)), filters=[score_range], is_stale=never_asked)
     assert decision.status == "filtered" and decision.batch is None
     assert decision.filter_reason == "score_range: mean reward 0.5 outside [0.9, 1]"

@@ -8,6 +8,7 @@ import os
 import time
 
 import pytest
+from pydantic import TypeAdapter
 
 from services.intake.datasets import Row
 from services.intake.publisher import run_intake
@@ -35,6 +36,7 @@ from shared.schemas import (
     Turn,
 )
 from shared.settings import Settings
+from shared.settings.group_filters import GroupFilterSpec
 from shared.storage import LocalStore, get_model, put_model
 
 # --- GroupAssembler -----------------------------------------------------------------------
@@ -504,7 +506,8 @@ def too_short(batch: TrainingBatch):
     ([{"score_range": [0.2, 0.3]}, {"max_sampled_tokens": 1000}], "accepted", None),
 ])
 def test_group_filters_drop_count_and_record_why(settings, ledger, store, redis_client, run_id, filters, status, reason):
-    settings = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"group_filters": filters})})
+    specs = TypeAdapter(list[GroupFilterSpec]).validate_python(filters)
+    settings = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"group_filters": specs})})
     groups = register_groups(settings, ledger, 1)
     consumer = TrainerConsumer(settings, ledger, store)
     for req, reward in zip(groups[0], [1, 0, 0, 0]):
@@ -529,6 +532,8 @@ def test_a_filter_that_names_nothing_is_refused_when_settings_load():
         load_settings(trainer={"group_filters": ["no_such_mod_xyz:f"]})
     with pytest.raises(SettingsError, match=r"score_range takes \[low, high\]"):
         load_settings(trainer={"group_filters": [{"score_range": [1, 0]}]})
+    with pytest.raises(SettingsError, match=r"trainer.group_filters.1.stop_reasons.stop_reasons.0: Input should be 'done'"):
+        load_settings(trainer={"group_filters": [{"max_sampled_tokens": 8}, {"stop_reasons": ["timout"]}]})
 
 
 def test_a_multi_segment_trajectory_trains_as_one_sample_per_segment_with_its_advantage(settings, ledger, store, run_id):

@@ -1,6 +1,9 @@
-"""Imports run down the data flow, at module level or inside a function: the trainer reaches
-inference only through the weights plane (``services.weights``), the weights plane imports no
-trainer code, and the policy model (``services.policy``) imports none of the three."""
+"""Imports run down the data flow, at module level or inside a function: ``shared`` imports
+nothing of ``services``; the trainer reaches inference only through the weights plane
+(``services.weights``), the weights plane imports no trainer code, and the policy model
+(``services.policy``) imports none of the three. (A built-in environment named by its
+``module:Class`` string in ``shared.environments.registry`` is a plug-in path, imported when
+chosen, not an import of ``shared``.)"""
 
 from __future__ import annotations
 
@@ -21,11 +24,14 @@ def _imported_modules(tree: ast.AST) -> set[str]:
     return names
 
 
+def _forbidden_in(source: str, forbidden: str) -> list[str]:
+    return sorted(n for n in _imported_modules(ast.parse(source)) if n == forbidden or n.startswith(forbidden + "."))
+
+
 def _imports_of(package: str, forbidden: str) -> dict[str, list[str]]:
     found = {}
     for path in sorted((ROOT / package.replace(".", "/")).rglob("*.py")):
-        bad = sorted(n for n in _imported_modules(ast.parse(path.read_text()))
-                     if n == forbidden or n.startswith(forbidden + "."))
+        bad = _forbidden_in(path.read_text(), forbidden)
         if bad:
             found[str(path.relative_to(ROOT))] = bad
     return found
@@ -37,6 +43,20 @@ def test_the_scan_sees_an_import_of_inference_in_any_form():
               "from services.weights import sync\n")
     found = {n for n in _imported_modules(ast.parse(source)) if n.startswith("services.inference")}
     assert found == {"services.inference.server", "services.inference", "services.inference.tiny_model"}
+
+
+def test_the_scan_sees_an_import_of_services_in_any_form_and_not_a_lookalike():
+    source = ("import services\n"
+              "from services import weights\n"
+              "class Settings:\n    def check(self):\n        from services.trainer.group_filters import build_filter\n"
+              "import services_extra\nfrom shared.services import x\n")
+    assert _forbidden_in(source, "services") == [
+        "services", "services.trainer.group_filters", "services.trainer.group_filters.build_filter", "services.weights"]
+
+
+def test_no_shared_module_imports_services():
+    """``shared`` is what the services have in common: an arrow back would make it a service."""
+    assert _imports_of("shared", "services") == {}
 
 
 def test_no_trainer_module_imports_services_inference():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.settings import Settings, SettingsError, load_settings
+from shared.settings import LocalStorageSettings, S3StorageSettings, Settings, SettingsError, load_settings
 
 
 @pytest.fixture(autouse=True)
@@ -113,12 +113,26 @@ def test_bad_yaml_value_names_the_field(tmp_path):
         ({"trainer": {"lora": {"target_modules": ["q_proj", "q_proj"]}}}, "trainer.lora.target_modules"),
         ({"trainer": {"lora": {"sync": "delta"}}}, "trainer.lora.sync"),
         ({"trainer": {"lora": {"sync": "adapter", "rank": 1024}}}, "trainer.lora"),
-        ({"inference": {"weight_sync": "rdma"}}, "inference.weight_sync"),
+        ({"inference": {"weight_sync": "rdma"}}, "inference.weight_sync.mode"),
+        ({"storage": {"backend": "local", "endpoint": "s3:9000"}}, "storage.local.endpoint"),
+        ({"storage": {"local_root": "objects"}}, "storage.s3.local_root"),
     ],
 )
 def test_bad_keyword_values_name_the_field(overrides, field):
     with pytest.raises(SettingsError, match=f"{field}:"):
         load_settings(**overrides)
+
+
+def test_storage_is_s3_unless_its_backend_says_local(monkeypatch, tmp_path):
+    monkeypatch.setenv("CONVEYOR_STORAGE__ENDPOINT", "s3:9000")  # as compose/worker-host.yml sets it, no backend
+    assert load_settings().storage == S3StorageSettings(endpoint="s3:9000")
+    monkeypatch.delenv("CONVEYOR_STORAGE__ENDPOINT")
+    monkeypatch.setenv("CONVEYOR_STORAGE__BACKEND", "local")
+    monkeypatch.setenv("CONVEYOR_STORAGE__LOCAL_ROOT", str(tmp_path))
+    assert load_settings().storage == LocalStorageSettings(local_root=tmp_path)
+    monkeypatch.setenv("CONVEYOR_STORAGE__BUCKET", "b")  # an s3 field with the local backend
+    with pytest.raises(SettingsError, match="storage.local.bucket: Extra inputs are not permitted"):
+        load_settings()
 
 
 def test_the_trainer_trains_only_in_mode_train_which_needs_a_staleness_bound(monkeypatch):

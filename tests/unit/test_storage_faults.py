@@ -18,7 +18,7 @@ from disk_faults import BindMount, fill, small_tmpfs
 from s3_faults import S3FaultProxy
 
 from shared.outage import OutageTooLong
-from shared.settings import OutageSettings, StorageSettings
+from shared.settings import OutageSettings, S3StorageSettings
 from shared.storage import LocalStore, S3Store, StorageError
 from shared.storage_faults import disk_fault, wait_out_disk_faults
 
@@ -155,7 +155,7 @@ def test_an_s3_server_answering_full_or_busy_is_waited_out(s3_endpoint, fault, c
     proxy = S3FaultProxy(int(s3_endpoint.rpartition(":")[2]))
     try:
         endpoint = f"127.0.0.1:{proxy.port}"
-        store = S3Store(StorageSettings(endpoint=endpoint, access_key="testing", secret_key="testing", bucket=run_id), FAST)
+        store = S3Store(S3StorageSettings(endpoint=endpoint, access_key="testing", secret_key="testing", bucket=run_id), FAST)
         store.ensure_bucket()
         proxy.fault = fault
         thread, out = in_thread(lambda: store.put_bytes(f"{run_id}/a", b"payload"))

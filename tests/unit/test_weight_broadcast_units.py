@@ -11,7 +11,7 @@ import torch
 
 from services.cli.local_stack import free_port
 from services.weights.broadcast import WeightBroadcaster
-from shared.settings import SettingsError, load_settings
+from shared.settings import NcclWeightSync, S3WeightSync, SettingsError, load_settings
 from services.weights.group import WeightGroup, WeightGroupError
 
 SENT = [("a", torch.arange(12, dtype=torch.float32).reshape(3, 4) / 7),
@@ -29,11 +29,24 @@ def clean_env(monkeypatch, tmp_path):
 
 
 def test_s3_is_the_default_and_nccl_is_a_choice(monkeypatch):
-    assert load_settings().inference.weight_sync == "s3"
-    monkeypatch.setenv("CONVEYOR_INFERENCE__WEIGHT_SYNC", "nccl")
+    assert load_settings().inference.weight_sync == S3WeightSync()
+    monkeypatch.setenv("CONVEYOR_INFERENCE__WEIGHT_SYNC", "nccl")  # the mode alone, and an older flat name
     monkeypatch.setenv("CONVEYOR_INFERENCE__WEIGHT_SYNC_HOST", "10.0.0.5")
-    inference = load_settings().inference
-    assert (inference.weight_sync, inference.weight_sync_host, inference.weight_sync_port) == ("nccl", "10.0.0.5", 29531)
+    assert load_settings().inference.weight_sync == NcclWeightSync(host="10.0.0.5", port=29531)
+
+
+def test_weight_sync_reads_its_nested_names_and_refuses_a_whole_and_a_field_together(monkeypatch):
+    monkeypatch.setenv("CONVEYOR_INFERENCE__WEIGHT_SYNC__MODE", "nccl")
+    monkeypatch.setenv("CONVEYOR_INFERENCE__WEIGHT_SYNC__PORT", "4000")
+    assert load_settings().inference.weight_sync == NcclWeightSync(port=4000)
+    monkeypatch.setenv("CONVEYOR_INFERENCE__WEIGHT_SYNC", "nccl")  # would silently replace the port
+    with pytest.raises(SettingsError, match="CONVEYOR_INFERENCE__WEIGHT_SYNC sets the whole setting, and "
+                                            "CONVEYOR_INFERENCE__WEIGHT_SYNC__MODE a field of it"):
+        load_settings()
+    monkeypatch.delenv("CONVEYOR_INFERENCE__WEIGHT_SYNC")
+    monkeypatch.setenv("CONVEYOR_INFERENCE__WEIGHT_SYNC__MODE", "s3")  # a field of the other mode names itself
+    with pytest.raises(SettingsError, match=r"inference.weight_sync.s3.port: Extra inputs are not permitted"):
+        load_settings()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without a GPU")
@@ -101,8 +114,14 @@ def test_gloo_group_broadcasts_every_tensor_to_every_rank():
 
 
 def test_sparse_checkpoints_are_refused_where_every_version_is_served_from_its_checkpoint():
-    assert load_settings().inference.weight_sync_checkpoint_every == 1
+    assert load_settings(inference={"weight_sync": "nccl"}).inference.weight_sync.checkpoint_every == 1
     assert load_settings(inference={"weight_sync": "nccl", "weight_sync_checkpoint_every": 4}) \
-        .inference.weight_sync_checkpoint_every == 4
-    with pytest.raises(SettingsError, match="weight_sync_checkpoint_every is 4, but with weight_sync: s3"):
+        .inference.weight_sync == NcclWeightSync(checkpoint_every=4)
+    assert load_settings(inference={"weight_sync": {"mode": "nccl", "checkpoint_every": 4}}) \
+        .inference.weight_sync == NcclWeightSync(checkpoint_every=4)
+    with pytest.raises(SettingsError, match="inference.weight_sync.s3.checkpoint_every: Extra inputs are not permitted"):
         load_settings(inference={"weight_sync_checkpoint_every": 4})
+    with pytest.raises(SettingsError, match="inference.weight_sync.s3.checkpoint_every: Extra inputs are not permitted"):
+        load_settings(inference={"weight_sync": {"mode": "s3", "checkpoint_every": 4}})
+    with pytest.raises(SettingsError, match="weight_sync_checkpoint_every and weight_sync.checkpoint_every are the same"):
+        load_settings(inference={"weight_sync": {"mode": "nccl", "checkpoint_every": 2}, "weight_sync_checkpoint_every": 4})
