@@ -177,9 +177,10 @@ class Environment(abc.ABC):
     def role_of_observations(self) -> str:
         return self.config.observation_role or self.observation_role
 
-    def seed_tool_latency(self, seed: int) -> None:
-        """Seeds the draws of ``tool_latency_s`` (the episode runner passes the trajectory's
-        ``episode_seed``, so the members of a group draw apart and a rerun draws the same)."""
+    def seed_tool_latency(self, seed: int | str) -> None:
+        """Seeds the draws of ``tool_latency_s``. The episode runner passes the trajectory id: the
+        members of a group draw apart, no two trajectories share draws (episode seeds do: member i
+        of group g and member i - 1 of group g + 1), and a rerun draws the same."""
         self._tool_latency_rng = random.Random(seed)
 
     def tool_latency_s(self) -> float:

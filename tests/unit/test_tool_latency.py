@@ -33,9 +33,9 @@ def test_lognormal_draws_have_the_configured_median_and_p99():
 def test_draws_are_seeded_per_trajectory():
     config = {"step_latency_s": 1.0, "step_latency_p99_s": 20.0}
     first, again, other = GuessNumberEnv(config), GuessNumberEnv(config), GuessNumberEnv(config)
-    first.seed_tool_latency(11)
-    again.seed_tool_latency(11)
-    other.seed_tool_latency(12)
+    first.seed_tool_latency("run_3_0_3")  # a trajectory id, as the episode runner passes it
+    again.seed_tool_latency("run_3_0_3")
+    other.seed_tool_latency("run_3_1_4")
     assert draws(first, 5) == draws(again, 5)
     assert draws(first, 5) != draws(other, 5)
 

@@ -70,7 +70,7 @@ class MainThreadFallback(Environment):
     def role_of_observations(self) -> str:
         return self._role
 
-    def seed_tool_latency(self, seed: int) -> None:
+    def seed_tool_latency(self, seed: int | str) -> None:
         self.inner.seed_tool_latency(seed)  # the wrapped environment sleeps, so it draws
 
     async def reset(self, task_data: dict[str, Any], seed: int) -> list[dict[str, str]]:
