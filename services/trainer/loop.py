@@ -237,6 +237,10 @@ class TrainingLoop:
             "filtered_all_failed": float(counters.get(TrainerCounter.groups_all_failed.value, 0)),
             "filtered_by_filters": float(counters.get(TrainerCounter.groups_filtered.value, 0)),
             "weight_sync_s": sync["seconds"],
+            # its parts, for the step's breakdown (bench/loop_speed.py): the checkpoint's download
+            # from the store, the replicas' reload, and the served-logprob probe
+            "weight_sync_download_s": sync["download_s"], "weight_sync_reload_s": sync["reload_s"],
+            "weight_sync_probe_s": sync["probe_s"],
             "served_probe_max_abs_diff": sync["probe_max_abs_diff"],
             **{f"staleness_{lag}": float(n) for lag, n in sorted(staleness.items())},
         }

@@ -358,6 +358,7 @@ class WeightFollower:
             self.weight_syncs.record_sync(
                 applied.version, len(applied.replicas), applied.total_s, applied.download.seconds, s.total_s,
                 s.pause_s, s.reload_s, s.version_s, s.resume_s, s.extra.get("probe_max_abs_diff", "nan"),
+                s.extra.get("probe_s", "nan"),
             )
         except Exception:
             log.exception("could not record weight-sync stats")

@@ -41,7 +41,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import math
+import random
 from dataclasses import dataclass, field
+from statistics import NormalDist
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -77,8 +80,11 @@ class EnvConfig(BaseModel):
     max_tokens_per_turn: int | None = Field(None, gt=0)
     max_episode_tokens: int | None = Field(None, gt=0)  # sampled tokens across all turns
     episode_timeout_s: float | None = Field(None, gt=0)
-    # each step takes this long, standing in for tool execution in benchmarks
+    # each step takes this long, standing in for tool execution in benchmarks; with
+    # step_latency_p99_s, step_latency_s is the median of a lognormal draw per step instead
+    # (seeded per trajectory: ``seed_tool_latency``), a long-tailed tool time as on agentic tasks
     step_latency_s: float = Field(0.0, ge=0)
+    step_latency_p99_s: float | None = Field(None, gt=0)
     # the chat role observations are rendered with; None: the environment's own default
     observation_role: Literal["user", "tool"] | None = None
     # several episodes of the task in one trajectory; the first free_shots do not count
@@ -91,6 +97,10 @@ class EnvConfig(BaseModel):
         if self.free_shots >= self.episodes_per_trial:
             raise ValueError(f"free_shots ({self.free_shots}) must be below episodes_per_trial "
                              f"({self.episodes_per_trial}): some episode must count")
+        p99 = self.step_latency_p99_s
+        if p99 is not None and not 0 < self.step_latency_s <= p99:
+            raise ValueError(f"step_latency_p99_s ({p99}) needs a median step_latency_s above 0 and "
+                             f"at most it (got {self.step_latency_s})")
         return self
 
 
@@ -119,6 +129,7 @@ class Environment(abc.ABC):
     name: str  # each class sets it; MainThreadFallback takes the one of the environment it wraps
     Config: ClassVar[type[EnvConfig]] = EnvConfig
     observation_role: ClassVar[str] = "user"  # default for ``EnvConfig.observation_role``
+    _tool_latency_rng: random.Random | None = None  # ``seed_tool_latency``
 
     def __init__(self, env_config: dict[str, Any] | EnvConfig | None = None):
         if isinstance(env_config, EnvConfig):
@@ -166,10 +177,28 @@ class Environment(abc.ABC):
     def role_of_observations(self) -> str:
         return self.config.observation_role or self.observation_role
 
+    def seed_tool_latency(self, seed: int | str) -> None:
+        """Seeds the draws of ``tool_latency_s``. The episode runner passes the trajectory id: the
+        members of a group draw apart, no two trajectories share draws (episode seeds do: member i
+        of group g and member i - 1 of group g + 1), and a rerun draws the same."""
+        self._tool_latency_rng = random.Random(seed)
+
+    def tool_latency_s(self) -> float:
+        """This step's simulated tool time: ``step_latency_s``, or with ``step_latency_p99_s`` a
+        lognormal draw with that median and 99th percentile (unseeded: seed 0)."""
+        median, p99 = self.config.step_latency_s, self.config.step_latency_p99_s
+        if p99 is None:
+            return median
+        if self._tool_latency_rng is None:
+            self._tool_latency_rng = random.Random(0)
+        return self._tool_latency_rng.lognormvariate(math.log(median), math.log(p99 / median) / NormalDist().inv_cdf(0.99))
+
     async def simulate_tool_latency(self) -> None:
-        """``env_config.step_latency_s`` (default 0): each step takes that long."""
-        if self.config.step_latency_s > 0:
-            await asyncio.sleep(self.config.step_latency_s)
+        """``env_config.step_latency_s`` (default 0): each step takes that long
+        (``tool_latency_s``)."""
+        latency = self.tool_latency_s()
+        if latency > 0:
+            await asyncio.sleep(latency)
 
 
 def validate_config(env_type: type[Environment], env_config: dict[str, Any]) -> EnvConfig:

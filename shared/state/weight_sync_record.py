@@ -20,7 +20,7 @@ from typing import Any
 from shared.names import RedisKeys
 
 SYNC_FIELDS = ("version", "replicas", "at", "seconds", "total_s", "download_s", "sync_s", "pause_s", "reload_s",
-               "version_s", "resume_s", "probe_max_abs_diff")
+               "version_s", "resume_s", "probe_s", "probe_max_abs_diff")
 FAILURE_FIELDS = ("failed_version", "failed_phase", "error", "failed_at")
 
 
@@ -38,11 +38,11 @@ class WeightSyncRecord:
 
     def record_sync(self, version: int, replicas: int, total_s: float, download_s: float, sync_s: float,
                     pause_s: float, reload_s: float, version_s: float, resume_s: float,
-                    probe_max_abs_diff: float | str = "nan") -> None:
+                    probe_max_abs_diff: float | str = "nan", probe_s: float | str = "nan") -> None:
         self.redis.hset(self.key, mapping={
             "version": version, "replicas": replicas, "at": time.time(), "seconds": total_s, "total_s": total_s,
             "download_s": download_s, "sync_s": sync_s, "pause_s": pause_s, "reload_s": reload_s,
-            "version_s": version_s, "resume_s": resume_s, "probe_max_abs_diff": probe_max_abs_diff,
+            "version_s": version_s, "resume_s": resume_s, "probe_s": probe_s, "probe_max_abs_diff": probe_max_abs_diff,
         })
 
     def record_failure(self, version: int, phase: str, error: str) -> None:

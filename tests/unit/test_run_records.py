@@ -79,11 +79,11 @@ def test_weight_sync_record_keeps_the_last_failure_next_to_later_successes(redis
     record = WeightSyncRecord(redis_client, run_id)
     assert record.last_failure() is None and math.isnan(record.last_sync()["seconds"])
     record.record_failure(3, "probe", "x" * 5000)
-    record.record_sync(4, 1, 1.5, 0.5, 1.0, 0.1, 0.7, 0.1, 0.1, 2e-6)
+    record.record_sync(4, 1, 1.5, 0.5, 1.0, 0.1, 0.7, 0.1, 0.1, 2e-6, probe_s=0.3)
     failure = record.last_failure()
     assert failure == SyncFailure(3, "probe", "x" * 2000)  # the error is kept short
     sync = record.last_sync()
-    assert (sync["version"], sync["seconds"], sync["probe_max_abs_diff"]) == (4.0, 1.5, 2e-6)
+    assert (sync["version"], sync["seconds"], sync["probe_max_abs_diff"], sync["probe_s"]) == (4.0, 1.5, 2e-6, 0.3)
 
 
 def test_dead_letters_keep_what_did_not_parse_newest_first_and_bounded(redis_client, monkeypatch):

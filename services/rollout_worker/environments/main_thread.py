@@ -70,6 +70,9 @@ class MainThreadFallback(Environment):
     def role_of_observations(self) -> str:
         return self._role
 
+    def seed_tool_latency(self, seed: int | str) -> None:
+        self.inner.seed_tool_latency(seed)  # the wrapped environment sleeps, so it draws
+
     async def reset(self, task_data: dict[str, Any], seed: int) -> list[dict[str, str]]:
         self._opening, self._actions = (task_data, seed), []
         return await self._call("reset", task_data, seed)

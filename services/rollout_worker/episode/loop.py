@@ -179,6 +179,7 @@ async def run_episode(
     stop, error, env_reward = StopReason.max_turns, None, None
     env_info: dict[str, Any] = {}
     prompt_messages: list[dict[str, str]] = []
+    env.seed_tool_latency(request.trajectory_id)
     try:
         with environment_call("reset"):
             messages = await env.reset(request.task.task_data, request.task_seed)

@@ -1,0 +1,207 @@
+"""The loop's speed in one run (issue 28, item 1): both ratios the issue names.
+
+1. **Sync step against TRL.** Conveyor at ``max_off_policy_steps = 0`` against TRL's GRPOTrainer on
+   the toy digit task, with ``bench/training.py --vs-trl``'s matched settings (``TRL_MATCHED``, the
+   same tiny model, prompts, reward, 4 x 8 completions of at most 24 tokens, lr 5e-3, AdamW) and
+   the same torch thread count on both sides (``--threads``, printed). Median seconds per step of
+   each and their ratio, then Conveyor's step taken apart. The hops come from the run's own
+   records, read while its stack is still up: each trajectory's dispatch time and episode timings
+   (its ``Trajectory`` object), its upload and scoring times and scoring end (``ScoredTrajectory``),
+   each group's completion (the trainer's ``metrics.jsonl``), and the trainer's step spans
+   (``step_time_s``, ``checkpoint_s``, ``weight_sync_s`` with its download, reload and probe parts,
+   ``services.trainer.loop``). Per step, the critical path is followed through the step's last
+   trajectory to be scored: admission, the rollout hop (Celery: dispatch to episode start), the
+   episode, the upload (an S3 object), the scoring hop (Celery: uploaded to scorer start), scoring,
+   scored to group assembled, the trainer's pickup, then forward/backward, checkpoint, weight sync.
+2. **Async against sync on agentic episodes.** The same task, every environment step (one per
+   episode: a single-turn task) waiting a tool latency drawn from a seeded lognormal (median
+   ``--tool-p50`` 1 s, p99 ``--tool-p99`` 20 s: ``EnvConfig.step_latency_p99_s``), so wall time
+   is tool time, not CPU. Time to N steps (from the first group's dispatch to the trainer's N-th
+   step; also from intake's start, ``LearningRun.wall_s``, which adds intake's own start-up) at
+   k = 0 (sync) and each of ``--ks``, each step training exactly ``groups_per_step`` groups
+   (zero-variance groups kept, no extra groups), and the share of finished groups discarded as
+   stale (``filtered_stale``). vLLM runs eager there (it starts in a third of the time; decoding
+   speed hardly matters when tools take the time).
+
+Every figure is printed with the 1-minute load average around it. ``--out`` keeps every run's
+step logs and ``loop_speed.json``.
+
+    .venv/bin/python bench/loop_speed.py [--steps 12] [--agentic-steps 10] [--ks 1,2,4] [--threads 1]
+        [--skip-trl] [--skip-agentic] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from unittest import mock
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.training import TRL_MATCHED, TRL_VERSION, conveyor_breakdown, run_trl  # noqa: E402
+from services.cli.learning_demo import run_learning  # noqa: E402
+from services.cli.local_stack import LocalStack  # noqa: E402
+from shared.schemas import ScoredTrajectory, Trajectory  # noqa: E402
+from shared.settings import load_settings  # noqa: E402
+from shared.storage import get_model, get_models_under, open_store  # noqa: E402
+
+AGENTIC = {"CONVEYOR_TRAINER__ZERO_VARIANCE_GROUPS": "keep", "CONVEYOR_TRAINER__MAX_EXTRA_GROUPS_PER_STEP": "0",
+           "CONVEYOR_INFERENCE__EAGER": "true"}
+
+
+def load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load {one:.2f} (5-min {five:.2f})"
+
+
+def read_trajectories(stack: LocalStack) -> list[dict]:
+    """Each scored trajectory of the run as absolute timestamps of its hops (the stack is up)."""
+    with mock.patch.dict(os.environ, stack.env):
+        settings = load_settings()
+    store = open_store(settings.storage)
+    rows = []
+    for scored in get_models_under(store, f"scored/{settings.run_id}/", ScoredTrajectory):
+        request, t = get_model(store, scored.trajectory_key, Trajectory).request, scored.timings
+        start = request.dispatched_at + t["queue_wait"]
+        uploaded = start + t["episode"] + t["upload"]
+        rows.append({"group_id": scored.group_id, "dispatched": request.dispatched_at, "start": start,
+                     "episode_s": t["episode"], "upload_s": t["upload"], "uploaded": uploaded,
+                     "scoring_s": t["scoring"], "scoring_start": scored.scored_at - t["scoring"], "scored": scored.scored_at})
+    return rows
+
+
+def hop_breakdown(steps: list[dict], groups: list[dict], trajectories: list[dict]) -> dict[str, list[float]]:
+    """Per step after the first (k = 0): the critical path through the step's last trajectory
+    scored, and the weight sync's parts (the sync that ran before this step's rollouts)."""
+    parts: dict[str, list[float]] = {}
+
+    def add(name: str, value: float) -> None:
+        if value == value:  # NaN: never measured (no sync yet)
+            parts.setdefault(name, []).append(value)
+
+    for prev, cur in zip(steps, steps[1:]):
+        done = {g["group_id"]: g for g in groups if g["status"] == "accepted" and prev["time"] < g["time"] <= cur["time"]}
+        members = [t for t in trajectories if t["group_id"] in done]
+        if not members:
+            continue
+        last = max(members, key=lambda t: t["scored"])
+        started = cur["time"] - cur["step_time_s"] - cur.get("checkpoint_s", 0.0)
+        sync = {key: cur.get(f"weight_sync_{key}", float("nan")) for key in ("s", "download_s", "reload_s", "probe_s")}
+        admission = last["dispatched"] - prev["time"]
+        add("weight sync (follower), before the dispatch", sync["s"])
+        add("  download of the checkpoint", sync["download_s"])
+        add("  replica reload", sync["reload_s"])
+        add("  probe", sync["probe_s"])
+        add("admission after the sync (intake's poll, dispatch)", admission - (sync["s"] if sync["s"] == sync["s"] else 0.0))
+        add("rollout hop: dispatch to episode start (Celery)", last["start"] - last["dispatched"])
+        add("episode: inference + environment", last["episode_s"])
+        add("trajectory upload (S3 object)", last["upload_s"])
+        add("scoring hop: uploaded to scorer start (Celery)", last["scoring_start"] - last["uploaded"])
+        add("scoring: trajectory read + reward", last["scoring_s"])
+        add("scored to group assembled (stream, S3 bundle)", done[last["group_id"]]["time"] - last["scored"])
+        add("last group assembled to step start (pickup)", started - max(g["time"] for g in done.values()))
+        add("forward/backward + optimizer", cur["step_time_s"])
+        add("checkpoint (S3 objects, announce)", cur.get("checkpoint_s", 0.0))
+    return parts
+
+
+def print_parts(parts: dict[str, list[float]], wall: float) -> None:
+    print(f"    {'':52s} median   mean    share of the median step")
+    for name, values in parts.items():
+        med = statistics.median(values)
+        print(f"    {name:52s} {med:6.3f}  {statistics.fmean(values):6.3f}   {med / wall:6.1%}")
+
+
+def sync_vs_trl(out: Path, steps: int, threads: int, layout: str) -> dict:
+    print(f"## sync step: Conveyor (k=0) against TRL {TRL_VERSION} GRPOTrainer, layout {layout}, {steps} steps, "
+          f"torch threads {threads} on both sides (Conveyor's trainer and workers: CONVEYOR_TRAINER__TORCH_THREADS and "
+          f"OMP_NUM_THREADS; vLLM its own)", flush=True)
+    trajectories: list[dict] = []
+    overrides = {**TRL_MATCHED, "CONVEYOR_TRAINER__TORCH_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
+    before = load()
+    run = run_learning(out / "vs-trl", steps, 0, overrides=overrides, layout=layout,
+                       inspect=lambda stack: trajectories.extend(read_trajectories(stack)))
+    between = load()
+    trl = run_trl(out / "vs-trl", steps, layout, threads)
+    after = load()
+    (run.workdir / "trajectories.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trajectories))
+    groups = [json.loads(line) for line in (run.workdir / "stack" / "metrics.jsonl").read_text().splitlines() if line]
+    conveyor_s = conveyor_breakdown(run.steps, groups)["wall"]
+    trl_s = [s["step_wall_s"] for s in trl][1:]
+    conv_med, trl_med = statistics.median(conveyor_s), statistics.median(trl_s)
+    print(f"  machine: before Conveyor {before}; between {between}; after TRL {after}")
+    print(f"  median s/step, steps 2..N: Conveyor {conv_med:.3f}, TRL {trl_med:.3f}; "
+          f"ratio Conveyor / TRL {conv_med / trl_med:.2f}x (target <= 3x)")
+    parts = hop_breakdown(run.steps, groups, trajectories)
+    print(f"  Conveyor's step, critical path through the step's last trajectory scored ({len(trajectories)} trajectories):")
+    print_parts(parts, conv_med)
+    return {"conveyor_s_per_step": conv_med, "trl_s_per_step": trl_med, "ratio": conv_med / trl_med, "threads": threads,
+            "load": [before, between, after], "parts_median": {k: statistics.median(v) for k, v in parts.items()}}
+
+
+def stale_share(steps: list[dict]) -> float:
+    """Groups discarded as stale over groups trained or discarded as stale, over the run."""
+    stale = steps[-1].get("filtered_stale", 0.0) if steps else 0.0
+    trained = sum(s.get("groups_trained", 0.0) for s in steps)
+    return stale / (stale + trained) if stale + trained else 0.0
+
+
+def agentic(out: Path, steps: int, ks: list[int], p50: float, p99: float) -> dict:
+    print(f"## async against sync on agentic episodes: {steps} steps of 4 groups x 8, every environment step waits a "
+          f"lognormal tool latency (p50 {p50} s, p99 {p99} s, seeded per trajectory)", flush=True)
+    runs = {}
+    for k in [0, *ks]:
+        before = load()
+        run = run_learning(out / f"agentic-k{k}", steps, k, overrides=AGENTIC,
+                           task_config={"step_latency_s": p50, "step_latency_p99_s": p99})
+        groups = [json.loads(line) for line in (run.workdir / "stack" / "metrics.jsonl").read_text().splitlines() if line]
+        first_dispatch = min(g["time"] - g["group_latency_s"] for g in groups)
+        runs[k] = {"wall_s": run.wall_s, "from_first_dispatch_s": run.steps[-1]["time"] - first_dispatch,
+                   "steps": len(run.steps), "stale_share": stale_share(run.steps), "load": [before, load()]}
+        print(f"  k={k}: {runs[k]['from_first_dispatch_s']:.1f} s from the first dispatch to step {len(run.steps)} "
+              f"({run.wall_s:.1f} s from intake's start), stale {runs[k]['stale_share']:.1%} "
+              f"({before} before, {runs[k]['load'][1]} after)", flush=True)
+    for k in ks:
+        speedup = runs[0]["from_first_dispatch_s"] / runs[k]["from_first_dispatch_s"]
+        runs[k]["speedup"] = speedup
+        print(f"  async k={k} over sync: {speedup:.2f}x from the first dispatch "
+              f"({runs[0]['wall_s'] / runs[k]['wall_s']:.2f}x from intake's start; target >= 3x), "
+              f"groups discarded as stale {runs[k]['stale_share']:.1%} (target <= 5%)")
+    return {str(k): v for k, v in runs.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=12, help="steps of the sync-vs-TRL comparison")
+    parser.add_argument("--agentic-steps", type=int, default=10, help="N: steps of each agentic run")
+    parser.add_argument("--ks", default="1,2,4", help="async staleness bounds to time against k=0")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on both sides")
+    parser.add_argument("--layout", default="llama", help="tiny-model layout of the TRL comparison")
+    parser.add_argument("--tool-p50", type=float, default=1.0)
+    parser.add_argument("--tool-p99", type=float, default=20.0)
+    parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--skip-agentic", action="store_true")
+    parser.add_argument("--out", type=Path, help="default: a temp dir")
+    args = parser.parse_args()
+    out = (args.out or Path(tempfile.mkdtemp(prefix="conveyor-loop-speed-"))).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"# loop speed: {os.cpu_count()} CPUs, {load()}; out {out}", flush=True)
+    results: dict = {}
+    if not args.skip_trl:
+        results["sync_vs_trl"] = sync_vs_trl(out, args.steps, args.threads, args.layout)
+        (out / "loop_speed.json").write_text(json.dumps(results, indent=1))
+    if not args.skip_agentic:
+        results["agentic"] = agentic(out, args.agentic_steps, [int(k) for k in args.ks.split(",")],
+                                     args.tool_p50, args.tool_p99)
+        (out / "loop_speed.json").write_text(json.dumps(results, indent=1))
+    print(f"figures: {out / 'loop_speed.json'}")
+
+
+if __name__ == "__main__":
+    main()
