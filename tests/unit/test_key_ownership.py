@@ -1,10 +1,13 @@
 """One owner per Redis key: ``shared.names.REDIS_KEY_OWNERS`` names each key's owner, a module of
 ``shared.state``, and no other module under ``services/`` or ``shared/`` names the key (found by
-the state map's parser, ``services.cli.state_map``, which follows aliases of ``RedisKeys``)."""
+the state map's parser, ``services.cli.state_map``, which follows aliases of ``RedisKeys``).
+Nor does any module there but the ledger's own reach the Redis client through a ledger
+(``ledger.redis``): a component is given the client, or the owner it needs, explicitly."""
 
 from __future__ import annotations
 
 import ast
+from pathlib import Path
 
 from services.cli import state_map
 from shared.names import REDIS_KEY_OWNERS
@@ -31,3 +34,39 @@ def test_no_module_but_its_owner_names_a_key():
 def test_a_key_named_through_an_alias_of_redis_keys_is_seen():
     tree = ast.parse("from shared.names import RedisKeys as K\nk, n = RedisKeys, 1\nK.states('r'); k.runs\n")
     assert state_map._redis_keys_aliases(tree) == {"RedisKeys", "K", "k"}
+
+
+ROOT = Path(__file__).resolve().parents[2]
+LEDGER_MODULE = Path("shared/state/ledger.py")
+
+
+def _reaches_through_a_ledger(source: str) -> list[int]:
+    """Lines of ``source`` that read ``.redis`` off a ledger: ``ledger.redis``, ``self.ledger.redis``,
+    ``self.leases.ledger.redis``, ``_ledger.redis``, ``getattr(ledger, "redis")``."""
+    def is_ledger(node: ast.expr) -> bool:
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+        return name.lower().endswith("ledger")
+
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "redis" and is_ledger(node.value):
+            lines.append(node.lineno)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+              and len(node.args) >= 2 and is_ledger(node.args[0])
+              and isinstance(node.args[1], ast.Constant) and node.args[1].value == "redis"):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_no_module_but_the_ledger_reaches_redis_through_a_ledger():
+    reaches = [f"{path.relative_to(ROOT)}:{line}"
+               for folder in ("services", "shared") for path in sorted((ROOT / folder).rglob("*.py"))
+               if path.relative_to(ROOT) != LEDGER_MODULE
+               for line in _reaches_through_a_ledger(path.read_text())]
+    assert not reaches, f"reaches through a ledger to its Redis client (pass the client or its owner instead): {reaches}"
+
+
+def test_a_reach_through_a_ledger_is_seen_and_a_client_of_its_own_is_not():
+    reaching = "ledger.redis\nself.ledger.redis.get('k')\nself.leases.ledger.redis\n_ledger.redis\ngetattr(ledger, 'redis')\n"
+    assert _reaches_through_a_ledger(reaching) == [1, 2, 3, 4, 5]
+    assert _reaches_through_a_ledger("self.redis\nclient.redis\nledger.counts('r')\nredis.Redis\nledger_redis\n") == []
