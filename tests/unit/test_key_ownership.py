@@ -1,7 +1,7 @@
 """One owner per Redis key: ``shared.names.REDIS_KEY_OWNERS`` names each key's owner, a module of
-``shared.state``, and no other module under ``services/`` or ``shared/`` names the key (found by
+``shared.state`` or a package of it (the ledger's modules own its keys together), and no other module under ``services/`` or ``shared/`` names the key (found by
 the state map's parser, ``services.cli.state_map``, which follows aliases of ``RedisKeys``).
-Nor does any module there but the ledger's own reach the Redis client through a ledger
+Nor does any module there but the ledger's own (``shared/state/ledger/``) reach the Redis client through a ledger
 (``ledger.redis``): a component is given the client, or the owner it needs, explicitly."""
 
 from __future__ import annotations
@@ -17,18 +17,29 @@ def _redis_rows() -> dict[str, tuple[str, ...]]:
     return {e.name.removeprefix("RedisKeys."): e.named_in for e in state_map.entries() if e.kind == "redis"}
 
 
+def _of_owner(module: str, owner: str) -> bool:
+    """The owner itself, or a module of the owner's package (``shared.state.ledger.reads``)."""
+    return module == owner or module.startswith(owner + ".")
+
+
 def test_every_redis_key_has_one_owner_in_shared_state_that_names_it():
     rows = _redis_rows()
     assert rows.keys() == REDIS_KEY_OWNERS.keys()
     assert all(owner.startswith("shared.state.") for owner in REDIS_KEY_OWNERS.values())
-    unnamed = {key: owner for key, owner in REDIS_KEY_OWNERS.items() if owner not in rows[key]}
+    unnamed = {key: owner for key, owner in REDIS_KEY_OWNERS.items()
+               if not any(_of_owner(module, owner) for module in rows[key])}
     assert not unnamed, f"owners that do not name their key (a stale owner in shared/names.py): {unnamed}"
 
 
 def test_no_module_but_its_owner_names_a_key():
     others = sorted((key, module) for key, named_in in _redis_rows().items() for module in named_in
-                    if module != REDIS_KEY_OWNERS[key])
+                    if not _of_owner(module, REDIS_KEY_OWNERS[key]))
     assert not others, f"modules that name a key they do not own (use the owner's methods): {others}"
+
+
+def test_a_module_of_the_owners_package_is_the_owner_and_a_namesake_beside_it_is_not():
+    assert _of_owner("shared.state.ledger.reads", "shared.state.ledger") and _of_owner("shared.state.run_stop", "shared.state.run_stop")
+    assert not _of_owner("shared.state.ledger_retry", "shared.state.ledger")
 
 
 def test_a_key_named_through_an_alias_of_redis_keys_is_seen():
@@ -37,7 +48,7 @@ def test_a_key_named_through_an_alias_of_redis_keys_is_seen():
 
 
 ROOT = Path(__file__).resolve().parents[2]
-LEDGER_MODULE = Path("shared/state/ledger.py")
+LEDGER_PACKAGE = Path("shared/state/ledger")
 
 
 def _reaches_through_a_ledger(source: str) -> list[int]:
@@ -61,7 +72,7 @@ def _reaches_through_a_ledger(source: str) -> list[int]:
 def test_no_module_but_the_ledger_reaches_redis_through_a_ledger():
     reaches = [f"{path.relative_to(ROOT)}:{line}"
                for folder in ("services", "shared") for path in sorted((ROOT / folder).rglob("*.py"))
-               if path.relative_to(ROOT) != LEDGER_MODULE
+               if LEDGER_PACKAGE not in path.relative_to(ROOT).parents
                for line in _reaches_through_a_ledger(path.read_text())]
     assert not reaches, f"reaches through a ledger to its Redis client (pass the client or its owner instead): {reaches}"
 
