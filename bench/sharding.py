@@ -26,7 +26,7 @@ Layouts:
   or script whose keys hash to different slots (``CROSSSLOT``). ``--crossslot`` calls each step of
   the lifecycle there as the ledger is, and lists those refused. The layout then runs the
   lifecycle with per-run lease keys (``conveyor:{run}:leases``), a prototype done here by
-  renaming the global keys a script is given (``PerRunKeys``); ``shared/state/ledger.py`` is unchanged.
+  renaming the global keys a script is given (``PerRunKeys``); ``shared/state/ledger/`` is unchanged.
 
     .venv/bin/python bench/sharding.py [--clients 4] [--runs 32] [--groups 40] [--group-size 16] [--shards 1 2 3]
 """

@@ -239,7 +239,8 @@ class RedisKeys:
 _LEDGER = "shared.state.ledger"
 # Each Redis key's one owner: the only module that names it. Any other module reads or changes the
 # key through its owner's methods; tests/unit/test_key_ownership.py fails on any other module that
-# names it. Every owner is a module of shared.state.
+# names it. Every owner is a module of shared.state, or a package of it whose modules are the owner
+# together (the ledger: shared/state/ledger/).
 REDIS_KEY_OWNERS: dict[str, str] = {
     **dict.fromkeys(("runs", "leases", "scoring_leases", "states", "counts", "failures", "owners", "attempts",
                      "resends", "scoring_resends", "scoring_owners", "scoring_attempts", "scoring_tasks",

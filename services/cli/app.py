@@ -77,7 +77,7 @@ def _publish_dataset(settings: Settings, dataset: Optional[str], demo_tasks: Opt
     from services.intake.limits import PromptLimit
     from services.intake.publisher import run_intake
     from shared.celery_app import make_celery, publish_rollouts
-    from shared.state.ledger import Ledger
+    from shared.state.ledger import redis_for
     from shared.storage import open_store
 
     if demo_tasks is not None:
@@ -97,12 +97,12 @@ def _publish_dataset(settings: Settings, dataset: Optional[str], demo_tasks: Opt
         raise errors.CommandError("no dataset: pass --dataset or set intake.dataset")
     data = read_dataset(path, settings.intake.split, settings.intake.dataset_label, settings.intake.max_row_bytes)
     celery = make_celery(settings)
-    ledger = Ledger.from_url(settings.redis.url, settings.outage, settings.ledger.dispatch_ttl_s)  # waits out an outage of Redis
-    refuse_run_in_use(ledger, settings.run_id, resume)
+    client = redis_for(settings.redis.url, settings.outage)  # waits out an outage of Redis
+    refuse_run_in_use(client, settings.run_id, resume)
     store = open_store(settings.storage, settings.outage)  # keeps the run's marker (shared.state.run_marker)
     groups = settings.intake.num_groups if settings.intake.mode == "sample" else len(data.rows)
     with progress(f"intake {settings.run_id}: publishing groups", total=groups) as advance:
-        report = run_intake(settings, data.rows, ledger, lambda reqs: publish_rollouts(celery, reqs), store=store,
+        report = run_intake(settings, data.rows, client, lambda reqs: publish_rollouts(celery, reqs), store=store,
                             dataset_version=data.version, prompt_limit=PromptLimit.from_settings(settings),
                             on_group=lambda _group_id: advance(1))
     console.print(
@@ -178,7 +178,7 @@ def process(
     from services.cli.data import check_export_options, export_run
     from services.trainer.consumer import TrainerConsumer
     from services.trainer.process import TrainerProcess
-    from shared.state.ledger import Ledger
+    from shared.state.ledger import redis_for
     from shared.storage import open_store
 
     check_export_options(fmt, form)
@@ -186,7 +186,7 @@ def process(
         console.print(f"process mode: trainer.mode {settings.trainer.mode} ignored, no trainer runs")
         settings = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"mode": "assemble"})})
     _publish_dataset(settings, dataset, None, resume)
-    consumer = TrainerConsumer(settings, Ledger.from_url(settings.redis.url, settings.outage), open_store(settings.storage, settings.outage))
+    consumer = TrainerConsumer(settings, redis_for(settings.redis.url, settings.outage), open_store(settings.storage, settings.outage))
     TrainerProcess(consumer).run(stop_when_idle=True)  # groups assembled, advantages computed, every trajectory terminal
     counts = consumer.ledger.counts(settings.run_id)
     console.print(f"process {settings.run_id}: {counts['consumed']} trajectories scored, {counts['failed']} failed")
@@ -253,7 +253,8 @@ def retry(
     require_run(ledger, run)
     refuse_stopped(client, run, "its failures stay as they are")
     celery = make_celery(settings)
-    summary = retry_summary(run, retry_failed(ledger, run, reason, lambda requests: publish_rollouts(celery, requests)))
+    summary = retry_summary(run, retry_failed(client, run, reason, lambda requests: publish_rollouts(celery, requests),
+                                                  settings.ledger.dispatch_ttl_s))
     print(json.dumps(summary)) if as_json else print_retry(summary, console)
 
 

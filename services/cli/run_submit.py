@@ -77,11 +77,11 @@ def check_submission(settings: Settings, resume: bool) -> None:
     """Every check ``run submit`` makes before it starts anything; a ``CommandError`` on the first that fails."""
     from services.cli.preflight import check_environments, require_model
     from services.cli.runs import refuse_run_in_use
-    from shared.state.ledger import Ledger
+    from shared.state.ledger import redis_for
 
     check_environments(settings)
     check_dataset(settings)
-    refuse_run_in_use(Ledger.from_url(settings.redis.url, settings.outage), settings.run_id, resume)
+    refuse_run_in_use(redis_for(settings.redis.url, settings.outage), settings.run_id, resume)
     require_model(settings)
 
 
@@ -144,11 +144,12 @@ def supervise(config: Path, settings: Settings, resume: bool) -> int:
 
 
 def _watch(stack: LocalStack, settings: Settings) -> int:
-    from shared.state.ledger import Ledger
+    from shared.state.ledger import Ledger, redis_for
     from shared.state.run_stop import stop_of
 
     run_id = settings.run_id
-    ledger = Ledger.from_url(settings.redis.url, settings.outage)
+    client = redis_for(settings.redis.url, settings.outage)
+    ledger = Ledger(client)
     trainer, follower, intake = (stack.process(name) for name in ("trainer", "follower", "intake"))
     said_at = time.monotonic()
     while True:
@@ -159,7 +160,7 @@ def _watch(stack: LocalStack, settings: Settings) -> int:
             print(_failure(run_id, failed), file=sys.stderr, flush=True)
             return 1
         if not trainer.alive() and not intake.alive():
-            stop = stop_of(ledger.redis, run_id)
+            stop = stop_of(client, run_id)
             outcome = "done" if stop is None else stop.describe()
             print(f"run {run_id} {outcome}: {_counts(ledger, run_id)}", flush=True)
             return 0

@@ -108,13 +108,13 @@ def refuse_stopped(client: Any, run_id: str, instead: str) -> None:
 NEW_RUN_ID = "set a new run id (CONVEYOR_RUN_ID, or run_id in the --config file)"
 
 
-def refuse_run_in_use(ledger: Any, run_id: str, resume: bool) -> None:
+def refuse_run_in_use(client: Any, run_id: str, resume: bool) -> None:
     """A ``CommandError`` if the run was stopped, or if Redis holds it already and ``resume`` is
     not set: a run id in use is continued only on purpose (intake and ``run submit`` both ask here)."""
     from services.intake.publisher import run_history
 
-    refuse_stopped(ledger.redis, run_id, NEW_RUN_ID)
-    history = run_history(ledger, run_id)
+    refuse_stopped(client, run_id, NEW_RUN_ID)
+    history = run_history(client, run_id)
     if history.started and not resume:
         raise errors.CommandError(
             f"run {run_id} is already in Redis: {history.describe()}. Pass --resume to continue it (the groups "

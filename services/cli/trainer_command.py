@@ -24,11 +24,12 @@ from shared.settings import Settings
 if TYPE_CHECKING:  # imported where used: a command loads only what it runs
     from services.trainer.distributed import TrainerRanks
     from services.trainer.evaluation import Evaluator
-    from shared.state.ledger import Ledger
+    import redis
+
     from shared.storage import ObjectStore
 
 
-def _evaluator(settings: Settings, ledger: "Ledger", store: "ObjectStore") -> "Evaluator | None":
+def _evaluator(settings: Settings, client: "redis.Redis", store: "ObjectStore") -> "Evaluator | None":
     """The trainer's evaluator when ``evaluation`` is on: the eval rows read once, at start."""
     if not settings.evaluation.enabled:
         return None
@@ -43,7 +44,7 @@ def _evaluator(settings: Settings, ledger: "Ledger", store: "ObjectStore") -> "E
         raise errors.CommandError("evaluation is on but there is no dataset: set evaluation.dataset or intake.dataset")
     data = read_dataset(path, settings.intake.split, settings.intake.dataset_label, settings.intake.max_row_bytes)
     celery = make_celery(settings)
-    return Evaluator(settings, ledger, store, lambda requests: publish_rollouts(celery, requests), data.rows,
+    return Evaluator(settings, client, store, lambda requests: publish_rollouts(celery, requests), data.rows,
                      dataset_version=data.version, prompt_limit=PromptLimit.from_settings(settings))
 
 
@@ -70,7 +71,7 @@ def trainer(
     from services.trainer.process import TrainerProcess
     from shared.processes import on_sigterm
 
-    trainer_process = TrainerProcess.from_settings(settings, ranks, lambda ledger, store: _evaluator(settings, ledger, store))
+    trainer_process = TrainerProcess.from_settings(settings, ranks, lambda client, store: _evaluator(settings, client, store))
     on_sigterm(trainer_process.stop.set)  # SIGTERM: finish the group in hand, then exit; the stream keeps the rest
     try:
         trainer_process.run(stop_when_idle=exit_when_done)

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
+
+import redis
 
 from shared.state.ledger import Ledger
 from shared.state.run_stop import stop_of
@@ -44,9 +46,13 @@ class WaitStart:
 @dataclass
 class AdmissionWait:
     budget: StalenessBudget
-    ledger: Ledger
+    client: redis.Redis  # the run's Redis: its ledger counts, its stop, its trainer's reading
     log_every_s: float
     poll_s: float = 0.2
+    ledger: Ledger = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ledger = Ledger(self.client)  # read only: its counts
 
     def admit(self) -> None:
         """Block until the budget admits one group, saying why while it waits, or until the run
@@ -55,7 +61,7 @@ class AdmissionWait:
             return
         run = self.budget.run_id
         start = WaitStart(time.monotonic(), self.ledger.counts(run)["consumed"], self.budget.state().trainer_step)
-        wait_saying_why(self.ledger, run, self.budget.try_admit, lambda waited: self.why(start, start.monotonic + waited),
+        wait_saying_why(self.client, run, self.budget.try_admit, lambda waited: self.why(start, start.monotonic + waited),
                         self.log_every_s,
                         "the staleness bound admits groups again", self.poll_s)
 
@@ -75,11 +81,11 @@ class AdmissionWait:
         if terms.served_version < terms.trainer_step:
             parts.append(f"the inference service serves policy version {terms.served_version}, behind trainer step "
                          f"{terms.trainer_step}: the bound waits for the weight sync")
-        parts.append(_trainer_line(run, trainer_reading(self.ledger.redis, run)))
+        parts.append(_trainer_line(run, trainer_reading(self.client, run)))
         return "; ".join(parts)
 
 
-def wait_saying_why(ledger: Ledger, run: str, ready: Callable[[], bool], why: Callable[[float], str],
+def wait_saying_why(client: redis.Redis, run: str, ready: Callable[[], bool], why: Callable[[float], str],
                     log_every_s: float, ended: str, poll_s: float = 0.2) -> None:
     """Poll ``ready`` until it is true or the run is stopped. A wait longer than ``log_every_s``
     logs ``why(seconds waited)``, then at doubling intervals (at most ``MAX_LOG_INTERVAL_S`` apart), and a
@@ -88,7 +94,7 @@ def wait_saying_why(ledger: Ledger, run: str, ready: Callable[[], bool], why: Ca
     interval = log_every_s
     next_line, logged = started + interval, False
     while not ready():
-        if stop_of(ledger.redis, run) is not None:
+        if stop_of(client, run) is not None:
             return
         now = time.monotonic()
         if now >= next_line:

@@ -48,6 +48,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+import redis
+
 from services.intake.adapters import RowRejected, admit_row
 from services.intake.admission_wait import AdmissionWait
 from services.intake.limits import PromptLimit
@@ -97,10 +99,10 @@ class RunHistory:
         return f"{self.groups} groups ({self.published} published), trajectories: {states}"
 
 
-def run_history(ledger: Ledger, run_id: str) -> RunHistory:
-    groups = GroupRegistry(ledger.redis, run_id)
-    return RunHistory(RunMarker(ledger.redis, run_id).in_redis(), groups.registered_count(),
-                      groups.published_count(), ledger.counts(run_id))
+def run_history(client: redis.Redis, run_id: str) -> RunHistory:
+    groups = GroupRegistry(client, run_id)
+    return RunHistory(RunMarker(client, run_id).in_redis(), groups.registered_count(),
+                      groups.published_count(), Ledger(client).counts(run_id))
 
 
 def build_group(settings: Settings, group_id: int, task: TaskProfile, policy_version: int = 0) -> list[RolloutRequest]:
@@ -119,11 +121,11 @@ def build_group(settings: Settings, group_id: int, task: TaskProfile, policy_ver
     return requests
 
 
-def queue_share_of(ledger: Ledger, settings: Settings) -> QueueShare | None:
+def queue_share_of(client: redis.Redis, settings: Settings) -> QueueShare | None:
     """The run's share of the rollout queue (``intake.max_queued_groups``), or None: no share."""
     if settings.intake.max_queued_groups is None:
         return None
-    return QueueShare(ledger, settings.run_id, settings.intake.max_queued_groups,
+    return QueueShare(client, settings.run_id, settings.intake.max_queued_groups,
                       settings.rollout.group_size + settings.rollout.redundancy, settings.intake.wait_log_every_s)
 
 
@@ -196,14 +198,15 @@ def select_rows(settings: Settings, rows: list[Row | BadRow],
 def run_intake(
     settings: Settings,
     rows: list[Row | BadRow],
-    ledger: Ledger,
+    client: redis.Redis,
     publish: Callable[[list[RolloutRequest]], None],
     on_group: Callable[[int], None] | None = None,
     store: ObjectStore | None = None,
     dataset_version: str = "",
     prompt_limit: PromptLimit | None = None,
 ) -> IntakeReport:
-    """``store``: where the run's marker outlives Redis (None: Redis only). ``dataset_version``
+    """``client``: the Redis that holds the run (its ledger, marker, groups, budget, records and
+    stop). ``store``: where the run's marker outlives Redis (None: Redis only). ``dataset_version``
     is stamped on every task and recorded for the run; ``prompt_limit`` rejects prompts that
     cannot fit the model's context."""
     report = IntakeReport()
@@ -211,11 +214,12 @@ def run_intake(
     environments = registry_for(settings.environments)
     # an unknown environment or a bad intake.env_config stops intake before anything is published
     check_startup(environments, settings.intake.env_name, settings.intake.env_config, settings.environments)
-    RunMarker(ledger.redis, run, store).open()
-    budget = budget_of(ledger.redis, run, settings.trainer)  # mode train: admission waits for the trainer's steps
-    admission = None if budget is None else AdmissionWait(budget, ledger, settings.intake.wait_log_every_s)
-    share = queue_share_of(ledger, settings)  # fair share of the rollout queue between runs, if set
-    groups, served, records = GroupRegistry(ledger.redis, run), PolicyVersion(ledger.redis, run), RunRecords(ledger.redis, run)
+    RunMarker(client, run, store).open()
+    ledger = Ledger(client, settings.ledger.dispatch_ttl_s)
+    budget = budget_of(client, run, settings.trainer)  # mode train: admission waits for the trainer's steps
+    admission = None if budget is None else AdmissionWait(budget, client, settings.intake.wait_log_every_s)
+    share = queue_share_of(client, settings)  # fair share of the rollout queue between runs, if set
+    groups, served, records = GroupRegistry(client, run), PolicyVersion(client, run), RunRecords(client, run)
     if dataset_version:
         records.add_dataset_version(dataset_version)
     def admit(row: Row) -> TaskProfile:
@@ -242,7 +246,7 @@ def run_intake(
             admission.admit()  # wait for the trainer rather than run too far ahead of it, saying why
         if share is not None and not groups.is_registered(group_id):
             share.wait_for_room()  # leave the queue to other runs' groups too, saying why
-        stop = stop_of(ledger.redis, run)
+        stop = stop_of(client, run)
         if stop is not None:
             report.stopped = stop.describe()
             log.warning("intake of run %s: the run was %s; publishing no more groups", run, report.stopped)

@@ -25,7 +25,9 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import redis
 
 from services.intake.admission_wait import wait_saying_why
 from shared.state.ledger import Ledger
@@ -33,12 +35,16 @@ from shared.state.ledger import Ledger
 
 @dataclass
 class QueueShare:
-    ledger: Ledger
+    client: redis.Redis  # the run's Redis: its ledger counts and its stop
     run: str
     max_queued_groups: int
     members_per_group: int
     log_every_s: float
     poll_s: float = 0.2
+    ledger: Ledger = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ledger = Ledger(self.client)  # read only: its counts
 
     @property
     def max_queued(self) -> int:
@@ -49,7 +55,7 @@ class QueueShare:
 
     def wait_for_room(self) -> None:
         """Block until the run has room for one more group in the queue, or until it is stopped."""
-        wait_saying_why(self.ledger, self.run, self.has_room, self.why, self.log_every_s,
+        wait_saying_why(self.client, self.run, self.has_room, self.why, self.log_every_s,
                         "the rollout queue has room for its groups again", self.poll_s)
 
     def why(self, waited_s: float) -> str:

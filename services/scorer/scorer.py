@@ -49,6 +49,7 @@ class Scorer:
     store: ObjectStore
     combiner: RewardCombiner
     leases: LeaseKeeper  # of the SCORING stage
+    dead_letters: DeadLetters  # where a scoring message that is not a ScoringTask goes
 
     def score(self, task: ScoringTask) -> str:
         """Returns "scored", "failed" or "skipped:<blocking state>"."""
@@ -140,7 +141,7 @@ class Scorer:
         with the reason (the ledger accounts for it; ``conveyor retry`` can send it again)."""
         log.error("%s", error)
         ledger = self.leases.ledger
-        DeadLetters(ledger.redis).add("queue scoring", error)
+        self.dead_letters.add("queue scoring", error)
         try:
             parse_trajectory_id(str(trajectory_id))
         except ValueError:

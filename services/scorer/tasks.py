@@ -24,6 +24,7 @@ from celery.signals import worker_ready, worker_shutdown
 from services.scorer.rewards import RewardCombiner
 from services.scorer.scorer import Scorer
 from shared.celery_app import make_celery, publish_scoring, scoring_tasks_of
+from shared.state.dead_letters import DeadLetters
 from shared.state.leases import LeaseKeeper, Reaper, one_by_one, settle_s
 from shared.state.ledger import SCORING, Ledger, redis_for
 from shared.names import SCORING_TASK
@@ -42,6 +43,7 @@ _scorer = Scorer(
     open_store(settings.storage, settings.outage),
     RewardCombiner(settings.rewards.weights, settings.rollout.max_episode_tokens),  # a bad reward config fails at start
     _leases,
+    DeadLetters(_redis),
 )
 _reaper = Reaper(
     _ledger, SCORING, settings.ledger.max_attempts, settings.ledger.reaper_interval_s,

@@ -92,30 +92,30 @@ _STOPS = "stops rather than train on it"
 @dataclass
 class TrainerConsumer:
     settings: Settings
-    ledger: Ledger
+    client: redis.Redis  # the Redis that holds the run: every owner below is built on it
     store: ObjectStore
 
     def __post_init__(self) -> None:
         self.run_id = self.settings.run_id
-        self.redis: redis.Redis = self.ledger.redis
+        self.ledger = Ledger(self.client, self.settings.ledger.dispatch_ttl_s)
         self.stream = stream_key(self.run_id)
         self.consumer = self.settings.trainer.consumer_name
         self._registrations: dict[int, GroupRegistration] = {}
         self.stopped: RunStop | None = None  # the run's stop, once this consumer ended on it
-        self.groups = GroupRegistry(self.redis, self.run_id)
-        self.trainer_counters = TrainerCounters(self.redis, self.run_id)
-        self.train_queue = TrainQueue(self.redis, self.run_id)
-        self.dead_letters = DeadLetters(self.redis)
+        self.groups = GroupRegistry(self.client, self.run_id)
+        self.trainer_counters = TrainerCounters(self.client, self.run_id)
+        self.train_queue = TrainQueue(self.client, self.run_id)
+        self.dead_letters = DeadLetters(self.client)
         self.assembler = GroupAssembler(self._expected_size, self.groups.is_done, lambda g: self._registration(g).keep)
         trainer = self.settings.trainer
         self.group_filters = [build_filter(spec) for spec in trainer.group_filters]
-        self.budget = budget_of(self.redis, self.run_id, trainer)  # mode train: it throttles rollouts to the steps
+        self.budget = budget_of(self.client, self.run_id, trainer)  # mode train: it throttles rollouts to the steps
         self.metrics = GroupMetricsLog(Path(self.settings.trainer.metrics_path), self.run_id)
-        self.marker = RunMarker(self.redis, self.run_id, self.store)
+        self.marker = RunMarker(self.client, self.run_id, self.store)
         self.marker.check(_STOPS, look_in_store=True)  # before anything of the run is created again
-        self._recoveries = outage.recoveries(self.redis)
+        self._recoveries = outage.recoveries(self.client)
         try:
-            self.redis.xgroup_create(self.stream, CONSUMER_GROUP, id="0", mkstream=True)
+            self.client.xgroup_create(self.stream, CONSUMER_GROUP, id="0", mkstream=True)
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
@@ -152,15 +152,15 @@ class TrainerConsumer:
         self.marker.check(_STOPS)
         if self.end_if_stopped():
             return False
-        if outage.recoveries(self.redis) != self._recoveries:  # Redis was down
-            self._recoveries = outage.recoveries(self.redis)
+        if outage.recoveries(self.client) != self._recoveries:  # Redis was down
+            self._recoveries = outage.recoveries(self.client)
             self.recover()
         return True
 
     def end_if_stopped(self) -> bool:
         """True once the run is stopped (``shared.state.run_stop``): every trajectory of it still
         unfinished is failed first, and the stop is logged with who asked and why."""
-        stop = stop_of(self.redis, self.run_id)
+        stop = stop_of(self.client, self.run_id)
         if stop is None:
             return False
         failed = end_unfinished(self.ledger, self.run_id, stop, UNFINISHED)
@@ -172,7 +172,7 @@ class TrainerConsumer:
     def _read(self, streams: dict[KeyT, StreamIdT], count: int, block: int | None = None) -> list:
         try:
             # RESP2 (redis-py's default protocol): a list of [stream, entries]
-            return cast(list, self.redis.xreadgroup(CONSUMER_GROUP, self.consumer, streams, count=count, block=block))
+            return cast(list, self.client.xreadgroup(CONSUMER_GROUP, self.consumer, streams, count=count, block=block))
         except redis.ResponseError as exc:
             if "NOGROUP" in str(exc):  # the stream is gone: say so if Redis lost the run
                 self.marker.check(_STOPS)
@@ -180,7 +180,7 @@ class TrainerConsumer:
 
     def finished(self) -> bool:
         """Intake is done and every trajectory of the run is terminal."""
-        if not RunRecords(self.redis, self.run_id).intake_done():
+        if not RunRecords(self.client, self.run_id).intake_done():
             return False
         counts = self.ledger.counts(self.run_id)
         return counts["queued"] + counts["running"] + counts["uploaded"] + counts["scored"] == 0
@@ -197,13 +197,13 @@ class TrainerConsumer:
             if isinstance(exc, BadMessage):
                 self.dead_letters.add(f"{self.stream} entry {entry_id}", exc)
             self.trainer_counters.add(TrainerCounter.bad_events)
-            self.redis.xack(self.stream, CONSUMER_GROUP, entry_id)
+            self.client.xack(self.stream, CONSUMER_GROUP, entry_id)
             return
         outcome, group = self.assembler.add(event, entry_id)
         if outcome != "added":
             self.trainer_counters.add(TrainerCounter.duplicate_events if outcome == "duplicate" else TrainerCounter.late_events)
             if outcome == "late":
-                self.redis.xack(self.stream, CONSUMER_GROUP, entry_id)
+                self.client.xack(self.stream, CONSUMER_GROUP, entry_id)
             return
         if group is not None:
             self._complete(group)
@@ -266,7 +266,7 @@ class TrainerConsumer:
         done = self.groups.done_key
         while True:
             try:
-                with self.redis.pipeline(transaction=True) as tx:
+                with self.client.pipeline(transaction=True) as tx:
                     tx.watch(self.marker.key, done)
                     if not tx.exists(self.marker.key):
                         self.marker.check(_STOPS)

@@ -30,6 +30,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
+import redis
+
 from services.intake.datasets import BadRow, Row
 from services.intake.limits import PromptLimit
 from services.intake.publisher import run_intake
@@ -107,7 +109,7 @@ class Evaluator:
     """Runs the pass of a version through the real pipeline and reports it (``evaluate``)."""
 
     settings: Settings
-    ledger: Ledger
+    client: redis.Redis  # the Redis that holds the run and its eval passes
     store: ObjectStore
     publish: Callable[[list[RolloutRequest]], None]
     rows: list[Row | BadRow]
@@ -117,8 +119,8 @@ class Evaluator:
 
     def __post_init__(self) -> None:
         self.run_id = self.settings.run_id
-        self.redis = self.ledger.redis
-        self.ends = EvalEnds(self.redis, self.run_id)
+        self.ledger = Ledger(self.client, self.settings.ledger.dispatch_ttl_s)
+        self.ends = EvalEnds(self.client, self.run_id)
 
     def due(self, version: int) -> bool:
         """Version ``v`` is evaluated after every ``every_steps``-th step and after the last one."""
@@ -142,7 +144,7 @@ class Evaluator:
         served = self._wait_for_served(version, evaluation.sync_timeout_s)
         settings = eval_settings(self.settings, version)
         run = settings.run_id
-        report = run_intake(settings, self.rows, self.ledger, self.publish, store=self.store,
+        report = run_intake(settings, self.rows, self.client, self.publish, store=self.store,
                             dataset_version=self.dataset_version, prompt_limit=self.prompt_limit)
         log.info("eval pass %s of version %d (served %d): %d tasks, %d trajectories published", run, version, served,
                  report.groups, report.trajectories)
@@ -161,7 +163,7 @@ class Evaluator:
         return end
 
     def _wait_for_served(self, version: int, timeout_s: float) -> int:
-        policy, deadline = PolicyVersion(self.redis, self.run_id), time.monotonic() + timeout_s
+        policy, deadline = PolicyVersion(self.client, self.run_id), time.monotonic() + timeout_s
         while (served := policy.get()) < version and time.monotonic() < deadline:
             time.sleep(self.poll_s)
         if served < version:
@@ -182,11 +184,11 @@ class Evaluator:
     def _results(self, run: str) -> tuple[list[TaskResult], int, int]:
         """Per task: the rewards of its scored samples and its failures, from the eval run's
         trainer stream (first event per trajectory); scored samples move to consumed."""
-        registrations = GroupRegistry(self.redis, run).registrations()
+        registrations = GroupRegistry(self.client, run).registrations()
         seen: set[str] = set()
         rewards: dict[int, list[float]] = defaultdict(list)
         failures: dict[int, int] = defaultdict(int)
-        for _, event in trainer_events(self.redis, run):
+        for _, event in trainer_events(self.client, run):
             if event.trajectory_id in seen:
                 continue
             seen.add(event.trajectory_id)

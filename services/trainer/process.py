@@ -22,8 +22,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+import redis
+
 from services.trainer.consumer import TrainerConsumer
-from shared.state.ledger import Ledger
+from shared.state.ledger import redis_for
 from shared.required import required
 from shared.settings import Settings
 from shared.storage import ObjectStore, open_store
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
     from services.trainer.evaluation import Evaluator
     from services.trainer.loop import TrainingLoop
 
-EvaluatorFactory = Callable[[Ledger, ObjectStore], "Evaluator | None"]
+EvaluatorFactory = Callable[[redis.Redis, ObjectStore], "Evaluator | None"]
 
 
 @dataclass
@@ -51,9 +53,9 @@ class TrainerProcess:
         from shared.prometheus import serve_metrics
 
         store = open_store(settings.storage, settings.outage)  # both wait out an outage (shared.outage)
-        consumer = TrainerConsumer(settings, Ledger.from_url(settings.redis.url, settings.outage), store)
+        consumer = TrainerConsumer(settings, redis_for(settings.redis.url, settings.outage), store)
         trainer = settings.trainer
-        serve_metrics(trainer.prometheus_port or settings.metrics_port, consumer.redis)
+        serve_metrics(trainer.prometheus_port or settings.metrics_port, consumer.client)
         if trainer.mode != "train":
             return cls(consumer)
         from services.trainer.loop import TrainingLoop
@@ -62,7 +64,7 @@ class TrainerProcess:
         sink = MetricsSink(trainer.step_metrics_path, trainer.prometheus_port or settings.metrics_port,
                            trainer.wandb_project, settings.run_id)
         learner = TrainingLoop(settings, store, required(consumer.budget, "the staleness budget of mode train"), sink, ranks=ranks,
-                               evaluator=None if evaluator is None else evaluator(consumer.ledger, store))
+                               evaluator=None if evaluator is None else evaluator(consumer.client, store))
         return cls(consumer, learner)
 
     def run(self, stop_when_idle: bool = False) -> None:

@@ -3,8 +3,9 @@
 The trainer publishes into it (an S3 checkpoint, sharded or whole, announced for the follower,
 and optionally an NCCL broadcast, ``broadcast`` over the process group of ``group``, driven by
 the trainer's ``services.trainer.broadcast_publish``); the follower (``follower``)
-reads the checkpoint announcements and brings each replica to the new version through
-``sync``'s phases (pause, load, probe, label, resume), a LoRA adapter through ``lora_sync``, and
+reads the checkpoint announcements and brings each replica to the new version
+(``checkpoint_apply``) through ``sync``, which composes the phases of a ``replica_set`` (pause,
+load, probe, label, resume), a LoRA adapter through ``lora_sync``, and
 a run's version 0 through ``base``. ``probe`` (with ``services.policy.probe``) is the check that a replica
 serves exactly the trainer's weights; ``checkpoint_files`` reads a committed checkpoint;
 ``admin_http`` holds the replicas' admin calls. The sync record (a Redis key) stays with its

@@ -5,7 +5,8 @@ model.safetensors, tokenizer files, trainer_state.pt, and a ``COMMITTED`` marker
 last), then XADDs a ``CheckpointAnnouncement`` (``shared.schemas``) to ``RedisKeys.checkpoints(run)``.
 ``WeightFollower`` reads that stream and, for the newest version above the one served,
 downloads the checkpoint (weights, config and tokenizer files only) into a local directory
-and runs ``sync_weights`` on every replica.
+and runs ``sync_weights`` on every replica (``services.weights.checkpoint_apply``: one
+checkpoint applied; this module decides which, when, and on which replicas).
 
 Invariants:
 - The served policy version (``shared.state.policy_version``) is only advanced after every replica serves the new
@@ -60,9 +61,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import shutil
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -70,8 +69,8 @@ from typing import Any, Self
 from services.weights import sync as weight_sync
 from services.weights.base import (BaseCheck, BaseWeightsError, base_dir, base_probe, ensure_base_weights,
                                   hold_replicas)
-from services.weights.lora_sync import sync_adapter
-from services.weights.sync import SyncProbe, SyncReport, WeightSyncError, sync_weights
+from services.weights.checkpoint_apply import Applied, CheckpointApplier
+from services.weights.sync import SyncProbe
 from services.weights.checkpoint_files import (  # noqa: F401 - re-exported for callers of the follower
     COMMITTED_MARKER,
     CheckpointCorrupt,
@@ -79,16 +78,15 @@ from services.weights.checkpoint_files import (  # noqa: F401 - re-exported for 
     Download,
     download_checkpoint,
 )
-from services.policy.probe import FP32_TOLERANCE, LogprobProbe, default_tolerance
+from services.policy.probe import FP32_TOLERANCE, default_tolerance
 from shared.state.checkpoint_announcements import CheckpointAnnouncements
 from shared.state.dead_letters import DeadLetters
-from shared.names import CHECKPOINT_ADAPTER_CONFIG, CHECKPOINT_PROBE, checkpoint_prefix
+from shared.names import checkpoint_prefix
 from shared.outage import OutageTooLong
 from shared.outage import redis_client as redis_client_waiting
 from shared.state.run_marker import RedisDataLost, RunMarker
 from shared.state.policy_version import PolicyVersion
 from shared.state.replica_holders import ReplicaHold, ReplicaHolders
-from shared.prometheus import SERVED_POLICY_VERSION, WEIGHT_SYNC_SECONDS
 from shared.schemas import BadMessage, CheckpointAnnouncement, parse_message
 from shared.storage import ObjectStore
 from shared.state.weight_sync_record import WeightSyncRecord
@@ -102,18 +100,6 @@ class Announcement:
     version: int
     prefix: str
     entry_id: str
-
-
-@dataclass(frozen=True)
-class Applied:
-    """One applied sync: download, then ``sync_weights``, from the follower's point of view."""
-
-    version: int
-    prefix: str
-    replicas: tuple[str, ...]
-    download: Download
-    sync: SyncReport
-    total_s: float
 
 
 def _text(value: Any) -> str:
@@ -155,13 +141,11 @@ class WeightFollower:
         self.store = store
         self.run_id = run_id
         self.base_urls = [u.rstrip("/") for u in base_urls]
-        self.work_dir = Path(work_dir)
         self.initial_weights_dir = Path(initial_weights_dir) if initial_weights_dir else None
         self.block_ms = block_ms
         self.pending_poll_s = pending_poll_s
         self.backoff_s = backoff_s
         self.check_replicas = check_replicas
-        self.sync_options = dict(sync_options or {})
         self.probe_model = probe_model  # the served model name to probe; None: no probe
         self.probe_tolerance = probe_tolerance
         self.served_model = served_model  # the base model's served name: LoRA adapters are named from it
@@ -170,9 +154,11 @@ class WeightFollower:
         self._unchecked_pause = set(self.base_urls)  # replicas not yet checked for a pause a dead follower left
         self._last_served: int | None = None
         self.policy_version = PolicyVersion(redis_client, run_id)
-        self.weight_syncs = WeightSyncRecord(redis_client, run_id)
         self.dead_letters = DeadLetters(redis_client)
         self._http = weight_sync.admin_client()  # one for the follower's life: no per-sync setup cost
+        self.applier = CheckpointApplier(store, Path(work_dir), self.initial_weights_dir, self._http, self.policy_version,
+                                         WeightSyncRecord(redis_client, run_id), dict(sync_options or {}), probe_model,
+                                         probe_tolerance, served_model)
         self.hold = ReplicaHold(ReplicaHolders(redis_client), self.base_urls, run_id, trains,
                                 str(initial_weights_dir or ""))
 
@@ -223,7 +209,7 @@ class WeightFollower:
         return latest is not None and latest > (self._last_served or 0)
 
     def local_dir(self, version: int) -> Path:
-        return self.work_dir / f"{version:06d}"
+        return self.applier.local_dir(version)
 
     def read_announcements(self, block_ms: int | None = None) -> list[Announcement]:
         """XREAD new entries (blocking up to ``block_ms`` if given and > 0); remember them."""
@@ -252,7 +238,7 @@ class WeightFollower:
         latest = self.latest_announced
         if latest is not None and latest > served:
             try:
-                applied = self._apply(latest, self._announced[latest], self.base_urls, served)
+                applied = self.applier.apply(latest, self._announced[latest], self.base_urls, served)
             except CheckpointNotCommitted as exc:
                 log.info("version %d announced but not ready: %s", latest, exc)
                 return None
@@ -265,7 +251,7 @@ class WeightFollower:
             if lagging:
                 prefix = self._announced.get(served, checkpoint_prefix(self.run_id, served))
                 log.warning("replicas %s do not serve version %d; re-syncing them", lagging, served)
-                return self._apply(served, prefix, lagging, served)
+                return self.applier.apply(served, prefix, lagging, served)
         return None
 
     def _resume_left_paused(self) -> None:
@@ -303,70 +289,6 @@ class WeightFollower:
         model_dir = base_dir(self.initial_weights_dir)
         probe = SyncProbe(base_probe(model_dir), self.probe_model or self.served_model, self.probe_tolerance)
         return ensure_base_weights(self._http, self.base_urls, self.run_id, model_dir, probe)
-
-    def _restore_dir(self, served: int) -> Path | None:
-        if served == 0:
-            return self.initial_weights_dir
-        current = self.local_dir(served)
-        return current if current.is_dir() else None
-
-    def _apply(self, version: int, prefix: str, urls: list[str], served: int) -> Applied:
-        t0 = time.perf_counter()
-        download = download_checkpoint(self.store, prefix, self.local_dir(version))
-
-        def advance() -> None:
-            self.policy_version.advance(version)
-
-        adapter = (download.local_dir / CHECKPOINT_ADAPTER_CONFIG).is_file()
-        try:
-            if adapter:
-                report = sync_adapter(urls, download.local_dir, version, self.served_model, keep_from=served,
-                                      on_served=advance, client=self._http, probe=self._probe(download.local_dir))
-            else:
-                restore = self._restore_dir(served) if version != served else None
-                report = sync_weights(urls, download.local_dir, version, restore_dir=restore, on_served=advance,
-                                      client=self._http, probe=self._probe(download.local_dir), **self.sync_options)
-        except WeightSyncError as exc:
-            self._record_failure(version, exc)
-            raise
-        total = time.perf_counter() - t0
-        applied = Applied(version, prefix, tuple(urls), download, report, total)
-        self._record(applied)
-        self._prune(keep={download.local_dir, self.local_dir(served)} if adapter else {download.local_dir})
-        log.info("serving version %d on %s: %.3fs (download %.3fs, sync %.3fs)",
-                 version, ", ".join(urls), total, download.seconds, report.total_s)
-        return applied
-
-    def _probe(self, local_dir: Path) -> SyncProbe | None:
-        path = local_dir / CHECKPOINT_PROBE
-        if self.probe_model is None or not path.is_file():
-            return None
-        return SyncProbe(LogprobProbe.from_json(path.read_bytes()), self.probe_model, self.probe_tolerance)
-
-    def _record_failure(self, version: int, exc: WeightSyncError) -> None:
-        log.error("weight sync to version %d failed (%s): %s", version, exc.phase, exc)
-        try:
-            self.weight_syncs.record_failure(version, exc.phase, str(exc))
-        except Exception:
-            log.exception("could not record the weight-sync failure")
-
-    def _record(self, applied: Applied) -> None:
-        WEIGHT_SYNC_SECONDS.observe(applied.total_s)
-        SERVED_POLICY_VERSION.set(applied.version)
-        s = applied.sync
-        try:
-            self.weight_syncs.record_sync(
-                applied.version, len(applied.replicas), applied.total_s, applied.download.seconds, s.total_s,
-                s.pause_s, s.reload_s, s.version_s, s.resume_s, s.extra.get("probe_max_abs_diff", "nan"),
-                s.extra.get("probe_s", "nan"),
-            )
-        except Exception:
-            log.exception("could not record weight-sync stats")
-
-    def _prune(self, keep: set[Path]) -> None:
-        for path in self.work_dir.iterdir() if self.work_dir.is_dir() else []:
-            if path not in keep and path.is_dir() and (path.name.isdigit() or ".partial-" in path.name):
-                shutil.rmtree(path, ignore_errors=True)
 
     # ------------------------------------------------------------ the loop
 

@@ -41,14 +41,8 @@ import httpx
 
 from services.weights.admin_http import admin_client, admin_request
 from services.weights.probe import ProbeMismatch, SyncProbe, verify_replica
-from services.weights.sync import (
-    SyncReport,
-    WeightSyncError,
-    describe_failures,
-    failure_listing,
-    on_all,
-    set_weight_version,
-)
+from services.weights.admin_calls import set_weight_version
+from services.weights.replica_set import SyncReport, WeightSyncError, describe_failures, failure_listing, on_all
 from shared.names import CHECKPOINT_ADAPTER_CONFIG, lora_adapter_name, lora_adapter_version
 
 log = logging.getLogger(__name__)

@@ -29,10 +29,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
+from redis import Redis
+
 from shared.state import ledger_lua
 from shared.state.group_registry import GroupRegistry
 from shared.ids import parse_trajectory_id
-from shared.state.ledger import ROLLOUT, Ledger
+from shared.state.ledger import DEFAULT_DISPATCH_TTL_S, ROLLOUT, Ledger
 from shared.outcomes import kind_of
 from shared.schemas import FailedEvent, RolloutRequest, TrajectoryState
 from shared.state.staleness import StalenessBudget, budget_key
@@ -55,10 +57,11 @@ def matches(failure_reason: str, wanted: str | None) -> bool:
     return wanted is None or kind_of(failure_reason) == wanted or failure_reason.startswith(wanted)
 
 
-def retry_failed(ledger: Ledger, run_id: str, wanted_reason: str | None,
-                 publish: Callable[[list[RolloutRequest]], None]) -> RetryReport:
-    """Retry the run's failed trajectories whose reason matches, group by group."""
-    redis = ledger.redis
+def retry_failed(redis: Redis, run_id: str, wanted_reason: str | None, publish: Callable[[list[RolloutRequest]], None],
+                 dispatch_ttl_s: float = DEFAULT_DISPATCH_TTL_S) -> RetryReport:
+    """Retry the run's failed trajectories whose reason matches, group by group; a retried
+    trajectory waits ``dispatch_ttl_s`` (``ledger.dispatch_ttl_s``) to be claimed."""
+    ledger = Ledger(redis, dispatch_ttl_s)
     states = ledger.states(run_id)
     reasons = ledger.failure_reasons(run_id)
     members: dict[int, list[str]] = defaultdict(list)

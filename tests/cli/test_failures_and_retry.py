@@ -68,7 +68,7 @@ def decided_run(redis_client, redis_url, tmp_path):
     settings = load_settings(run_id=RUN, redis={"url": redis_url}, trainer={"metrics_path": str(tmp_path / "metrics.jsonl")})
     ledger = Ledger(redis_client)
     store = LocalStore(tmp_path / "objects")
-    report = run_intake(settings, read_rows(dataset), ledger, lambda requests: None, store=store)
+    report = run_intake(settings, read_rows(dataset), redis_client, lambda requests: None, store=store)
     assert (report.groups, len(report.rejected)) == (3, 1)
     g = {gid: sorted(t for t in ledger.states(RUN) if t.startswith(f"{RUN}_{gid}_")) for gid in (0, 1, 3)}
     for tid in g[0][:3]:
@@ -81,7 +81,7 @@ def decided_run(redis_client, redis_url, tmp_path):
     _failed(ledger, g[3][0], "infra_error: StorageError: refused (after 3 attempts)")
     for tid in g[3][1:]:
         assert ledger.claim(tid, "tok", 30)[0]
-    consumer = TrainerConsumer(settings, ledger, store)
+    consumer = TrainerConsumer(settings, redis_client, store)
     _decide(consumer)
     assert ledger.redis.smembers(RedisKeys.groups_done(RUN)) == {"0", "1"}
     return ledger, consumer, g

@@ -53,7 +53,7 @@ def test_intake_held_by_the_staleness_bound_says_why(redis_client, redis_url, ru
                         trainer={"max_off_policy_steps": 0, "groups_per_step": 1}, intake={"wait_log_every_s": 0.2})
     rows = [Row(f"mem:{i}", {"task_data": {"low": 1, "high": 9, "target": 5}}) for i in range(2)]
     caplog.set_level(logging.INFO, logger="services.intake.admission_wait")
-    intake = threading.Thread(target=run_intake, args=(settings, rows, Ledger(redis_client), lambda _requests: None))
+    intake = threading.Thread(target=run_intake, args=(settings, rows, redis_client, lambda _requests: None))
     intake.start()
     time.sleep(0.8)  # lines at 0.2 s and 0.6 s, the next not before 1.4 s: doubling intervals, no flood
     lines = [r.getMessage() for r in caplog.records]
@@ -81,7 +81,7 @@ def test_the_wait_line_names_a_weight_sync_that_holds_the_bound(redis_client, ru
     budget = StalenessBudget(redis_client, run_id, max_off_policy_steps=0, groups_per_step=1)
     assert budget.try_admit() and not budget.try_admit()
     budget.advance_step(1)  # trained, not yet served: the bound stays at step 0
-    wait = AdmissionWait(budget, Ledger(redis_client), log_every_s=10)
+    wait = AdmissionWait(budget, redis_client, log_every_s=10)
     line = wait.why(WaitStart(time.monotonic() - 30, consumed=0, trainer_step=0), time.monotonic())
     assert f"intake of run {run_id} waiting 30s" in line and "+ step 0 + 1)" in line
     assert "advanced 1 steps (now at step 1)" in line

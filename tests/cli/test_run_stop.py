@@ -72,7 +72,7 @@ def test_intake_publishes_no_group_after_the_stop(redis_client, redis_url, run_i
         if len(published) == 2:
             request_stop(redis_client, run_id, "enough")
 
-    report = run_intake(settings, _rows(5), Ledger(redis_client), publish)
+    report = run_intake(settings, _rows(5), redis_client, publish)
     assert published == [0, 1] and report.groups == 2 and report.stopped.endswith(": enough")
     assert redis_client.get(RedisKeys.intake_done(run_id)) == "1"
 
@@ -81,7 +81,7 @@ def test_a_stop_ends_intakes_wait_on_the_staleness_bound(redis_client, redis_url
     settings = Settings(run_id=run_id, redis={"url": redis_url}, rollout={"group_size": 2},
                         trainer={"max_off_policy_steps": 0, "groups_per_step": 1})
     reports = []
-    intake = threading.Thread(target=lambda: reports.append(run_intake(settings, _rows(3), Ledger(redis_client),
+    intake = threading.Thread(target=lambda: reports.append(run_intake(settings, _rows(3), redis_client,
                                                                        lambda _requests: None)))
     intake.start()
     intake.join(0.8)

@@ -238,7 +238,7 @@ def test_traversal_intake_rejects_bad_rows_and_goes_on(clean_env, redis_client, 
     ledger = Ledger(redis_client)
     publish = Recorder()
     seen_groups: list[int] = []
-    report = run_intake(settings, rows, ledger, publish, on_group=seen_groups.append)
+    report = run_intake(settings, rows, redis_client, publish, on_group=seen_groups.append)
 
     # the group id is the row's position in the dataset
     assert [call[0].group_id for call in publish.calls] == [0, 3, 5] == seen_groups
@@ -276,9 +276,9 @@ def test_rerunning_intake_publishes_nothing_already_known(clean_env, redis_clien
     settings = make_settings(run_id, mode="traversal")
     ledger = Ledger(redis_client)
     first = Recorder()
-    run_intake(settings, rows, ledger, first)
+    run_intake(settings, rows, redis_client, first)
     second = Recorder()
-    report = run_intake(settings, rows, ledger, second)
+    report = run_intake(settings, rows, redis_client, second)
     assert second.calls == []
     assert (report.groups, report.trajectories, report.already_known) == (0, 0, 3)
     assert ledger.counts(run_id)["queued"] == 9
@@ -286,7 +286,7 @@ def test_rerunning_intake_publishes_nothing_already_known(clean_env, redis_clien
     # a dataset that grew: only the new row is published, with the same ids as before for the old rows
     extra = rows + [Row("extra:1", {"id": "t6", "low": 1, "high": 2, "target": 2})]
     third = Recorder()
-    report = run_intake(settings, extra, ledger, third)
+    report = run_intake(settings, extra, redis_client, third)
     assert [c[0].group_id for c in third.calls] == [6]
     assert report.already_known == 3
 
@@ -294,7 +294,7 @@ def test_rerunning_intake_publishes_nothing_already_known(clean_env, redis_clien
 def test_policy_version_from_redis_is_stamped_on_requests(clean_env, redis_client, run_id):
     redis_client.set(RedisKeys.policy_version(run_id), 7)
     publish = Recorder()
-    run_intake(make_settings(run_id), [Row("m:1", {"low": 1, "high": 2, "target": 1})], Ledger(redis_client), publish)
+    run_intake(make_settings(run_id), [Row("m:1", {"low": 1, "high": 2, "target": 1})], redis_client, publish)
     assert {r.policy_version for r in publish.calls[0]} == {7}
 
 
@@ -308,7 +308,7 @@ def test_sample_mode_is_deterministic_for_a_seed(clean_env, redis_url, run_id):
         client.flushall()  # a fresh Redis each time: the choice depends only on the seed
         settings = make_settings(run_id, mode="sample", num_groups=6, base_seed=42)
         publish = Recorder()
-        report = run_intake(settings, rows, Ledger(client), publish)
+        report = run_intake(settings, rows, client, publish)
         assert report.groups == 6
         results.append([(c[0].group_id, c[0].task.task_id, [r.trajectory_id for r in c]) for c in publish.calls])
     assert results[0] == results[1]
@@ -328,7 +328,7 @@ def test_sample_mode_rejects_a_sampled_bad_row_and_goes_on(clean_env, redis_clie
     picks = [ids.sample_row_index(5, g, 2) for g in range(8)]
     assert 0 in picks and 1 in picks  # the seed draws both rows
     publish = Recorder()
-    report = run_intake(settings, rows, Ledger(redis_client), publish)
+    report = run_intake(settings, rows, redis_client, publish)
     assert [c[0].group_id for c in publish.calls] == [g for g, p in enumerate(picks) if p == 1]
     assert len(report.rejected) == picks.count(0)
     assert all(r == {"source": "f:1", "reason": "not valid JSON: boom"} for r in report.rejected)
@@ -338,5 +338,5 @@ def test_sample_mode_rejects_a_sampled_bad_row_and_goes_on(clean_env, redis_clie
 def test_intake_goes_on_after_a_row_with_a_non_string_env_key(clean_env, redis_client, run_id):
     rows = [Row("f:1", {"env_key": ["qa"], "question": "q", "answer": "a"}), Row("f:2", {"low": 1, "high": 3, "target": 2})]
     publish = Recorder()
-    report = run_intake(make_settings(run_id), rows, Ledger(redis_client), publish)
+    report = run_intake(make_settings(run_id), rows, redis_client, publish)
     assert len(report.rejected) == 1 and [c[0].group_id for c in publish.calls] == [1]

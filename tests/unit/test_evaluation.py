@@ -82,7 +82,7 @@ def test_a_pass_publishes_the_eval_split_waits_for_every_trajectory_and_ends_onc
     )
     ledger = Ledger(redis_client)
     published: list[RolloutRequest] = []
-    evaluator = Evaluator(settings, ledger, store, published.extend, two_env_rows, dataset_version="v@1", poll_s=0.05)
+    evaluator = Evaluator(settings, redis_client, store, published.extend, two_env_rows, dataset_version="v@1", poll_s=0.05)
     assert [v for v in range(6) if evaluator.due(v)] == [2, 4]
     PolicyVersion(redis_client, run_id).advance(2)
 
@@ -126,7 +126,7 @@ def test_a_pass_nobody_works_on_ends_timed_out_and_says_what_was_served(two_env_
         run_id=run_id, intake={"splits": {"role": "train", "eval_fraction": 0.1}},
         evaluation={"every_steps": 1, "samples_per_task": 2, "sync_timeout_s": 0.2, "timeout_s": 0.5},
     )
-    evaluator = Evaluator(settings, Ledger(redis_client), store, lambda requests: None, two_env_rows, poll_s=0.05)
+    evaluator = Evaluator(settings, redis_client, store, lambda requests: None, two_env_rows, poll_s=0.05)
     end = evaluator.evaluate(1)
     assert end.timed_out and end.served_version == 0 and end.scored == 0 and end.trajectories == 8
     assert end.metrics["eval_timed_out"] == 1.0 and end.metrics["eval_pass_at_1"] == 0.0

@@ -8,6 +8,7 @@ import os
 import time
 
 import pytest
+import redis
 from pydantic import TypeAdapter
 
 from services.intake.datasets import Row
@@ -17,7 +18,7 @@ from services.trainer.consumer import CONSUMER_GROUP, TrainerConsumer
 from services.trainer.groups import GroupAssembler
 from services.trainer.process import TrainerProcess
 from shared.state.dead_letters import DeadLetters
-from shared.state.ledger import Ledger
+from shared.state.ledger import Ledger, redis_for
 from shared.names import RedisKeys, batch_key, group_record_key, scored_key, trajectory_key
 from shared.schemas import (
     GroupRecord,
@@ -143,10 +144,10 @@ def settings(clean_env, run_id, tmp_path) -> Settings:
     )
 
 
-def register_groups(settings: Settings, ledger: Ledger, num_groups: int) -> dict[int, list[RolloutRequest]]:
+def register_groups(settings: Settings, client: redis.Redis, num_groups: int) -> dict[int, list[RolloutRequest]]:
     rows = [Row(f"mem:{i}", {"id": f"task-{i}", "low": 1, "high": 20, "target": i + 1}) for i in range(num_groups)]
     published: list[list[RolloutRequest]] = []
-    report = run_intake(settings, rows, ledger, published.append)
+    report = run_intake(settings, rows, client, published.append)
     assert report.groups == num_groups and not report.rejected
     return {reqs[0].group_id: reqs for reqs in published}
 
@@ -209,9 +210,9 @@ def pending_count(redis_client, run_id: str) -> int:
 
 @pytest.mark.parametrize("schema_1_0", [True, False], ids=["events of schema 1.0", "events naming the trajectory"])
 def test_consumer_trains_a_group_with_correct_advantages_and_masks(settings, ledger, store, redis_client, run_id, schema_1_0):
-    groups = register_groups(settings, ledger, 1)
+    groups = register_groups(settings, redis_client, 1)
     reqs = groups[0]
-    consumer = TrainerConsumer(settings, ledger, store)
+    consumer = TrainerConsumer(settings, redis_client, store)
     rewards = [0.0, 1.0, 1.0, 0.5]
     for req, reward in zip(reqs[:3], rewards[:3]):
         deliver_scored(ledger, store, req, reward, schema_1_0)
@@ -259,9 +260,9 @@ def test_consumer_trains_a_group_with_correct_advantages_and_masks(settings, led
     assert consumer.finished()
 
 
-def test_batch_object_is_gzip_json(settings, ledger, store, run_id):
-    groups = register_groups(settings, ledger, 1)
-    consumer = TrainerConsumer(settings, ledger, store)
+def test_batch_object_is_gzip_json(settings, ledger, redis_client, store, run_id):
+    groups = register_groups(settings, redis_client, 1)
+    consumer = TrainerConsumer(settings, redis_client, store)
     for req, reward in zip(groups[0], [0, 1, 0, 1]):
         deliver_scored(ledger, store, req, reward)
     drain(consumer)
@@ -270,8 +271,8 @@ def test_batch_object_is_gzip_json(settings, ledger, store, run_id):
 
 
 def test_zero_variance_group_is_dropped_and_counted(settings, ledger, store, redis_client, run_id):
-    groups = register_groups(settings, ledger, 2)
-    consumer = TrainerConsumer(settings, ledger, store)
+    groups = register_groups(settings, redis_client, 2)
+    consumer = TrainerConsumer(settings, redis_client, store)
     for req in groups[0]:
         deliver_scored(ledger, store, req, 0.5)
     for req, reward in zip(groups[1], [1, 0, 0, 0]):
@@ -294,8 +295,8 @@ def test_zero_variance_group_is_dropped_and_counted(settings, ledger, store, red
 
 def test_zero_variance_group_is_kept_with_zero_advantages_when_configured(settings, ledger, store, redis_client, run_id):
     settings = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"zero_variance_groups": "keep"})})
-    groups = register_groups(settings, ledger, 1)
-    consumer = TrainerConsumer(settings, ledger, store)
+    groups = register_groups(settings, redis_client, 1)
+    consumer = TrainerConsumer(settings, redis_client, store)
     for req in groups[0]:
         deliver_scored(ledger, store, req, 0.1)  # 0.1 * 4 / 4 != 0.1 in floats: advantages must still be 0
     drain(consumer)
@@ -306,10 +307,10 @@ def test_zero_variance_group_is_kept_with_zero_advantages_when_configured(settin
     assert consumer.counters() == {"groups_accepted": 1, "groups_zero_variance_kept": 1}
 
 
-def test_bessel_std_changes_the_advantages_as_trl_computes_them(settings, ledger, store, run_id):
+def test_bessel_std_changes_the_advantages_as_trl_computes_them(settings, ledger, redis_client, store, run_id):
     settings = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"advantage_std": "bessel"})})
-    groups = register_groups(settings, ledger, 1)
-    consumer = TrainerConsumer(settings, ledger, store)
+    groups = register_groups(settings, redis_client, 1)
+    consumer = TrainerConsumer(settings, redis_client, store)
     for req, reward in zip(groups[0], [0.0, 0.0, 1.0, 1.0]):
         deliver_scored(ledger, store, req, reward)
     drain(consumer)
@@ -320,9 +321,9 @@ def test_bessel_std_changes_the_advantages_as_trl_computes_them(settings, ledger
 
 
 def test_failed_member_completes_the_group(settings, ledger, store, redis_client, run_id):
-    groups = register_groups(settings, ledger, 1)
+    groups = register_groups(settings, redis_client, 1)
     reqs = groups[0]
-    consumer = TrainerConsumer(settings, ledger, store)
+    consumer = TrainerConsumer(settings, redis_client, store)
     for req, reward in zip(reqs[:3], [1.0, 0.0, 0.0]):
         deliver_scored(ledger, store, req, reward)
     drain(consumer)
@@ -342,9 +343,9 @@ def test_failed_member_completes_the_group(settings, ledger, store, redis_client
     assert pending_count(redis_client, run_id) == 0
 
 
-def test_all_failed_group_is_dropped_and_counted(settings, ledger, store, run_id):
-    groups = register_groups(settings, ledger, 1)
-    consumer = TrainerConsumer(settings, ledger, store)
+def test_all_failed_group_is_dropped_and_counted(settings, ledger, redis_client, store, run_id):
+    groups = register_groups(settings, redis_client, 1)
+    consumer = TrainerConsumer(settings, redis_client, store)
     for req in groups[0]:
         ledger.fail(req.trajectory_id, "infra_error")
     drain(consumer)
@@ -355,9 +356,9 @@ def test_all_failed_group_is_dropped_and_counted(settings, ledger, store, run_id
 
 
 def test_duplicate_late_and_bad_events_are_counted_and_acknowledged(settings, ledger, store, redis_client, run_id):
-    groups = register_groups(settings, ledger, 1)
+    groups = register_groups(settings, redis_client, 1)
     reqs = groups[0]
-    consumer = TrainerConsumer(settings, ledger, store)
+    consumer = TrainerConsumer(settings, redis_client, store)
     stream = RedisKeys.trainer_stream(run_id)
     deliver_scored(ledger, store, reqs[0], 1.0)
     first = redis_client.xrange(stream)[0][1]
@@ -381,17 +382,17 @@ def test_duplicate_late_and_bad_events_are_counted_and_acknowledged(settings, le
 
 
 def test_restart_recovers_pending_entries_and_completes_the_group_once(settings, ledger, store, redis_client, run_id):
-    groups = register_groups(settings, ledger, 1)
+    groups = register_groups(settings, redis_client, 1)
     reqs = groups[0]
     rewards = [1.0, 0.0, 0.0, 1.0]
-    consumer_a = TrainerConsumer(settings, ledger, store)
+    consumer_a = TrainerConsumer(settings, redis_client, store)
     for req, reward in zip(reqs[:2], rewards[:2]):
         deliver_scored(ledger, store, req, reward)
     assert consumer_a.poll(block_ms=10) == 2  # read, group incomplete ...
     del consumer_a  # ... and the trainer dies
     assert pending_count(redis_client, run_id) == 2
 
-    consumer_b = TrainerConsumer(settings, Ledger(redis_client), store)
+    consumer_b = TrainerConsumer(settings, redis_client, store)
     assert consumer_b.recover() == 2
     assert store.list_keys("batches/") == []
     for req, reward in zip(reqs[2:], rewards[2:]):
@@ -407,7 +408,7 @@ def test_restart_recovers_pending_entries_and_completes_the_group_once(settings,
     assert {ledger.state(r.trajectory_id) for r in reqs} == {"consumed"}
 
     # yet another restart finds nothing to replay and trains nothing again
-    consumer_c = TrainerConsumer(settings, Ledger(redis_client), store)
+    consumer_c = TrainerConsumer(settings, redis_client, store)
     assert consumer_c.recover() == 0
     assert drain(consumer_c) == 0
     assert consumer_c.counters() == {"groups_accepted": 1}
@@ -416,15 +417,14 @@ def test_restart_recovers_pending_entries_and_completes_the_group_once(settings,
 
 def test_restart_after_crash_mid_completion_finishes_the_group(settings, ledger, store, redis_client, run_id, monkeypatch):
     """The trainer dies after writing the batch but before consuming members / marking the group."""
-    groups = register_groups(settings, ledger, 1)
+    groups = register_groups(settings, redis_client, 1)
     reqs = groups[0]
-    ledger_a = Ledger(redis_client)
-    consumer_a = TrainerConsumer(settings, ledger_a, store)
+    consumer_a = TrainerConsumer(settings, redis_client, store)
 
     def crash(tids):
         raise RuntimeError("killed")
 
-    monkeypatch.setattr(ledger_a, "mark_consumed_many", crash)
+    monkeypatch.setattr(consumer_a.ledger, "mark_consumed_many", crash)
     for req, reward in zip(reqs, [0, 1, 1, 1]):
         deliver_scored(ledger, store, req, reward)
     with pytest.raises(RuntimeError, match="killed"):
@@ -432,7 +432,7 @@ def test_restart_after_crash_mid_completion_finishes_the_group(settings, ledger,
     assert store.list_keys("batches/") == [batch_key(run_id, 0)]
     assert pending_count(redis_client, run_id) == GROUP_SIZE
 
-    consumer_b = TrainerConsumer(settings, Ledger(redis_client), store)
+    consumer_b = TrainerConsumer(settings, redis_client, store)
     assert consumer_b.recover() == GROUP_SIZE
     assert {ledger.state(r.trajectory_id) for r in reqs} == {"consumed"}
     assert store.list_keys("batches/") == [batch_key(run_id, 0)]
@@ -444,19 +444,19 @@ def test_restart_after_crash_mid_completion_finishes_the_group(settings, ledger,
 def test_crash_before_the_group_is_marked_done_is_finished_once_on_restart(settings, ledger, store, redis_client, redis_url, run_id, monkeypatch):
     """Done, counted and acked move together: a trainer dying before that transaction leaves
     the group pending, and the restarted trainer completes and counts it exactly once."""
-    groups = register_groups(settings, ledger, 1)
+    groups = register_groups(settings, redis_client, 1)
     reqs = groups[0]
-    ledger_a = Ledger.from_url(redis_url)  # its own client: only trainer A's transaction fails
-    consumer_a = TrainerConsumer(settings, ledger_a, store)
+    client_a = redis_for(redis_url)  # its own client: only trainer A's transaction fails
+    consumer_a = TrainerConsumer(settings, client_a, store)
 
-    pipeline = consumer_a.redis.pipeline
+    pipeline = consumer_a.client.pipeline
 
     def crash(transaction=True, **kwargs):  # the group's transaction; the members' pipelined moves go
         if transaction:
             raise RuntimeError("killed")
         return pipeline(transaction=transaction, **kwargs)
 
-    monkeypatch.setattr(consumer_a.redis, "pipeline", crash)
+    monkeypatch.setattr(consumer_a.client, "pipeline", crash)
     for req, reward in zip(reqs, [0, 1, 1, 1]):
         deliver_scored(ledger, store, req, reward)
     with pytest.raises(RuntimeError, match="killed"):
@@ -467,7 +467,7 @@ def test_crash_before_the_group_is_marked_done_is_finished_once_on_restart(setti
     lines_before_restart = metrics_lines(settings)
     assert [m["group_id"] for m in lines_before_restart] == [0]  # the line went out before the transaction
 
-    consumer_b = TrainerConsumer(settings, Ledger(redis_client), store)
+    consumer_b = TrainerConsumer(settings, redis_client, store)
     consumer_b.recover()
     assert pending_count(redis_client, run_id) == 0
     assert redis_client.smembers(RedisKeys.groups_done(run_id)) == {"0"}
@@ -482,15 +482,15 @@ def test_metrics_lines_of_other_runs_and_a_line_cut_short_do_not_confuse_the_res
     path = settings.trainer.metrics_path
     path.write_text(json.dumps({"run_id": "other", "group_id": 0, "completed_by": "1-0", "status": "accepted"})
                     + '\n{"run_id": "' + run_id + '", "group_')
-    groups = register_groups(settings, ledger, 1)
-    consumer = TrainerConsumer(settings, ledger, store)
+    groups = register_groups(settings, redis_client, 1)
+    consumer = TrainerConsumer(settings, redis_client, store)
     for req, reward in zip(groups[0], [0, 1, 1, 1]):
         deliver_scored(ledger, store, req, reward)
     drain(consumer)
     ours = [m for m in metrics_lines(settings) if m["run_id"] == run_id]
     assert [(m["group_id"], m["status"]) for m in ours] == [(0, "accepted")]
     assert ours[0]["completed_by"] == redis_client.xrange(RedisKeys.trainer_stream(run_id))[-1][0]
-    assert TrainerConsumer(settings, ledger, store).metrics.written == {(0, ours[0]["completed_by"])}
+    assert TrainerConsumer(settings, redis_client, store).metrics.written == {(0, ours[0]["completed_by"])}
 
 
 def too_short(batch: TrainingBatch):
@@ -508,8 +508,8 @@ def too_short(batch: TrainingBatch):
 def test_group_filters_drop_count_and_record_why(settings, ledger, store, redis_client, run_id, filters, status, reason):
     specs = TypeAdapter(list[GroupFilterSpec]).validate_python(filters)
     settings = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"group_filters": specs})})
-    groups = register_groups(settings, ledger, 1)
-    consumer = TrainerConsumer(settings, ledger, store)
+    groups = register_groups(settings, redis_client, 1)
+    consumer = TrainerConsumer(settings, redis_client, store)
     for req, reward in zip(groups[0], [1, 0, 0, 0]):
         deliver_scored(ledger, store, req, reward)
     drain(consumer)
@@ -536,16 +536,16 @@ def test_a_filter_that_names_nothing_is_refused_when_settings_load():
         load_settings(trainer={"group_filters": [{"max_sampled_tokens": 8}, {"stop_reasons": ["timout"]}]})
 
 
-def test_a_multi_segment_trajectory_trains_as_one_sample_per_segment_with_its_advantage(settings, ledger, store, run_id):
+def test_a_multi_segment_trajectory_trains_as_one_sample_per_segment_with_its_advantage(settings, ledger, redis_client, store, run_id):
     """An agent behind the recording proxy rewrote its history: turn 1 starts a new segment."""
-    reqs = register_groups(settings, ledger, 1)[0]
+    reqs = register_groups(settings, redis_client, 1)[0]
     rewards = [0.0, 1.0, 1.0, 0.5]
     for req, reward in zip(reqs, rewards):
         deliver_scored(ledger, store, req, reward)
     segmented = trajectory_for(reqs[1])
     segmented = segmented.model_copy(update={"turns": [segmented.turns[0], segmented.turns[1].model_copy(update={"segment_start": True})]})
     put_model(store, trajectory_key(run_id, 0, reqs[1].trajectory_id), segmented)
-    consumer = TrainerConsumer(settings, ledger, store)
+    consumer = TrainerConsumer(settings, redis_client, store)
     assert drain(consumer) == GROUP_SIZE
 
     batch = get_model(store, batch_key(run_id, 0), TrainingBatch)
@@ -581,9 +581,9 @@ def test_redundancy_keeps_the_first_n_scored_and_supersedes_the_rest_keeping_the
     on those four, the two others are failed(superseded) (one still running, one scored whose
     event comes after the decision), and dispatched = consumed + failed."""
     settings = settings.model_copy(update={"rollout": settings.rollout.model_copy(update={"redundancy": 2})})
-    reqs = register_groups(settings, ledger, 1)[0]
+    reqs = register_groups(settings, redis_client, 1)[0]
     assert len(reqs) == GROUP_SIZE + 2
-    consumer = TrainerConsumer(settings, ledger, store)
+    consumer = TrainerConsumer(settings, redis_client, store)
     for req, reward in zip(reqs[:3], [1.0, 0.0, 0.5]):
         deliver_scored(ledger, store, req, reward)
     drain(consumer)
@@ -609,13 +609,13 @@ def test_redundancy_keeps_the_first_n_scored_and_supersedes_the_rest_keeping_the
     assert ledger.renew({reqs[4].trajectory_id: "slow-worker"}, 30) == [reqs[4].trajectory_id]
 
 
-def test_a_stopped_run_ends_the_consumer_between_reads_with_every_trajectory_terminal(settings, ledger, store, run_id):
+def test_a_stopped_run_ends_the_consumer_between_reads_with_every_trajectory_terminal(settings, ledger, redis_client, store, run_id):
     """``conveyor run stop``: the consumer fails what is unfinished (a group read and not yet
     decided, a group not yet rolled out) and returns; one group decided before stays consumed."""
     from shared.state.run_stop import request_stop
 
-    groups = register_groups(settings, ledger, 3)
-    consumer = TrainerConsumer(settings, ledger, store)
+    groups = register_groups(settings, redis_client, 3)
+    consumer = TrainerConsumer(settings, redis_client, store)
     for req, reward in zip(groups[0], [0, 1, 0, 1]):
         deliver_scored(ledger, store, req, reward)
     for req in groups[1][:2]:

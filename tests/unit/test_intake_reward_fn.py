@@ -11,7 +11,6 @@ import pytest
 from services.intake.adapters import RowRejected, adapt_row
 from services.intake.datasets import Row
 from services.intake.publisher import run_intake
-from shared.state.ledger import Ledger
 from shared.names import RedisKeys
 from shared.settings import Settings
 
@@ -49,7 +48,7 @@ def test_intake_records_the_rejection_and_publishes_the_good_rows(redis_client, 
         Row("data.jsonl:2", {"prompt": "b", "env_config": {"reward_fn": "no_such_module_xyz:score"}}),
     ]
     published: list = []
-    report = run_intake(settings, rows, Ledger(redis_client), published.extend)
+    report = run_intake(settings, rows, redis_client, published.extend)
     assert [r.task.task_data["prompt"] for r in published] == ["a", "a"]
     assert report.rejected == [{"source": "data.jsonl:2", "reason": report.rejected[0]["reason"]}]
     assert report.rejected[0]["reason"].startswith("env_config.reward_fn 'no_such_module_xyz:score' cannot be imported")

@@ -11,7 +11,6 @@ import pytest
 
 from services.intake.publisher import run_intake
 from services.trainer.selection import select
-from shared.state.ledger import Ledger
 from shared.schemas import SkippedGroupEntry, TrainBatchEntry
 from shared.settings import SettingsError, load_settings
 
@@ -70,7 +69,7 @@ def published_envs(two_env_rows, redis_client, run_id: str, weights: dict[str, f
     settings = load_settings(run_id=run_id, rollout={"group_size": 1},
                              intake={"mode": "sample", "num_groups": groups, "env_weights": weights})
     sent: list[str] = []
-    run_intake(settings, two_env_rows, Ledger(redis_client), lambda reqs: sent.extend(r.task.env_name for r in reqs))
+    run_intake(settings, two_env_rows, redis_client, lambda reqs: sent.extend(r.task.env_name for r in reqs))
     return sent
 
 

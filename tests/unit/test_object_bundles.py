@@ -10,6 +10,7 @@ from test_ledger import requests_for
 
 from services.scorer.rewards import RewardCombiner
 from services.scorer.scorer import Scorer
+from shared.state.dead_letters import DeadLetters
 from shared.state.leases import LeaseKeeper
 from shared.state.ledger import SCORING, Ledger
 from shared.names import RedisKeys, trajectory_bundle_key
@@ -91,10 +92,10 @@ def uploaded_in_one_bundle(ledger: Ledger, store: LocalStore, run_id: str, size:
     return tasks
 
 
-def test_a_scoring_batch_writes_one_object_and_inspect_finds_each_member(ledger, tmp_path, run_id):
+def test_a_scoring_batch_writes_one_object_and_inspect_finds_each_member(ledger, redis_client, tmp_path, run_id):
     store = CountingStore(tmp_path)
     tasks = uploaded_in_one_bundle(ledger, store, run_id, size=4)
-    scorer = Scorer(store, RewardCombiner({"verifier": 1.0}), LeaseKeeper(ledger, 30, 5, SCORING))
+    scorer = Scorer(store, RewardCombiner({"verifier": 1.0}), LeaseKeeper(ledger, 30, 5, SCORING), DeadLetters(redis_client))
     assert scorer.score_batch(tasks) == ["scored"] * 4
     assert len(store.reads) == 1  # the four trajectories: one bundle, one GET
     [scored_object] = store.list_keys(f"scored/{run_id}/")

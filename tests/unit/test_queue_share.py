@@ -38,7 +38,7 @@ def drain_two_runs(redis_client, redis_url, max_queued_groups: int | None, rollo
     def intake(run: str) -> threading.Thread:
         settings = Settings(run_id=run, redis={"url": redis_url}, rollout={"group_size": 2},
                             intake={"max_queued_groups": max_queued_groups, "wait_log_every_s": 1.0})
-        thread = threading.Thread(target=run_intake, args=(settings, rows(), ledger, publish), daemon=True)
+        thread = threading.Thread(target=run_intake, args=(settings, rows(), redis_client, publish), daemon=True)
         thread.start()
         return thread
 

@@ -48,13 +48,13 @@ def test_a_run_intake_opened_is_not_refilled_after_redis_lost_it(ledger, run_id)
     assert ledger.redis.keys(f"conveyor:{{{run_id}}}:*") == []  # refused in the same Lua call: nothing written
 
 
-def test_intake_refuses_a_run_the_store_knows_and_redis_lost(settings, ledger, store, run_id):
+def test_intake_refuses_a_run_the_store_knows_and_redis_lost(settings, ledger, redis_client, store, run_id):
     published = []
-    report = run_intake(settings, rows(3), ledger, published.append, store=store)
+    report = run_intake(settings, rows(3), redis_client, published.append, store=store)
     assert report.groups == 3 and store.get_bytes(run_marker_key(run_id))
     ledger.redis.flushall()  # Redis restarted without its data
     with pytest.raises(RedisDataLost) as lost:
-        run_intake(settings, rows(3), ledger, published.append, store=store)
+        run_intake(settings, rows(3), redis_client, published.append, store=store)
     assert f"the object store holds it ({run_marker_key(run_id)})" in str(lost.value)
     assert len(published) == 3 and ledger.redis.keys(f"conveyor:{{{run_id}}}:*") == []
 
@@ -81,21 +81,21 @@ def test_workers_refuse_a_lost_runs_tasks_saying_so_once(ledger, run_id, caplog)
     assert line.startswith(f"Redis lost its data: the marker of run {run_id} ") and "refuses the run's tasks" in line
 
 
-def test_the_trainer_stops_rather_than_go_on_with_an_empty_ledger(settings, ledger, store, run_id):
-    run_intake(settings, rows(2), ledger, lambda _requests: None, store=store)
-    consumer = TrainerConsumer(settings, ledger, store)
+def test_the_trainer_stops_rather_than_go_on_with_an_empty_ledger(settings, ledger, redis_client, store, run_id):
+    run_intake(settings, rows(2), redis_client, lambda _requests: None, store=store)
+    consumer = TrainerConsumer(settings, redis_client, store)
     assert consumer.poll(block_ms=10) == 0
     ledger.redis.flushall()
     with pytest.raises(RedisDataLost, match=f"marker of run {run_id} .* this service stops"):
         TrainerProcess(consumer).run()
     with pytest.raises(RedisDataLost, match="the object store holds it"):  # a trainer started afterwards
-        TrainerConsumer(settings, ledger, store)
+        TrainerConsumer(settings, redis_client, store)
     assert not ledger.redis.exists(RedisKeys.trainer_stream(run_id))  # it recreated nothing
 
 
-def test_a_group_completed_as_redis_loses_the_run_is_not_written_into_the_empty_redis(settings, ledger, store, run_id, monkeypatch):
-    [requests] = register_groups(settings, ledger, 1).values()
-    consumer = TrainerConsumer(settings, ledger, store)
+def test_a_group_completed_as_redis_loses_the_run_is_not_written_into_the_empty_redis(settings, ledger, redis_client, store, run_id, monkeypatch):
+    [requests] = register_groups(settings, redis_client, 1).values()
+    consumer = TrainerConsumer(settings, redis_client, store)
     for reward, request in enumerate(requests):
         deliver_scored(ledger, store, request, float(reward))
     log_metrics = consumer._log_metrics

@@ -23,8 +23,8 @@ from shared.storage import LocalStore, get_model, put_model
 
 
 @pytest.fixture
-def scorer(ledger, store) -> Scorer:
-    return Scorer(store, RewardCombiner({"verifier": 1.0}), LeaseKeeper(ledger, 30, 5, SCORING))
+def scorer(ledger, store, redis_client) -> Scorer:
+    return Scorer(store, RewardCombiner({"verifier": 1.0}), LeaseKeeper(ledger, 30, 5, SCORING), DeadLetters(redis_client))
 
 
 def upload(ledger: Ledger, store: LocalStore, run_id: str) -> tuple[str, ScoringTask]:

@@ -14,6 +14,7 @@ from test_scorer_leases import upload
 from services.rollout_worker.scoring_outbox import ScoringOutbox
 from services.scorer.rewards import RewardCombiner
 from services.scorer.scorer import Scorer
+from shared.state.dead_letters import DeadLetters
 from shared.state.leases import LeaseKeeper, Reaper, one_by_one
 from shared.state.ledger import SCORING, Ledger
 from shared.names import trajectory_key
@@ -112,7 +113,7 @@ def test_the_send_by_deadline_is_a_unix_time(ledger, run_id):
     assert deadline is not None and abs(deadline - time.time()) < 5
 
 
-def test_a_scorer_claims_a_whole_batch_before_scoring_any_of_it(ledger, store, run_id):
+def test_a_scorer_claims_a_whole_batch_before_scoring_any_of_it(ledger, redis_client, store, run_id):
     """A scorer that dies mid-batch must leave a lease on every task it has not finished (the
     reaper re-dispatches each); so when the first one is scored, all of them are held."""
     tasks = []
@@ -131,7 +132,7 @@ def test_a_scorer_claims_a_whole_batch_before_scoring_any_of_it(ledger, store, r
                 held_at_first_read.append([ledger.lease_owner(t.trajectory_id, SCORING) for t in tasks])
             return super().get_bytes(key)
 
-    scorer = Scorer(Watching(store.root), RewardCombiner({"verifier": 1.0}), LeaseKeeper(ledger, 30, 5, SCORING))
+    scorer = Scorer(Watching(store.root), RewardCombiner({"verifier": 1.0}), LeaseKeeper(ledger, 30, 5, SCORING), DeadLetters(redis_client))
     assert scorer.score_batch(tasks) == ["scored"] * 3
     assert None not in held_at_first_read[0]
     assert [ledger.lease_owner(t.trajectory_id, SCORING) for t in tasks] == [None] * 3  # released after

@@ -9,7 +9,6 @@ import random
 
 from services.intake.publisher import run_intake
 from services.intake.splits import assign_splits
-from shared.state.ledger import Ledger
 from shared.schemas import TaskProfile
 from shared.settings import SplitSettings, load_settings
 
@@ -54,7 +53,7 @@ def test_intake_publishes_the_rows_of_its_role_and_the_roles_partition_the_datas
         settings = load_settings(run_id=f"{run_id}-{role}", rollout={"group_size": 1},
                                  intake={"splits": {"role": role, "eval_fraction": 0.2}})
         sent: list[str] = []
-        run_intake(settings, two_env_rows, Ledger(redis_client), lambda reqs, sent=sent: sent.extend(r.task.task_id for r in reqs))
+        run_intake(settings, two_env_rows, redis_client, lambda reqs, sent=sent: sent.extend(r.task.task_id for r in reqs))
         published[role] = set(sent)
     assert not published["train"] & published["eval"]
     assert len(published["train"] | published["eval"]) == 40

@@ -9,7 +9,6 @@ import pytest
 
 from services.intake.datasets import Row
 from services.intake.publisher import run_intake
-from shared.state.ledger import Ledger
 from shared.names import RedisKeys
 from shared.state.staleness import StalenessBudget
 from shared.settings import Settings
@@ -53,8 +52,7 @@ def test_intake_waits_for_the_trainer_instead_of_over_admitting(redis_client, re
                         trainer={"max_off_policy_steps": 0, "groups_per_step": 2})
     rows = [Row(f"mem:{i}", {"task_data": {"low": 1, "high": 9, "target": 5}}) for i in range(4)]
     published: list[int] = []
-    ledger = Ledger(redis_client)
-    worker = threading.Thread(target=run_intake, args=(settings, rows, ledger, lambda reqs: published.append(reqs[0].group_id)))
+    worker = threading.Thread(target=run_intake, args=(settings, rows, redis_client, lambda reqs: published.append(reqs[0].group_id)))
     worker.start()
     time.sleep(1.0)
     assert published == [0, 1]  # the bound: (0 + 0 + 1) * 2 groups before the first step
@@ -69,15 +67,14 @@ def test_intake_waits_for_the_trainer_instead_of_over_admitting(redis_client, re
 def test_intake_publishes_a_group_a_crash_left_registered_but_unpublished(redis_client, redis_url, run_id):
     settings = Settings(run_id=run_id, redis={"url": redis_url}, rollout={"group_size": 2})
     rows = [Row("mem:0", {"task_data": {"low": 1, "high": 9, "target": 5}})]
-    ledger = Ledger(redis_client)
 
     def crash(requests):
         raise ConnectionError("broker went away")
 
     with pytest.raises(ConnectionError):
-        run_intake(settings, rows, ledger, crash)
+        run_intake(settings, rows, redis_client, crash)
     published = []
-    report = run_intake(settings, rows, ledger, published.append)
+    report = run_intake(settings, rows, redis_client, published.append)
     assert report.groups == 1 and len(published) == 1
-    assert run_intake(settings, rows, ledger, published.append).already_known == 1
+    assert run_intake(settings, rows, redis_client, published.append).already_known == 1
     assert len(published) == 1

@@ -23,7 +23,7 @@ def test_every_declared_key_is_a_row_with_what_it_holds_and_who_names_it():
     assert declared and declared <= rows.keys()
     states = rows["RedisKeys.states"]
     assert states.shape == "conveyor:{run_id}:state" and "state" in states.holds
-    assert "shared.state.ledger" in states.named_in and "shared.names" not in states.named_in
+    assert "shared.state.ledger.transitions" in states.named_in and "shared.names" not in states.named_in
     assert rows["RedisKeys.run_stop"].named_in == ("shared.state.run_stop",)
     assert rows["ROLLOUT_QUEUE"].shape == "rollouts" and rows["batch_key"].shape == "batches/{run_id}/{group_id:06d}.json.gz"
 

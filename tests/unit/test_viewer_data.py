@@ -23,7 +23,7 @@ def stage(redis_client, store, run_id: str, groups: int = 5, size: int = 4) -> l
     settings = load_settings(run_id=run_id, rollout={"group_size": size})
     rows = [Row(f"mem:{i}", {"id": f"task-{i}", "low": 1, "high": 20, "target": i + 1}) for i in range(groups)]
     published = []
-    run_intake(settings, rows, Ledger(redis_client), published.extend)
+    run_intake(settings, rows, redis_client, published.extend)
     ledger = Ledger(redis_client)
     for request in published:
         tid = request.trajectory_id

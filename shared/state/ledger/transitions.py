@@ -1,106 +1,33 @@
-"""The trajectory ledger in Redis: one state per trajectory, changed only by atomic Lua
-transitions (``shared.state.ledger_lua``).
+"""The ledger's transitions (``Ledger``): every change of a trajectory's state, each one atomic
+Lua call (``shared.state.ledger_lua``); the invariants are the ledger's (``shared.state.ledger``).
 
-States: queued -> running -> uploaded -> scored -> consumed, or failed(reason) from any
-non-terminal state.
-
-Invariants, per run:
-- Each trajectory has exactly one state; the per-state counters move in the same Lua call as
-  the state, so ``sum(counts) == registered`` at all times and
-  ``dispatched == consumed + failed + in flight``.
-- A transition names the states it may start from; a redelivered or duplicated message finds
-  the trajectory elsewhere and becomes a no-op. This is what makes rollout, scoring and
-  consumption idempotent by trajectory id.
-- Every stage that holds work holds it under a lease (a ``LeaseStage``: owner token + deadline
-  in the stage's zset): rollout holds ``running`` trajectories, scoring holds ``uploaded`` ones.
-  At most one attempt per stage holds a trajectory; only its owner can move it on, so a worker
-  presumed dead cannot publish a second copy. Leaving the held state ends the lease in the same
-  Lua call. Workers renew leases by heartbeat; the reaper (``shared.state.leases``) puts a
-  trajectory whose lease ran out back where the stage claims from, to be re-dispatched, and
-  fails it after ``max_attempts`` attempts of that stage. An owner that stops before its
-  work is done (its worker shuts down) hands the trajectory back (``hand_back``): to the
-  state its stage claims from, the lease ended and the attempt not counted, in one Lua call.
-- Every state that holds work has a deadline in its stage's lease zset, written in the same Lua
-  call as the state: a lease (``running``; ``uploaded`` being scored) or, for a trajectory
-  waiting to be claimed (``queued``; ``uploaded`` not yet claimed by a scorer), a dispatch
-  deadline with no owner. Registration, a requeue, a hand-back, an expired lease, ``conveyor
-  retry`` and the upload each arm it; only a claim (which replaces it with a lease) or leaving
-  the state ends it. A message that never reached a holder (its sender died before sending; the
-  broker took it off its queue and its receiver died before recording the delivery; Redis
-  restarted and lost the last second of writes) is therefore sent again by the stage's reaper
-  once the deadline passes, whatever else was lost. The upload's deadline is short (the sender
-  batches for at most ``rollout.scoring_linger_s``); once the batch is sent (``scoring_sent``) it
-  moves ``dispatch_ttl_s`` ahead. A deadline that passes while the stage's broker queue still
-  holds messages moves ``dispatch_ttl_s`` ahead instead, nothing sent: the message may be
-  waiting there, and a copy would only join the back of the same queue. So a message only
-  waiting (behind a backlog, or while an outage of Redis stalled every worker) is not copied,
-  and a lost one goes out again once its queue is empty. Each re-send of an unclaimed
-  trajectory doubles the next wait (up to 32x); every copy beyond the first is a no-op at the
-  claim. So nothing waiting lives only in a process's memory or only in the broker.
-- Registering a run's trajectories records the run's marker (``shared.state.run_marker``) in the
-  same Lua call, so Redis never holds a run's trajectories without its marker.
-- Hand-off to the trainer is atomic with the state change: ``mark_scored`` and ``fail`` append
-  the TrainerEvent to the run's stream in the same Lua call. An event is never lost or doubled.
+Invariants:
+- A transition names the states it may start from, and a lease-held move names its owner's token:
+  a copy of a move finds the trajectory elsewhere (or the lease another's) and is a no-op.
+- A pipelined batch (``*_many``) runs each move as its own atomic call, as if made alone.
+- Every state entered that waits to be claimed gets its dispatch deadline (``dispatch_ttl_s``
+  ahead) in the same call; a lease-held state gets its lease.
+- ``Ledger`` reads as ``LedgerReads`` does (``shared.state.ledger.reads``); it adds only writes.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, cast
+from typing import Any
 
 import redis
 
-from shared import ids
 from shared.state import ledger_lua
 from shared.ids import parse_trajectory_id
-from shared.names import ROLLOUT_QUEUE, SCORING_QUEUE, RedisKeys
-from shared.outage import redis_client, seconds_since_recovery
+from shared.names import RedisKeys
+from shared.outage import redis_client
+from shared.state.ledger.reads import LedgerReads
+from shared.state.ledger.stages import LEASE_STAGES, ROLLOUT, SCORING, UNFINISHED, LeaseStage, TransitionResult
 from shared.state.redis_scripts import ScriptCall, run_pipelined
-from shared.state.run_marker import RedisDataLost, RunMarker, lost_message, marker_value, refuse_lost_run
+from shared.state.run_marker import RedisDataLost, RunMarker, lost_message, marker_value
 from shared.state.trainer_stream import stream_key
 from shared.schemas import FailedEvent, RolloutRequest, ScoredEvent, TrajectoryState
 from shared.settings import LedgerSettings, OutageSettings
-
-STATES = [s.value for s in TrajectoryState]
-UNFINISHED = [TrajectoryState.queued, TrajectoryState.running, TrajectoryState.uploaded, TrajectoryState.scored]
-
-
-@dataclass(frozen=True)
-class LeaseStage:
-    """A stage that holds a trajectory under a lease: it claims it in ``claim_from`` and holds
-    it in ``held``; an expired lease puts it back in ``claim_from`` for a re-dispatch of the
-    ``payload`` stored for it."""
-
-    name: str
-    claim_from: TrajectoryState
-    held: TrajectoryState
-    expired_reason: str  # failure reason once the lease expired max_attempts times
-    leases: str  # zset trajectory id -> deadline, all runs
-    owners: Callable[[str], str]  # run id -> hash trajectory id -> token
-    attempts: Callable[[str], str]  # run id -> hash trajectory id -> attempts started
-    payloads: Callable[[str], str]  # run id -> hash trajectory id -> what a re-dispatch publishes
-    resends: Callable[[str], str]  # run id -> hash trajectory id -> re-sends since the last claim
-    queue: str  # the broker queue its messages wait in (a Redis list: kombu's Redis transport)
-
-
-ROLLOUT = LeaseStage(
-    "rollout", TrajectoryState.queued, TrajectoryState.running, "lease_expired",
-    RedisKeys.leases, RedisKeys.owners, RedisKeys.attempts, RedisKeys.requests, RedisKeys.resends, ROLLOUT_QUEUE,
-)
-SCORING = LeaseStage(  # the payload is the scoring task's argument list, as JSON
-    "scoring", TrajectoryState.uploaded, TrajectoryState.uploaded, "scoring_lease_expired",
-    RedisKeys.scoring_leases, RedisKeys.scoring_owners, RedisKeys.scoring_attempts, RedisKeys.scoring_tasks,
-    RedisKeys.scoring_resends, SCORING_QUEUE,
-)
-LEASE_STAGES = (ROLLOUT, SCORING)  # each holds a different state
-
-
-@dataclass(frozen=True)
-class TransitionResult:
-    ok: bool
-    state: str  # the state before the transition when ok; the blocking state otherwise
-
 
 DEFAULT_DISPATCH_TTL_S = LedgerSettings().dispatch_ttl_s
 
@@ -112,11 +39,11 @@ def redis_for(url: str, outage: OutageSettings | None = None) -> redis.Redis:
     return redis_client(url, outage) if outage is not None else redis.Redis.from_url(url, decode_responses=True)
 
 
-class Ledger:
+class Ledger(LedgerReads):
     def __init__(self, client: redis.Redis, dispatch_ttl_s: float = DEFAULT_DISPATCH_TTL_S):
         """``dispatch_ttl_s``: how long a trajectory may wait to be claimed before its message is
         presumed lost and sent again (``ledger.dispatch_ttl_s``)."""
-        self.redis = client
+        super().__init__(client)
         self.dispatch_ttl_s = dispatch_ttl_s
         self._register = client.register_script(ledger_lua.REGISTER)
         self._claim = client.register_script(ledger_lua.CLAIM)
@@ -194,9 +121,6 @@ class Ledger:
             lost += [_text(tid) for tid in self._heartbeat(keys=keys, args=[deadline, stage.held.value, *pairs])]
         return lost
 
-    def expired_leases(self, now: float | None = None, limit: int = 500, stage: LeaseStage = ROLLOUT) -> list[str]:
-        now = time.time() if now is None else now
-        return cast(list[str], self.redis.zrangebyscore(stage.leases, "-inf", now, start=0, num=limit))
 
     def expire(self, trajectory_id: str, max_attempts: int, now: float | None = None, stage: LeaseStage = ROLLOUT,
                forgive_before: float = 0.0) -> str:
@@ -339,99 +263,6 @@ class Ledger:
         for stage in LEASE_STAGES:
             args += [stage.held.value, stage.claim_from.value]
         return ScriptCall(self._transition, keys, args)
-
-    # --- reads ------------------------------------------------------------------------------
-    # The client decodes replies (``decode_responses=True``, as ``from_url`` and ``redis_client``
-    # make it), which redis-py's types cannot express: the casts below name the str it returns.
-    def payload(self, trajectory_id: str, stage: LeaseStage = ROLLOUT) -> str:
-        run_id = parse_trajectory_id(trajectory_id).run_id
-        raw = self.redis.hget(stage.payloads(run_id), trajectory_id)
-        if raw is None:
-            raise KeyError(f"no {stage.name} payload recorded for {trajectory_id}")
-        return cast(str, raw)
-
-    def unclaimed_group_members(self, request: RolloutRequest) -> dict[str, str]:
-        """Trajectory id -> stored request of the members of ``request``'s group that still wait
-        in ``queued`` with no rollout lease (the request itself excluded). Reads only the group's
-        own fields: the member ids follow from the request (``shared.ids``)."""
-        task_seed = request.task_seed
-        members = [ids.trajectory_id(request.run_id, request.group_id, index, task_seed + index)
-                   for index in range(request.group_size) if index != request.episode_index]
-        if not members:
-            return {}
-        run = request.run_id
-        states = self.redis.hmget(RedisKeys.states(run), members)
-        owners = self.redis.hmget(ROLLOUT.owners(run), members)
-        waiting = [t for t, state, owner in zip(members, states, owners) if state == ROLLOUT.claim_from.value and owner is None]
-        payloads = self.redis.hmget(ROLLOUT.payloads(run), waiting) if waiting else []
-        return {t: cast(str, p) for t, p in zip(waiting, payloads) if p is not None}
-
-    def request(self, trajectory_id: str) -> RolloutRequest:
-        return RolloutRequest.model_validate_json(self.payload(trajectory_id, ROLLOUT))
-
-    def state(self, trajectory_id: str) -> str | None:
-        return cast(str | None, self.redis.hget(RedisKeys.states(parse_trajectory_id(trajectory_id).run_id), trajectory_id))
-
-    def states(self, run_id: str) -> dict[str, str]:
-        return cast(dict[str, str], self.redis.hgetall(RedisKeys.states(run_id)))
-
-    def failure_reasons(self, run_id: str) -> dict[str, str]:
-        return cast(dict[str, str], self.redis.hgetall(RedisKeys.failures(run_id)))
-
-    def record(self, trajectory_id: str) -> tuple[str | None, str | None, str | None]:
-        """The trajectory's state, failure reason and scoring task arguments (JSON), or None each."""
-        run = parse_trajectory_id(trajectory_id).run_id
-        fields = (RedisKeys.states(run), RedisKeys.failures(run), RedisKeys.scoring_tasks(run))
-        state, failure, task = (cast(str | None, self.redis.hget(key, trajectory_id)) for key in fields)
-        return state, failure, task
-
-    def failures_scan(self, run_id: str, cursor: int, count: int) -> tuple[int, list[tuple[str, str, int]]]:
-        """One HSCAN step over the run's failures: the next cursor and (trajectory id, reason, attempts)."""
-        cursor, batch = cast(tuple[int, dict[str, str]], self.redis.hscan(RedisKeys.failures(run_id), cursor=cursor, count=count))
-        attempts = cast(list[str | None], self.redis.hmget(RedisKeys.attempts(run_id), list(batch))) if batch else []
-        return cursor, [(tid, reason, int(tries or 0)) for (tid, reason), tries in zip(batch.items(), attempts)]
-
-    def retry_keys(self, run_id: str) -> list[str]:
-        """The ledger's keys ``ledger_lua.RETRY_GROUP`` changes, in its KEYS order."""
-        k = RedisKeys
-        return [k.states(run_id), k.counts(run_id), k.failures(run_id), k.attempts(run_id), k.scoring_attempts(run_id)]
-
-    def attempts(self, trajectory_id: str, stage: LeaseStage = ROLLOUT) -> int:
-        run_id = parse_trajectory_id(trajectory_id).run_id
-        return int(self.redis.hget(stage.attempts(run_id), trajectory_id) or 0)
-
-    def lease_deadline(self, trajectory_id: str, stage: LeaseStage = ROLLOUT) -> float | None:
-        return self.redis.zscore(stage.leases, trajectory_id)
-
-    def lease_owner(self, trajectory_id: str, stage: LeaseStage = ROLLOUT) -> str | None:
-        return cast(str | None, self.redis.hget(stage.owners(parse_trajectory_id(trajectory_id).run_id), trajectory_id))
-
-    def counts(self, run_id: str) -> dict[str, int]:
-        raw = self.redis.hgetall(RedisKeys.counts(run_id))
-        return {state: int(raw.get(state, 0)) for state in STATES}
-
-    def runs(self) -> list[str]:
-        return sorted(cast(set[str], self.redis.smembers(RedisKeys.runs)))
-
-    def retried(self, run_id: str, stage: LeaseStage = ROLLOUT) -> int:
-        """How many of the run's trajectories the stage started more than once."""
-        return sum(int(n) > 1 for n in self.redis.hvals(stage.attempts(run_id)))
-
-    def has_run(self, run_id: str) -> bool:
-        return bool(self.redis.sismember(RedisKeys.runs, run_id))
-
-    def run_lost(self, run_id: str) -> bool:
-        """Whether Redis lost the run (its marker is gone): ``shared.state.run_marker.refuse_lost_run``."""
-        return refuse_lost_run(self.redis, run_id)
-
-    # --- the Redis server that holds the ledger ---------------------------------------------
-    def server_uptime_s(self) -> float:
-        """How long the Redis server now answering has run (whole seconds, from its process's start)."""
-        return float(self.redis.info("server").get("uptime_in_seconds", "inf"))
-
-    def seconds_since_recovery(self) -> float:
-        """Since this process last saw the ledger's Redis come back (inf: never saw it down)."""
-        return seconds_since_recovery(self.redis)
 
 
 def _require_token(token: str) -> None:
