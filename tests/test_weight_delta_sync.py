@@ -15,7 +15,7 @@ from services.policy.model import load_policy, logprob_probe
 from services.policy.probe import FP32_TOLERANCE, LogprobProbe
 from services.weights import sync as ws
 from services.weights.delta_chain import PAYLOAD, ChainReader, ChainWriter
-from services.weights.delta_sync import DELTA_VERSION, DeltaCatchUp, _rpc, held_version, sync_delta
+from services.weights.delta_sync import DELTA_VERSION, DeltaCatchUp, worker_calls, held_version, sync_delta
 from services.weights.probe import SyncProbe, verify_replica
 from shared.names import CHECKPOINT_COMMITTED, weight_chain_prefix
 from shared.settings import StorageSettings
@@ -75,8 +75,8 @@ def test_delta_chain_reaches_the_replica_exactly_and_faults_never_serve_wrong_we
         assert late.extra["plans"] == {"None": [1, 2]} and ws.weight_version(http, url) == "2"
         caught_up = sync(3)  # from the version held: the one delta
         assert caught_up.extra["plans"] == {"2": [3]} and caught_up.extra["probe_max_abs_diff"] <= FP32_TOLERANCE
-        assert held_version(http, url) == 3
-        [answer] = _rpc(http, url, DELTA_VERSION, {"checksums": True}, 30.0)
+        assert held_version(http, url, run_id) == 3
+        [answer] = worker_calls(http, url, DELTA_VERSION, {"checksums": True}, 30.0)
         trained = {e.name: e.checksum for e in ChainReader(store, run_id).manifest(3).tensors}
         assert answer["checksums"] == trained  # every tensor, bit for bit
         # greedy tokens and logprobs equal a fresh load of the same version from disk
@@ -85,7 +85,7 @@ def test_delta_chain_reaches_the_replica_exactly_and_faults_never_serve_wrong_we
         trainer.model.save_pretrained(fresh_dir)
         ws.sync_weights([url], fresh_dir, 3, client=http)
         assert _greedy(url, http) == via_delta
-        assert held_version(http, url) is None  # a reload from disk drops the shadow
+        assert held_version(http, url, run_id) is None  # a reload from disk drops the shadow
         assert sync(3).extra["plans"] == {"None": [1, 2, 3]}  # so the next sync starts from a full version
 
         # a corrupted delta: refused before any pause; the replica stays on 3, labelled so
@@ -113,23 +113,67 @@ def test_delta_chain_reaches_the_replica_exactly_and_faults_never_serve_wrong_we
         trainer.step_and_publish()  # 7: full, so the chain mends
         assert sync(7).extra["plans"] == {"3": [7]} and ws.weight_version(http, url) == "7"
 
-        # a worker whose shadow is not the delta's base (another run's version 7): its checksums
-        # refuse the delta, and the sync falls back, loudly, to the newest full version
-        other_run = run_id + "b"
-        other = Trainer(served_model.model_dir, store, other_run, seed=1, full_every=6)
+        # a worker whose shadow is not the delta's base (the run's chain written again elsewhere,
+        # as when a run id is reused after its objects were deleted): its checksums refuse the
+        # delta, and the sync falls back, loudly, to the newest full version
+        other_run = run_id
+        other_store = S3Store(StorageSettings(endpoint=s3_endpoint, access_key="testing", secret_key="testing",
+                                              bucket=run_id + "b"))
+        other_store.ensure_bucket()
+        other = Trainer(served_model.model_dir, other_store, other_run, seed=1, full_every=6)
         for _ in range(8):
             other.step_and_publish()
-        other_catch_up = DeltaCatchUp(ChainReader(store, other_run), tmp_path / "b")
+        other_catch_up = DeltaCatchUp(ChainReader(other_store, other_run), tmp_path / "b")
         report = sync_delta([url], other_catch_up, 8, http=http, probe_model="tiny", probe_tolerance=FP32_TOLERANCE)
         assert report.extra["plans"] == {"7": [8], "None": [7, 8]}
         assert "differ from the trainer's checksums" in report.extra["fallbacks"][0]
-        assert ws.weight_version(http, url) == "8" and held_version(http, url) == 8
+        assert ws.weight_version(http, url) == "8" and held_version(http, url, run_id) == 8
         verify_replica(http, url, SyncProbe(other.probes[8], "tiny", FP32_TOLERANCE))
         # a manifest whose checksum is not what its frames produce: refused everywhere, nothing served
         other.step_and_publish()  # 9: delta on 8
         manifest_key = weight_chain_prefix(other_run, 9) + CHECKPOINT_COMMITTED
-        store.put_bytes(manifest_key, store.get_bytes(manifest_key).replace(b'"checksum": "', b'"checksum": "0', 1))
+        other_store.put_bytes(manifest_key, other_store.get_bytes(manifest_key).replace(b'"checksum": "', b'"checksum": "0', 1))
         with pytest.raises(ws.WeightSyncError):
             sync_delta([url], other_catch_up, 9, http=http, probe_model="tiny", probe_tolerance=FP32_TOLERANCE)
         assert ws.weight_version(http, url) == "8" and not ws.is_paused(http, url)
         verify_replica(http, url, SyncProbe(other.probes[8], "tiny", FP32_TOLERANCE))
+
+
+@pytest.mark.slow
+def test_the_follower_serves_announced_chain_versions(served_model: Any, s3_endpoint: str, run_id: str,
+                                                      redis_client: Any, tmp_path: Path) -> None:
+    """The trainer's publisher (``inference.weight_sync: delta``) and the weight follower: an
+    announcement in the chain is served, ``policy_version`` moves only once it is."""
+    from services.trainer.delta_publish import DeltaPublisher
+    from services.weights.follower import WeightFollower
+    from shared.schemas import CheckpointAnnouncement
+    from shared.settings import Settings
+    from shared.state.checkpoint_announcements import CheckpointAnnouncements
+    from shared.state.policy_version import PolicyVersion
+
+    url = served_model.base_url
+    store = S3Store(StorageSettings(endpoint=s3_endpoint, access_key="testing", secret_key="testing", bucket=run_id))
+    store.ensure_bucket()
+    settings = Settings(run_id=run_id, inference={"weight_sync": "delta", "dtype": "float32",
+                                                  "weight_sync_delta_encoding": "xor",
+                                                  "weight_sync_delta_max_fraction": 1.0})
+    publisher = DeltaPublisher(settings, store)
+    model, _ = load_policy(served_model.model_dir)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    announcements = CheckpointAnnouncements(redis_client, run_id)
+    with WeightFollower(redis_client, store, run_id, [url], tmp_path / "w", initial_weights_dir=served_model.model_dir,
+                        probe_model="tiny") as follower, ws.admin_client() as http:
+        for version in (1, 2):
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            metrics = publisher.publish(version, model, logprob_probe(model, version).to_json().decode())
+            assert metrics["delta_full"] == float(version == 1) and 0 < metrics["delta_bytes"]
+            announcements.announce(CheckpointAnnouncement(version=version, prefix=weight_chain_prefix(run_id, version)))
+            applied = follower.process_once()
+            assert applied is not None and applied.version == version
+            # another run's shadow (the module's other test) is no base for this run's chain
+            assert applied.sync.extra["plans"] == ({"None": [1]} if version == 1 else {"1": [2]})
+            assert PolicyVersion(redis_client, run_id).get() == version and ws.weight_version(http, url) == str(version)
+        verify_replica(http, url, SyncProbe(logprob_probe(model, 2), "tiny", FP32_TOLERANCE))

@@ -74,10 +74,11 @@ class ConveyorWorkerExtension:
             shadow.clear()
 
     def conveyor_delta_version(self, checksums: bool = False) -> dict:
-        """``{"version": <the version the shadow holds, or None>}``, with ``checksums`` every shadow
-        tensor's xxh3 by name."""
+        """``{"chain", "version"}``: the chain and version the shadow holds (None: none), with
+        ``checksums`` every shadow tensor's xxh3 by name."""
         shadow = getattr(self, "_conveyor_shadow", None)
-        answer: dict = {"version": None if shadow is None else shadow.version}
+        answer: dict = {"chain": None if shadow is None else shadow.chain,
+                        "version": None if shadow is None else shadow.version}
         if checksums and shadow is not None:
             from services.weights.delta import tensor_checksum
 

@@ -7,16 +7,16 @@ tensor by tensor against the trainer's checksums, and only then are the shadow's
 into vLLM (``services.inference.vllm_worker``'s ``conveyor_apply_delta``).
 
 A step file (``write_step``, by the follower, while the replica serves) is one chain version
-decoded: ``torch.save`` of ``{"version", "base", "kind", "tensors": [{"name", "op", "bits",
-"index", "dtype", "shape", "checksum"}]}``.
+decoded: ``torch.save`` of ``{"chain", "version", "base", "kind", "tensors": [{"name", "op",
+"bits", "index", "dtype", "shape", "checksum"}]}``; ``chain`` names the chain (its run).
 
 Invariants:
 - ``DeltaShadow.apply`` either moves the shadow to the last step's version with every tensor's
   checksum equal to that step's manifest, or raises and leaves the shadow as it was (a delta's
   changes are undone; a full version is built aside). A checksum mismatch raises
   ``DeltaChecksumMismatch`` naming the tensors.
-- A plan that starts with a delta applies only to a shadow at that delta's base; one that
-  starts with a full version applies to any shadow.
+- A plan that starts with a delta applies only to a shadow of the same chain at that delta's
+  base; one that starts with a full version applies to any shadow.
 - A worker whose weights were loaded another way (a reload from disk, a broadcast) holds no
   shadow (``clear``): its next delta sync starts from a full version.
 """
@@ -37,7 +37,7 @@ class DeltaChecksumMismatch(DeltaError):
     """The tensors a delta produced are not the trainer's (by their checksums)."""
 
 
-def write_step(step: ChainVersion, payload: bytes, dest: Path) -> Path:
+def write_step(step: ChainVersion, payload: bytes, dest: Path, chain: str) -> Path:
     """Decode every frame of ``step`` and save the step file at ``dest`` (written whole, then renamed)."""
     tensors = []
     for entry in step.tensors:
@@ -47,7 +47,7 @@ def write_step(step: ChainVersion, payload: bytes, dest: Path) -> Path:
                         "dtype": entry.dtype, "shape": list(entry.shape), "checksum": entry.checksum})
     dest.parent.mkdir(parents=True, exist_ok=True)
     partial = dest.with_name(dest.name + ".partial")
-    torch.save({"version": step.version, "base": -1 if step.base is None else step.base, "kind": step.kind,
+    torch.save({"chain": chain, "version": step.version, "base": -1 if step.base is None else step.base, "kind": step.kind,
                 "tensors": tensors}, partial)
     partial.rename(dest)
     return dest
@@ -58,23 +58,24 @@ def read_step(path: str | Path) -> dict[str, Any]:
 
 
 class DeltaShadow:
-    """The served version's tensors by checkpoint name, and that version (None: none held)."""
+    """The served version's tensors by checkpoint name, that version (None: none held) and its chain."""
 
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self.version: int | None = None
+        self.chain: str | None = None
 
     def clear(self) -> None:
-        self.tensors, self.version = {}, None
+        self.tensors, self.version, self.chain = {}, None, None
 
     def apply(self, steps: list[dict[str, Any]]) -> dict[str, float]:
         """Apply decoded steps (oldest first); see the invariants. Returns seconds and counts."""
         if not steps:
             raise DeltaError("no steps to apply")
         first = steps[0]
-        if first["kind"] != "full" and first["base"] != self.version:
-            raise DeltaError(f"version {first['version']} is a delta on {first['base']}, but this worker holds "
-                             f"{self.version}")
+        if first["kind"] != "full" and (first["base"], first["chain"]) != (self.version, self.chain):
+            raise DeltaError(f"version {first['version']} of chain {first['chain']} is a delta on {first['base']}, "
+                             f"but this worker holds version {self.version} of chain {self.chain}")
         if any(s["kind"] == "full" for s in steps[1:]):
             raise DeltaError("a full version only starts a plan")
         t0 = time.perf_counter()
@@ -106,5 +107,5 @@ class DeltaShadow:
             for name, undone in reversed(undo):
                 undo_change(work[name], undone)
             raise
-        self.tensors, self.version = work, int(steps[-1]["version"])
+        self.tensors, self.version, self.chain = work, int(steps[-1]["version"]), str(steps[-1]["chain"])
         return {"apply_s": applied - t0, "verify_s": time.perf_counter() - applied, "changed": float(changed)}

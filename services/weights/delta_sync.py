@@ -29,7 +29,6 @@ from typing import Any, Callable
 import httpx
 
 from services.weights import sync as ws
-from services.weights.admin_http import admin_request
 from services.weights.delta_chain import ChainBroken, ChainReader, ChainVersion
 from services.weights.delta_shadow import write_step
 from services.weights.probe import SyncProbe
@@ -42,18 +41,20 @@ DELTA_VERSION = "conveyor_delta_version"
 APPLY_TIMEOUT_S = 600.0
 
 
-def _rpc(http: httpx.Client, url: str, method: str, kwargs: dict[str, Any], timeout_s: float) -> list[Any]:
-    body = {"method": method, "kwargs": kwargs, "timeout": timeout_s}
-    r = admin_request(http, "POST", url, "/collective_rpc", call=method, retry_5xx=False, json=body,
-                      timeout=httpx.Timeout(timeout_s + 10.0, connect=5.0))
-    return list(r.json().get("results", []))
+def worker_calls(http: httpx.Client, url: str, method: str, kwargs: dict[str, Any], timeout_s: float) -> list[Any]:
+    """Each worker's answer to ``method`` (a ``collective_rpc``)."""
+    return list(ws.collective_rpc(http, url, method, kwargs, timeout_s).get("results", []))
 
 
-def held_version(http: httpx.Client, url: str) -> int | None:
-    """The version every worker of the replica holds in its shadow (None: none, or they differ)."""
-    versions = {r.get("version") if isinstance(r, dict) else None for r in _rpc(http, url, DELTA_VERSION, {}, 30.0)}
-    held = versions.pop() if len(versions) == 1 else None
-    return int(held) if held is not None else None
+def held_version(http: httpx.Client, url: str, chain: str) -> int | None:
+    """The version of ``chain`` every worker of the replica holds in its shadow (None: none, another
+    chain's, or they differ)."""
+    held = {(r.get("chain"), r.get("version")) if isinstance(r, dict) else (None, None)
+            for r in worker_calls(http, url, DELTA_VERSION, {}, 30.0)}
+    if len(held) != 1:
+        return None
+    [(held_chain, version)] = held
+    return int(version) if held_chain == chain and version is not None else None
 
 
 @dataclass
@@ -100,7 +101,7 @@ class DeltaCatchUp:
                 t0 = time.perf_counter()
                 payload = self.reader.fetch(step)
                 t1 = time.perf_counter()
-                write_step(step, payload, path)
+                write_step(step, payload, path, self.reader.run_id)
                 prepared.download_s += t1 - t0
                 prepared.decode_s += time.perf_counter() - t1
                 prepared.bytes += len(payload)
@@ -119,7 +120,7 @@ def sync_delta(urls: list[str], catch_up: DeltaCatchUp, version: int, *, http: h
                apply_timeout_s: float = APPLY_TIMEOUT_S) -> ws.SyncReport:
     """Serve chain version ``version`` on every replica; see the module invariants."""
     t0 = time.perf_counter()
-    held = {url: held_version(http, url) for url in urls}
+    held = {url: held_version(http, url, catch_up.reader.run_id) for url in urls}
     prepared: dict[int | None, Prepared] = {}
     try:
         for have in set(held.values()):
@@ -137,7 +138,7 @@ def sync_delta(urls: list[str], catch_up: DeltaCatchUp, version: int, *, http: h
     def apply_one(url: str) -> None:
         plan = prepared[held[url]]
         try:
-            worker[url] = _rpc(http, url, APPLY_DELTA, {"paths": [str(p) for p in plan.files]}, apply_timeout_s)
+            worker[url] = worker_calls(http, url, APPLY_DELTA, {"paths": [str(p) for p in plan.files]}, apply_timeout_s)
         except ws.AdminCallError as exc:
             if plan.steps[0].kind == "full":
                 raise
@@ -146,7 +147,7 @@ def sync_delta(urls: list[str], catch_up: DeltaCatchUp, version: int, *, http: h
             full = catch_up.prepare(version, None)
             full.notes.append(f"fallback on {url}: {exc.detail[:300]}")
             prepared[None] = full
-            worker[url] = _rpc(http, url, APPLY_DELTA, {"paths": [str(p) for p in full.files]}, apply_timeout_s)
+            worker[url] = worker_calls(http, url, APPLY_DELTA, {"paths": [str(p) for p in full.files]}, apply_timeout_s)
         ws.reset_prefix_cache(http, url)
 
     fetched = time.perf_counter() - t0

@@ -49,6 +49,9 @@ Invariants:
   under the same rules: probed through the adapter, ``policy_version`` advanced only after
   every replica serves it, and never backwards. The previous version's adapter and directory
   are kept (turns started under it may still run); older ones are unloaded and removed.
+- An announcement whose prefix is in the run's delta chain (``inference.weight_sync: delta``) is
+  served by ``delta_sync.sync_delta`` under the same rules (``policy_version`` advanced from
+  its ``on_served``, never backwards; a broken chain fails the sync and the version stays).
 - ``run()`` stops within about ``block_ms`` of ``stop_event`` being set. The Redis client's
   socket timeout (if any) must exceed ``block_ms``.
 - An outage of Redis or of the S3 server is waited out by the clients ``from_settings``
@@ -70,6 +73,8 @@ from typing import Any, Self
 from services.weights import sync as weight_sync
 from services.weights.base import (BaseCheck, BaseWeightsError, base_dir, base_probe, ensure_base_weights,
                                   hold_replicas)
+from services.weights.delta_chain import ChainReader
+from services.weights.delta_sync import DeltaCatchUp, sync_delta
 from services.weights.lora_sync import sync_adapter
 from services.weights.sync import SyncProbe, SyncReport, WeightSyncError, sync_weights
 from services.weights.checkpoint_files import (  # noqa: F401 - re-exported for callers of the follower
@@ -82,7 +87,7 @@ from services.weights.checkpoint_files import (  # noqa: F401 - re-exported for 
 from services.policy.probe import FP32_TOLERANCE, LogprobProbe, default_tolerance
 from shared.state.checkpoint_announcements import CheckpointAnnouncements
 from shared.state.dead_letters import DeadLetters
-from shared.names import CHECKPOINT_ADAPTER_CONFIG, CHECKPOINT_PROBE, checkpoint_prefix
+from shared.names import CHECKPOINT_ADAPTER_CONFIG, CHECKPOINT_PROBE, checkpoint_prefix, weight_chain_of_run
 from shared.outage import OutageTooLong
 from shared.outage import redis_client as redis_client_waiting
 from shared.state.run_marker import RedisDataLost, RunMarker
@@ -173,6 +178,7 @@ class WeightFollower:
         self.weight_syncs = WeightSyncRecord(redis_client, run_id)
         self.dead_letters = DeadLetters(redis_client)
         self._http = weight_sync.admin_client()  # one for the follower's life: no per-sync setup cost
+        self._catch_up = DeltaCatchUp(ChainReader(store, run_id), self.work_dir / "delta")
         self.hold = ReplicaHold(ReplicaHolders(redis_client), self.base_urls, run_id, trains,
                                 str(initial_weights_dir or ""))
 
@@ -311,6 +317,8 @@ class WeightFollower:
         return current if current.is_dir() else None
 
     def _apply(self, version: int, prefix: str, urls: list[str], served: int) -> Applied:
+        if prefix.startswith(weight_chain_of_run(self.run_id)):
+            return self._apply_delta(version, prefix, urls)
         t0 = time.perf_counter()
         download = download_checkpoint(self.store, prefix, self.local_dir(version))
 
@@ -335,6 +343,29 @@ class WeightFollower:
         self._prune(keep={download.local_dir, self.local_dir(served)} if adapter else {download.local_dir})
         log.info("serving version %d on %s: %.3fs (download %.3fs, sync %.3fs)",
                  version, ", ".join(urls), total, download.seconds, report.total_s)
+        return applied
+
+    def _apply_delta(self, version: int, prefix: str, urls: list[str]) -> Applied:
+        """A version of the delta chain (``inference.weight_sync: delta``): ``delta_sync.sync_delta``."""
+        t0 = time.perf_counter()
+
+        def advance() -> None:
+            self.policy_version.advance(version)
+
+        try:
+            report = sync_delta(urls, self._catch_up, version, http=self._http, probe_model=self.probe_model,
+                                probe_tolerance=self.probe_tolerance, on_served=advance)
+        except WeightSyncError as exc:
+            self._record_failure(version, exc)
+            raise
+        extra = report.extra
+        download = Download(self._catch_up.work_dir, sum(len(p) for p in extra["plans"].values()),
+                            extra["download_bytes"], extra["prepare_s"], False)
+        applied = Applied(version, prefix, tuple(urls), download, report, time.perf_counter() - t0)
+        self._record(applied)
+        log.info("serving delta-chain version %d on %s: %.3fs (plans %s, %d bytes fetched, %.3fs to fetch and decode, "
+                 "paused %.3fs)", version, ", ".join(urls), applied.total_s, extra["plans"], extra["download_bytes"],
+                 extra["prepare_s"], report.reload_s)
         return applied
 
     def _probe(self, local_dir: Path) -> SyncProbe | None:

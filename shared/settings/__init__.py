@@ -110,9 +110,9 @@ class Settings(BaseSettings):
         """The nccl broadcast sends the model's own parameters and checkpoints a CPU snapshot of
         its state dict; a LoRA policy serves merged weights or an adapter instead, which neither
         path knows, so the combination is refused rather than served wrong."""
-        if self.trainer.lora.enabled and self.inference.weight_sync == "nccl":
-            raise ValueError("inference.weight_sync: nccl does not support trainer.lora (either sync mode); "
-                             "use weight_sync: s3 with LoRA")
+        if self.trainer.lora.enabled and self.inference.weight_sync in ("nccl", "delta"):
+            raise ValueError(f"inference.weight_sync: {self.inference.weight_sync} does not support trainer.lora "
+                             "(either sync mode); use weight_sync: s3 with LoRA")
         return self
 
     @classmethod

@@ -46,8 +46,16 @@ class InferenceSettings(Section):
     # process group the replicas join (services.weights.broadcast), and the S3
     # checkpoint is written in the background as the durable record. nccl needs CUDA on the
     # trainer and the replicas: the trainer refuses to start without it. nccl with trainer.lora
-    # is refused here (Settings): the broadcast carries full weights only.
-    weight_sync: Literal["s3", "nccl"] = "s3"
+    # is refused here (Settings): the broadcast carries full weights only. delta: the trainer
+    # writes its checkpoint as on s3 (the durable record) and publishes each version to the
+    # run's delta chain in the served dtype (services.weights.delta_chain): only the elements
+    # that changed, a full version every weight_sync_full_every versions or when a delta is
+    # larger than weight_sync_delta_max_fraction of it; replicas apply it in place
+    # (services.weights.delta_sync). delta with trainer.lora is refused (Settings).
+    weight_sync: Literal["s3", "nccl", "delta"] = "s3"
+    weight_sync_full_every: Int = Field(20, gt=0)
+    weight_sync_delta_max_fraction: Float = Field(0.25, gt=0, le=1)
+    weight_sync_delta_encoding: Literal["set", "xor"] = "set"  # index+value, or XOR of the bits (both zstd)
     weight_sync_host: str = "127.0.0.1"  # the trainer's address as the replicas reach it (its group's store)
     weight_sync_port: Int = Field(29531, gt=0, lt=65536)
     # nccl only: every how many versions the trainer writes the S3 checkpoint (the durable
