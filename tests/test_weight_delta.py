@@ -153,3 +153,33 @@ def test_a_delta_larger_than_the_fraction_is_written_full(tmp_path) -> None:
     versions = _versions(1e-2, 2, torch.bfloat16)  # a huge lr: most bf16 elements change
     writer = ChainWriter(LocalStore(tmp_path), "r", full_every=100, max_fraction=0.05)
     assert [writer.publish(v, versions[v]).version.kind for v in (1, 2)] == ["full", "full"]
+
+
+def test_a_shadow_refuses_a_wrong_base_and_is_left_as_it_was_by_a_checksum_mismatch(tmp_path) -> None:
+    from dataclasses import replace
+
+    from services.weights.delta_chain import ChainVersion
+    from services.weights.delta_shadow import DeltaChecksumMismatch, DeltaShadow, read_step, write_step
+
+    versions = _versions(1e-4, 2, torch.bfloat16)
+
+    def step_file(version: int, base: int | None, tamper: bool = False, chain: str = "r") -> dict:
+        entries, payload = encode_version(versions[version], None if base is None else versions[base], "set")
+        if tamper:
+            entries[-1] = replace(entries[-1], checksum="0" * 16)
+        step = ChainVersion(version, "full" if base is None else "delta", base, "set", len(payload), "", tuple(entries))
+        return read_step(write_step(step, payload, tmp_path / f"{version}-{tamper}-{chain}.pt", chain))
+
+    shadow = DeltaShadow()
+    with pytest.raises(DeltaError, match="a delta on 0"):
+        shadow.apply([step_file(1, 0)])
+    shadow.apply([step_file(0, None)])
+    assert (shadow.chain, shadow.version) == ("r", 0)
+    with pytest.raises(DeltaError, match="holds version 0 of chain r"):
+        shadow.apply([step_file(1, 0, chain="other")])
+    with pytest.raises(DeltaChecksumMismatch, match="1 tensor"):
+        shadow.apply([step_file(1, 0), step_file(2, 1, tamper=True)])
+    assert shadow.version == 0
+    assert all(torch.equal(bits(shadow.tensors[k]), bits(v)) for k, v in versions[0].items())  # undone
+    shadow.apply([step_file(1, 0), step_file(2, 1)])
+    assert shadow.version == 2 and all(torch.equal(bits(shadow.tensors[k]), bits(v)) for k, v in versions[2].items())
