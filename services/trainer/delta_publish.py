@@ -7,6 +7,8 @@ Invariants:
   after both: a trainer that dies between them resumes from ``v`` and publishes ``v + 1`` as a
   full version (a new writer holds no previous tensors), so the chain never holds a version the
   trainer would publish again.
+- A version is announced by its chain prefix when the chain holds it, else by its checkpoint
+  prefix (the s3 path serves that one): a resumed trainer re-announces its version either way.
 - What the chain holds is ``model.state_dict()`` cast to ``inference.dtype``: what vLLM serves.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from services.weights.delta_chain import ChainWriter, Published
+from shared.names import CHECKPOINT_COMMITTED, weight_chain_prefix
 from shared.settings import Settings
 from shared.storage import ObjectStore
 
@@ -39,6 +42,11 @@ class DeltaPublisher:
         self.writer = ChainWriter(store, settings.run_id, full_every=inference.weight_sync_full_every,
                                   max_fraction=inference.weight_sync_delta_max_fraction,
                                   encoding=inference.weight_sync_delta_encoding)
+
+    def has(self, version: int) -> bool:
+        """Whether chain version ``version`` is committed."""
+        prefix = weight_chain_prefix(self.writer.run_id, version)
+        return prefix + CHECKPOINT_COMMITTED in self.writer.store.list_keys(prefix)
 
     def publish(self, version: int, model: torch.nn.Module, probe_json: str | None) -> dict[str, float]:
         tensors = {name: t.detach().to("cpu", dtype=self.dtype or t.dtype) for name, t in model.state_dict().items()}

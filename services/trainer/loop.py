@@ -215,8 +215,11 @@ class TrainingLoop:
                                           len(selection.bad), selection.deferred)
 
     def _announce(self, version: int) -> None:
-        prefix = weight_chain_prefix(self.run_id, version) if self.delta is not None else \
-            checkpoint_prefix(self.run_id, version)
+        """Announce ``version``: its chain version on delta (its checkpoint when the chain lacks it:
+        a trainer that died between the two and resumed at ``version``), else its checkpoint."""
+        prefix = checkpoint_prefix(self.run_id, version)
+        if self.delta is not None and self.delta.has(version):
+            prefix = weight_chain_prefix(self.run_id, version)
         announcement = CheckpointAnnouncement(version=version, prefix=prefix)
         CheckpointAnnouncements(self.redis, self.run_id).announce(announcement)
 
