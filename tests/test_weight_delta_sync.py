@@ -121,8 +121,8 @@ def test_delta_chain_reaches_the_replica_exactly_and_faults_never_serve_wrong_we
                                               bucket=run_id + "b"))
         other_store.ensure_bucket()
         other = Trainer(served_model.model_dir, other_store, other_run, seed=1, full_every=6)
-        for _ in range(8):
-            other.step_and_publish()
+        other.version = 6  # its chain starts at 7 (full), then 8 (a delta on 7)
+        assert [other.step_and_publish() for _ in range(2)] == ["full", "delta"]
         other_catch_up = DeltaCatchUp(ChainReader(other_store, other_run), tmp_path / "b")
         report = sync_delta([url], other_catch_up, 8, http=http, probe_model="tiny", probe_tolerance=FP32_TOLERANCE)
         assert report.extra["plans"] == {"7": [8], "None": [7, 8]}
