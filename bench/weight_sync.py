@@ -30,6 +30,11 @@ sizes, in the same run: NCCL between two GPUs where there are two, gloo on CPU o
 ``bench/weight_broadcast_sizes.py``), with its ratio to the S3 path.
 
     .venv/bin/python bench/weight_sync.py --sizes 0.5B --broadcast-sizes 0.5B [--broadcast-syncs 3]
+
+``--delta-sizes 0.5B`` runs the delta path's codec at those sizes instead (real AdamW steps at
+``--delta-lrs``, fp32-master and bf16; see ``bench/weight_delta_sizes.py``).
+
+    .venv/bin/python bench/weight_sync.py --delta-sizes 0.5B [--delta-lrs 1e-6 1e-5] [--delta-steps 3]
 """
 
 from __future__ import annotations
@@ -150,7 +155,19 @@ def main() -> None:
     parser.add_argument("--broadcast-sizes", nargs="+", choices=["0.5B", "1.5B", "7B"], default=[],
                         help="also the broadcast path at these sizes: NCCL on 2 GPUs, gloo on CPU")
     parser.add_argument("--broadcast-syncs", type=int, default=3, help="with --broadcast-sizes: syncs per size")
+    parser.add_argument("--delta-sizes", nargs="+", choices=["0.5B", "1.5B", "7B"], default=[],
+                        help="the delta path's codec at these sizes instead (bench/weight_delta_sizes.py)")
+    parser.add_argument("--delta-lrs", nargs="+", type=float, default=[1e-6, 1e-5])
+    parser.add_argument("--delta-steps", type=int, default=3)
     args = parser.parse_args()
+    if args.delta_sizes:
+        from bench import weight_delta_sizes
+
+        rows = weight_delta_sizes.run(args.delta_sizes, args.delta_lrs, args.delta_steps)
+        print()
+        print(weight_delta_sizes.table(rows))
+        print(json.dumps(rows))
+        return
     if args.sizes or args.broadcast_sizes:
         from bench import weight_broadcast_sizes, weight_sync_sizes
 

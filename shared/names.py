@@ -105,6 +105,16 @@ def checkpoint_prefix(run_id: str, version: int) -> str:
     return f"{checkpoints_of_run(run_id)}{version:06d}/"
 
 
+def weight_chain_of_run(run_id: str) -> str:
+    """A run's delta weight chain (``inference.weight_sync: delta``, ``services.weights.delta_chain``)."""
+    return f"weight_chain/{run_id}/"
+
+
+def weight_chain_prefix(run_id: str, version: int) -> str:
+    """One version of the chain: its payload, then its manifest (``COMMITTED``) last."""
+    return f"{weight_chain_of_run(run_id)}{version:06d}/"
+
+
 class RedisKeys:
     """Redis key names. Per-run keys share a hash tag so a cluster keeps a run on one slot."""
 

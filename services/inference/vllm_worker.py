@@ -27,6 +27,11 @@ Invariants:
   order given, whatever the model's loader does with the tensor (a tied head it skips is
   still received), so the trainer and every worker stay in step.
 - At most one weight group per worker: joining again closes the previous one first.
+- The delta path (``inference.weight_sync: delta``, ``services.weights.delta_sync``):
+  ``conveyor_apply_delta(paths)`` applies decoded chain versions to the worker's shadow
+  (``services.weights.delta_shadow``), checks every tensor's checksum there, and only then loads
+  the shadow's tensors into vLLM; a mismatch raises before vLLM's weights are touched. Any other
+  load (``conveyor_reload_weights``, ``conveyor_receive_weights``) drops the shadow first.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from services.weights.delta_shadow import DeltaShadow
     from services.weights.group import Backend, WeightGroup
 
 log = logging.getLogger(__name__)
@@ -60,12 +66,51 @@ class ConveyorWorkerExtension:
     """Mixed into vLLM's worker class (``--worker-extension-cls``); methods run on every worker."""
 
     _conveyor_weight_group: WeightGroup | None  # set while this worker is in the trainer's weight group
+    _conveyor_shadow: DeltaShadow | None  # the delta path's tensors of the served version
+
+    def _conveyor_drop_shadow(self) -> None:
+        shadow = getattr(self, "_conveyor_shadow", None)
+        if shadow is not None:
+            shadow.clear()
+
+    def conveyor_delta_version(self, checksums: bool = False) -> dict:
+        """``{"chain", "version"}``: the chain and version the shadow holds (None: none), with
+        ``checksums`` every shadow tensor's xxh3 by name."""
+        shadow = getattr(self, "_conveyor_shadow", None)
+        answer: dict = {"chain": None if shadow is None else shadow.chain,
+                        "version": None if shadow is None else shadow.version}
+        if checksums and shadow is not None:
+            from services.weights.delta import tensor_checksum
+
+            answer["checksums"] = {name: tensor_checksum(t) for name, t in shadow.tensors.items()}
+        return answer
+
+    def conveyor_apply_delta(self, paths: list[str]) -> dict:
+        """Apply the step files ``paths`` (oldest first) to the shadow, check it, load it into vLLM."""
+        import time
+
+        from services.weights.delta_shadow import DeltaShadow, read_step
+
+        if getattr(self, "_conveyor_shadow", None) is None:
+            self._conveyor_shadow = DeltaShadow()
+        shadow = self._conveyor_shadow
+        assert shadow is not None
+        timings = shadow.apply([read_step(path) for path in paths])
+        t0 = time.perf_counter()
+        try:
+            self.reload_weights(weights_iterator=iter(list(shadow.tensors.items())))  # type: ignore[attr-defined]
+            reprocessed = self._conveyor_reprocess_tied()
+        except BaseException:
+            shadow.clear()  # vLLM may hold part of the new version: the shadow no longer says what it serves
+            raise
+        return {**timings, "load_s": time.perf_counter() - t0, "version": shadow.version, "reprocessed": reprocessed}
 
     def conveyor_reload_weights(self, weights_path: str) -> list[str]:
         """Reload ``weights_path`` in place, then reprocess layers with shared (tied) parameters.
 
         Returns the names of the reprocessed layers (``[]`` for an untied model).
         """
+        self._conveyor_drop_shadow()
         self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]  # vLLM's own reload (its worker's)
         return self._conveyor_reprocess_tied()
 
@@ -105,6 +150,7 @@ class ConveyorWorkerExtension:
                 yield name, group.broadcast(tensor)
 
         stream = received()
+        self._conveyor_drop_shadow()
         try:
             self.reload_weights(weights_iterator=stream)  # type: ignore[attr-defined]  # vLLM's worker's
         finally:

@@ -87,6 +87,7 @@ def unsupported(settings: Settings) -> list[str]:
     """The settings a sharded trainer does not support yet."""
     return [reason for reason, on in [
         ("inference.weight_sync: nccl", settings.inference.weight_sync.mode == "nccl"),
+        ("inference.weight_sync: delta", settings.inference.weight_sync.mode == "delta"),
         ("trainer.loss.kl_coef > 0", settings.trainer.loss.kl_coef > 0),
     ] if on]
 

@@ -59,7 +59,9 @@ from services.trainer.metrics import MetricsSink, finite_or_none, metric_name, p
 from services.trainer.selection import Selection, select
 from services.trainer.step import train_version, trainer_from_settings
 from services.trainer.broadcast_publish import BroadcastPublisher
-from shared.names import checkpoint_prefix
+from services.trainer.delta_publish import DeltaPublisher
+from services.policy.model import logprob_probe
+from shared.names import checkpoint_prefix, weight_chain_prefix
 from shared.rates import per_second, show
 from shared.schemas import CheckpointAnnouncement, TrainingBatch
 from shared.settings import Settings
@@ -103,6 +105,9 @@ class TrainingLoop:
         self.publisher = BroadcastPublisher(self.settings, self.redis, self.store, resumed_version=self.version,
                                             broadcaster=self.broadcaster) \
             if self.settings.inference.weight_sync.mode == "nccl" else None
+        # inference.weight_sync delta: the checkpoint as on s3, then the version on the delta chain
+        self.delta = DeltaPublisher(self.settings, self.store) if self.settings.inference.weight_sync.mode == "delta" \
+            else None
         self._in_step = False  # weights may differ from the last published version's
         self.budget.advance_step(self.version)
         self.train_queue = TrainQueue(self.redis, self.run_id)
@@ -180,6 +185,9 @@ class TrainingLoop:
             save_checkpoint(self.store, self.run_id, version, self.trainer.model, self.tokenizer,
                             self.trainer.optimizer, self.trainer.step, dataset_versions=datasets,
                             lora_sync=self.settings.trainer.lora.sync)
+            if self.delta is not None:
+                probe = logprob_probe(self.trainer.model, version).to_json().decode()
+                metrics |= self.delta.publish(version, self.trainer.model, probe)
             self._announce(version)
         checkpoint_s = time.perf_counter() - t0
         self._in_step = False
@@ -208,7 +216,12 @@ class TrainingLoop:
                                           len(selection.bad), selection.deferred)
 
     def _announce(self, version: int) -> None:
-        announcement = CheckpointAnnouncement(version=version, prefix=checkpoint_prefix(self.run_id, version))
+        """Announce ``version``: its chain version on delta (its checkpoint when the chain lacks it:
+        a trainer that died between the two and resumed at ``version``), else its checkpoint."""
+        prefix = checkpoint_prefix(self.run_id, version)
+        if self.delta is not None and self.delta.has(version):
+            prefix = weight_chain_prefix(self.run_id, version)
+        announcement = CheckpointAnnouncement(version=version, prefix=prefix)
         CheckpointAnnouncements(self.redis, self.run_id).announce(announcement)
 
     def _rollout_metrics(self, batches: list[TrainingBatch], selection: Selection, trained_at: int) -> dict[str, float]:

@@ -2,11 +2,13 @@
 
 The trainer publishes into it (an S3 checkpoint, sharded or whole, announced for the follower,
 and optionally an NCCL broadcast, ``broadcast`` over the process group of ``group``, driven by
-the trainer's ``services.trainer.broadcast_publish``); the follower (``follower``)
-reads the checkpoint announcements and brings each replica to the new version
+the trainer's ``services.trainer.broadcast_publish``, or a version of the run's delta chain,
+``delta_chain`` with the codec ``delta``, from ``services.trainer.delta_publish``); the follower
+(``follower``) reads the checkpoint announcements and brings each replica to the new version
 (``checkpoint_apply``) through ``sync``, which composes the phases of a ``replica_set`` (pause,
-load, probe, label, resume), a LoRA adapter through ``lora_sync``, and
-a run's version 0 through ``base``. ``probe`` (with ``services.policy.probe``) is the check that a replica
+load, probe, label, resume), a LoRA adapter through ``lora_sync``, a run's version 0 through
+``base``, and a delta-chain version through ``delta_sync`` (applied by the worker to its
+``delta_shadow``). ``probe`` (with ``services.policy.probe``) is the check that a replica
 serves exactly the trainer's weights; ``checkpoint_files`` reads a committed checkpoint;
 ``admin_http`` holds the replicas' admin calls. The sync record (a Redis key) stays with its
 owner in ``shared.state.weight_sync_record``.

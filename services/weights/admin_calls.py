@@ -69,6 +69,15 @@ def reload_weights(client: httpx.Client, base_url: str, weights_path: str | Path
         reload_weights(client, base_url, weights_path, timeout_s, method=PLAIN_RELOAD)
 
 
+def collective_rpc(client: httpx.Client, base_url: str, method: str, kwargs: dict[str, Any], timeout_s: float) -> Any:
+    """``POST /collective_rpc`` ``<method>(**kwargs)`` on every worker of the replica, never retried
+    on a 5xx (the method may have acted); vLLM's answer, ``{"results": [one per worker]}``."""
+    body = {"method": method, "kwargs": kwargs, "timeout": timeout_s}
+    r = admin_request(client, "POST", base_url, "/collective_rpc", call=method, retry_5xx=False, json=body,
+                      timeout=httpx.Timeout(timeout_s + 10.0, connect=5.0))
+    return r.json()
+
+
 def _lacks_extension(exc: AdminCallError) -> bool:
     return exc.status is not None and EXTENSION_RELOAD in exc.detail and (
         "attribute" in exc.detail or "not found" in exc.detail.lower() or "not implemented" in exc.detail.lower())

@@ -34,7 +34,6 @@ import httpx
 import torch
 
 from services.weights import sync as ws
-from services.weights.admin_http import admin_request
 from services.weights.group import Backend, WeightGroup, check_backend
 from shared.settings import NcclWeightSync
 
@@ -45,11 +44,7 @@ RECEIVE = "conveyor_receive_weights"
 LEAVE = "conveyor_leave_weight_group"
 
 
-def _rpc(http: httpx.Client, url: str, method: str, kwargs: dict[str, Any], timeout_s: float) -> Any:
-    body = {"method": method, "kwargs": kwargs, "timeout": timeout_s}
-    r = admin_request(http, "POST", url, "/collective_rpc", call=method, retry_5xx=False, json=body,
-                      timeout=httpx.Timeout(timeout_s + 10.0, connect=5.0))
-    return r.json()
+_rpc = ws.collective_rpc
 
 
 class WeightBroadcaster:

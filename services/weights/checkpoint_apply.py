@@ -12,6 +12,9 @@ Invariants:
 - A checkpoint that carries the trainer's probe is probed on every replica when ``probe_model``
   is set. A failed sync is recorded in the run's ``WeightSyncRecord`` and raised; a successful one
   is recorded with its seconds per phase.
+- An announcement under the run's delta chain (``delta_prefix``) is served by
+  ``delta_sync.sync_delta`` from the chain, under the same rules for ``policy_version``, the probe
+  and the record.
 - After a successful sync only the new version's directory is kept (and the previous one for
   an adapter, whose turns may still run); the others and partial downloads are removed.
 """
@@ -29,6 +32,7 @@ import httpx
 
 from services.policy.probe import LogprobProbe
 from services.weights.checkpoint_files import Download, download_checkpoint
+from services.weights.delta_sync import DeltaCatchUp, sync_delta
 from services.weights.lora_sync import sync_adapter
 from services.weights.sync import SyncProbe, SyncReport, WeightSyncError, sync_weights
 from shared.names import CHECKPOINT_ADAPTER_CONFIG, CHECKPOINT_PROBE
@@ -66,6 +70,8 @@ class CheckpointApplier:
     probe_model: str | None  # the served model name to probe; None: no probe
     probe_tolerance: float
     served_model: str  # the base model's served name: LoRA adapters are named from it
+    delta: DeltaCatchUp | None = None  # inference.weight_sync delta: the run's chain, read and decoded
+    delta_prefix: str | None = None  # announcements under it are delta-chain versions
 
     def local_dir(self, version: int) -> Path:
         return self.work_dir / f"{version:06d}"
@@ -77,6 +83,8 @@ class CheckpointApplier:
         return current if current.is_dir() else None
 
     def apply(self, version: int, prefix: str, urls: list[str], served: int) -> Applied:
+        if self.delta is not None and self.delta_prefix is not None and prefix.startswith(self.delta_prefix):
+            return self._apply_delta(self.delta, version, prefix, urls)
         t0 = time.perf_counter()
         download = download_checkpoint(self.store, prefix, self.local_dir(version))
 
@@ -101,6 +109,29 @@ class CheckpointApplier:
         self._prune(keep={download.local_dir, self.local_dir(served)} if adapter else {download.local_dir})
         log.info("serving version %d on %s: %.3fs (download %.3fs, sync %.3fs)",
                  version, ", ".join(urls), total, download.seconds, report.total_s)
+        return applied
+
+    def _apply_delta(self, catch_up: DeltaCatchUp, version: int, prefix: str, urls: list[str]) -> Applied:
+        """A version of the delta chain (``inference.weight_sync: delta``): ``delta_sync.sync_delta``."""
+        t0 = time.perf_counter()
+
+        def advance() -> None:
+            self.policy_version.advance(version)
+
+        try:
+            report = sync_delta(urls, catch_up, version, http=self.http, probe_model=self.probe_model,
+                                probe_tolerance=self.probe_tolerance, on_served=advance)
+        except WeightSyncError as exc:
+            self._record_failure(version, exc)
+            raise
+        extra = report.extra
+        download = Download(catch_up.work_dir, sum(len(p) for p in extra["plans"].values()),
+                            extra["download_bytes"], extra["prepare_s"], False)
+        applied = Applied(version, prefix, tuple(urls), download, report, time.perf_counter() - t0)
+        self._record(applied)
+        log.info("serving delta-chain version %d on %s: %.3fs (plans %s, %d bytes fetched, %.3fs to fetch and decode, "
+                 "paused %.3fs)", version, ", ".join(urls), applied.total_s, extra["plans"], extra["download_bytes"],
+                 extra["prepare_s"], report.reload_s)
         return applied
 
     def _probe(self, local_dir: Path) -> SyncProbe | None:

@@ -50,6 +50,9 @@ Invariants:
   under the same rules: probed through the adapter, ``policy_version`` advanced only after
   every replica serves it, and never backwards. The previous version's adapter and directory
   are kept (turns started under it may still run); older ones are unloaded and removed.
+- An announcement whose prefix is in the run's delta chain (``inference.weight_sync: delta``) is
+  served by ``delta_sync.sync_delta`` under the same rules (``policy_version`` advanced from
+  its ``on_served``, never backwards; a broken chain fails the sync and the version stays).
 - ``run()`` stops within about ``block_ms`` of ``stop_event`` being set. The Redis client's
   socket timeout (if any) must exceed ``block_ms``.
 - An outage of Redis or of the S3 server is waited out by the clients ``from_settings``
@@ -70,6 +73,8 @@ from services.weights import sync as weight_sync
 from services.weights.base import (BaseCheck, BaseWeightsError, base_dir, base_probe, ensure_base_weights,
                                   hold_replicas)
 from services.weights.checkpoint_apply import Applied, CheckpointApplier
+from services.weights.delta_chain import ChainReader
+from services.weights.delta_sync import DeltaCatchUp
 from services.weights.sync import SyncProbe
 from services.weights.checkpoint_files import (  # noqa: F401 - re-exported for callers of the follower
     COMMITTED_MARKER,
@@ -81,7 +86,7 @@ from services.weights.checkpoint_files import (  # noqa: F401 - re-exported for 
 from services.policy.probe import FP32_TOLERANCE, default_tolerance
 from shared.state.checkpoint_announcements import CheckpointAnnouncements
 from shared.state.dead_letters import DeadLetters
-from shared.names import checkpoint_prefix
+from shared.names import checkpoint_prefix, weight_chain_of_run
 from shared.outage import OutageTooLong
 from shared.outage import redis_client as redis_client_waiting
 from shared.state.run_marker import RedisDataLost, RunMarker
@@ -158,7 +163,9 @@ class WeightFollower:
         self._http = weight_sync.admin_client()  # one for the follower's life: no per-sync setup cost
         self.applier = CheckpointApplier(store, Path(work_dir), self.initial_weights_dir, self._http, self.policy_version,
                                          WeightSyncRecord(redis_client, run_id), dict(sync_options or {}), probe_model,
-                                         probe_tolerance, served_model)
+                                         probe_tolerance, served_model,
+                                         delta=DeltaCatchUp(ChainReader(store, run_id), Path(work_dir) / "delta"),
+                                         delta_prefix=weight_chain_of_run(run_id))
         self.hold = ReplicaHold(ReplicaHolders(redis_client), self.base_urls, run_id, trains,
                                 str(initial_weights_dir or ""))
 

@@ -69,6 +69,7 @@ from services.weights.admin_calls import (  # noqa: F401 - the admin calls, re-e
     EXTENSION_RELOAD,
     PLAIN_RELOAD,
     RELOAD_TIMEOUT_S,
+    collective_rpc,
     is_paused,
     pause,
     reload_weights,

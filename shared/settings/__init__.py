@@ -45,7 +45,7 @@ from pydantic_settings import SettingsError as SourceError
 from shared.settings.base import Float, Int, PathOrName, Section  # noqa: F401
 from shared.settings.group_filters import GroupFilterSpec  # noqa: F401
 from shared.settings.evaluation import EvaluationSettings  # noqa: F401
-from shared.settings.inference import InferenceSettings, NcclWeightSync, S3WeightSync, WeightSync  # noqa: F401
+from shared.settings.inference import DeltaWeightSync, InferenceSettings, NcclWeightSync, S3WeightSync, WeightSync  # noqa: F401
 from shared.settings.intake import IntakeSettings, RewardSettings, SplitSettings  # noqa: F401
 from shared.settings.rollout import (  # noqa: F401
     AgentProxySettings,
@@ -123,9 +123,9 @@ class Settings(BaseSettings):
         """The nccl broadcast sends the model's own parameters and checkpoints a CPU snapshot of
         its state dict; a LoRA policy serves merged weights or an adapter instead, which neither
         path knows, so the combination is refused rather than served wrong."""
-        if self.trainer.lora.enabled and self.inference.weight_sync.mode == "nccl":
-            raise ValueError("inference.weight_sync: nccl does not support trainer.lora (either sync mode); "
-                             "use weight_sync: s3 with LoRA")
+        if self.trainer.lora.enabled and self.inference.weight_sync.mode in ("nccl", "delta"):
+            raise ValueError(f"inference.weight_sync: {self.inference.weight_sync.mode} does not support trainer.lora "
+                             "(either sync mode); use weight_sync: s3 with LoRA")
         return self
 
     @classmethod

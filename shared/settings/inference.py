@@ -36,9 +36,23 @@ class NcclWeightSync(Section):
     checkpoint_every: Int = Field(1, gt=0)
 
 
+class DeltaWeightSync(Section):
+    """The trainer writes its checkpoint as on s3 (the durable record) and publishes each version
+    to the run's delta chain in the served dtype (``services.weights.delta_chain``): only the
+    elements that changed, a full version every ``full_every`` versions or when a delta is larger
+    than ``delta_max_fraction`` of it; replicas apply it in place (``services.weights.delta_sync``).
+    Refused with trainer.lora (Settings) and under torchrun."""
+
+    mode: Literal["delta"] = "delta"
+    full_every: Int = Field(20, gt=0)
+    delta_max_fraction: Float = Field(0.25, gt=0, le=1)
+    encoding: Literal["set", "xor"] = "set"  # index+value, or XOR of the bits (both zstd)
+
+
 # the mode names the variant: a field of the other mode is an error naming it
 # (inference.weight_sync.s3.checkpoint_every: Extra inputs are not permitted)
-WeightSync = Annotated[Union[S3WeightSync, NcclWeightSync], Field(discriminator="mode"), read_mode("mode", "s3")]
+WeightSync = Annotated[Union[S3WeightSync, NcclWeightSync, DeltaWeightSync], Field(discriminator="mode"),
+                       read_mode("mode", "s3")]
 
 
 class InferenceSettings(Section):
@@ -68,8 +82,9 @@ class InferenceSettings(Section):
     # version does not move. None: 1e-4 for float32, 5e-2 for lower precisions.
     sync_probe: bool = True
     sync_probe_tolerance: Float | None = Field(None, gt=0)
-    # How new weights reach the replicas: {mode: s3} or {mode: nccl, host, port, checkpoint_every}
-    # (S3WeightSync, NcclWeightSync). The mode alone may be written as a string (weight_sync: nccl),
+    # How new weights reach the replicas: {mode: s3}, {mode: nccl, host, port, checkpoint_every}
+    # or {mode: delta, full_every, delta_max_fraction, encoding} (S3WeightSync, NcclWeightSync,
+    # DeltaWeightSync). The mode alone may be written as a string (weight_sync: nccl),
     # and the nccl fields by their older flat names (weight_sync_host, weight_sync_port,
     # weight_sync_checkpoint_every: FOLDED_NAMES). nccl with trainer.lora is refused (Settings):
     # the broadcast carries full weights only.

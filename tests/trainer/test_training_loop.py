@@ -11,7 +11,7 @@ from services.trainer.checkpoints import latest_checkpoint
 from services.trainer.loop import TrainingLoop
 from services.trainer.metrics import MetricsSink, read_steps
 from shared.names import RedisKeys
-from shared.settings import Settings
+from shared.settings import DeltaWeightSync, Settings
 from shared.state.staleness import StalenessBudget
 from shared.schemas import CheckpointAnnouncement, SkippedGroupEntry, TrainBatchEntry, TrainingBatch, TrainQueueEntry, parse_message
 from shared.storage import LocalStore, get_model, put_model
@@ -174,3 +174,46 @@ def test_a_steps_log_line_says_a_rate_with_no_interval_is_unknown_never_nan(setu
              for r in caplog.records if r.getMessage().startswith("step ")}
     assert "nan" not in lines[1].lower() and "- since the last step, - trajectories/s" in lines[1], lines[1]
     assert re.search(r"\d+\.\ds since the last step, \d+\.\d trajectories/s", lines[2]), lines[2]
+
+
+def test_on_delta_each_version_goes_to_the_chain_after_its_checkpoint_and_a_restart_writes_a_full_one(
+        setup, redis_client, make_batch, run_id, tmp_path):
+    """``inference.weight_sync: delta``: the chain holds exactly each checkpoint's served tensors,
+    the announcements name the chain, and a restarted trainer (no previous tensors) starts full."""
+    import shutil
+
+    from safetensors.torch import load as load_safetensors
+
+    from services.weights.delta import tensor_checksum
+    from services.weights.delta_chain import ChainReader
+    from shared.names import checkpoint_prefix, weight_chain_prefix
+
+    settings, store, budget, _ = setup
+    settings = settings.model_copy(update={"inference": settings.inference.model_copy(update={
+        "weight_sync": DeltaWeightSync(encoding="xor", delta_max_fraction=1.0)})})
+
+    def make_loop() -> TrainingLoop:
+        return TrainingLoop(settings, store, budget, MetricsSink(tmp_path / "delta-steps.jsonl"))
+
+    for group_id in range(6):
+        queue_group(redis_client, store, make_batch, run_id, group_id, 0 if group_id < 4 else 1)
+    first = make_loop()
+    first.train_once()
+    metrics = first.train_once()
+    assert metrics["delta_full"] == 0.0 and 0 < metrics["delta_bytes"] < metrics["delta_full_size"]
+    del first
+    second = make_loop()  # restarted at version 2: it announces 2 again, and version 3 is full
+    second.train_once()
+    reader = ChainReader(store, run_id)
+    assert [(m.kind, m.base) for m in (reader.manifest(v) for v in (1, 2, 3))] == [("full", None), ("delta", 1), ("full", None)]
+    announced = [parse_message(CheckpointAnnouncement, f) for _, f in redis_client.xrange(RedisKeys.checkpoints(run_id))]
+    assert [(a.version, a.prefix) for a in announced] == [(v, weight_chain_prefix(run_id, v)) for v in (1, 2, 2, 3)]
+    # a trainer that died after checkpoint 3 and before chain version 3 announces the checkpoint
+    shutil.rmtree(store.root / weight_chain_prefix(run_id, 3))
+    make_loop()
+    assert parse_message(CheckpointAnnouncement, redis_client.xrevrange(RedisKeys.checkpoints(run_id), count=1)[0][1]).prefix \
+        == checkpoint_prefix(run_id, 3)
+    checkpoint = load_safetensors(store.get_bytes(checkpoint_prefix(run_id, 2) + "model.safetensors"))
+    chain = {e.name: e.checksum for e in reader.manifest(2).tensors}
+    assert checkpoint and set(checkpoint) <= set(chain)
+    assert {name: tensor_checksum(t) for name, t in checkpoint.items()} == {n: c for n, c in chain.items() if n in checkpoint}

@@ -1,0 +1,111 @@
+"""What a replica's worker keeps for ``inference.weight_sync: delta``: the served-dtype tensors of
+the version it serves, by checkpoint name (the shadow), to apply the next delta to.
+
+vLLM's own parameters are not the checkpoint's tensors (q, k and v fused into one, weights
+repacked for the CPU kernels), so a delta is applied to the shadow, the shadow is checked
+tensor by tensor against the trainer's checksums, and only then are the shadow's tensors loaded
+into vLLM (``services.inference.vllm_worker``'s ``conveyor_apply_delta``).
+
+A step file (``write_step``, by the follower, while the replica serves) is one chain version
+decoded: ``torch.save`` of ``{"chain", "version", "base", "kind", "tensors": [{"name", "op",
+"bits", "index", "dtype", "shape", "checksum"}]}``; ``chain`` names the chain (its run).
+
+Invariants:
+- ``DeltaShadow.apply`` either moves the shadow to the last step's version with every tensor's
+  checksum equal to that step's manifest, or raises and leaves the shadow as it was (a delta's
+  changes are undone; a full version is built aside). A checksum mismatch raises
+  ``DeltaChecksumMismatch`` naming the tensors.
+- A plan that starts with a delta applies only to a shadow of the same chain at that delta's
+  base; one that starts with a full version applies to any shadow.
+- A worker whose weights were loaded another way (a reload from disk, a broadcast) holds no
+  shadow (``clear``): its next delta sync starts from a full version.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.weights.delta import Change, DeltaError, apply_change, decode_frame, frame_of, tensor_checksum, undo_change
+from services.weights.delta_chain import ChainVersion
+
+
+class DeltaChecksumMismatch(DeltaError):
+    """The tensors a delta produced are not the trainer's (by their checksums)."""
+
+
+def write_step(step: ChainVersion, payload: bytes, dest: Path, chain: str) -> Path:
+    """Decode every frame of ``step`` and save the step file at ``dest`` (written whole, then renamed)."""
+    tensors = []
+    for entry in step.tensors:
+        change = decode_frame(entry, frame_of(entry, payload))
+        tensors.append({"name": entry.name, "op": change.op, "bits": change.bits,
+                        "index": change.index if change.index is not None else torch.empty(0, dtype=torch.int64),
+                        "dtype": entry.dtype, "shape": list(entry.shape), "checksum": entry.checksum})
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    partial = dest.with_name(dest.name + ".partial")
+    torch.save({"chain": chain, "version": step.version, "base": -1 if step.base is None else step.base, "kind": step.kind,
+                "tensors": tensors}, partial)
+    partial.rename(dest)
+    return dest
+
+
+def read_step(path: str | Path) -> dict[str, Any]:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+class DeltaShadow:
+    """The served version's tensors by checkpoint name, that version (None: none held) and its chain."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.version: int | None = None
+        self.chain: str | None = None
+
+    def clear(self) -> None:
+        self.tensors, self.version, self.chain = {}, None, None
+
+    def apply(self, steps: list[dict[str, Any]]) -> dict[str, float]:
+        """Apply decoded steps (oldest first); see the invariants. Returns seconds and counts."""
+        if not steps:
+            raise DeltaError("no steps to apply")
+        first = steps[0]
+        if first["kind"] != "full" and (first["base"], first["chain"]) != (self.version, self.chain):
+            raise DeltaError(f"version {first['version']} of chain {first['chain']} is a delta on {first['base']}, "
+                             f"but this worker holds version {self.version} of chain {self.chain}")
+        if any(s["kind"] == "full" for s in steps[1:]):
+            raise DeltaError("a full version only starts a plan")
+        t0 = time.perf_counter()
+        work = {} if first["kind"] == "full" else self.tensors
+        undo: list[tuple[str, Change]] = []
+        changed = 0
+        try:
+            for step in steps:
+                for t in step["tensors"]:
+                    change = Change(t["op"], t["bits"], t["index"] if t["op"] != "full" else None)
+                    if t["op"] == "full":
+                        work[t["name"]] = torch.empty(t["shape"], dtype=getattr(torch, t["dtype"]))
+                    elif t["name"] not in work:
+                        raise DeltaError(f"{t['name']}: a delta for a tensor this worker does not hold")
+                    undone = apply_change(work[t["name"]], change)
+                    if work is self.tensors:
+                        undo.append((t["name"], undone))
+                    changed += change.bits.numel()
+            applied = time.perf_counter()
+            last = steps[-1]["tensors"]
+            if set(work) != {t["name"] for t in last}:
+                raise DeltaChecksumMismatch(f"version {steps[-1]['version']} names {len(last)} tensors, this worker "
+                                            f"holds {len(work)}")
+            wrong = [t["name"] for t in last if tensor_checksum(work[t["name"]]) != t["checksum"]]
+            if wrong:
+                raise DeltaChecksumMismatch(f"version {steps[-1]['version']}: {len(wrong)} tensor(s) differ from the "
+                                            f"trainer's checksums: {', '.join(wrong[:5])}")
+        except BaseException:
+            for name, undone in reversed(undo):
+                undo_change(work[name], undone)
+            raise
+        self.tensors, self.version, self.chain = work, int(steps[-1]["version"]), str(steps[-1]["chain"])
+        return {"apply_s": applied - t0, "verify_s": time.perf_counter() - applied, "changed": float(changed)}

@@ -1,0 +1,185 @@
+"""The delta codec and the version chain (``inference.weight_sync: delta``), without vLLM: real
+weights of a small Llama-layout model after real AdamW steps, and the real S3 server (moto)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from services.weights.delta import (
+    Change,
+    DeltaError,
+    apply_change,
+    decode_frame,
+    encode_version,
+    frame_of,
+    tensor_checksum,
+    undo_change,
+)
+from services.weights.delta_chain import PAYLOAD, ChainBroken, ChainReader, ChainWriter
+from shared.names import weight_chain_prefix
+from shared.settings import S3StorageSettings
+from shared.storage import S3Store
+
+
+def _model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(config)
+
+
+def _versions(lr: float, steps: int, served: torch.dtype) -> list[dict[str, torch.Tensor]]:
+    """The served-dtype tensors of the model before and after each of ``steps`` AdamW steps
+    (fp32 master weights)."""
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    out = [{k: v.detach().to(served, copy=True) for k, v in model.state_dict().items()}]
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        out.append({k: v.detach().to(served, copy=True) for k, v in model.state_dict().items()})
+    return out
+
+
+def _apply(entries, payload, tensors: dict[str, torch.Tensor]) -> None:
+    for entry in entries:
+        apply_change(tensors[entry.name], decode_frame(entry, frame_of(entry, payload)))
+
+
+@pytest.mark.parametrize("encoding", ["set", "xor"])
+@pytest.mark.parametrize("served", [torch.bfloat16, torch.float32])
+def test_deltas_of_real_adamw_steps_apply_bit_for_bit(encoding, served) -> None:
+    versions = _versions(1e-5, 3, served)
+    held = {k: v.clone() for k, v in versions[0].items()}
+    for before, after in zip(versions, versions[1:]):
+        entries, payload = encode_version(after, before, encoding)
+        assert {e.op for e in entries} == {encoding}
+        changed = sum(e.changed for e in entries)
+        total = sum(t.numel() for t in after.values())
+        # a real step changes some elements; in bf16 not all of them (in fp32 Adam moves every one)
+        assert 0 < changed < total if served == torch.bfloat16 else 0 < changed <= total
+        _apply(entries, payload, held)
+        for entry in entries:
+            assert torch.equal(bits(held[entry.name]), bits(after[entry.name])), entry.name
+            assert tensor_checksum(held[entry.name]) == entry.checksum
+    full_entries, full_payload = encode_version(versions[-1], None, encoding)
+    fresh = {k: torch.zeros_like(v) for k, v in versions[-1].items()}
+    _apply(full_entries, full_payload, fresh)
+    assert all(tensor_checksum(fresh[e.name]) == e.checksum for e in full_entries)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def test_bits_not_values_decide_what_changed() -> None:
+    """-0.0 vs 0.0 and NaN payloads are changes; the result is the new bit pattern."""
+    old = torch.tensor([0.0, 1.0, float("nan"), 2.0], dtype=torch.bfloat16)
+    new = torch.tensor([-0.0, 1.0, float("nan"), 3.0], dtype=torch.bfloat16)
+    new.view(torch.int16)[2] = old.view(torch.int16)[2] ^ 1  # another NaN
+    for encoding in ("set", "xor"):
+        entries, payload = encode_version({"w": new}, {"w": old}, encoding)
+        assert entries[0].changed == 3
+        held = {"w": old.clone()}
+        _apply(entries, payload, held)
+        assert torch.equal(bits(held["w"]), bits(new))
+
+
+def test_undo_puts_a_tensor_back_and_a_bad_frame_is_refused() -> None:
+    before, after = _versions(1e-4, 1, torch.bfloat16)
+    entries, payload = encode_version(after, before, "set")
+    entry = next(e for e in entries if e.changed)
+    held = before[entry.name].clone()
+    undo = apply_change(held, decode_frame(entry, frame_of(entry, payload)))
+    assert tensor_checksum(held) == entry.checksum
+    undo_change(held, undo)
+    assert torch.equal(bits(held), bits(before[entry.name]))
+    with pytest.raises(DeltaError, match="does not decompress"):
+        decode_frame(entry, b"\x00" * entry.length)
+    with pytest.raises(DeltaError, match="full frame"):
+        apply_change(held, Change("full", torch.zeros(3, dtype=torch.int16)))
+
+
+def _store(s3_endpoint: str, run_id: str) -> S3Store:
+    store = S3Store(S3StorageSettings(endpoint=s3_endpoint, access_key="testing", secret_key="testing", bucket=run_id))
+    store.ensure_bucket()
+    return store
+
+
+def test_chain_on_s3_plans_newest_full_plus_deltas_and_refuses_a_broken_one(s3_endpoint, run_id) -> None:
+    store = _store(s3_endpoint, run_id)
+    versions = _versions(1e-5, 6, torch.bfloat16)
+    writer = ChainWriter(store, run_id, full_every=4)
+    kinds = [writer.publish(v, versions[v]).version.kind for v in range(1, 7)]
+    assert kinds == ["full", "delta", "delta", "delta", "full", "delta"]
+    reader = ChainReader(store, run_id)
+    assert [s.version for s in reader.plan(4)] == [1, 2, 3, 4]
+    assert [s.version for s in reader.plan(4, have=2)] == [3, 4]
+    assert [s.version for s in reader.plan(6, have=2)] == [5, 6]  # a full on the way: from it
+    assert reader.plan(6, have=6) == []
+    held: dict[str, torch.Tensor] = {}
+    for step in reader.plan(4):  # a late joiner: nothing held
+        payload = reader.fetch(step)
+        for entry in step.tensors:
+            change = decode_frame(entry, frame_of(entry, payload))
+            if entry.op == "full":
+                held[entry.name] = torch.empty(entry.shape, dtype=torch.bfloat16)
+            apply_change(held[entry.name], change)
+            assert tensor_checksum(held[entry.name]) == entry.checksum
+    assert all(torch.equal(bits(held[k]), bits(versions[4][k])) for k in versions[4])
+    with pytest.raises(ChainBroken, match="already committed"):
+        ChainWriter(store, run_id).publish(6, versions[6])
+    # a corrupted payload and a missing one: refused, naming the version
+    key = weight_chain_prefix(run_id, 3) + PAYLOAD
+    data = bytearray(store.get_bytes(key))
+    data[len(data) // 2] ^= 0xFF
+    store.put_bytes(key, bytes(data))
+    with pytest.raises(ChainBroken, match="version 3 .* does not match its manifest"):
+        reader.fetch(reader.manifest(3))
+    store.client.remove_object(store.bucket, weight_chain_prefix(run_id, 2) + "COMMITTED")
+    with pytest.raises(ChainBroken, match="version 2 .* is missing"):
+        reader.plan(4, have=1)
+    assert [s.version for s in reader.plan(6, have=1)] == [5, 6]
+
+
+def test_a_delta_larger_than_the_fraction_is_written_full(tmp_path) -> None:
+    from shared.storage import LocalStore
+
+    versions = _versions(1e-2, 2, torch.bfloat16)  # a huge lr: most bf16 elements change
+    writer = ChainWriter(LocalStore(tmp_path), "r", full_every=100, max_fraction=0.05)
+    assert [writer.publish(v, versions[v]).version.kind for v in (1, 2)] == ["full", "full"]
+
+
+def test_a_shadow_refuses_a_wrong_base_and_is_left_as_it_was_by_a_checksum_mismatch(tmp_path) -> None:
+    from dataclasses import replace
+
+    from services.weights.delta_chain import ChainVersion
+    from services.weights.delta_shadow import DeltaChecksumMismatch, DeltaShadow, read_step, write_step
+
+    versions = _versions(1e-4, 2, torch.bfloat16)
+
+    def step_file(version: int, base: int | None, tamper: bool = False, chain: str = "r") -> dict:
+        entries, payload = encode_version(versions[version], None if base is None else versions[base], "set")
+        if tamper:
+            entries[-1] = replace(entries[-1], checksum="0" * 16)
+        step = ChainVersion(version, "full" if base is None else "delta", base, "set", len(payload), "", tuple(entries))
+        return read_step(write_step(step, payload, tmp_path / f"{version}-{tamper}-{chain}.pt", chain))
+
+    shadow = DeltaShadow()
+    with pytest.raises(DeltaError, match="a delta on 0"):
+        shadow.apply([step_file(1, 0)])
+    shadow.apply([step_file(0, None)])
+    assert (shadow.chain, shadow.version) == ("r", 0)
+    with pytest.raises(DeltaError, match="holds version 0 of chain r"):
+        shadow.apply([step_file(1, 0, chain="other")])
+    with pytest.raises(DeltaChecksumMismatch, match="1 tensor"):
+        shadow.apply([step_file(1, 0), step_file(2, 1, tamper=True)])
+    assert shadow.version == 0
+    assert all(torch.equal(bits(shadow.tensors[k]), bits(v)) for k, v in versions[0].items())  # undone
+    shadow.apply([step_file(1, 0), step_file(2, 1)])
+    assert shadow.version == 2 and all(torch.equal(bits(shadow.tensors[k]), bits(v)) for k, v in versions[2].items())
