@@ -410,8 +410,9 @@ def check_checkpointing(scale: Scale, device: torch.device) -> dict[str, Any]:
 # the 7B shape's first-step on-policy MAD was 0.0524 on an H200 (2026-11-27), over the bf16
 # default of 5e-2, where the 1.5B shape's was 0.019. The LoRA check measures parameters, time
 # and memory, so its large run records that MAD with this looser bound; the bf16 check keeps
-# the default alarm armed (docs/gpu.md).
-RANDOM_7B_ALARM = LogprobAlarmSettings(max_on_policy_mad=0.2)
+# the default alarm armed (docs/gpu.md). The mismatch KL's bound is loosened with it (its bf16
+# default, 1e-2, was not measured against these shapes).
+RANDOM_7B_ALARM = LogprobAlarmSettings(max_on_policy_mad=0.2, max_on_policy_mismatch_kl=1.0)
 
 
 def lora_run(model: PreTrainedModel, scale: Scale, batches: list[TrainingBatch],

@@ -3,8 +3,13 @@
 Two signals, both enforced by ``trainer.logprob_alarm`` (action ``stop`` or ``skip_step``):
 - **On-policy mismatch** (``PolicyTrainer``): on tokens sampled by exactly the trainer's
   current weights, the mean |trainer logprob - inference logprob| must stay at or below
-  ``max_on_policy_mad``. It needs samples of the trainer's own version, so it is blind when
-  every sample is off-policy.
+  ``max_on_policy_mad``, and the step's mismatch KL(behaviour || proximal) there (k3 of
+  ``log(proximal / behaviour)``, ``mismatch_kl_on_policy``) at or below
+  ``max_on_policy_mismatch_kl``, which weighs a few tokens far off more than the mean does.
+  Unset, both thresholds are scaled to ``trainer.dtype`` (``ALARM_MAD_BY_DTYPE``,
+  ``ALARM_MISMATCH_KL_BY_DTYPE`` in ``shared.settings``). Off-policy tokens are left out: there
+  the difference holds the policy change, by design. The check needs samples of the trainer's
+  own version, so it is blind when every sample is off-policy.
 - **Served weights** (``ServedWeightsAlarm``): every weight sync checks the trainer's probe
   logprobs on every replica (``services.weights.sync``) and records a failure in the
   run's ``WeightSyncRecord`` (``shared.state.weight_sync_record``). That covers every version, on-policy or not. The trainer reads
@@ -35,11 +40,28 @@ class LogprobAlarm(RuntimeError):
     """The trainer and the inference service disagree on the policy."""
 
 
+ON_POLICY_CAUSES = ("Inference does not serve the weights the trainer announced (a weight sync that did not take), "
+                    "or sampling settings differ between them (temperature, top_p).")
+
+
 def on_policy_message(mad: float, threshold: float) -> str:
     return (f"logprob alarm: on tokens sampled by the trainer's own weights, trainer and inference logprobs differ "
-            f"by {mad:.3g} on average (> trainer.logprob_alarm.max_on_policy_mad = {threshold:g}). Inference does "
-            "not serve the weights the trainer announced (a weight sync that did not take), or sampling settings "
-            "differ between them (temperature, top_p).")
+            f"by {mad:.3g} on average (> trainer.logprob_alarm.max_on_policy_mad = {threshold:g}). {ON_POLICY_CAUSES}")
+
+
+def on_policy_breach(mad: float, mismatch_kl: float, settings: LogprobAlarmSettings) -> str | None:
+    """The alarm's message when an on-policy signal is past its threshold (thresholds set:
+    ``LogprobAlarmSettings.scaled_to``), else None. NaN (no on-policy token) never fires."""
+    mad_max, kl_max = settings.max_on_policy_mad, settings.max_on_policy_mismatch_kl
+    if mad_max is None or kl_max is None:
+        raise ValueError("the logprob alarm's thresholds are unset: LogprobAlarmSettings.scaled_to(dtype) sets them")
+    if mad > mad_max:
+        return on_policy_message(mad, mad_max)
+    if mismatch_kl > kl_max:
+        return (f"logprob alarm: on tokens sampled by the trainer's own weights, the mismatch KL(behaviour || "
+                f"proximal) is {mismatch_kl:.3g} (> trainer.logprob_alarm.max_on_policy_mismatch_kl = {kl_max:g}; "
+                f"mean |dlogprob| {mad:.3g}). {ON_POLICY_CAUSES}")
+    return None
 
 
 class ServedWeightsAlarm:

@@ -169,8 +169,10 @@ class TrainingLoop:
         batches = [get_model(self.store, key, TrainingBatch) for key in selection.keys]
         metrics = train_version(self.trainer, batches)  # see the module docstring: the version moves on
         if metrics.get("alarm"):
-            log.error("step %d applied no update: logprob alarm (mean on-policy |dlogprob| %.3g > %g)",
-                      self.version + 1, metrics["logprob_mad_on_policy"], self.settings.trainer.logprob_alarm.max_on_policy_mad)
+            alarm = self.settings.trainer.logprob_alarm
+            log.error("step %d applied no update: logprob alarm (on-policy mean |dlogprob| %.3g, max %g; mismatch KL "
+                      "%.3g, max %g)", self.version + 1, metrics["logprob_mad_on_policy"], alarm.max_on_policy_mad,
+                      metrics["mismatch_kl_on_policy"], alarm.max_on_policy_mismatch_kl)
             self.counters.add(TrainerCounter.alarm_skipped_steps)
         version = self.version + 1
         t0 = time.perf_counter()

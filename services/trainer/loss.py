@@ -2,7 +2,11 @@
 with a bounded importance weight for off-policy samples.
 
 Three logprobs of each sampled token are kept apart:
-- behaviour ``mu``: what vLLM returned when it sampled (``old_logprobs``; a constant);
+- behaviour ``mu``: what vLLM returned when it sampled (``old_logprobs``; a constant). It is
+  per token: the turns of one trajectory may come from different policy versions (a weight
+  sync lands mid-episode: partial rollouts), and each token's ``mu`` is the logprob of the
+  weights that sampled it, so every weight below corrects each turn against its own version
+  (tests/test_partial_rollouts.py checks the logprobs each turn carries);
 - proximal ``pi_prox``: the trainer's, under the weights that start this optimizer step (no grad);
 - current ``pi``: the trainer's, with grad (``logprobs``).
 

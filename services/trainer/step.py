@@ -23,8 +23,10 @@ Invariants:
   masked tokens: ``mismatch_kl`` and ``correction_masked_frac`` (token-weighted means over the
   micro-batches) and ``mismatch_ratio_p05/p50/p95`` (quantiles of their ratio, computed once
   over the step's tokens; under FSDP over the rank's own micro-batches).
-- The logprob alarm (``services.trainer.alarm``) is decided before the update: past
-  ``alarm.max_on_policy_mad`` the step raises ``LogprobAlarm`` (``stop``) or applies no update
+- The logprob alarm (``services.trainer.alarm``) is decided before the update, on the tokens
+  sampled by exactly the trainer's weights (``logprob_mad_on_policy`` and
+  ``mismatch_kl_on_policy``, KL(behaviour || proximal) there): past ``alarm.max_on_policy_mad``
+  or ``alarm.max_on_policy_mismatch_kl`` (both scaled to ``dtype`` when unset) the step raises ``LogprobAlarm`` (``stop``) or applies no update
   and reports ``skipped=1, alarm=1`` (``skip_step``).
 """
 
@@ -39,7 +41,7 @@ import torch
 from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from services.trainer.alarm import LogprobAlarm, on_policy_message
+from services.trainer.alarm import LogprobAlarm, on_policy_breach
 from services.trainer.compile import compile_decoder_layers
 from services.trainer.device import compute_precision, resolve_device
 from services.trainer.lora import with_lora
@@ -50,10 +52,8 @@ from services.trainer.losses import aggregation_of
 from services.policy.model import frozen_reference, load_policy, sequence_logprobs
 from shared.model_source import resolve_model_source
 from shared.rates import per_second
-from shared.required import required
 from shared.schemas import TrainingBatch
-from shared.settings import (ALARM_MAD_BY_DTYPE, BatchingSettings, LogprobAlarmSettings, LossSettings, OptimSettings,
-                             Settings)
+from shared.settings import BatchingSettings, LogprobAlarmSettings, LossSettings, OptimSettings, Settings
 
 QUANTILES = (5, 50, 95)  # the percentiles of the mismatch ratio a step reports
 
@@ -88,9 +88,7 @@ class PolicyTrainer:
         self.logprob_chunk_tokens = logprob_chunk_tokens
         self.trim_prompt_logits = trim_prompt_logits
         self.device = next(model.parameters()).device
-        self.alarm = alarm or LogprobAlarmSettings()
-        if self.alarm.max_on_policy_mad is None:  # scaled to the precision, as settings do
-            self.alarm = self.alarm.model_copy(update={"max_on_policy_mad": ALARM_MAD_BY_DTYPE[dtype]})
+        self.alarm = (alarm or LogprobAlarmSettings()).scaled_to(dtype)  # as settings do
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 to train on sampled tokens, got {temperature}")
         self.pad_token_id = pad_token_id
@@ -123,14 +121,14 @@ class PolicyTrainer:
             return metrics | weighted | mismatch_quantiles(log_weights) | {
                 "skipped": 1.0, "alarm": 0.0, "loss": 0.0, "grad_norm": 0.0, "tokens": 0.0, "loss_tokens": 0.0,
                 "tokens_per_s": 0.0, "step_time_s": time.perf_counter() - started, "step": float(self.step),
-                "logprob_mad_on_policy": math.nan,
+                "logprob_mad_on_policy": math.nan, "mismatch_kl_on_policy": math.nan,
             }
 
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         tokens: float  # counted in ints; all_sum sums in floats
         total_loss, tokens, loss_tokens = 0.0, 0, 0.0
-        on_policy_abs, on_policy_tokens = 0.0, 0.0
+        on_policy_abs, on_policy_kl, on_policy_tokens = 0.0, 0.0, 0.0
         rank, world_size = world()
         for mb, real in rank_share(mbs, rank, world_size, masked_copy) if world_size > 1 else [(mb, True) for mb in mbs]:
             mb = mb.to(self.device)
@@ -141,8 +139,10 @@ class PolicyTrainer:
             # the correctness alarm: on rows sampled by exactly these weights, trainer and
             # inference logprobs must agree (off-policy rows differ by design)
             same = mb.loss_mask * (mb.policy_versions == self.step).unsqueeze(-1)
-            on_policy_abs += float(((logprobs.detach() - mb.old_logprobs).abs() * same).sum())
-            on_policy_tokens += float(same.sum())
+            log_k = (logprobs.detach() - mb.old_logprobs) * same  # log(proximal / behaviour)
+            mb_abs, mb_kl, mb_tokens = torch.stack(  # one transfer from the device
+                [log_k.abs().sum(), ((torch.exp(log_k) - log_k - 1.0) * same).sum(), same.sum()]).tolist()
+            on_policy_abs, on_policy_kl, on_policy_tokens = on_policy_abs + mb_abs, on_policy_kl + mb_kl, on_policy_tokens + mb_tokens
             ref = None
             if self.reference is not None or self.base_is_reference:
                 adapters_off = self.model.disable_adapter() if self.base_is_reference else contextlib.nullcontext()
@@ -161,19 +161,21 @@ class PolicyTrainer:
                 weighted[key] += stats[key] * stats["loss_tokens"]
 
         if world_size > 1:  # every rank reports the whole step
-            total_loss, tokens, loss_tokens, on_policy_abs, on_policy_tokens, *sums = all_sum(
-                [total_loss, tokens, loss_tokens, on_policy_abs, on_policy_tokens, *weighted.values()], self.device)
+            total_loss, tokens, loss_tokens, on_policy_abs, on_policy_kl, on_policy_tokens, *sums = all_sum(
+                [total_loss, tokens, loss_tokens, on_policy_abs, on_policy_kl, on_policy_tokens, *weighted.values()],
+                self.device)
             weighted = dict(zip(weighted, sums))
         max_norm = self.optim.max_grad_norm if self.optim.max_grad_norm is not None else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
             grad_norm = grad_norm.full_tensor()
         mad = on_policy_abs / on_policy_tokens if on_policy_tokens else math.nan
-        threshold = required(self.alarm.max_on_policy_mad, "logprob_alarm.max_on_policy_mad (__init__ sets it)")
-        alarm = mad > threshold  # NaN (no on-policy token) never fires
-        if alarm and self.alarm.action == "stop":
+        mismatch_kl = on_policy_kl / on_policy_tokens if on_policy_tokens else math.nan
+        breach = on_policy_breach(mad, mismatch_kl, self.alarm)  # NaN (no on-policy token) never fires
+        alarm = breach is not None
+        if breach is not None and self.alarm.action == "stop":
             self.optimizer.zero_grad(set_to_none=True)
-            raise LogprobAlarm(on_policy_message(mad, threshold))
+            raise LogprobAlarm(breach)
         if alarm:
             self.optimizer.zero_grad(set_to_none=True)
         else:
@@ -184,6 +186,7 @@ class PolicyTrainer:
             "skipped": float(alarm), "alarm": float(alarm), "loss": total_loss, "grad_norm": float(grad_norm),
             "tokens": float(tokens), "loss_tokens": loss_tokens, "tokens_per_s": _unknown_as_nan(per_second(tokens, elapsed)),
             "step_time_s": elapsed, "step": float(self.step), "logprob_mad_on_policy": mad,
+            "mismatch_kl_on_policy": mismatch_kl,
         }
 
 

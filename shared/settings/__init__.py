@@ -62,6 +62,7 @@ from shared.settings.services import (  # noqa: F401
 )
 from shared.settings.trainer import (  # noqa: F401
     ALARM_MAD_BY_DTYPE,
+    ALARM_MISMATCH_KL_BY_DTYPE,
     LORA_ATTENTION,
     VLLM_MAX_LORA_RANK,
     BatchingSettings,

@@ -70,6 +70,12 @@ class BatchingSettings(Section):
 
 
 ALARM_MAD_BY_DTYPE = {"fp32": 1e-3, "bf16": 5e-2}  # the logprob alarm's default threshold per trainer.dtype
+# the alarm's default threshold on KL(behaviour || proximal) over on-policy tokens, per trainer.dtype.
+# fp32: the MAD threshold's equivalent for normally distributed differences, (pi / 4) * 1e-3 ** 2
+# ~ 8e-7, rounded up (fp32 on CPU measures ~1e-13). bf16: that equivalent of 5e-2 is 2e-3; bf16
+# kernels' differences have heavier tails, which raise the KL against the MAD, so 5x headroom
+# (not measured here: no GPU run)
+ALARM_MISMATCH_KL_BY_DTYPE = {"fp32": 1e-6, "bf16": 1e-2}
 
 
 class LogprobAlarmSettings(Section):
@@ -79,9 +85,18 @@ class LogprobAlarmSettings(Section):
     # weights; fp32 agrees to ~2e-7, a stale output head reached 0.15. None: scaled to the
     # trainer's precision (trainer.dtype): 1e-3 in fp32, 5e-2 in bf16
     max_on_policy_mad: Float | None = Field(None, gt=0)
+    # KL(behaviour || proximal) (the step's mismatch_kl, k3 estimate) over the same tokens: it
+    # weighs a few tokens far off more than the mean does. None: scaled to trainer.dtype
+    # (ALARM_MISMATCH_KL_BY_DTYPE): 1e-6 in fp32, 1e-2 in bf16
+    max_on_policy_mismatch_kl: Float | None = Field(None, gt=0)
     # stop: the trainer exits with the cause; skip_step: no update is applied, an error is
     # logged and counted (alarm_skipped_steps), and training goes on
     action: Literal["stop", "skip_step"] = "stop"
+
+    def scaled_to(self, dtype: str) -> "LogprobAlarmSettings":
+        """These settings with every unset threshold at its default for the trainer's ``dtype``."""
+        unset = {"max_on_policy_mad": ALARM_MAD_BY_DTYPE[dtype], "max_on_policy_mismatch_kl": ALARM_MISMATCH_KL_BY_DTYPE[dtype]}
+        return self.model_copy(update={name: value for name, value in unset.items() if getattr(self, name) is None})
 
 
 LORA_ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -192,9 +207,7 @@ class TrainerSettings(Section):
 
     @model_validator(mode="after")
     def _alarm_scaled_to_precision(self) -> "TrainerSettings":
-        if self.logprob_alarm.max_on_policy_mad is None:
-            scaled = ALARM_MAD_BY_DTYPE[self.dtype]
-            self.logprob_alarm = self.logprob_alarm.model_copy(update={"max_on_policy_mad": scaled})
+        self.logprob_alarm = self.logprob_alarm.scaled_to(self.dtype)
         return self
 
     @model_validator(mode="after")

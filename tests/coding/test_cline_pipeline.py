@@ -66,7 +66,8 @@ def test_cline_fixes_the_bug_through_the_pipeline_and_scores_1(tmp_path, swe_ben
                       CONVEYOR_ROLLOUT__MAX_TOKENS_PER_TURN="512", CONVEYOR_ROLLOUT__MAX_EPISODE_TOKENS="2048",
                       CONVEYOR_ROLLOUT__MAX_TURNS="6",
                       # the stand-in's logprobs are made up, not the tiny model's: no alarm on them
-                      CONVEYOR_TRAINER__LOGPROB_ALARM__MAX_ON_POLICY_MAD="1000") as (stack, dataset):
+                      CONVEYOR_TRAINER__LOGPROB_ALARM__MAX_ON_POLICY_MAD="1000",
+                      CONVEYOR_TRAINER__LOGPROB_ALARM__MAX_ON_POLICY_MISMATCH_KL="1000") as (stack, dataset):
         store, pairs = trained_trajectories(stack, run_id, dataset, GROUP_SIZE, timeout_s=900)
         for sample, trajectory in pairs:
             agent = trajectory.env_info["agent"]

@@ -12,9 +12,9 @@ import torch
 from services.trainer.compile import compile_decoder_layers
 from services.trainer.sharding import decoder_layers
 from services.trainer.step import PolicyTrainer, build_optimizer
-from shared.settings import LogprobAlarmSettings, OptimSettings, load_settings
+from shared.settings import OptimSettings, load_settings
+from synthetic_logprobs import SYNTHETIC_LOGPROBS
 
-SYNTHETIC_LOGPROBS = LogprobAlarmSettings(max_on_policy_mad=1e6)  # make_batch's logprobs are not the model's
 
 
 def grads(model: torch.nn.Module) -> torch.Tensor:

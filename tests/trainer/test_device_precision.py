@@ -12,9 +12,9 @@ import torch
 
 from services.trainer.device import resolve_device
 from services.trainer.step import PolicyTrainer
-from shared.settings import LogprobAlarmSettings, OptimSettings, SettingsError, load_settings
+from shared.settings import OptimSettings, SettingsError, load_settings
+from synthetic_logprobs import SYNTHETIC_LOGPROBS
 
-SYNTHETIC_LOGPROBS = LogprobAlarmSettings(max_on_policy_mad=1e6)  # make_batch's logprobs are not the model's
 
 
 def grads(model: torch.nn.Module) -> torch.Tensor:

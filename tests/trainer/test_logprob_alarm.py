@@ -3,6 +3,8 @@ sync recorded by the follower, against the tiny model and real Redis."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -11,19 +13,22 @@ from services.policy.model import sequence_logprobs
 from services.trainer.step import PolicyTrainer
 from shared.names import RedisKeys
 from shared.schemas import TrainingBatch
-from shared.settings import LogprobAlarmSettings
+from shared.settings import ALARM_MAD_BY_DTYPE, ALARM_MISMATCH_KL_BY_DTYPE, LogprobAlarmSettings, TrainerSettings
 
 
-def on_policy_batch(make_batch, model, shift: float) -> TrainingBatch:
+def on_policy_batch(make_batch, model, shift: float, first_token_only: bool = False) -> TrainingBatch:
     """A group whose inference logprobs are the model's own, shifted by ``shift`` nats: what
-    inference serving other weights than the trainer's looks like."""
+    inference serving other weights than the trainer's looks like. ``first_token_only``: only
+    each sample's first sampled token is off (a few tokens far off, the rest exact)."""
     batch = make_batch(seed=3, model=model, noise=0.0)
     samples = []
     for s in batch.samples:
         ids = torch.tensor([s.token_ids])
         with torch.no_grad():
             own = sequence_logprobs(model, ids, torch.ones_like(ids))[0].tolist()
-        lp = [v - shift if m else 0.0 for v, m in zip(own, s.loss_mask)]
+        first = s.loss_mask.index(1)
+        lp = [v - shift if m and (i == first or not first_token_only) else v if m else 0.0
+              for i, (v, m) in enumerate(zip(own, s.loss_mask))]
         samples.append(s.model_copy(update={"inference_logprobs": lp}))
     return batch.model_copy(update={"samples": samples})
 
@@ -60,12 +65,49 @@ def test_skip_step_applies_no_update_and_reports_the_alarm(tiny_policy, make_bat
     assert all(torch.equal(a, b) for a, b in zip(before, params(model)))
 
 
+def test_the_alarm_reads_the_mismatch_kl_where_the_mean_difference_passes(tiny_policy, make_batch) -> None:
+    """One token per sample 1 nat off, the rest exact: the mean |dlogprob| stays under its
+    threshold, KL(behaviour || proximal) does not, and the alarm names it."""
+    model, tok = tiny_policy
+    batch = on_policy_batch(make_batch, model, 1.0, first_token_only=True)
+    before = params(model)
+    tight = LogprobAlarmSettings(max_on_policy_mad=0.5, max_on_policy_mismatch_kl=1e-3)
+    with pytest.raises(LogprobAlarm, match=r"mismatch KL\(behaviour \|\| proximal\) is 0\.[0-9]+ \(> trainer\."
+                                           r"logprob_alarm\.max_on_policy_mismatch_kl = 0\.001; mean \|dlogprob\| 0\.[0-9]+\)"):
+        PolicyTrainer(model, tok.pad_token_id, alarm=tight).train_step([batch])
+    assert all(torch.equal(a, b) for a, b in zip(before, params(model)))
+    loose = LogprobAlarmSettings(max_on_policy_mad=0.5, max_on_policy_mismatch_kl=1.0)
+    metrics = PolicyTrainer(model, tok.pad_token_id, alarm=loose).train_step([batch])
+    tokens = sum(sum(s.loss_mask) for s in batch.samples)
+    assert metrics["alarm"] == 0.0
+    assert metrics["logprob_mad_on_policy"] == pytest.approx(len(batch.samples) / tokens, rel=1e-3)
+    # k3 of log k = +1 on one token per sample, 0 elsewhere
+    assert metrics["mismatch_kl_on_policy"] == pytest.approx((math.e - 2) * len(batch.samples) / tokens, rel=1e-3)
+
+
+def test_the_mismatch_kl_threshold_is_scaled_to_the_dtype() -> None:
+    for dtype in ("fp32", "bf16"):
+        alarm = TrainerSettings(dtype=dtype).logprob_alarm
+        assert alarm.max_on_policy_mismatch_kl == ALARM_MISMATCH_KL_BY_DTYPE[dtype]
+        assert alarm.max_on_policy_mad == ALARM_MAD_BY_DTYPE[dtype]
+    assert ALARM_MISMATCH_KL_BY_DTYPE["fp32"] < ALARM_MISMATCH_KL_BY_DTYPE["bf16"]
+    set_by_user = TrainerSettings(dtype="bf16", logprob_alarm={"max_on_policy_mismatch_kl": 0.5}).logprob_alarm
+    assert (set_by_user.max_on_policy_mismatch_kl, set_by_user.max_on_policy_mad) == (0.5, ALARM_MAD_BY_DTYPE["bf16"])
+
+
+def test_agreeing_fp32_logprobs_stay_far_under_the_default_mismatch_kl(tiny_policy, make_batch) -> None:
+    model, tok = tiny_policy
+    metrics = PolicyTrainer(model, tok.pad_token_id).train_step([on_policy_batch(make_batch, model, 0.0)])
+    assert metrics["alarm"] == 0.0 and metrics["mismatch_kl_on_policy"] < ALARM_MISMATCH_KL_BY_DTYPE["fp32"] / 100
+
+
 def test_off_policy_samples_do_not_trip_the_on_policy_check(tiny_policy, make_batch) -> None:
     model, tok = tiny_policy
     trainer = PolicyTrainer(model, tok.pad_token_id)
     trainer.step = 5  # the samples (version 0) are 5 versions old: their difference is the policy change
     metrics = trainer.train_step([on_policy_batch(make_batch, model, 0.5)])
     assert metrics["alarm"] == 0.0 and metrics["logprob_mad_on_policy"] != metrics["logprob_mad_on_policy"]  # NaN
+    assert metrics["mismatch_kl_on_policy"] != metrics["mismatch_kl_on_policy"]  # NaN: no on-policy token
 
 
 def record_failed_sync(redis_client, run_id: str, version: int) -> None:

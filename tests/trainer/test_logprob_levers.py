@@ -11,9 +11,9 @@ import torch
 
 from services.policy.model import sequence_logprobs
 from services.trainer.step import PolicyTrainer, trainer_from_settings
-from shared.settings import BatchingSettings, LogprobAlarmSettings, OptimSettings, SettingsError, load_settings
+from shared.settings import BatchingSettings, OptimSettings, SettingsError, load_settings
+from synthetic_logprobs import SYNTHETIC_LOGPROBS
 
-SYNTHETIC_LOGPROBS = LogprobAlarmSettings(max_on_policy_mad=1e6)  # make_batch's logprobs are not the model's
 
 
 def padded_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

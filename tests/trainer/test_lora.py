@@ -30,14 +30,14 @@ from services.trainer.step import PolicyTrainer
 from services.policy.probe import LogprobProbe
 from shared.names import CHECKPOINT_ADAPTER_CONFIG, CHECKPOINT_PROBE, batch_key, checkpoint_prefix
 from shared.schemas import TrainingBatch
-from shared.settings import LogprobAlarmSettings, LoraSettings, LossSettings, OptimSettings, Settings
+from shared.settings import LoraSettings, LossSettings, OptimSettings, Settings
 from shared.state.staleness import StalenessBudget
 from shared.storage import get_model
 from test_trainer_checkpoints import _assert_same_optimizer_state, _Recording, store  # noqa: F401 (the S3 fixture)
 from test_training_loop import queue_group
 from model_layouts import policy_dir
+from synthetic_logprobs import SYNTHETIC_LOGPROBS
 
-SYNTHETIC_LOGPROBS = LogprobAlarmSettings(max_on_policy_mad=1e6)  # make_batch's logprobs are not the model's
 LORA = LoraSettings(enabled=True, rank=4, alpha=8.0)
 PROBE_IDS = torch.tensor([[1, 50, 60, 70, 80, 90, 100]])
 
@@ -103,7 +103,7 @@ def lora_loop(tiny_dir, tmp_path, redis_client, redis_url, run_id, store):  # no
         settings = Settings(
             run_id=run_id, redis={"url": redis_url}, inference={"model_path": tiny_dir},
             trainer={"max_off_policy_steps": 1, "groups_per_step": 2, "optim": {"lr": 1e-2},
-                     "logprob_alarm": {"max_on_policy_mad": 1e6}, "reward_curve_path": tmp_path / "curve.png",
+                     "logprob_alarm": SYNTHETIC_LOGPROBS.model_dump(), "reward_curve_path": tmp_path / "curve.png",
                      "lora": {"enabled": True, "rank": 4, "alpha": 8.0, **lora}, **(trainer or {})},
         )
         budget = StalenessBudget(redis_client, run_id, 1, 2)

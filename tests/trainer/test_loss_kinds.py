@@ -12,7 +12,8 @@ import torch
 from services.trainer.loss import decoupled_loss, loss_denominator, policy_loss
 from services.trainer.losses import KINDS, aggregation_of, clip_range
 from services.trainer.step import PolicyTrainer
-from shared.settings import BatchingSettings, LogprobAlarmSettings, LossSettings, TrainerSettings
+from synthetic_logprobs import SYNTHETIC_LOGPROBS
+from shared.settings import BatchingSettings, LossSettings, TrainerSettings
 
 # Two sequences of 4 tokens; position 0 is a prompt token (mask 0), and so is seq 1's last one.
 # k = exp(current - behaviour) per token (current = proximal in value: one update per step):
@@ -237,7 +238,7 @@ def test_dr_grpo_turns_std_scaling_off_and_refuses_it_on() -> None:
 def test_a_tis_step_reports_the_mismatch(tiny_policy, make_batch) -> None:
     model, tok = tiny_policy
     trainer = PolicyTrainer(model, tok.pad_token_id, loss=LossSettings(correction="tis"),
-                            alarm=LogprobAlarmSettings(max_on_policy_mad=1e6),
+                            alarm=SYNTHETIC_LOGPROBS,
                             batching=BatchingSettings(max_seq_len=64, micro_batch_tokens=128))
     same = trainer.train_step([make_batch(3, n=8, model=model, completion_len=(10, 20), noise=0.0)])
     # behaviour = the model's own logprobs (computed unpadded): no mismatch, nothing cut

@@ -19,10 +19,10 @@ from services.trainer.batching import micro_batches, prepare_samples
 from services.policy.model import load_policy
 from services.trainer.step import PolicyTrainer, build_optimizer
 from shared.schemas import TrainingBatch
-from shared.settings import BatchingSettings, LogprobAlarmSettings, OptimSettings
+from shared.settings import BatchingSettings, OptimSettings
+from synthetic_logprobs import SYNTHETIC_LOGPROBS
 
 WORLD = 2
-SYNTHETIC_LOGPROBS = LogprobAlarmSettings(max_on_policy_mad=1e6)  # make_batch's logprobs are not the model's
 OPTIM = OptimSettings(lr=1e-3, max_grad_norm=1.0)
 BATCHING = BatchingSettings(max_seq_len=32, micro_batch_tokens=40)
 

@@ -31,6 +31,7 @@ from shared.settings import Settings
 from shared.state.staleness import StalenessBudget
 from shared.storage import LocalStore
 from test_training_loop import queue_group
+from synthetic_logprobs import SYNTHETIC_LOGPROBS
 
 WORLD = 2
 UNREACHABLE_REDIS = "redis://127.0.0.1:9/0"  # a follower that touched Redis would fail
@@ -42,7 +43,7 @@ def _settings(run_id: str, redis_url: str, tiny_dir: Path, tmp_path: Path, devic
         trainer={"max_off_policy_steps": 1, "groups_per_step": 2, "device": device,
                  "optim": {"lr": 1e-3, "max_grad_norm": 1.0},
                  "batching": {"max_seq_len": 32, "micro_batch_tokens": 40},  # several micro-batches a step, split over the ranks
-                 "logprob_alarm": {"max_on_policy_mad": 1e6},  # make_batch's logprobs are synthetic
+                 "logprob_alarm": SYNTHETIC_LOGPROBS.model_dump(),  # make_batch's logprobs are synthetic
                  "reward_curve_path": str(tmp_path / f"curve-{run_id}.png")},
     )
 

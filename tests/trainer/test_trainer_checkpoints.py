@@ -25,13 +25,13 @@ from services.policy.model import load_policy
 from services.trainer.step import PolicyTrainer
 from services.policy.probe import LogprobProbe, probe_token_ids
 from shared.names import CHECKPOINT_PROBE
-from shared.settings import LogprobAlarmSettings, OptimSettings
+from shared.settings import OptimSettings
 from shared.settings import S3StorageSettings
 from shared.storage import S3Store
+from synthetic_logprobs import SYNTHETIC_LOGPROBS
 
 # make_batch's inference logprobs are deliberately not the model's own (noise, or random
 # values), so the on-policy logprob alarm would fire on them: these tests turn it off.
-SYNTHETIC_LOGPROBS = LogprobAlarmSettings(max_on_policy_mad=1e6)
 
 
 @pytest.fixture

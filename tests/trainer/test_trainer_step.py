@@ -11,12 +11,12 @@ from model_layouts import policy_dir
 
 from services.policy.model import load_policy, sequence_logprobs
 from services.trainer.step import PolicyTrainer
-from shared.settings import BatchingSettings, LogprobAlarmSettings, LossSettings, OptimSettings
+from shared.settings import BatchingSettings, LossSettings, OptimSettings
 from shared.schemas import StopReason, TrainingBatch, TrainingSample
+from synthetic_logprobs import SYNTHETIC_LOGPROBS
 
 # make_batch's inference logprobs are deliberately not the model's own (noise, or random
 # values), so the on-policy logprob alarm would fire on them: these tests turn it off.
-SYNTHETIC_LOGPROBS = LogprobAlarmSettings(max_on_policy_mad=1e6)
 
 METRICS = {"loss", "grad_norm", "tokens", "tokens_per_s", "step_time_s", "clip_frac", "kl",
            "logprob_mad_vs_inference", "overlong_masked", "truncated", "mismatch_kl", "mismatch_ratio_p05",

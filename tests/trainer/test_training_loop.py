@@ -15,6 +15,7 @@ from shared.settings import DeltaWeightSync, Settings
 from shared.state.staleness import StalenessBudget
 from shared.schemas import CheckpointAnnouncement, SkippedGroupEntry, TrainBatchEntry, TrainingBatch, TrainQueueEntry, parse_message
 from shared.storage import LocalStore, get_model, put_model
+from synthetic_logprobs import SYNTHETIC_LOGPROBS
 
 
 @pytest.fixture
@@ -22,7 +23,7 @@ def setup(tiny_dir, tmp_path, redis_client, redis_url, run_id):
     settings = Settings(
         run_id=run_id, redis={"url": redis_url}, inference={"model_path": tiny_dir},
         trainer={"max_off_policy_steps": 1, "groups_per_step": 2, "optim": {"lr": 1e-3},
-                 "logprob_alarm": {"max_on_policy_mad": 1e6},  # make_batch's logprobs are synthetic
+                 "logprob_alarm": SYNTHETIC_LOGPROBS.model_dump(),  # make_batch's logprobs are synthetic
                  "reward_curve_path": tmp_path / "curve.png"},
     )
     store = LocalStore(tmp_path / "objects")

@@ -24,6 +24,7 @@ from shared.settings import Settings
 from shared.state.staleness import StalenessBudget
 from shared.storage import LocalStore
 from test_training_loop import queue_group
+from synthetic_logprobs import SYNTHETIC_LOGPROBS
 
 
 class ReplicasStandIn:
@@ -65,7 +66,7 @@ def _nccl_settings(run_id, redis_url, tiny_dir, tmp_path, every) -> Settings:
     return Settings(run_id=run_id, redis={"url": redis_url},
                     inference={"model_path": tiny_dir, "weight_sync": "nccl", "weight_sync_checkpoint_every": every},
                     trainer={"max_off_policy_steps": 1, "groups_per_step": 2, "optim": {"lr": 1e-3},
-                             "logprob_alarm": {"max_on_policy_mad": 1e6},  # make_batch's logprobs are synthetic
+                             "logprob_alarm": SYNTHETIC_LOGPROBS.model_dump(),  # make_batch's logprobs are synthetic
                              "reward_curve_path": tmp_path / "curve.png"})
 
 
