@@ -126,6 +126,18 @@ def _chunked_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, tempera
     return torch.cat(parts).view(rows, positions)
 
 
+SERVED_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+                 "auto": None}
+
+
+def served_dtype(dtype: str) -> torch.dtype | None:
+    """The torch dtype vLLM serves for ``inference.dtype`` (None: the model's own, for ``auto``)."""
+    if dtype not in SERVED_DTYPES:
+        raise ValueError(f"inference.dtype {dtype!r} names no dtype; use one of {', '.join(SERVED_DTYPES)}")
+    return SERVED_DTYPES[dtype]
+
+
 @torch.no_grad()
 def logprob_probe(model: PreTrainedModel, version: int) -> LogprobProbe:
     """The model's logprobs of the fixed probe sequence, for the checkpoint of ``version``."""

@@ -128,6 +128,7 @@ def save_checkpoint(
     lora_sync: str = "merged",
     snapshot: Snapshot | None = None,
     sharded_files: dict[str, dict] | None = None,
+    probe: LogprobProbe | None = None,
 ) -> str:
     """Upload the checkpoint of ``version`` and commit it; returns its key prefix. The manifest
     records the dataset versions the run's intake published from (``dataset_versions``), and a
@@ -137,7 +138,8 @@ def save_checkpoint(
     policy is not supported (``take_snapshot`` refuses one, and so does this).
     ``sharded_files``: the manifest entries of the ``trainer_state_sharded/`` files every rank of
     a sharded trainer has already uploaded under the prefix (``services.trainer.distributed``);
-    the optimizer state is in them, so ``trainer_state.pt`` holds step and version only."""
+    the optimizer state is in them, so ``trainer_state.pt`` holds step and version only.
+    ``probe``: the logprob probe of ``model`` at ``version`` when the caller already has it."""
     prefix = checkpoint_prefix(run_id, version)
     if is_committed(store, prefix):
         raise CheckpointError(f"checkpoint {prefix} is already committed; versions are never overwritten")
@@ -157,8 +159,8 @@ def save_checkpoint(
                                       **({"state_dict": snapshot.weights} if snapshot is not None else {}))
             if not (lora and lora_sync == "adapter"):  # vLLM takes an adapter's tokenizer from the base
                 tokenizer.save_pretrained(local)
-            probe = snapshot.probe if snapshot is not None else logprob_probe(model, version)
-            (local / CHECKPOINT_PROBE).write_bytes(probe.to_json())
+            served_probe = snapshot.probe if snapshot is not None else probe or logprob_probe(model, version)
+            (local / CHECKPOINT_PROBE).write_bytes(served_probe.to_json())
             state: dict[str, Any] = {"step": step, "version": version}
             if not sharded_files:  # else the optimizer state is in the shards
                 state["optimizer"] = snapshot.optimizer if snapshot is not None else optimizer.state_dict()

@@ -184,12 +184,13 @@ class TrainingLoop:
             self.ranks.save_checkpoint(self.store, self.run_id, version, self.trainer, self.tokenizer, datasets)
             self._announce(version)
         else:
+            # the checkpoint and the delta chain carry the same probe, computed once
+            probe = logprob_probe(self.trainer.model, version) if self.delta is not None else None
             save_checkpoint(self.store, self.run_id, version, self.trainer.model, self.tokenizer,
                             self.trainer.optimizer, self.trainer.step, dataset_versions=datasets,
-                            lora_sync=self.settings.trainer.lora.sync)
-            if self.delta is not None:
-                probe = logprob_probe(self.trainer.model, version).to_json().decode()
-                metrics |= self.delta.publish(version, self.trainer.model, probe)
+                            lora_sync=self.settings.trainer.lora.sync, probe=probe)
+            if self.delta is not None and probe is not None:
+                metrics |= self.delta.publish(version, self.trainer.model, probe.to_json().decode())
             self._announce(version)
         checkpoint_s = time.perf_counter() - t0
         self._in_step = False

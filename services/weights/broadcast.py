@@ -33,6 +33,7 @@ from typing import Any, Self
 import httpx
 import torch
 
+from services.policy.model import served_dtype
 from services.weights import sync as ws
 from services.weights.group import Backend, WeightGroup, check_backend
 from shared.settings import NcclWeightSync
@@ -70,9 +71,8 @@ class WeightBroadcaster:
         sync = inference.weight_sync
         if not isinstance(sync, NcclWeightSync):
             raise ValueError(f"inference.weight_sync is {sync.mode!r}: the broadcast path is not chosen")
-        wire = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-                "float16": torch.float16}.get(inference.dtype)
-        kwargs.setdefault("wire_dtype", wire)
+        served = served_dtype(inference.dtype)
+        kwargs.setdefault("wire_dtype", served if served in (torch.bfloat16, torch.float16) else None)
         return cls(inference.replica_urls or [inference.base_url], backend="nccl", host=sync.host,
                    port=sync.port, workers_per_replica=inference.tensor_parallel_size, **kwargs)
 
