@@ -66,6 +66,12 @@ from services.trainer.losses import KINDS, Aggregation, PolicyTerms, aggregation
 from shared.settings import LossSettings
 
 
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """The k3 estimator of KL per token, ``exp(x) - x - 1`` of ``x = log(p / q)`` with the token
+    drawn from q: non-negative, and unbiased for KL(q || p)."""
+    return torch.exp(log_ratio) - log_ratio - 1.0
+
+
 def loss_denominator(loss_mask: torch.Tensor, aggregation: Aggregation, max_seq_len: int | None = None) -> int:
     """What the loss sum is divided by for this mask: masked tokens, sequences with one, or
     ``max_seq_len`` per sequence with one."""
@@ -148,7 +154,7 @@ def decoupled_loss(
     kl = torch.zeros_like(logprobs)
     if ref_logprobs is not None:
         ref_diff = ref_logprobs.detach().to(logprobs.dtype) - logprobs
-        kl = torch.exp(ref_diff) - ref_diff - 1.0
+        kl = k3(ref_diff)
         if settings.kl_coef > 0:
             token_loss = token_loss + settings.kl_coef * kl
 
@@ -169,7 +175,7 @@ def decoupled_loss(
         n = tokens.clamp(min=1.0)
         sums = {
             "clip_frac": clipped.to(mask.dtype), "ratio_mean": torch.exp(log_ratio), "kl": kl,
-            "logprob_mad_vs_inference": log_k.abs(), "mismatch_kl": torch.exp(log_k) - log_k - 1.0,
+            "logprob_mad_vs_inference": log_k.abs(), "mismatch_kl": k3(log_k),
             "correction_masked_frac": cut.to(mask.dtype),
         }
         # one transfer from the device for every statistic, not one per statistic

@@ -47,7 +47,7 @@ from services.trainer.device import compute_precision, resolve_device
 from services.trainer.lora import with_lora
 from services.trainer.sharding import all_sum, rank_share, shard_policy, world
 from services.trainer.batching import masked_copy, micro_batches, prepare_samples
-from services.trainer.loss import decoupled_loss, loss_denominator
+from services.trainer.loss import decoupled_loss, k3, loss_denominator
 from services.trainer.losses import aggregation_of
 from services.policy.model import frozen_reference, load_policy, sequence_logprobs
 from shared.model_source import resolve_model_source
@@ -141,7 +141,7 @@ class PolicyTrainer:
             same = mb.loss_mask * (mb.policy_versions == self.step).unsqueeze(-1)
             log_k = (logprobs.detach() - mb.old_logprobs) * same  # log(proximal / behaviour)
             mb_abs, mb_kl, mb_tokens = torch.stack(  # one transfer from the device
-                [log_k.abs().sum(), ((torch.exp(log_k) - log_k - 1.0) * same).sum(), same.sum()]).tolist()
+                [log_k.abs().sum(), (k3(log_k) * same).sum(), same.sum()]).tolist()
             on_policy_abs, on_policy_kl, on_policy_tokens = on_policy_abs + mb_abs, on_policy_kl + mb_kl, on_policy_tokens + mb_tokens
             ref = None
             if self.reference is not None or self.base_is_reference:
