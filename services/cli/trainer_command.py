@@ -73,20 +73,34 @@ def trainer(
 
     trainer_process = TrainerProcess.from_settings(settings, ranks, lambda client, store: _evaluator(settings, client, store))
     on_sigterm(trainer_process.stop.set)  # SIGTERM: finish the group in hand, then exit; the stream keeps the rest
+    alarm = None
     try:
         trainer_process.run(stop_when_idle=exit_when_done)
     except LogprobAlarm as exc:
-        logging.getLogger("conveyor.trainer").error("%s", exc)
-        console.print(f"[red]trainer {settings.run_id} stopped: {exc}[/red]")
-        raise typer.Exit(3) from None
+        alarm = exc
     finally:
         trainer_process.close()
         if ranks is not None:
             ranks.leave()
+    if alarm is not None:
+        logging.getLogger("conveyor.trainer").error("%s", alarm)
+        console.print(f"[red]trainer {settings.run_id} stopped: {alarm}[/red]")
+        _end_rank(ranks, 3)
+        raise typer.Exit(3)
     consumer = trainer_process.consumer
     if consumer.stopped is not None:
         console.print(f"trainer {settings.run_id}: the run was {consumer.stopped.describe()}; exiting")
     console.print(f"trainer {settings.run_id}: {consumer.counters()}")
+    _end_rank(ranks, 0)
+
+
+def _end_rank(ranks: "TrainerRanks | None", code: int) -> None:
+    """Under torchrun, end this rank's process here (``exit_rank_process``: gloo's threads abort
+    an interpreter shutting down); one process returns as always."""
+    if ranks is not None:
+        from services.trainer.distributed import exit_rank_process
+
+        exit_rank_process(code)
 
 
 def _join_ranks(settings: Settings) -> "TrainerRanks | None":
@@ -111,3 +125,4 @@ def _follow(settings: Settings, ranks: "TrainerRanks") -> None:
     finally:
         ranks.leave()
     console.print(f"trainer {settings.run_id} rank {ranks.rank}: stopped at version {version}")
+    _end_rank(ranks, 0)

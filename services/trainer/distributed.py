@@ -36,6 +36,11 @@ Invariants:
 - Followers wait for the next order without a deadline (``ORDER_TIMEOUT``): the leader may
   wait hours for rollouts. A dead rank does not leave them hanging: torchrun stops every rank
   when one exits with an error.
+- A rank process ends with ``exit_rank_process``, which skips the interpreter's shutdown. The
+  gloo backend's worker threads outlive ``destroy_process_group`` while anything still refers
+  to the group (FSDP2's device mesh does, through the model), and one that drops a finished
+  collective's tensors while the interpreter shuts down aborts the process (SIGABRT,
+  "terminate called without an active exception"): a rank that did its work then died.
 - Not supported under torchrun yet, refused at start: ``inference.weight_sync: nccl`` and a KL
   reference (``trainer.loss.kl_coef > 0``).
 """
@@ -44,11 +49,12 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -193,6 +199,17 @@ class TrainerRanks:
                     raise ValueError("a sharded LoRA policy needs TrainerRanks.lora and base_path to checkpoint")
                 self._unsharded_lora = with_lora(load_policy(self.base_path)[0], self.lora)
             load_trainable_weights(self._unsharded_lora, adapters)
+
+
+def exit_rank_process(code: int = 0) -> NoReturn:
+    """End this rank's process now, its output flushed and its process group left (module
+    docstring: the interpreter's shutdown is where gloo's threads abort it)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def join_from_env(settings: Settings) -> TrainerRanks | None:

@@ -30,6 +30,7 @@ BATCHING = BatchingSettings(max_seq_len=32, micro_batch_tokens=40)
 def _rank(rank: int, tiny_dir: str, batches_path: str, out_dir: str, port: int) -> None:
     import torch.distributed as dist
 
+    from services.trainer.distributed import exit_rank_process
     from services.trainer.sharding import full_state_dict, load_sharded, save_sharded, shard_policy
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -52,6 +53,7 @@ def _rank(rank: int, tiny_dir: str, batches_path: str, out_dir: str, port: int) 
             torch.save({"metrics": metrics, "stepped": stepped, "reloaded": reloaded}, Path(out_dir) / "rank0.pt")
     finally:
         dist.destroy_process_group()
+    exit_rank_process()  # as the trainer's ranks end: no interpreter shutdown for gloo's threads to abort
 
 
 @pytest.mark.timeout(600)

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from services.cli.local_stack import free_port
 from services.trainer.checkpoints import download_checkpoint, latest_checkpoint, read_manifest
-from services.trainer.distributed import follow, join_from_env, unsupported
+from services.trainer.distributed import exit_rank_process, follow, join_from_env, unsupported
 from services.trainer.loop import TrainingLoop
 from services.trainer.metrics import MetricsSink
 from shared.names import RedisKeys
@@ -96,6 +96,7 @@ def _rank(rank: int, settings_kwargs: dict, store_root: str, out_dir: str, port:
     finally:
         ranks.leave()
     (out / f"rank{rank}.json").write_text(json.dumps(result))
+    exit_rank_process()  # as the trainer command's ranks end
 
 
 def _torchrun(settings_kwargs: dict, store_root: Path, out_dir: Path) -> list[dict]:
