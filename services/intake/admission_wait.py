@@ -3,8 +3,9 @@ staleness bound (``AdmissionWait``) and on its share of the rollout queue
 (``services.intake.queue_share``); both wait through ``wait_saying_why``.
 
 Invariants:
-- A group is admitted exactly as ``StalenessBudget.try_admit`` admits it (one Lua call per try,
-  every ``poll_s``); this module adds only what is said.
+- A group is admitted exactly as ``StalenessBudget.try_admit`` admits it (one Lua call per try);
+  this module adds only what is said. A try follows each announcement that the bound may have
+  moved (``shared.state.admission_wake``) and, failing those, comes every ``poll_s``.
 - A wait longer than ``intake.wait_log_every_s`` logs one warning that names the run, the groups
   held against the bound and the bound's terms, the run's trajectories still on their way, what
   the trainer did since the wait began, and whether a trainer reads the run at all
@@ -27,6 +28,7 @@ from typing import Callable
 
 import redis
 
+from shared.state.admission_wake import AdmissionWake
 from shared.state.ledger import Ledger
 from shared.state.run_stop import stop_of
 from shared.state.staleness import StalenessBudget
@@ -50,9 +52,11 @@ class AdmissionWait:
     log_every_s: float
     poll_s: float = 0.2
     ledger: Ledger = field(init=False)
+    wake: AdmissionWake = field(init=False)
 
     def __post_init__(self) -> None:
         self.ledger = Ledger(self.client)  # read only: its counts
+        self.wake = AdmissionWake(self.client, self.budget.run_id)
 
     def admit(self) -> None:
         """Block until the budget admits one group, saying why while it waits, or until the run
@@ -61,9 +65,11 @@ class AdmissionWait:
             return
         run = self.budget.run_id
         start = WaitStart(time.monotonic(), self.ledger.counts(run)["consumed"], self.budget.state().trainer_step)
-        wait_saying_why(self.client, run, self.budget.try_admit, lambda waited: self.why(start, start.monotonic + waited),
-                        self.log_every_s,
-                        "the staleness bound admits groups again", self.poll_s)
+        try:
+            wait_saying_why(self.client, run, self.budget.try_admit, lambda waited: self.why(start, start.monotonic + waited),
+                            self.log_every_s, "the staleness bound admits groups again", self.poll_s, self.wake.pause)
+        finally:
+            self.wake.close()  # subscribed only while waiting: no announcements pile up between waits
 
     def why(self, start: WaitStart, now: float) -> str:
         run, budget = self.budget.run_id, self.budget
@@ -86,8 +92,10 @@ class AdmissionWait:
 
 
 def wait_saying_why(client: redis.Redis, run: str, ready: Callable[[], bool], why: Callable[[float], str],
-                    log_every_s: float, ended: str, poll_s: float = 0.2) -> None:
-    """Poll ``ready`` until it is true or the run is stopped. A wait longer than ``log_every_s``
+                    log_every_s: float, ended: str, poll_s: float = 0.2,
+                    pause: Callable[[float], None] = time.sleep) -> None:
+    """Check ``ready`` after each ``pause(poll_s)`` (a sleep, or a wait that a wake-up ends
+    early) until it is true or the run is stopped. A wait longer than ``log_every_s``
     logs ``why(seconds waited)``, then at doubling intervals (at most ``MAX_LOG_INTERVAL_S`` apart), and a
     wait that was logged logs its end (``ended``)."""
     started = time.monotonic()
@@ -102,7 +110,7 @@ def wait_saying_why(client: redis.Redis, run: str, ready: Callable[[], bool], wh
             logged = True
             interval = min(2 * interval, max(MAX_LOG_INTERVAL_S, log_every_s))
             next_line = now + interval
-        time.sleep(poll_s)
+        pause(poll_s)
     if logged:
         log.warning("intake of run %s: %s after %.0fs", run, ended, time.monotonic() - started)
 

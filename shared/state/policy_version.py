@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from shared.names import RedisKeys
+from shared.state.admission_wake import announce
 
 # KEYS: the version ; ARGV: the new version -> 1 if it was above the current one and set, else 0
 _SET_IF_HIGHER = """
@@ -41,4 +42,7 @@ class PolicyVersion:
 
     def advance(self, version: int) -> bool:
         """Serve ``version`` from now on if it is above the current one; True if it moved."""
-        return bool(self._set_if_higher(keys=[self.key], args=[int(version)]))
+        moved = bool(self._set_if_higher(keys=[self.key], args=[int(version)]))
+        if moved:
+            announce(self.redis, self.run_id)  # the staleness bound may admit again
+        return moved

@@ -19,7 +19,9 @@ Invariants:
 - The trainer step only grows. The trainer raises it after each optimizer step
   (``advance_step``), and it comes back from the checkpoint after a restart.
 - Intake waits on ``try_admit`` and says why while it waits (``services.intake.admission_wait``,
-  which reads the rule's terms through ``terms``).
+  which reads the rule's terms through ``terms``). Every write that can raise the bound
+  (``advance_step``, ``filtered``, and the served version's ``PolicyVersion.advance``) is
+  announced (``shared.state.admission_wake``), so the wait ends at once, not at its next poll.
 - ``StalenessBudget`` is the one owner of the run's staleness hash (``RedisKeys.staleness``):
   its fields are ``ADMITTED``, ``FILTERED`` and ``TRAINER_STEP``; a Lua script elsewhere that
   must move one in the same call as other state takes its name from here.
@@ -35,6 +37,7 @@ import redis
 from shared.names import RedisKeys
 from shared.required import required
 from shared.settings import TrainerSettings
+from shared.state.admission_wake import announce
 from shared.state.policy_version import PolicyVersion
 
 # KEYS: staleness hash, served policy version ; ARGV: max_off_policy_steps, groups_per_step
@@ -114,10 +117,14 @@ class StalenessBudget:
 
     def filtered(self, groups: int = 1, transaction: Any = None) -> None:
         """Free ``groups`` admission slots (dropped groups); with a transaction, as part of it."""
-        (transaction if transaction is not None else self.redis).hincrby(self.key, self.FILTERED, groups)
+        writer = transaction if transaction is not None else self.redis
+        writer.hincrby(self.key, self.FILTERED, groups)
+        announce(writer, self.run_id)
 
     def advance_step(self, step: int) -> int:
-        return int(self._advance(keys=[self.key], args=[step]))
+        recorded = int(self._advance(keys=[self.key], args=[step]))
+        announce(self.redis, self.run_id)
+        return recorded
 
     def state(self) -> StalenessState:
         raw = self.redis.hgetall(self.key)

@@ -78,3 +78,49 @@ def test_intake_publishes_a_group_a_crash_left_registered_but_unpublished(redis_
     assert report.groups == 1 and len(published) == 1
     assert run_intake(settings, rows, redis_client, published.append).already_known == 1
     assert len(published) == 1
+
+
+def _admit_in_thread(wait) -> tuple[threading.Thread, list[float]]:
+    done: list[float] = []
+    thread = threading.Thread(target=lambda: (wait.admit(), done.append(time.monotonic())), daemon=True)
+    thread.start()
+    return thread, done
+
+
+@pytest.mark.parametrize("writer", ["trainer_step_then_served_version", "filtered_group"])
+def test_a_waiting_intake_wakes_when_the_bound_moves_not_at_its_next_poll(redis_client, run_id, writer):
+    from services.intake.admission_wait import AdmissionWait
+    from shared.state.policy_version import PolicyVersion
+
+    budget = StalenessBudget(redis_client, run_id, max_off_policy_steps=0, groups_per_step=1)
+    assert budget.try_admit() and not budget.try_admit()
+    wait = AdmissionWait(budget, redis_client, log_every_s=60, poll_s=30)  # a poll would take 30 s
+    thread, done = _admit_in_thread(wait)
+    time.sleep(0.5)
+    assert not done
+    moved = time.monotonic()
+    if writer == "filtered_group":
+        budget.filtered(1)
+    else:
+        budget.advance_step(1)
+        time.sleep(0.3)
+        assert not done  # the served version still holds the bound
+        moved = time.monotonic()
+        PolicyVersion(redis_client, run_id).advance(1)
+    thread.join(timeout=5)
+    assert done and done[0] - moved < 1.0, "the wait did not end on the announcement"
+
+
+def test_a_lost_announcement_costs_one_poll_and_admits_nothing_early(redis_client, run_id):
+    from services.intake.admission_wait import AdmissionWait
+
+    budget = StalenessBudget(redis_client, run_id, max_off_policy_steps=0, groups_per_step=1)
+    assert budget.try_admit()
+    wait = AdmissionWait(budget, redis_client, log_every_s=60, poll_s=0.5)
+    thread, done = _admit_in_thread(wait)
+    time.sleep(0.3)
+    redis_client.hincrby(RedisKeys.staleness(run_id), StalenessBudget.FILTERED, 1)  # a write nobody announced
+    moved = time.monotonic()
+    thread.join(timeout=5)
+    assert done and done[0] - moved < 1.5
+    assert budget.state().admitted == 2 and not budget.try_admit()
