@@ -152,14 +152,15 @@ def stale_share(steps: list[dict]) -> float:
     return stale / (stale + trained) if stale + trained else 0.0
 
 
-def agentic(out: Path, steps: int, ks: list[int], p50: float, p99: float) -> dict:
+def agentic(out: Path, steps: int, ks: list[int], p50: float, p99: float, worker_slots: int) -> dict:
     print(f"## async against sync on agentic episodes: {steps} steps of 4 groups x 8, every environment step waits a "
-          f"lognormal tool latency (p50 {p50} s, p99 {p99} s, seeded per trajectory)", flush=True)
+          f"lognormal tool latency (p50 {p50} s, p99 {p99} s, seeded per trajectory); one rollout worker with "
+          f"{worker_slots} slots", flush=True)
     runs = {}
     for k in [0, *ks]:
         before = load()
         run = run_learning(out / f"agentic-k{k}", steps, k, overrides=AGENTIC,
-                           task_config={"step_latency_s": p50, "step_latency_p99_s": p99})
+                           task_config={"step_latency_s": p50, "step_latency_p99_s": p99}, worker_slots=worker_slots)
         groups = [json.loads(line) for line in (run.workdir / "stack" / "metrics.jsonl").read_text().splitlines() if line]
         first_dispatch = min(g["time"] - g["group_latency_s"] for g in groups)
         runs[k] = {"wall_s": run.wall_s, "from_first_dispatch_s": run.steps[-1]["time"] - first_dispatch,
@@ -185,6 +186,8 @@ def main() -> None:
     parser.add_argument("--layout", default="llama", help="tiny-model layout of the TRL comparison")
     parser.add_argument("--tool-p50", type=float, default=1.0)
     parser.add_argument("--tool-p99", type=float, default=20.0)
+    parser.add_argument("--worker-slots", type=int, default=8,
+                        help="the rollout worker's episodes at once in the agentic runs (tool waits cost no CPU)")
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--skip-agentic", action="store_true")
     parser.add_argument("--out", type=Path, help="default: a temp dir")
@@ -198,7 +201,7 @@ def main() -> None:
         (out / "loop_speed.json").write_text(json.dumps(results, indent=1))
     if not args.skip_agentic:
         results["agentic"] = agentic(out, args.agentic_steps, [int(k) for k in args.ks.split(",")],
-                                     args.tool_p50, args.tool_p99)
+                                     args.tool_p50, args.tool_p99, args.worker_slots)
         (out / "loop_speed.json").write_text(json.dumps(results, indent=1))
     print(f"figures: {out / 'loop_speed.json'}")
 

@@ -56,11 +56,13 @@ def run_learning(
     workdir: Path, steps: int, max_off_policy_steps: int, overrides: dict[str, str] | None = None,
     timeout_s: float = 1500, task_config: dict | None = None, layout: str = "llama", worker_extension: bool = True,
     inspect: Callable[[LocalStack], None] | None = None, lora_rank: int | None = None, vllm_gpu: bool | None = None,
+    worker_slots: int = 8,
 ) -> LearningRun:
     """``inspect``: called with the stack, still up, once the trainer has exited cleanly.
     ``lora_rank``: vLLM serves LoRA adapters of that rank (``trainer.lora.sync: adapter`` in
     ``overrides``). ``vllm_gpu``: launch vLLM on the GPU (True) or the CPU (False); None: on
-    the GPU where the host has one. vLLM's dtype and GPU memory share are the stack's
+    the GPU where the host has one. ``worker_slots``: the rollout worker's concurrency (episodes
+    at once). vLLM's dtype and GPU memory share are the stack's
     ``CONVEYOR_INFERENCE__*`` settings in ``overrides``, so the follower's probe tolerance
     matches what vLLM serves."""
     from services.inference.server import VllmServer
@@ -96,7 +98,7 @@ def run_learning(
         vllm.wait_ready(600)
         stack.use_inference(vllm.base_url, model_dir, "tiny")
         stack.start_weight_follower()
-        stack.start_rollout_worker(concurrency=8)
+        stack.start_rollout_worker(concurrency=worker_slots)
         stack.start_scoring_worker()
         # exits after trainer.max_steps, or once intake's groups are all consumed: a policy that
         # collapses (every group zero-variance) runs out of trainable groups before max_steps
