@@ -12,7 +12,7 @@ Invariants:
   (``runs.refuse_run_in_use``: the same check intake makes).
 - The run's processes are children of one supervisor, each in its own process group with its log
   at ``<runs_dir>/<run id>/logs/<process>.log`` (``LocalStack.spawn``); the supervisor ends
-  them however it ends (done, a failure, Ctrl-C, SIGTERM, or SIGKILL through the group reaper),
+  them however it ends (done, a failure, Ctrl-C, SIGTERM, or SIGKILL through the process-group guard),
   and never signals a process of the shared stack.
 - The run is done when intake and the trainer exited 0: the trainer exits once intake is done
   and every trajectory is consumed or failed, or once the run is stopped (``conveyor run stop``,

@@ -13,7 +13,7 @@ silent "tied embeddings stop learning" bug.
 
 The broadcast path (``inference.weight_sync: nccl``, ``services.weights.broadcast``):
 ``conveyor_join_weight_group`` makes each worker a rank of the trainer's process group
-(``services.weights.group``), and ``conveyor_receive_weights(names, dtypes, shapes)`` receives
+(``services.weights.process_group``), and ``conveyor_receive_weights(names, dtypes, shapes)`` receives
 the trainer's tensors one at a time, in that order, straight into vLLM's in-place reload (the
 same lifecycle as a reload from disk: ``reload_weights(weights_iterator=...)``).
 
@@ -44,7 +44,7 @@ import torch
 
 if TYPE_CHECKING:
     from services.weights.delta_shadow import DeltaShadow
-    from services.weights.group import Backend, WeightGroup
+    from services.weights.process_group import Backend, WeightGroup
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class ConveyorWorkerExtension:
     def conveyor_join_weight_group(self, backend: Backend, host: str, port: int, rank_offset: int, world_size: int,
                                    timeout_s: float = 300.0) -> int:
         """Join the trainer's weight group as rank ``rank_offset + <this worker's rank>``; returns it."""
-        from services.weights.group import WeightGroup
+        from services.weights.process_group import WeightGroup
 
         self.conveyor_leave_weight_group()
         rank = rank_offset + int(getattr(self, "rank", 0))

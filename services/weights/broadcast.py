@@ -1,6 +1,6 @@
 """Weight sync by broadcast (``inference.weight_sync: nccl``): trainer to replicas, no S3 round trip.
 
-The trainer is rank 0 of a process group (``services.weights.group``) that every vLLM worker of
+The trainer is rank 0 of a process group (``services.weights.process_group``) that every vLLM worker of
 every replica joins through Conveyor's worker extension (``conveyor_join_weight_group``). A
 sync is ``sync_weights`` (``services.weights.sync``) with the reload replaced by the
 broadcast, so it keeps the same discipline:
@@ -20,7 +20,7 @@ Invariants (besides those of ``sync_weights``: resume in a ``finally``, the vers
   caller writes (asynchronously) after the sync; a replica restarted from it is re-synced by
   the weight follower as before.
 - Without CUDA, ``backend="nccl"`` is refused before any replica is touched
-  (``services.weights.group.check_backend``); ``gloo`` runs the same path on CPU.
+  (``services.weights.process_group.check_backend``); ``gloo`` runs the same path on CPU.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 
 from services.policy.model import served_dtype
 from services.weights import sync as ws
-from services.weights.group import Backend, WeightGroup, check_backend
+from services.weights.process_group import Backend, WeightGroup, check_backend
 from shared.settings import NcclWeightSync
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import torch
 from services.cli.local_stack import free_port
 from services.weights.broadcast import WeightBroadcaster
 from shared.settings import NcclWeightSync, S3WeightSync, SettingsError, load_settings
-from services.weights.group import WeightGroup, WeightGroupError
+from services.weights.process_group import WeightGroup, WeightGroupError
 
 SENT = [("a", torch.arange(12, dtype=torch.float32).reshape(3, 4) / 7),
         ("b", (torch.arange(5, dtype=torch.float32) - 2.5).to(torch.bfloat16)),
