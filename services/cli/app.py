@@ -203,10 +203,10 @@ def status(
 ) -> None:
     """Where every trajectory is: counts per run and ledger state."""
     settings = command_settings(config)
-    from shared.state.ledger import STATES, Ledger, redis_for
+    from shared.state.ledger import STATES, LedgerReads, redis_for
 
     client = redis_for(settings.redis.url)
-    ledger = Ledger(client)
+    ledger = LedgerReads(client)
     if failures is not None:
         from services.cli.failures import failure_report, print_failures
 

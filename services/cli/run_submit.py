@@ -44,7 +44,7 @@ from services.cli.run_logs import run_logs_dir
 from shared.settings import Settings, load_settings
 
 if TYPE_CHECKING:
-    from shared.state.ledger import Ledger
+    from shared.state.ledger import LedgerReads
 
 PROGRESS_EVERY_S = 10.0
 # a submitted run's share of the rollout queue, in groups, unless its config sets intake.max_queued_groups
@@ -144,12 +144,12 @@ def supervise(config: Path, settings: Settings, resume: bool) -> int:
 
 
 def _watch(stack: LocalStack, settings: Settings) -> int:
-    from shared.state.ledger import Ledger, redis_for
+    from shared.state.ledger import LedgerReads, redis_for
     from shared.state.run_stop import stop_of
 
     run_id = settings.run_id
     client = redis_for(settings.redis.url, settings.outage)
-    ledger = Ledger(client)
+    ledger = LedgerReads(client)
     trainer, follower, intake = (stack.process(name) for name in ("trainer", "follower", "intake"))
     said_at = time.monotonic()
     while True:
@@ -171,7 +171,7 @@ def _watch(stack: LocalStack, settings: Settings) -> int:
         time.sleep(WATCH_POLL_S)
 
 
-def _counts(ledger: "Ledger", run_id: str) -> str:
+def _counts(ledger: "LedgerReads", run_id: str) -> str:
     counts = ledger.counts(run_id)
     return "trajectories " + (", ".join(f"{n} {state}" for state, n in counts.items() if n) or "none yet")
 
