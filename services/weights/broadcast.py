@@ -35,7 +35,7 @@ import torch
 
 from services.policy.model import served_dtype
 from services.weights import sync as ws
-from services.weights.process_group import Backend, WeightGroup, check_backend
+from services.weights.process_group import Backend, WeightProcessGroup, check_backend
 from shared.settings import NcclWeightSync
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class WeightBroadcaster:
         self.backend, self.host, self.port = backend, host, port
         self.workers_per_replica, self.wire_dtype, self.timeout_s = workers_per_replica, wire_dtype, timeout_s
         self.device = device
-        self.group: WeightGroup | None = None
+        self.group: WeightProcessGroup | None = None
         self._http = ws.admin_client()
 
     @classmethod
@@ -89,7 +89,7 @@ class WeightBroadcaster:
                 "rank_offset": 1 + i * self.workers_per_replica, "world_size": self.world_size,
                 "timeout_s": self.timeout_s}, self.timeout_s) for i, url in enumerate(self.urls)}
             try:
-                group = WeightGroup(self.backend, self.host, self.port, 0, self.world_size, device=self.device,
+                group = WeightProcessGroup(self.backend, self.host, self.port, 0, self.world_size, device=self.device,
                                     timeout_s=self.timeout_s)
             except Exception as exc:
                 raise ws.WeightSyncError(f"weight group at {self.host}:{self.port} did not form: {exc}", 0,
