@@ -139,7 +139,7 @@ def publish_group(run: BenchRun, group_id: int) -> None:
     task = TaskProfile(task_id=f"c{group_id}", env_name="single_turn",
                        task_data={"prompt": "Say a number.", "row": {"id": group_id}}, env_config={"reward_fn": REWARD_FN})
     requests = build_group(run.settings, group_id, task)
-    GroupRegistry(run.ledger.redis, run.run_id).register(GroupRegistration(
+    GroupRegistry(run.client, run.run_id).register(GroupRegistration(
         run_id=run.run_id, group_id=group_id, expected_size=len(requests), task_id=task.task_id,
         policy_version=0, dispatched_at=requests[0].dispatched_at, env_name="single_turn"))
     run.ledger.register(requests)
@@ -170,7 +170,7 @@ def run_config(base: LocalStack, root: Path, workers: int, group_size: int, traj
         startup_s = wait_for_workers(run.celery, workers + 1, timeout_s=600)  # each has loaded its tokenizer
         time.sleep(2)  # the trainer joins its stream
         idle_rss_mb = [rss_mb(p.proc.pid) for p in procs]
-        client = run.ledger.redis
+        client = run.client
         commands0 = int(client.info("stats")["total_commands_processed"])
         s3_log = base.root / "logs" / "s3.log"
         s3_before = s3_requests(s3_log)

@@ -17,13 +17,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import redis
 from celery import Celery
 
 from services.cli.local_stack import LocalStack, free_port
 from services.intake.publisher import build_group
 from shared.celery_app import make_celery, publish_rollouts
 from shared.state.group_registry import GroupRegistry
-from shared.state.ledger import Ledger
+from shared.state.ledger import Ledger, redis_for
 from shared.names import group_record_key
 from shared.schemas import GroupRecord, GroupRegistration, ScoredTrajectory, TaskProfile
 from shared.settings import Settings, load_settings
@@ -74,6 +75,7 @@ class BenchRun:
     celery: Celery
     ledger: Ledger
     store: ObjectStore
+    client: redis.Redis  # the run's Redis, which the ledger and the group registry use too
 
     @classmethod
     def open(cls, base: LocalStack, root: Path, run_id: str, overrides: dict[str, str]) -> "BenchRun":
@@ -82,7 +84,8 @@ class BenchRun:
         stack = LocalStack(root / run_id, run_id=run_id, env=env)
         os.environ.update(stack.env)  # this process's settings are the run's, as its workers' are
         settings = load_settings()
-        return cls(stack, settings, make_celery(settings), Ledger.from_url(settings.redis.url), open_store(settings.storage))
+        client = redis_for(settings.redis.url)
+        return cls(stack, settings, make_celery(settings), Ledger(client), open_store(settings.storage), client)
 
     @property
     def run_id(self) -> str:
@@ -97,7 +100,7 @@ class BenchRun:
         requests = build_group(self.settings, group_id, task)
         registration = GroupRegistration(run_id=self.run_id, group_id=group_id, expected_size=len(requests),
                                          task_id=task.task_id, policy_version=0, dispatched_at=requests[0].dispatched_at)
-        GroupRegistry(self.ledger.redis, self.run_id).register(registration)
+        GroupRegistry(self.client, self.run_id).register(registration)
         self.ledger.register(requests)
         for batch in ([r] for r in requests) if task_per_trajectory else [requests]:
             publish_rollouts(self.celery, batch)

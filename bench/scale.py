@@ -83,7 +83,7 @@ def wait_until_ready(run: BenchRun, node_names: list[str], timeout_s: float = 60
         answered = {name.split("@")[0] for reply in run.celery.control.ping(timeout=1.0) for name in reply}
         missing -= answered
         try:
-            trainer_ready = bool(run.ledger.redis.xinfo_consumers(RedisKeys.trainer_stream(run.run_id), "trainer"))
+            trainer_ready = bool(run.client.xinfo_consumers(RedisKeys.trainer_stream(run.run_id), "trainer"))
         except redis.ResponseError:  # stream or consumer group not created yet
             trainer_ready = False
         time.sleep(0.5)
@@ -105,7 +105,7 @@ def measure_level(base: LocalStack, root: Path, workers: int, rounds: int, args:
         load_before = os.getloadavg()[0]
         for g in range(groups):
             run.publish_guess_group(g, args.step_latency)
-        broker = run.ledger.redis
+        broker = run.client
         run.wait_until_consumed(groups * args.group_size, 900, f"level {workers}",
                                 each_poll=lambda: queue_samples.append((time.time(), broker.llen(ROLLOUT_QUEUE))))
         load_after = os.getloadavg()[0]

@@ -3,7 +3,7 @@ it saturates, and whether runs split over shards by their ``{run_id}`` hash tag 
 
 A simulation of the ledger alone: no Celery, S3 or policy. Client processes drive many runs, each
 through the real lifecycle, with the real ``Ledger`` (its Lua scripts), ``LeaseKeeper`` and
-``Reaper`` classes, per group:
+``LeaseReaper`` classes, per group:
 - intake: the group's registration, ``register``, published mark;
 - rollout worker: ``claim`` per member, ``mark_uploaded`` with its scoring task, ``scoring_sent``
   for the group (one scoring message per batch);
@@ -56,13 +56,13 @@ from rich.table import Table  # noqa: E402
 from services.cli.local_stack import _wait_for_port, free_port  # noqa: E402
 from shared import ids  # noqa: E402
 from shared.state.group_registry import GroupRegistry  # noqa: E402
-from shared.state.leases import LeaseKeeper, Reaper  # noqa: E402
+from shared.state.leases import LeaseKeeper, LeaseReaper  # noqa: E402
 from shared.state.ledger import LEASE_STAGES, ROLLOUT, SCORING, Ledger  # noqa: E402
 from shared.names import ROLLOUT_QUEUE, SCORING_QUEUE, RedisKeys  # noqa: E402
 from shared.schemas import GroupRegistration, RolloutRequest, ScoredEvent, ScoringTask, TaskProfile  # noqa: E402
 from shared.settings import LedgerSettings  # noqa: E402
 from shared.state.trainer_counters import TrainerCounter, TrainerCounters  # noqa: E402
-from shared.state.trainer_reads import TRAINER_CONSUMER_GROUP as CONSUMER_GROUP  # noqa: E402
+from shared.state.trainer_reads import TRAINER_CONSUMER_GROUP as STREAM_READERS  # noqa: E402
 
 TASK = TaskProfile(task_id="t", env_name="single_turn", task_data={"prompt": "What is 6 x 7?", "answer": "42"})
 
@@ -157,14 +157,14 @@ class Shard:
 
     ledger: Ledger
     keepers: dict[str, LeaseKeeper]
-    reapers: list[Reaper]
+    reapers: list[LeaseReaper]
 
     @classmethod
     def connect(cls, url: str, per_run: bool, settings: LedgerSettings) -> "Shard":
         client = redis.Redis.from_url(url, decode_responses=True)
         ledger = per_run_ledger(client) if per_run else Ledger(client)
         keepers = {s.name: LeaseKeeper(ledger, settings.lease_ttl_s, settings.heartbeat_s, s) for s in LEASE_STAGES}
-        reapers = [Reaper(ledger, s, settings.max_attempts, settings.reaper_interval_s, lambda items: None)
+        reapers = [LeaseReaper(ledger, s, settings.max_attempts, settings.reaper_interval_s, lambda items: None)
                    for s in LEASE_STAGES]
         return cls(ledger, keepers, reapers)
 
@@ -180,7 +180,7 @@ def drive(urls: list[str], runs: list[str], groups: int, group_size: int, per_ru
             keeper.start()
         threading.Thread(target=_sweep, args=(shard, runs, per_run, settings.reaper_interval_s, stop), daemon=True).start()
     for run in runs:
-        shard_by_run[run].ledger.redis.xgroup_create(RedisKeys.trainer_stream(run), CONSUMER_GROUP, id="0", mkstream=True)
+        shard_by_run[run].ledger.redis.xgroup_create(RedisKeys.trainer_stream(run), STREAM_READERS, id="0", mkstream=True)
     started, cpu0 = time.perf_counter(), _cpu()
     done = 0
     for group_id in range(groups):
@@ -230,7 +230,7 @@ def _group_lifecycle(shard: Shard, run: str, group_id: int, size: int) -> int:
         ledger.mark_scored(tid, event, token=token)
         scoring.release(tid)
     stream = RedisKeys.trainer_stream(run)  # trainer
-    entries = r.xreadgroup(CONSUMER_GROUP, "sim", {stream: ">"}, count=256)[0][1]
+    entries = r.xreadgroup(STREAM_READERS, "sim", {stream: ">"}, count=256)[0][1]
     ledger.mark_consumed_many([ScoredEvent.model_validate_json(fields["event"]).trajectory_id for _, fields in entries])
     with r.pipeline(transaction=True) as tx:
         tx.watch(RedisKeys.run_marker(run), registry.done_key)
@@ -240,7 +240,7 @@ def _group_lifecycle(shard: Shard, run: str, group_id: int, size: int) -> int:
         registry.mark_done(group_id, tx)
         TrainerCounters(r, run).add(TrainerCounter.for_group_status("accepted"), transaction=tx)
         tx.rpush(RedisKeys.train_queue(run), f'{{"group_id": {group_id}}}')
-        tx.xack(stream, CONSUMER_GROUP, *(entry_id for entry_id, _ in entries))
+        tx.xack(stream, STREAM_READERS, *(entry_id for entry_id, _ in entries))
         tx.execute()
     return len(entries)
 
@@ -287,15 +287,15 @@ def crossslot_check(client: redis.Redis, per_run: bool) -> dict[str, str]:
 
 def _trainer_steps(client: redis.Redis, run: str) -> None:
     stream = RedisKeys.trainer_stream(run)
-    client.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
-    entries = client.xreadgroup(CONSUMER_GROUP, "sim", {stream: ">"}, count=256)
+    client.xgroup_create(stream, STREAM_READERS, id="0", mkstream=True)
+    entries = client.xreadgroup(STREAM_READERS, "sim", {stream: ">"}, count=256)
     with client.pipeline(transaction=True) as tx:
         tx.watch(RedisKeys.run_marker(run), RedisKeys.groups_done(run))
         tx.multi()
         tx.sadd(RedisKeys.groups_done(run), 0)
         tx.hincrby(RedisKeys.trainer_counters(run), "groups_accepted", 1)
         tx.rpush(RedisKeys.train_queue(run), "{}")
-        tx.xack(stream, CONSUMER_GROUP, *(e for e, _ in (entries[0][1] if entries else [])), "0-1")
+        tx.xack(stream, STREAM_READERS, *(e for e, _ in (entries[0][1] if entries else [])), "0-1")
         tx.execute()
 
 

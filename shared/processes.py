@@ -11,9 +11,9 @@ Invariants:
   thread that started it ends, which covers a parent killed with SIGKILL. Start children from
   the main thread (or one that lives as long as they should).
 - ``start_group_leader`` starts a child as the leader of its own process group, with
-  ``die_with_parent``, and registers the group with the command's group reaper
-  (``shared.group_reaper``): if the command dies without ending the group
-  (``release_group``), the reaper SIGTERMs it and SIGKILLs what is left after the grace
+  ``die_with_parent``, and registers the group with the command's process-group guard
+  (``shared.process_group_guard``): if the command dies without ending the group
+  (``release_group``), the guard SIGTERMs it and SIGKILLs what is left after the grace
   period. SIGTERM alone is not enough: a child may be somewhere it cannot act on it (vLLM
   between its API server and its engine starting), and grandchildren (vLLM's engine, Celery's
   pool) get no signal from the kernel at all.
@@ -86,37 +86,37 @@ def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
     return preexec
 
 
-REAPER_GRACE_S = 15.0
-_reaper: subprocess.Popen[bytes] | None = None
-_reaper_lock = threading.Lock()
+GUARD_GRACE_S = 15.0
+_guard: subprocess.Popen[bytes] | None = None
+_guard_lock = threading.Lock()
 
 
-def _tell_reaper(line: str) -> None:
-    global _reaper
-    with _reaper_lock:
-        if _reaper is None or _reaper.poll() is not None:
+def _tell_guard(line: str) -> None:
+    global _guard
+    with _guard_lock:
+        if _guard is None or _guard.poll() is not None:
             if line.startswith("-"):
-                return  # no reaper watches anything: nothing to forget
-            _reaper = subprocess.Popen(
-                [sys.executable, "-m", "shared.group_reaper", str(REAPER_GRACE_S)],
+                return  # no guard watches anything: nothing to forget
+            _guard = subprocess.Popen(
+                [sys.executable, "-m", "shared.process_group_guard", str(GUARD_GRACE_S)],
                 stdin=subprocess.PIPE, start_new_session=True, cwd=os.path.dirname(os.path.dirname(__file__)),
             )
         try:
-            reaper_stdin = cast(IO[bytes], _reaper.stdin)  # started with stdin=PIPE: never None
-            reaper_stdin.write(f"{line}\n".encode())
-            reaper_stdin.flush()
+            guard_stdin = cast(IO[bytes], _guard.stdin)  # started with stdin=PIPE: never None
+            guard_stdin.write(f"{line}\n".encode())
+            guard_stdin.flush()
         except (BrokenPipeError, ValueError):  # it died: the next registration starts another
-            _reaper = None
+            _guard = None
 
 
 def start_group_leader(argv: list[str], **popen_kwargs: Any) -> subprocess.Popen:
     """``subprocess.Popen`` in a new process group (pgid = the child's pid) that ends when
     this process ends, however it ends. End it with ``killpg`` and call ``release_group``."""
     proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent(), **popen_kwargs)
-    _tell_reaper(f"+{proc.pid}")
+    _tell_guard(f"+{proc.pid}")
     return proc
 
 
 def release_group(pgid: int) -> None:
-    """This process ended the group itself: the reaper forgets it."""
-    _tell_reaper(f"-{pgid}")
+    """This process ended the group itself: the guard forgets it."""
+    _tell_guard(f"-{pgid}")

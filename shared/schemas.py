@@ -102,7 +102,7 @@ class RolloutRequest(Message):
     episode_index: int
     episode_seed: int
     trajectory_id: str
-    group_size: int
+    group_size: int  # members dispatched (rollout.group_size + rollout.redundancy); the kept count is the registration's keep
     task: TaskProfile
     policy_version: int = 0  # the policy version when intake dispatched the group
     dispatched_at: float  # unix time; queue wait is measured from here

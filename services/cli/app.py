@@ -34,7 +34,7 @@ from services.cli.run_submit import submit_command
 from services.cli.trainer_command import trainer
 from services.cli.trajectories import inspect_command, replay_command
 from services.cli.worker_commands import worker_app
-from shared.settings import Settings
+from shared.settings import Settings, assembling
 
 # no locals in a traceback: they would print the settings' secrets
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
@@ -184,7 +184,7 @@ def process(
     check_export_options(fmt, form)
     if settings.trainer.mode != "assemble":  # nothing trains: intake must not wait for a trainer
         console.print(f"process mode: trainer.mode {settings.trainer.mode} ignored, no trainer runs")
-        settings = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"mode": "assemble"})})
+        settings = settings.model_copy(update={"trainer": assembling(settings.trainer)})
     _publish_dataset(settings, dataset, None, resume)
     consumer = TrainerConsumer(settings, redis_for(settings.redis.url, settings.outage), open_store(settings.storage, settings.outage))
     TrainerProcess(consumer).run(stop_when_idle=True)  # groups assembled, advantages computed, every trajectory terminal
@@ -203,10 +203,10 @@ def status(
 ) -> None:
     """Where every trajectory is: counts per run and ledger state."""
     settings = command_settings(config)
-    from shared.state.ledger import STATES, Ledger, redis_for
+    from shared.state.ledger import STATES, LedgerReads, redis_for
 
     client = redis_for(settings.redis.url)
-    ledger = Ledger(client)
+    ledger = LedgerReads(client)
     if failures is not None:
         from services.cli.failures import failure_report, print_failures
 

@@ -41,7 +41,7 @@ from typing import Any, Callable
 from services.cli.demo import DEMO_REWARD_WEIGHTS, write_demo_dataset
 from services.cli.local_stack import LocalStack, ManagedProcess
 from services.cli.tcp_gate import TcpGate
-from shared.state.ledger import ROLLOUT, SCORING, Ledger
+from shared.state.ledger import ROLLOUT, SCORING, LedgerReads
 from shared.outcomes import FailureKind, kind_of
 from shared.schemas import GroupRecord, TrainerEvent, parse_message
 from shared.outage import redis_client
@@ -119,7 +119,7 @@ class ChaosRun:
         self.total = config.groups * config.group_size
         self.dataset = write_demo_dataset(stack.root / "chaos.jsonl", config.groups, seed=config.seed)
         self.intake: ManagedProcess | None = None
-        self._ledger: Ledger | None = None
+        self._ledger: LedgerReads | None = None
         self._redis: Any = None
         stack.env.update({
             "CONVEYOR_ROLLOUT__GROUP_SIZE": str(config.group_size), "CONVEYOR_ROLLOUT__MAX_TURNS": "3",
@@ -173,10 +173,10 @@ class ChaosRun:
         return self._redis
 
     @property
-    def ledger(self) -> Ledger:
+    def ledger(self) -> LedgerReads:
         """The run's ledger, read through ``redis``."""
         if self._ledger is None:
-            self._ledger = Ledger(self.redis)
+            self._ledger = LedgerReads(self.redis)
         return self._ledger
 
     def counts(self) -> dict[str, int]:

@@ -24,7 +24,7 @@ from rich.table import Table
 
 from services.cli.local_stack import LocalStack, free_port
 from shared.processes import Terminated
-from shared.state.ledger import STATES, Ledger
+from shared.state.ledger import STATES, LedgerReads
 from shared.state.trainer_counters import TrainerCounters
 
 console = Console()
@@ -117,7 +117,7 @@ def run_demo(config: Path | None, tasks: int, workdir: Path, timeout_s: float = 
 
 
 def _follow(stack: LocalStack, run_id: str, timeout_s: float) -> None:
-    ledger = Ledger(stack.redis_client())
+    ledger = LedgerReads(stack.redis_client())
     deadline = time.time() + timeout_s
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console) as progress:
         bar = progress.add_task("trajectories consumed or failed", total=None)
@@ -137,7 +137,7 @@ def _follow(stack: LocalStack, run_id: str, timeout_s: float) -> None:
 
 def _summary(stack: LocalStack, run_id: str) -> None:
     client = stack.redis_client()
-    counts = Ledger(client).counts(run_id)
+    counts = LedgerReads(client).counts(run_id)
     trainer = TrainerCounters(client, run_id).all()
     metrics_path = Path(stack.env["CONVEYOR_TRAINER__METRICS_PATH"])
     groups = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []

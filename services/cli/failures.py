@@ -18,7 +18,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from shared.state.ledger import Ledger
+from shared.state.ledger import LedgerReads
 from shared.state.ledger_retry import RetryReport
 from shared.state.run_records import RunRecords
 from shared.outcomes import headline, kind_of
@@ -27,7 +27,7 @@ EXAMPLES = 3
 
 
 def failure_report(client: Any, run_id: str, examples: int = EXAMPLES) -> dict:
-    ledger = Ledger(client)
+    ledger = LedgerReads(client)
     states = ledger.states(run_id)
     reasons = {tid: r for tid, r in ledger.failure_reasons(run_id).items() if states.get(tid) == "failed"}
     failed = [tid for tid, state in sorted(states.items()) if state == "failed"]

@@ -11,7 +11,7 @@ processes. Invariants:
 - Every process gets its own log file under the stack's directory, and its own process group,
   so ``stop()`` ends it and everything it spawned (Celery's pool, vLLM's engine): SIGTERM, then
   SIGKILL to what is left of the group. Each is started with ``start_group_leader``, so the
-  same happens (by the group reaper) even if the process that started the stack is killed with
+  same happens (by the process-group guard) even if the process that started the stack is killed with
   SIGKILL.
 - Settings reach the child processes as ``CONVEYOR_*`` environment variables, the same way a
   user configures a deployment.

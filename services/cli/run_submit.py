@@ -12,7 +12,7 @@ Invariants:
   (``runs.refuse_run_in_use``: the same check intake makes).
 - The run's processes are children of one supervisor, each in its own process group with its log
   at ``<runs_dir>/<run id>/logs/<process>.log`` (``LocalStack.spawn``); the supervisor ends
-  them however it ends (done, a failure, Ctrl-C, SIGTERM, or SIGKILL through the group reaper),
+  them however it ends (done, a failure, Ctrl-C, SIGTERM, or SIGKILL through the process-group guard),
   and never signals a process of the shared stack.
 - The run is done when intake and the trainer exited 0: the trainer exits once intake is done
   and every trajectory is consumed or failed, or once the run is stopped (``conveyor run stop``,
@@ -44,7 +44,7 @@ from services.cli.run_logs import run_logs_dir
 from shared.settings import Settings, load_settings
 
 if TYPE_CHECKING:
-    from shared.state.ledger import Ledger
+    from shared.state.ledger import LedgerReads
 
 PROGRESS_EVERY_S = 10.0
 # a submitted run's share of the rollout queue, in groups, unless its config sets intake.max_queued_groups
@@ -144,12 +144,12 @@ def supervise(config: Path, settings: Settings, resume: bool) -> int:
 
 
 def _watch(stack: LocalStack, settings: Settings) -> int:
-    from shared.state.ledger import Ledger, redis_for
+    from shared.state.ledger import LedgerReads, redis_for
     from shared.state.run_stop import stop_of
 
     run_id = settings.run_id
     client = redis_for(settings.redis.url, settings.outage)
-    ledger = Ledger(client)
+    ledger = LedgerReads(client)
     trainer, follower, intake = (stack.process(name) for name in ("trainer", "follower", "intake"))
     said_at = time.monotonic()
     while True:
@@ -171,7 +171,7 @@ def _watch(stack: LocalStack, settings: Settings) -> int:
         time.sleep(WATCH_POLL_S)
 
 
-def _counts(ledger: "Ledger", run_id: str) -> str:
+def _counts(ledger: "LedgerReads", run_id: str) -> str:
     counts = ledger.counts(run_id)
     return "trajectories " + (", ".join(f"{n} {state}" for state, n in counts.items() if n) or "none yet")
 

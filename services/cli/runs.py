@@ -24,13 +24,16 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from services.cli import errors
+
+if TYPE_CHECKING:
+    from shared.state.ledger import LedgerReads
 
 run_app = typer.Typer(no_args_is_help=True, help="Runs on the stack: what each holds and where its trainer is.")
 
@@ -89,7 +92,7 @@ def trainer_status(client: Any, run_id: str) -> str:
     return READING
 
 
-def require_run(ledger: Any, run_id: str) -> None:
+def require_run(ledger: "LedgerReads", run_id: str) -> None:
     """A ``CommandError`` naming the runs Redis holds, unless it holds ``run_id``."""
     known = ledger.runs()
     if run_id not in known:
@@ -128,10 +131,10 @@ def list_runs(
     run: Optional[str] = typer.Option(None, help="only this run"),
 ) -> None:
     """Every run in Redis: groups, trajectories by state, the trainer's last step, the served version, whether stopped."""
-    from shared.state.ledger import STATES, Ledger
+    from shared.state.ledger import STATES, LedgerReads
 
     client = _redis(config)
-    ledger = Ledger(client)
+    ledger = LedgerReads(client)
     if run is not None:
         require_run(ledger, run)
     summaries = [summarize(client, ledger, r) for r in ([run] if run else ledger.runs())]

@@ -7,7 +7,7 @@ Invariants:
   and stderr appended to one log file; ``stop()`` sends SIGTERM to the whole group, then
   SIGKILL after a grace period, so no process outlives the ``VllmServer``. If the process
   that started it dies first, even by SIGKILL, the same happens to the group
-  (``shared.processes.start_group_leader``: the kernel's SIGTERM, then the group reaper's).
+  (``shared.processes.start_group_leader``: the kernel's SIGTERM, then the process-group guard's).
 - ``wait_ready()`` returns only once ``/health`` answers 200 and ``/v1/models`` lists the
   served name; it raises ``InferenceServerError`` carrying the log's tail if the process
   exits first or the timeout passes (and stops the process in both cases).

@@ -13,7 +13,7 @@ silent "tied embeddings stop learning" bug.
 
 The broadcast path (``inference.weight_sync: nccl``, ``services.weights.broadcast``):
 ``conveyor_join_weight_group`` makes each worker a rank of the trainer's process group
-(``services.weights.group``), and ``conveyor_receive_weights(names, dtypes, shapes)`` receives
+(``services.weights.process_group``), and ``conveyor_receive_weights(names, dtypes, shapes)`` receives
 the trainer's tensors one at a time, in that order, straight into vLLM's in-place reload (the
 same lifecycle as a reload from disk: ``reload_weights(weights_iterator=...)``).
 
@@ -44,7 +44,7 @@ import torch
 
 if TYPE_CHECKING:
     from services.weights.delta_shadow import DeltaShadow
-    from services.weights.group import Backend, WeightGroup
+    from services.weights.process_group import Backend, WeightProcessGroup
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def _modules_sharing_parameters(model: torch.nn.Module) -> list[tuple[str, torch
 class ConveyorWorkerExtension:
     """Mixed into vLLM's worker class (``--worker-extension-cls``); methods run on every worker."""
 
-    _conveyor_weight_group: WeightGroup | None  # set while this worker is in the trainer's weight group
+    _conveyor_weight_group: WeightProcessGroup | None  # set while this worker is in the trainer's weight group
     _conveyor_shadow: DeltaShadow | None  # the delta path's tensors of the served version
 
     def _conveyor_drop_shadow(self) -> None:
@@ -117,12 +117,12 @@ class ConveyorWorkerExtension:
     def conveyor_join_weight_group(self, backend: Backend, host: str, port: int, rank_offset: int, world_size: int,
                                    timeout_s: float = 300.0) -> int:
         """Join the trainer's weight group as rank ``rank_offset + <this worker's rank>``; returns it."""
-        from services.weights.group import WeightGroup
+        from services.weights.process_group import WeightProcessGroup
 
         self.conveyor_leave_weight_group()
         rank = rank_offset + int(getattr(self, "rank", 0))
         device = self.device if backend == "nccl" else torch.device("cpu")  # type: ignore[attr-defined]  # vLLM's worker's
-        self._conveyor_weight_group = WeightGroup(backend, host, port, rank, world_size, device=device,
+        self._conveyor_weight_group = WeightProcessGroup(backend, host, port, rank, world_size, device=device,
                                                   timeout_s=timeout_s)
         log.info("conveyor: joined the %s weight group at %s:%d as rank %d of %d", backend, host, port, rank,
                  world_size)

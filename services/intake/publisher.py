@@ -107,14 +107,14 @@ def run_history(client: redis.Redis, run_id: str) -> RunHistory:
 
 def build_group(settings: Settings, group_id: int, task: TaskProfile, policy_version: int = 0) -> list[RolloutRequest]:
     now = time.time()
-    size = settings.rollout.group_size + settings.rollout.redundancy
+    dispatched = settings.rollout.group_size + settings.rollout.redundancy  # kept: rollout.group_size
     requests = []
-    for index in range(size):
+    for index in range(dispatched):
         seed = ids.episode_seed(settings.intake.base_seed, group_id, index)
         requests.append(
             RolloutRequest(
                 run_id=settings.run_id, group_id=group_id, episode_index=index, episode_seed=seed,
-                trajectory_id=ids.trajectory_id(settings.run_id, group_id, index, seed), group_size=size,
+                trajectory_id=ids.trajectory_id(settings.run_id, group_id, index, seed), group_size=dispatched,
                 task=task, policy_version=policy_version, dispatched_at=now,
             )
         )

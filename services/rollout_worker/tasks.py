@@ -39,7 +39,7 @@ from services.rollout_worker.runner import RolloutContext, run_requests
 from services.rollout_worker.sandbox.worker_janitor import SandboxJanitor
 from services.rollout_worker.scoring_outbox import ScoringOutbox
 from shared.celery_app import make_celery, publish_rollouts, publish_rollouts_by_group, publish_scoring
-from shared.state.leases import LeaseKeeper, Reaper, settle_s
+from shared.state.leases import LeaseKeeper, LeaseReaper, settle_s
 from shared.state.ledger import ROLLOUT, Ledger, redis_for
 from shared.model_source import resolve_model_source
 from shared.names import ROLLOUT_QUEUE, ROLLOUT_TASK
@@ -97,18 +97,19 @@ def _send_scoring(ledger: Ledger, batch: list[ScoringTask]) -> None:
 async def _make_inference_client() -> InferenceClient:
     inference = settings.inference
     return InferenceClient(inference.base_url, inference.model, inference.request_timeout_s, inference.max_retries,
-                           outage=settings.outage, on_outage_change=_task_intake.inference_up,
+                           outage=settings.outage, on_outage_change=_rollout_queue_switch.inference_up,
                            lora_adapters=settings.trainer.lora.served_rank is not None)
 
 
-class _TaskIntake:
-    """This worker's consumption of the rollouts queue, stopped while inference is down."""
+class _RolloutQueueSwitch:
+    """Turns this worker's taking of rollout tasks off while inference is down, and on again when
+    it is back (not intake: the Celery consumer's queue, ROLLOUT_QUEUE)."""
 
     def __init__(self) -> None:
-        self.consumer: Any = None  # Celery's consumer, from worker_ready
+        self.celery_consumer: Any = None  # Celery's message consumer, from worker_ready
 
     def inference_up(self, up: bool) -> None:
-        consumer = self.consumer
+        consumer = self.celery_consumer
         if consumer is None:
             return
         if up:
@@ -119,7 +120,7 @@ class _TaskIntake:
             log.warning("inference is unreachable: taking no rollout task until it is back")
 
 
-_task_intake = _TaskIntake()
+_rollout_queue_switch = _RolloutQueueSwitch()
 
 
 @app.task(name=ROLLOUT_TASK)
@@ -131,7 +132,7 @@ def run_trajectories(payload: list[dict]) -> dict[str, str]:
     return outcomes
 
 
-_reaper: Reaper | None = None
+_reaper: LeaseReaper | None = None
 _janitor: SandboxJanitor | None = None
 
 
@@ -140,10 +141,10 @@ def _start_background(sender: object = None, **_: object) -> None:
     """Load the tokenizer, clean up sandboxes left by a dead worker, and start heartbeat and
     reaper before the first task arrives."""
     global _reaper, _janitor
-    _task_intake.consumer = sender
+    _rollout_queue_switch.celery_consumer = sender
     ctx = _context()
     serve_metrics(settings.metrics_port, ctx.redis)
-    _reaper = Reaper(
+    _reaper = LeaseReaper(
         ctx.ledger, ROLLOUT, settings.ledger.max_attempts, settings.ledger.reaper_interval_s,
         lambda items: publish_rollouts_by_group(app, [RolloutRequest.model_validate_json(r) for _, r in items]),
         settle_s=settle_s(settings.ledger.heartbeat_s, settings.outage), lease_ttl_s=settings.ledger.lease_ttl_s,

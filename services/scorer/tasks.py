@@ -25,7 +25,7 @@ from services.scorer.rewards import RewardCombiner
 from services.scorer.scorer import Scorer
 from shared.celery_app import make_celery, publish_scoring, scoring_tasks_of
 from shared.state.dead_letters import DeadLetters
-from shared.state.leases import LeaseKeeper, Reaper, one_by_one, settle_s
+from shared.state.leases import LeaseKeeper, LeaseReaper, one_by_one, settle_s
 from shared.state.ledger import SCORING, Ledger, redis_for
 from shared.names import SCORING_TASK
 from shared.prometheus import serve_metrics
@@ -45,7 +45,7 @@ _scorer = Scorer(
     _leases,
     DeadLetters(_redis),
 )
-_reaper = Reaper(
+_reaper = LeaseReaper(
     _ledger, SCORING, settings.ledger.max_attempts, settings.ledger.reaper_interval_s,
     one_by_one(lambda tid, task_json: _redispatch(tid, task_json)),  # defined below
     settle_s=settle_s(settings.ledger.heartbeat_s, settings.outage), lease_ttl_s=settings.ledger.lease_ttl_s,

@@ -85,7 +85,9 @@ from shared.state.trainer_counters import TrainerCounter, TrainerCounters
 from shared.state.trainer_stream import stream_key
 
 log = logging.getLogger(__name__)
-CONSUMER_GROUP = TRAINER_CONSUMER_GROUP  # named in shared: intake reads whether a trainer reads the run
+# the Redis consumer group that reads the trainer stream (a group of stream readers, not a GRPO
+# group); named in shared: intake reads whether a trainer reads the run
+STREAM_READERS = TRAINER_CONSUMER_GROUP
 _STOPS = "stops rather than train on it"
 
 
@@ -99,7 +101,7 @@ class TrainerConsumer:
         self.run_id = self.settings.run_id
         self.ledger = Ledger(self.client, self.settings.ledger.dispatch_ttl_s)
         self.stream = stream_key(self.run_id)
-        self.consumer = self.settings.trainer.consumer_name
+        self.reader_name = self.settings.trainer.consumer_name  # this reader in STREAM_READERS
         self._registrations: dict[int, GroupRegistration] = {}
         self.stopped: RunStop | None = None  # the run's stop, once this consumer ended on it
         self.groups = GroupRegistry(self.client, self.run_id)
@@ -115,7 +117,7 @@ class TrainerConsumer:
         self.marker.check(_STOPS, look_in_store=True)  # before anything of the run is created again
         self._recoveries = outage.recoveries(self.client)
         try:
-            self.client.xgroup_create(self.stream, CONSUMER_GROUP, id="0", mkstream=True)
+            self.client.xgroup_create(self.stream, STREAM_READERS, id="0", mkstream=True)
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
@@ -172,7 +174,7 @@ class TrainerConsumer:
     def _read(self, streams: dict[KeyT, StreamIdT], count: int, block: int | None = None) -> list:
         try:
             # RESP2 (redis-py's default protocol): a list of [stream, entries]
-            return cast(list, self.client.xreadgroup(CONSUMER_GROUP, self.consumer, streams, count=count, block=block))
+            return cast(list, self.client.xreadgroup(STREAM_READERS, self.reader_name, streams, count=count, block=block))
         except redis.ResponseError as exc:
             if "NOGROUP" in str(exc):  # the stream is gone: say so if Redis lost the run
                 self.marker.check(_STOPS)
@@ -197,13 +199,13 @@ class TrainerConsumer:
             if isinstance(exc, BadMessage):
                 self.dead_letters.add(f"{self.stream} entry {entry_id}", exc)
             self.trainer_counters.add(TrainerCounter.bad_events)
-            self.client.xack(self.stream, CONSUMER_GROUP, entry_id)
+            self.client.xack(self.stream, STREAM_READERS, entry_id)
             return
         outcome, group = self.assembler.add(event, entry_id)
         if outcome != "added":
             self.trainer_counters.add(TrainerCounter.duplicate_events if outcome == "duplicate" else TrainerCounter.late_events)
             if outcome == "late":
-                self.client.xack(self.stream, CONSUMER_GROUP, entry_id)
+                self.client.xack(self.stream, STREAM_READERS, entry_id)
             return
         if group is not None:
             self._complete(group)
@@ -237,7 +239,7 @@ class TrainerConsumer:
                 self.budget.filtered(1, transaction=tx)  # a dropped group frees its admission slot
             if entry is not None:
                 self.train_queue.append(entry, transaction=tx)
-            tx.xack(self.stream, CONSUMER_GROUP, *group.entry_ids)
+            tx.xack(self.stream, STREAM_READERS, *group.entry_ids)
 
         self._commit(group.group_id, fill)
 

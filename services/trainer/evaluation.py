@@ -41,7 +41,7 @@ from shared.state.ledger import Ledger
 from shared.state.eval_ends import EvalEnds
 from shared.state.policy_version import PolicyVersion
 from shared.schemas import EvalEnd, RolloutRequest, ScoredEvent
-from shared.settings import Settings
+from shared.settings import Settings, assembling, training
 from shared.storage import ObjectStore
 from shared.state.trainer_stream import trainer_events
 
@@ -71,7 +71,7 @@ def eval_settings(settings: Settings, version: int) -> Settings:
         "run_id": eval_run_id(settings.run_id, version),
         "intake": settings.intake.model_copy(update={"mode": "traversal", "splits": splits}),
         "rollout": settings.rollout.model_copy(update={"group_size": evaluation.samples_per_task}),
-        "trainer": settings.trainer.model_copy(update={"mode": "assemble", "max_off_policy_steps": None}),
+        "trainer": assembling(settings.trainer),
     })
 
 
@@ -124,7 +124,7 @@ class Evaluator:
 
     def due(self, version: int) -> bool:
         """Version ``v`` is evaluated after every ``every_steps``-th step and after the last one."""
-        evaluation, max_steps = self.settings.evaluation, self.settings.trainer.max_steps
+        evaluation, max_steps = self.settings.evaluation, training(self.settings.trainer).max_steps
         if version <= 0:
             return False
         every = evaluation.every_steps is not None and version % evaluation.every_steps == 0

@@ -64,7 +64,7 @@ from services.policy.model import logprob_probe
 from shared.names import checkpoint_prefix, weight_chain_prefix
 from shared.rates import per_second, show
 from shared.schemas import CheckpointAnnouncement, TrainingBatch
-from shared.settings import Settings
+from shared.settings import Settings, training
 from shared.state.staleness import StalenessBudget
 from shared.storage import ObjectStore, get_model
 from shared.state.train_queue import TrainQueue
@@ -91,7 +91,8 @@ class TrainingLoop:
     def __post_init__(self) -> None:
         self.run_id = self.settings.run_id
         self.redis = self.budget.redis
-        self.groups_per_step = self.settings.trainer.groups_per_step
+        self.training = training(self.settings.trainer)  # the train variant: built in mode train only
+        self.groups_per_step = self.training.groups_per_step
         trainer = self.settings.trainer
         self.trainer, self.tokenizer = trainer_from_settings(self.settings, shard=self.ranks is not None)
         self.served_alarm = ServedWeightsAlarm(self.redis, self.run_id, trainer.logprob_alarm)
@@ -133,7 +134,7 @@ class TrainingLoop:
         self.metrics.log(self.version, end.metrics, jsonl_path=self.settings.evaluation.metrics_path)
 
     def done(self) -> bool:
-        max_steps = self.settings.trainer.max_steps
+        max_steps = self.training.max_steps
         return max_steps is not None and self.version >= max_steps
 
     def ready(self) -> bool:
@@ -145,7 +146,7 @@ class TrainingLoop:
 
     def _select(self) -> Selection | None:
         """The next step's groups, or None while the queue does not hold them yet."""
-        trainer = self.settings.trainer
+        trainer = self.training
         cursor, entries = self.train_queue.after_version(self.version)
         selection = select(entries, cursor, self.version,
                            self.groups_per_step, self.budget.is_stale, trainer.max_extra_groups_per_step,
@@ -199,7 +200,7 @@ class TrainingLoop:
         metrics |= self._rollout_metrics(batches, selection, trained_at=version - 1) | {"checkpoint_s": checkpoint_s}
         self.metrics.log(version, metrics)
         self._record_step(version, metrics)
-        plot_reward_curve(self.metrics.jsonl_path, self.settings.trainer.reward_curve_path, f"{self.run_id}: mean reward per step")
+        plot_reward_curve(self.metrics.jsonl_path, self.training.reward_curve_path, f"{self.run_id}: mean reward per step")
         now = time.time()
         wall = now - self._last_step_at if self._last_step_at else None  # step 1 has no step before it
         self._last_step_at = now

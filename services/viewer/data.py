@@ -16,7 +16,7 @@ from typing import Any
 
 from shared.state.group_registry import GroupRegistry
 from shared.ids import parse_trajectory_id
-from shared.state.ledger import Ledger
+from shared.state.ledger import LedgerReads
 from shared.names import group_record_key
 from shared.outcomes import kind_of
 from shared.schemas import (BadMessage, EvalEnd, GroupRecord, GroupRegistration, ScoredEvent,
@@ -68,14 +68,14 @@ class ViewerData:
 
     # --- runs -----------------------------------------------------------------------------
     def runs(self) -> list[dict[str, Any]]:
-        ledger = Ledger(self.redis)
+        ledger = LedgerReads(self.redis)
         return [{"run_id": run, "counts": ledger.counts(run)} for run in ledger.runs()]
 
     def has_run(self, run_id: str) -> bool:
-        return Ledger(self.redis).has_run(run_id)
+        return LedgerReads(self.redis).has_run(run_id)
 
     def counts(self, run_id: str) -> dict[str, int]:
-        return Ledger(self.redis).counts(run_id)
+        return LedgerReads(self.redis).counts(run_id)
 
     def steps(self, run_id: str, limit: int = 2000) -> list[dict[str, Any]]:
         """The newest ``limit`` step-metric lines, oldest first."""
@@ -163,7 +163,7 @@ class ViewerData:
         rows: list[dict[str, Any]] = []
         scanned = 0
         while True:
-            cursor, batch = Ledger(self.redis).failures_scan(run_id, cursor, self.page_size)
+            cursor, batch = LedgerReads(self.redis).failures_scan(run_id, cursor, self.page_size)
             for trajectory_id, reason, tries in batch:
                 scanned += 1
                 if failure_class and kind_of(reason) != failure_class:

@@ -1,6 +1,6 @@
 """Weight sync by broadcast (``inference.weight_sync: nccl``): trainer to replicas, no S3 round trip.
 
-The trainer is rank 0 of a process group (``services.weights.group``) that every vLLM worker of
+The trainer is rank 0 of a process group (``services.weights.process_group``) that every vLLM worker of
 every replica joins through Conveyor's worker extension (``conveyor_join_weight_group``). A
 sync is ``sync_weights`` (``services.weights.sync``) with the reload replaced by the
 broadcast, so it keeps the same discipline:
@@ -20,7 +20,7 @@ Invariants (besides those of ``sync_weights``: resume in a ``finally``, the vers
   caller writes (asynchronously) after the sync; a replica restarted from it is re-synced by
   the weight follower as before.
 - Without CUDA, ``backend="nccl"`` is refused before any replica is touched
-  (``services.weights.group.check_backend``); ``gloo`` runs the same path on CPU.
+  (``services.weights.process_group.check_backend``); ``gloo`` runs the same path on CPU.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 
 from services.policy.model import served_dtype
 from services.weights import sync as ws
-from services.weights.group import Backend, WeightGroup, check_backend
+from services.weights.process_group import Backend, WeightProcessGroup, check_backend
 from shared.settings import NcclWeightSync
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class WeightBroadcaster:
         self.backend, self.host, self.port = backend, host, port
         self.workers_per_replica, self.wire_dtype, self.timeout_s = workers_per_replica, wire_dtype, timeout_s
         self.device = device
-        self.group: WeightGroup | None = None
+        self.group: WeightProcessGroup | None = None
         self._http = ws.admin_client()
 
     @classmethod
@@ -89,7 +89,7 @@ class WeightBroadcaster:
                 "rank_offset": 1 + i * self.workers_per_replica, "world_size": self.world_size,
                 "timeout_s": self.timeout_s}, self.timeout_s) for i, url in enumerate(self.urls)}
             try:
-                group = WeightGroup(self.backend, self.host, self.port, 0, self.world_size, device=self.device,
+                group = WeightProcessGroup(self.backend, self.host, self.port, 0, self.world_size, device=self.device,
                                     timeout_s=self.timeout_s)
             except Exception as exc:
                 raise ws.WeightSyncError(f"weight group at {self.host}:{self.port} did not form: {exc}", 0,

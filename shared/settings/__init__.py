@@ -14,14 +14,14 @@ an import path that does not import (``intake.env_config.reward_fn``, a ``module
 ``rewards.weights``) names the setting and the import error. Numbers refuse booleans
 (``group_size: true`` is an error, not 1); digits in a string still parse, as env vars need.
 
-A setting with modes (``storage``, ``inference.weight_sync``, each entry of
-``trainer.group_filters``) is a discriminated union of sections: a field of another mode is
+A setting with modes (``storage``, ``inference.weight_sync``, ``trainer`` by ``trainer.mode``,
+each entry of ``trainer.group_filters``) is a discriminated union of sections: a field of another mode is
 refused with its place (``storage.local.bucket``), never ignored, and a mode no variant has
 names the mode's field (``storage.backend``). Older spellings still read: a mode alone as a
 string, a mapping without its mode (the default mode), and flat names a section folds
 (``inference.weight_sync_host``, ``shared.settings.base.fold_names``). Cross-field checks remain
-only where no type can say it (e.g. ``trainer.mode`` train needs ``max_off_policy_steps``; nccl
-with LoRA spans two sections).
+only where no type can say it (nccl or delta with LoRA spans two sections; the eval split spans
+evaluation and intake).
 
 The sections live by component: ``base``, ``services``, ``inference``, ``rollout``, ``intake``,
 ``trainer``, ``evaluation`` and the ``group_filters`` entries; every name is importable from
@@ -69,8 +69,13 @@ from shared.settings.trainer import (  # noqa: F401
     LogprobAlarmSettings,
     LoraSettings,
     LossSettings,
+    AssembleTrainerSettings,
     OptimSettings,
+    TrainerMode,
     TrainerSettings,
+    TrainTrainerSettings,
+    assembling,
+    training,
 )
 from shared.settings_sources import (  # noqa: F401 (callers import it from here)
     CheckedDotEnv,
@@ -102,7 +107,7 @@ class Settings(BaseSettings):
     outage: OutageSettings = OutageSettings()
     intake: IntakeSettings = IntakeSettings()
     rewards: RewardSettings = RewardSettings()
-    trainer: TrainerSettings = TrainerSettings()
+    trainer: TrainerMode = AssembleTrainerSettings()
     evaluation: EvaluationSettings = EvaluationSettings()
 
     @model_validator(mode="after")
@@ -149,8 +154,11 @@ class Settings(BaseSettings):
 
 def _place(error: Any) -> str:
     """The dotted field of a validation error; a mode no variant has names the mode's field
-    (``storage.backend``), not only the setting."""
+    (``storage.backend``), not only the setting. The trainer's variants share most fields, so
+    its mode is left out of the place (``trainer.lora.rank``, not ``trainer.train.lora.rank``)."""
     loc = [str(p) for p in error["loc"]]
+    if loc[:1] == ["trainer"] and loc[1:2] in (["assemble"], ["train"]):
+        del loc[1]
     if error["type"] == "union_tag_invalid":
         loc.append(str(error["ctx"]["discriminator"]).strip("'"))
     return ".".join(loc)

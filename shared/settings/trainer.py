@@ -1,5 +1,7 @@
 """Settings of the trainer: device and precision, the loss, the optimizer, batching, the logprob
-alarm, LoRA, the mode and the staleness bound.
+alarm, LoRA, and its mode: ``trainer`` is a union of ``AssembleTrainerSettings`` and
+``TrainTrainerSettings`` told apart by ``trainer.mode``; what only a training trainer reads (the
+staleness bound, the step's size and mixing, the step metrics) is a field of the train variant.
 
 Part of ``shared.settings`` (its docstring states the invariants every section keeps).
 """
@@ -8,9 +10,9 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from shared.settings.base import Float, Int, Section
 from shared.settings.group_filters import GroupFilterSpec
@@ -140,6 +142,12 @@ class LoraSettings(Section):
 
 
 class TrainerSettings(Section):
+    """What the trainer reads in either mode: how a group is assembled (advantages, filters,
+    token rewards), its metrics and consumer, and the policy trainer's own settings (device,
+    precision, loss, optimizer, batching, alarm, LoRA), which build a ``PolicyTrainer`` wherever
+    one is made (``services.trainer.step.trainer_from_settings``, benches and tests too) and tell
+    the inference service the adapter rank it serves (``LoraSettings.served_rank``)."""
+
     # where and in what precision the trainer computes: auto = cuda when torch sees a GPU;
     # bf16 = autocast forward and backward with float32 master weights and optimizer state
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -152,13 +160,6 @@ class TrainerSettings(Section):
     # (services/policy/model.py): less logits memory, a little more compute. None: all at once
     logprob_chunk_tokens: Int | None = Field(None, gt=0)
     lora: LoraSettings = LoraSettings()
-    # train: the trainer steps on accepted groups, rollouts throttled by max_off_policy_steps;
-    # assemble: groups are assembled and recorded, nothing trains and nothing throttles rollouts
-    mode: Literal["train", "assemble"] = "assemble"
-    # Staleness bound (shared.state.staleness), needed by mode train, ignored by assemble
-    max_off_policy_steps: Int | None = Field(None, ge=0)
-    groups_per_step: Int = Field(4, gt=0)
-    max_steps: Int | None = Field(None, gt=0)  # the trainer exits after this many optimizer steps
     advantage_eps: Float = Field(1e-6, gt=0)
     scale_advantage_by_std: bool = True
     advantage_std: Literal["population", "bessel"] = "population"  # TRL: bessel (torch.std)
@@ -171,28 +172,7 @@ class TrainerSettings(Section):
     # a chain that may drop a finished group before training (services/trainer/group_filters.py);
     # each entry's type is in shared/settings/group_filters.py
     group_filters: list[GroupFilterSpec] = Field(default_factory=list)
-    # while dropping: how many dropped groups one step may wait for beyond groups_per_step;
-    # past it the step trains on the groups it has. None: wait for groups_per_step groups.
-    max_extra_groups_per_step: Int | None = Field(None, ge=0)
-    # mixing: the least share of each step's groups per environment ({env: share}); a group of an
-    # environment past its quota is deferred to a later step, at most mixing_window per step
-    min_env_share: dict[str, Float] = Field(default_factory=dict)
-    mixing_window: Int = Field(32, ge=0)
     logprob_alarm: LogprobAlarmSettings = LogprobAlarmSettings()
-
-    @model_validator(mode="before")
-    @classmethod
-    def _mode_of_older_configs(cls, data: Any) -> Any:
-        """Configs from before trainer.mode trained when they set a staleness bound: they still do."""
-        if isinstance(data, dict) and "mode" not in data and data.get("max_off_policy_steps") is not None:
-            return {**data, "mode": "train"}
-        return data
-
-    @model_validator(mode="after")
-    def _training_is_bounded(self) -> "TrainerSettings":
-        if self.mode == "train" and self.max_off_policy_steps is None:
-            raise ValueError("mode train needs max_off_policy_steps (the staleness bound, 0: synchronous)")
-        return self
 
     @model_validator(mode="after")
     def _dr_grpo_unscaled(self) -> "TrainerSettings":
@@ -210,8 +190,47 @@ class TrainerSettings(Section):
         self.logprob_alarm = self.logprob_alarm.scaled_to(self.dtype)
         return self
 
+    consumer_name: str = "trainer-0"
+    block_ms: Int = Field(1000, gt=0)
+    metrics_path: Path = Path(".conveyor/metrics.jsonl")  # one line per completed group
+    pass_threshold: Float = 1.0  # a sample "passes" when its reward reaches this
+    prometheus_port: Int | None = Field(None, gt=0, lt=65536)
+    # torch intra-op threads of the trainer; None: torch's default (every core). Where vLLM and
+    # the workers share the CPU, 1 made forward/backward 3-8x faster (bench/training.py --vs-trl)
+    torch_threads: Int | None = Field(None, gt=0)
+    loss: LossSettings = LossSettings()
+    optim: OptimSettings = OptimSettings()
+    batching: BatchingSettings = BatchingSettings()
+
+
+class AssembleTrainerSettings(TrainerSettings):
+    """trainer.mode assemble (the default): groups are assembled and recorded, nothing trains and
+    nothing throttles rollouts."""
+
+    mode: Literal["assemble"] = "assemble"
+
+
+class TrainTrainerSettings(TrainerSettings):
+    """trainer.mode train: the trainer steps on accepted groups, rollouts throttled by the
+    staleness bound (``shared.state.staleness``)."""
+
+    mode: Literal["train"] = "train"
+    max_off_policy_steps: Int = Field(ge=0)  # the staleness bound, 0: synchronous
+    groups_per_step: Int = Field(4, gt=0)
+    max_steps: Int | None = Field(None, gt=0)  # the trainer exits after this many optimizer steps
+    # while dropping: how many dropped groups one step may wait for beyond groups_per_step;
+    # past it the step trains on the groups it has. None: wait for groups_per_step groups.
+    max_extra_groups_per_step: Int | None = Field(None, ge=0)
+    # mixing: the least share of each step's groups per environment ({env: share}); a group of an
+    # environment past its quota is deferred to a later step, at most mixing_window per step
+    min_env_share: dict[str, Float] = Field(default_factory=dict)
+    mixing_window: Int = Field(32, ge=0)
+    step_metrics_path: Path = Path(".conveyor/train_steps.jsonl")  # one line per optimizer step
+    reward_curve_path: Path = Path(".conveyor/reward_curve.png")
+    wandb_project: str | None = None
+
     @model_validator(mode="after")
-    def _shares_fit_a_step(self) -> "TrainerSettings":
+    def _shares_fit_a_step(self) -> "TrainTrainerSettings":
         bad = {env: share for env, share in self.min_env_share.items() if not 0 <= share <= 1}
         if bad:
             raise ValueError(f"min_env_share: every share is between 0 and 1, got {bad}")
@@ -220,17 +239,46 @@ class TrainerSettings(Section):
             raise ValueError(f"min_env_share asks for {need} groups of a step of {self.groups_per_step} (groups_per_step)")
         return self
 
-    consumer_name: str = "trainer-0"
-    block_ms: Int = Field(1000, gt=0)
-    metrics_path: Path = Path(".conveyor/metrics.jsonl")  # one line per completed group
-    step_metrics_path: Path = Path(".conveyor/train_steps.jsonl")  # one line per optimizer step
-    reward_curve_path: Path = Path(".conveyor/reward_curve.png")
-    pass_threshold: Float = 1.0  # a sample "passes" when its reward reaches this
-    prometheus_port: Int | None = Field(None, gt=0, lt=65536)
-    wandb_project: str | None = None
-    # torch intra-op threads of the trainer; None: torch's default (every core). Where vLLM and
-    # the workers share the CPU, 1 made forward/backward 3-8x faster (bench/training.py --vs-trl)
-    torch_threads: Int | None = Field(None, gt=0)
-    loss: LossSettings = LossSettings()
-    optim: OptimSettings = OptimSettings()
-    batching: BatchingSettings = BatchingSettings()
+
+TRAIN_ONLY = frozenset(TrainTrainerSettings.model_fields) - frozenset(AssembleTrainerSettings.model_fields)
+
+
+def training(trainer: TrainerSettings) -> TrainTrainerSettings:
+    """``trainer`` as the train variant; a ValueError where the code of a training trainer is
+    given settings of mode assemble (a wiring error: the process builds it in mode train only)."""
+    if not isinstance(trainer, TrainTrainerSettings):
+        raise ValueError("the training loop needs trainer.mode: train (with trainer.max_off_policy_steps)")
+    return trainer
+
+
+def assembling(trainer: TrainerSettings) -> AssembleTrainerSettings:
+    """``trainer`` in mode assemble: the fields both modes share, as they are."""
+    shared = {name: getattr(trainer, name) for name in TrainerSettings.model_fields}
+    return AssembleTrainerSettings.model_validate({**shared, "mode": "assemble"})
+
+
+def _read_trainer_mode(value: Any) -> Any:
+    """How ``trainer`` reads its mode: a bare string is the mode alone; a mapping without it is
+    train when it sets a staleness bound (configs from before trainer.mode trained then, and
+    still do), else assemble. In mode assemble the staleness bound is ignored (as before the
+    union), and any other train-only field is refused naming the mode it needs."""
+    if isinstance(value, str):
+        return {"mode": value}
+    if not isinstance(value, dict):
+        return value
+    if "mode" not in value:
+        value = {**value, "mode": "train" if value.get("max_off_policy_steps") is not None else "assemble"}
+    if value["mode"] == "assemble":
+        # the bound is ignored by assemble, as it always was: a config flips its mode alone
+        value = {k: v for k, v in value.items() if k != "max_off_policy_steps" and not (k in TRAIN_ONLY and v is None)}
+        given = sorted(TRAIN_ONLY & value.keys())
+        if given:
+            raise ValueError(f"{given[0]} is a setting of trainer.mode train: set trainer.mode: train "
+                             "with trainer.max_off_policy_steps (the staleness bound), or leave it unset")
+    return value
+
+
+# mode names the variant (assemble when left out, unless a staleness bound is set): a field of the
+# other mode is an error naming it; TrainerSettings holds what both read
+TrainerMode = Annotated[Union[AssembleTrainerSettings, TrainTrainerSettings], Field(discriminator="mode"),
+                        BeforeValidator(_read_trainer_mode)]

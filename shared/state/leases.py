@@ -115,7 +115,7 @@ class LeaseKeeper:
         self._stop.set()
 
 
-class Reaper:
+class LeaseReaper:
     def __init__(self, ledger: Ledger, stage: LeaseStage, max_attempts: int, interval_s: float, redispatch: Redispatch,
                  settle_s: float = 0.0, lease_ttl_s: float = 0.0):
         """``lease_ttl_s`` (the holders' TTL): a lease last renewed before Redis restarted is

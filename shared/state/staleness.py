@@ -35,8 +35,7 @@ from typing import Any
 import redis
 
 from shared.names import RedisKeys
-from shared.required import required
-from shared.settings import TrainerSettings
+from shared.settings import TrainerSettings, TrainTrainerSettings
 from shared.state.admission_wake import announce
 from shared.state.policy_version import PolicyVersion
 
@@ -144,7 +143,6 @@ class StalenessBudget:
 def budget_of(client: Any, run_id: str, trainer: TrainerSettings) -> StalenessBudget | None:
     """The run's staleness bound when its trainer trains (``trainer.mode: train``, which needs
     ``max_off_policy_steps``); None in assemble mode, where nothing throttles the rollouts."""
-    if trainer.mode != "train":
+    if not isinstance(trainer, TrainTrainerSettings):
         return None
-    return StalenessBudget(client, run_id, required(trainer.max_off_policy_steps, "trainer.max_off_policy_steps"),
-                           trainer.groups_per_step)
+    return StalenessBudget(client, run_id, trainer.max_off_policy_steps, trainer.groups_per_step)

@@ -29,7 +29,7 @@ def test_agent_trajectories_reach_the_trainer_with_their_recorded_tokens_and_mas
     with base_stack(tmp_path, served_model) as base, tempfile.TemporaryDirectory(prefix="ag-", dir="/tmp") as sockets:
         stack = run_stack(base, tmp_path / "run", run_id, CONVEYOR_INTAKE__ENV_NAME="agent_coding",
                           CONVEYOR_INTAKE__ENV_CONFIG=json.dumps(env_config), CONVEYOR_ROLLOUT__GROUP_SIZE=str(GROUP_SIZE),
-                          CONVEYOR_REWARDS__WEIGHTS=json.dumps({"verifier": 1.0}), CONVEYOR_TRAINER__GROUPS_PER_STEP="1",
+                          CONVEYOR_REWARDS__WEIGHTS=json.dumps({"verifier": 1.0}),
                           CONVEYOR_TRAINER__ZERO_VARIANCE_GROUPS="keep", CONVEYOR_ROLLOUT__AGENT_SOCKET_DIR=sockets)
         with stack:
             _, pairs = trained_trajectories(stack, run_id, dataset, GROUP_SIZE)

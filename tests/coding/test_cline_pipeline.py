@@ -49,7 +49,7 @@ def cline_run(tmp_path, swe_bench_row, cline_image, run_id, served: ServedModel,
     with base_stack(tmp_path, served) as base, tempfile.TemporaryDirectory(prefix="ag-", dir="/tmp") as sockets:
         stack = run_stack(base, tmp_path / "run", run_id, CONVEYOR_INTAKE__ENV_NAME="agent_coding",
                           CONVEYOR_INTAKE__ENV_CONFIG=json.dumps(env_config), CONVEYOR_ROLLOUT__GROUP_SIZE=str(GROUP_SIZE),
-                          CONVEYOR_REWARDS__WEIGHTS=json.dumps({"verifier": 1.0}), CONVEYOR_TRAINER__GROUPS_PER_STEP="1",
+                          CONVEYOR_REWARDS__WEIGHTS=json.dumps({"verifier": 1.0}),
                           CONVEYOR_TRAINER__ZERO_VARIANCE_GROUPS="keep", CONVEYOR_ROLLOUT__AGENT_SOCKET_DIR=sockets,
                           CONVEYOR_INFERENCE__MAX_MODEL_LEN=str(CONTEXT), CONVEYOR_TRAINER__BATCHING__MAX_SEQ_LEN=str(CONTEXT),
                           CONVEYOR_TRAINER__BATCHING__MICRO_BATCH_TOKENS=str(CONTEXT), CONVEYOR_TRAINER__TORCH_THREADS="1",

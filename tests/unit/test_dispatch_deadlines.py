@@ -15,7 +15,7 @@ import pytest
 from test_ledger import requests_for, scored_event
 
 from shared.celery_app import make_celery, publish_rollouts_by_group
-from shared.state.leases import Reaper, one_by_one
+from shared.state.leases import LeaseReaper, one_by_one
 from shared.state.ledger import ROLLOUT, SCORING, Ledger
 from shared.names import ROLLOUT_QUEUE
 from shared.schemas import RolloutRequest
@@ -111,7 +111,7 @@ def test_a_group_the_broker_lost_goes_out_again_as_one_task_at_its_deadline_each
     queue.delete(ROLLOUT_QUEUE)
     group = requests_for(run_id, size=4)
     ledger.register(group)  # intake published the group; a worker took it off the queue and died before recording it
-    reaper = Reaper(ledger, ROLLOUT, 3, 1.0,
+    reaper = LeaseReaper(ledger, ROLLOUT, 3, 1.0,
                     lambda items: publish_rollouts_by_group(app, [RolloutRequest.model_validate_json(p) for _, p in items]))
     assert reaper.sweep() == {"requeued": 0, "resent": 0, "failed": 0}  # within the deadline: the message may still come
     time.sleep(0.6)
@@ -141,7 +141,7 @@ def test_a_scoring_message_lost_after_it_was_sent_is_sent_again_at_its_deadline(
     assert ledger.mark_uploaded(tid, "rollout", task, send_within_s=0.2).ok
     assert ledger.scoring_sent([tid]) == 1  # sent: the scorer that took it off the queue died before its claim
     sent: list[str] = []
-    reaper = Reaper(ledger, SCORING, 3, 1.0, one_by_one(lambda t, payload: sent.append(payload)))
+    reaper = LeaseReaper(ledger, SCORING, 3, 1.0, one_by_one(lambda t, payload: sent.append(payload)))
     time.sleep(0.3)
     assert reaper.sweep() == {"requeued": 0, "resent": 0, "failed": 0}  # the send-by moved ahead when it was sent
     time.sleep(0.4)

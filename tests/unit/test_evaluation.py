@@ -76,7 +76,7 @@ def play_workers(ledger: Ledger, requests: list[RolloutRequest], reward_of, fail
 
 def test_a_pass_publishes_the_eval_split_waits_for_every_trajectory_and_ends_once(two_env_rows, redis_client, store, run_id):
     settings = load_settings(
-        run_id=run_id, trainer={"max_steps": 4, "pass_threshold": 1.0},
+        run_id=run_id, trainer={"mode": "train", "max_off_policy_steps": 0, "max_steps": 4, "pass_threshold": 1.0},
         intake={"splits": {"role": "train", "eval_fraction": 0.2}},
         evaluation={"every_steps": 2, "samples_per_task": 3, "pass_k": [1, 3], "sync_timeout_s": 5, "timeout_s": 60},  # a broken worker thread fails the test, not hangs it
     )

@@ -14,7 +14,7 @@ from pydantic import TypeAdapter
 from services.intake.datasets import Row
 from services.intake.publisher import run_intake
 from services.trainer.advantages import group_advantages
-from services.trainer.consumer import CONSUMER_GROUP, TrainerConsumer
+from services.trainer.consumer import STREAM_READERS, TrainerConsumer
 from services.trainer.groups import GroupAssembler
 from services.trainer.process import TrainerProcess
 from shared.state.dead_letters import DeadLetters
@@ -205,7 +205,7 @@ def drain(consumer: TrainerConsumer) -> int:
 
 
 def pending_count(redis_client, run_id: str) -> int:
-    return redis_client.xpending(RedisKeys.trainer_stream(run_id), CONSUMER_GROUP)["pending"]
+    return redis_client.xpending(RedisKeys.trainer_stream(run_id), STREAM_READERS)["pending"]
 
 
 @pytest.mark.parametrize("schema_1_0", [True, False], ids=["events of schema 1.0", "events naming the trajectory"])

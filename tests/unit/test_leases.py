@@ -11,7 +11,7 @@ import pytest
 from test_ledger import assert_counts_consistent, requests_for, scored_event, stream_events
 
 from shared.celery_app import check_lease_timing
-from shared.state.leases import LeaseKeeper, Reaper, one_by_one
+from shared.state.leases import LeaseKeeper, LeaseReaper, one_by_one
 from shared.state.ledger import ROLLOUT, SCORING, Ledger
 from shared.names import RedisKeys
 from shared.settings import LedgerSettings, SettingsError
@@ -126,14 +126,14 @@ def test_reaper_redispatches_each_expired_lease_of_its_stage_once(ledger, run_id
     ledger.claim(rollout[0].trajectory_id, "dead-rollout", 0.01)
     time.sleep(0.05)
     sent: list[tuple[str, list]] = []
-    scoring_reaper = Reaper(ledger, SCORING, 3, 1.0, one_by_one(lambda tid, payload: sent.append((tid, json.loads(payload)))))
+    scoring_reaper = LeaseReaper(ledger, SCORING, 3, 1.0, one_by_one(lambda tid, payload: sent.append((tid, json.loads(payload)))))
     assert scoring_reaper.sweep() == {"requeued": 3, "resent": 0, "failed": 0}
     assert sorted(sent) == sorted((tid, [tid, f"key-{i}", 0.5]) for i, tid in enumerate(scoring_tids))
     assert scoring_reaper.sweep() == {"requeued": 0, "resent": 0, "failed": 0}
     assert ledger.state(rollout[0].trajectory_id) == "running"  # another stage's lease: untouched
 
     requests = []
-    rollout_reaper = Reaper(ledger, ROLLOUT, 3, 1.0, one_by_one(lambda tid, payload: requests.append(payload)))
+    rollout_reaper = LeaseReaper(ledger, ROLLOUT, 3, 1.0, one_by_one(lambda tid, payload: requests.append(payload)))
     assert rollout_reaper.sweep() == {"requeued": 1, "resent": 0, "failed": 0}
     assert requests == [rollout[0].model_dump_json()]
     assert {ledger.state(t) for t in scoring_tids} == {"uploaded"}
@@ -186,7 +186,7 @@ def test_members_a_dead_worker_never_claimed_are_sent_again_with_its_expired_one
         assert ledger.claim(req.trajectory_id, "dead-worker", 0.01)[0]
     time.sleep(0.05)
     sent: list[str] = []
-    reaper = Reaper(ledger, ROLLOUT, 3, 1.0, one_by_one(lambda tid, payload: sent.append(tid)))
+    reaper = LeaseReaper(ledger, ROLLOUT, 3, 1.0, one_by_one(lambda tid, payload: sent.append(tid)))
     assert reaper.sweep() == {"requeued": 2, "resent": 0, "failed": 0}
     unclaimed = [r.trajectory_id for r in group[2:]]
     expired = [r.trajectory_id for r in group[:2]]

@@ -56,9 +56,9 @@ def test_stale_dropped_and_bad_entries_are_passed_over_as_before():
 
 def test_settings_refuse_shares_that_do_not_fit_a_step_and_weights_that_draw_nothing():
     with pytest.raises(SettingsError, match="asks for 5 groups of a step of 4"):
-        load_settings(trainer={"groups_per_step": 4, "min_env_share": {"a": 0.5, "b": 0.5, "c": 0.1}})
+        load_settings(trainer={"mode": "train", "max_off_policy_steps": 0, "groups_per_step": 4, "min_env_share": {"a": 0.5, "b": 0.5, "c": 0.1}})
     with pytest.raises(SettingsError, match="every share is between 0 and 1"):
-        load_settings(trainer={"min_env_share": {"a": 1.5}})
+        load_settings(trainer={"max_off_policy_steps": 0, "min_env_share": {"a": 1.5}})
     with pytest.raises(SettingsError, match="one at least is > 0"):
         load_settings(intake={"env_weights": {"a": 0}})
     with pytest.raises(SettingsError, match="set sample_order to 'replacement'"):

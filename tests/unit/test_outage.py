@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from services.cli.local_stack import LocalStack
-from shared.state.leases import LeaseKeeper, Reaper, one_by_one
+from shared.state.leases import LeaseKeeper, LeaseReaper, one_by_one
 from shared.state.ledger import ROLLOUT, SCORING, Ledger
 from shared.outage import Dependency, OutageTooLong, recoveries, redis_client
 from shared.settings import OutageSettings
@@ -152,7 +152,7 @@ def test_the_reaper_takes_no_lease_before_redis_has_been_back_for_settle_s(tmp_p
         assert keeper.claim(live)[0] and ledger.claim(dead, "dead-worker", 1.0)[0]
         keeper.start()  # the live holder's heartbeat: it waits out the outage and renews after it
         sent: list[str] = []
-        reaper = Reaper(ledger, ROLLOUT, 3, 0.2, one_by_one(lambda tid, _payload: sent.append(tid)), settle_s=2.0)
+        reaper = LeaseReaper(ledger, ROLLOUT, 3, 0.2, one_by_one(lambda tid, _payload: sent.append(tid)), settle_s=2.0)
         try:
             stack.stop_redis()
             time.sleep(1.5)  # longer than the leases: both ran out while Redis was down
@@ -179,7 +179,7 @@ def test_a_redis_restart_sends_nothing_again_by_itself_and_a_lost_message_goes_o
         assert ledger.mark_uploaded(handed_on, "done-worker", '{"scoring": "task"}', send_within_s=0.5).ok
         ledger.scoring_sent([handed_on])  # its batch went out: the deadline moves dispatch_ttl_s ahead
         sent: dict[str, list[tuple[str, str]]] = {"rollout": [], "scoring": []}
-        reapers = [Reaper(ledger, stage, 3, 1.0, one_by_one(lambda tid, payload, name=name: sent[name].append((tid, payload))),
+        reapers = [LeaseReaper(ledger, stage, 3, 1.0, one_by_one(lambda tid, payload, name=name: sent[name].append((tid, payload))),
                           settle_s=0.5) for name, stage in (("rollout", ROLLOUT), ("scoring", SCORING))]
         stack.stop_redis()
         stack.start_redis(stack.redis_port)  # its ledger is back (AOF); say its messages were lost
@@ -221,7 +221,7 @@ def test_a_lease_lost_with_a_crash_of_redis_costs_no_attempt_and_one_lost_while_
         ledger = Ledger(redis_client(stack.start_redis(appendfsync="always"), FAST))
         crashed, died_alone = (r.trajectory_id for r in requests_for(run_id, size=2))
         ledger.register(requests_for(run_id, size=2))
-        reaper = Reaper(ledger, ROLLOUT, 1, 0.2, one_by_one(lambda tid, _payload: None), settle_s=0.5, lease_ttl_s=1.0)
+        reaper = LeaseReaper(ledger, ROLLOUT, 1, 0.2, one_by_one(lambda tid, _payload: None), settle_s=0.5, lease_ttl_s=1.0)
         assert ledger.claim(crashed, "holder-killed-with-redis", 1.0)[0]
         stack.process("redis").kill()  # SIGKILL, as with everything at once; the holder is gone too
         stack.processes.remove(stack.process("redis"))

@@ -14,7 +14,7 @@ from services.scorer.rewards import RewardCombiner
 from services.scorer.scorer import Scorer
 from shared.celery_app import scoring_tasks_of
 from shared.state.dead_letters import DeadLetters
-from shared.state.leases import LeaseKeeper, Reaper, one_by_one
+from shared.state.leases import LeaseKeeper, LeaseReaper, one_by_one
 from shared.state.ledger import SCORING, Ledger
 from shared.names import scored_bundle_key, trajectory_key
 from shared.object_bundles import member_ref
@@ -45,7 +45,7 @@ def test_a_dead_scorers_trajectory_is_rescored_once_and_late_copies_are_no_ops(l
     assert scorer.score(task) == "skipped:leased"  # a second copy while the lease holds
     time.sleep(0.05)
     outcomes = []
-    reaper = Reaper(ledger, SCORING, 3, 1.0, one_by_one(lambda _tid, payload: outcomes.append(scorer.score(parse_message(ScoringTask, payload)))))
+    reaper = LeaseReaper(ledger, SCORING, 3, 1.0, one_by_one(lambda _tid, payload: outcomes.append(scorer.score(parse_message(ScoringTask, payload)))))
     assert reaper.sweep() == {"requeued": 1, "resent": 0, "failed": 0}
     assert outcomes == ["scored"]
     [event] = stream_events(ledger.redis, run_id)

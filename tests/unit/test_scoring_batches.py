@@ -15,7 +15,7 @@ from services.rollout_worker.scoring_outbox import ScoringOutbox
 from services.scorer.rewards import RewardCombiner
 from services.scorer.scorer import Scorer
 from shared.state.dead_letters import DeadLetters
-from shared.state.leases import LeaseKeeper, Reaper, one_by_one
+from shared.state.leases import LeaseKeeper, LeaseReaper, one_by_one
 from shared.state.ledger import SCORING, Ledger
 from shared.names import trajectory_key
 from shared.schemas import ScoringTask, StopReason, Trajectory, parse_message
@@ -37,7 +37,7 @@ def uploaded_with_send_by(ledger: Ledger, run_id: str, size: int, send_within_s:
 def test_a_batch_its_worker_never_sent_is_sent_by_the_scoring_reaper_once_its_send_by_passes(ledger, run_id):
     tasks = uploaded_with_send_by(ledger, run_id, size=4, send_within_s=0.2)
     sent: list[ScoringTask] = []
-    reaper = Reaper(ledger, SCORING, 3, 1.0, one_by_one(lambda _tid, payload: sent.append(parse_message(ScoringTask, payload))))
+    reaper = LeaseReaper(ledger, SCORING, 3, 1.0, one_by_one(lambda _tid, payload: sent.append(parse_message(ScoringTask, payload))))
     assert reaper.sweep() == {"requeued": 0, "resent": 0, "failed": 0}  # within the send-by: the worker may still send it
     time.sleep(0.3)  # the worker died with the batch in memory
     assert reaper.sweep() == {"requeued": 0, "resent": 4, "failed": 0}
@@ -54,7 +54,7 @@ def test_a_sent_batch_moves_its_deadlines_ahead_but_not_a_lease_a_scorer_already
     assert ledger.scoring_sent([first.trajectory_id, second.trajectory_id]) == 1  # only the second's deadline moved
     time.sleep(0.3)  # and the scorer died: its lease, not the send-by entry, expires
     resent: list[str] = []
-    reaper = Reaper(ledger, SCORING, 3, 1.0, one_by_one(lambda tid, _payload: resent.append(tid)))
+    reaper = LeaseReaper(ledger, SCORING, 3, 1.0, one_by_one(lambda tid, _payload: resent.append(tid)))
     assert reaper.sweep() == {"requeued": 1, "resent": 0, "failed": 0}
     assert resent == [first.trajectory_id]
     assert ledger.scoring_sent([]) == 0
@@ -143,7 +143,7 @@ def test_a_scoring_message_that_waits_in_the_scoring_queue_is_not_copied_past_it
     tasks = uploaded_with_send_by(ledger, run_id, size=2, send_within_s=0.2)
     ledger.redis.lpush(SCORING.queue, "a message ahead of them")  # e.g. the scorers stalled by an outage of Redis
     sent: list[str] = []
-    reaper = Reaper(ledger, SCORING, 3, 1.0, one_by_one(lambda tid, _payload: sent.append(tid)))
+    reaper = LeaseReaper(ledger, SCORING, 3, 1.0, one_by_one(lambda tid, _payload: sent.append(tid)))
     time.sleep(0.3)
     assert reaper.sweep() == {"requeued": 0, "resent": 0, "failed": 0} and sent == []  # their batch may be in the queue
     ledger.redis.delete(SCORING.queue)  # the queue drained and they were not claimed: their batch was lost

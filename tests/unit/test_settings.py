@@ -7,7 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from shared.settings import LocalStorageSettings, S3StorageSettings, Settings, SettingsError, load_settings
+from shared.settings import (
+    AssembleTrainerSettings,
+    LocalStorageSettings,
+    S3StorageSettings,
+    Settings,
+    SettingsError,
+    TrainTrainerSettings,
+    assembling,
+    load_settings,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -139,10 +148,27 @@ def test_the_trainer_trains_only_in_mode_train_which_needs_a_staleness_bound(mon
     assert load_settings().trainer.mode == "assemble"
     assert load_settings(trainer={"mode": "train", "max_off_policy_steps": 0}).trainer.mode == "train"
     assert load_settings(trainer={"mode": "assemble", "max_off_policy_steps": 1}).trainer.mode == "assemble"
-    with pytest.raises(SettingsError, match="trainer: .*mode train needs max_off_policy_steps"):
+    with pytest.raises(SettingsError, match="trainer.max_off_policy_steps: Field required"):
         load_settings(trainer={"mode": "train"})
     monkeypatch.setenv("CONVEYOR_TRAINER__MAX_OFF_POLICY_STEPS", "1")  # a config from before trainer.mode
     assert load_settings().trainer.mode == "train"
+
+
+def test_train_only_settings_are_fields_of_the_train_mode_and_refused_naming_it_in_assemble(monkeypatch, tmp_path):
+    trainer = load_settings(trainer={"max_off_policy_steps": 2, "groups_per_step": 3, "max_steps": 5}).trainer
+    assert isinstance(trainer, TrainTrainerSettings) and (trainer.groups_per_step, trainer.max_steps) == (3, 5)
+    assert not hasattr(load_settings().trainer, "groups_per_step")  # assemble has no step to size
+    with pytest.raises(SettingsError, match="trainer: max_steps is a setting of trainer.mode train: set trainer.mode: train"):
+        load_settings(trainer={"max_steps": 5})
+    with pytest.raises(SettingsError, match="trainer.lora.rank: Input should be greater than 0"):  # no mode in the place
+        load_settings(trainer={"mode": "train", "max_off_policy_steps": 0, "lora": {"rank": 0}})
+    assembled = assembling(trainer.model_copy(update={"zero_variance_groups": "keep"}))
+    assert isinstance(assembled, AssembleTrainerSettings) and assembled.zero_variance_groups == "keep"
+    config = tmp_path / "conveyor.yaml"  # the YAML and variables users write keep working
+    config.write_text("trainer:\n  mode: train\n  max_off_policy_steps: 1\n  min_env_share: {a: 0.5}\n")
+    monkeypatch.setenv("CONVEYOR_TRAINER__GROUPS_PER_STEP", "2")
+    trainer = load_settings(config).trainer
+    assert isinstance(trainer, TrainTrainerSettings) and (trainer.groups_per_step, trainer.min_env_share) == (2, {"a": 0.5})
 
 
 @pytest.mark.parametrize("sync", ["merged", "adapter"])

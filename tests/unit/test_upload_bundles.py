@@ -15,7 +15,7 @@ from test_runner_failures import Harness, chat  # noqa: F401 (chat: the tokenize
 
 from services.rollout_worker.runner import upload_bundle
 from services.rollout_worker.upload_outbox import UploadOutbox
-from shared.state.leases import Reaper, one_by_one
+from shared.state.leases import LeaseReaper, one_by_one
 from shared.state.ledger import ROLLOUT
 from shared.names import RedisKeys
 from shared.schemas import ScoringTask, StopReason, Trajectory, parse_message
@@ -99,7 +99,7 @@ def test_a_worker_dead_with_its_bundle_unwritten_leaves_its_trajectories_to_run_
 
     time.sleep(0.4)  # its leases run out
     requeued: list[str] = []
-    assert Reaper(ledger, ROLLOUT, 3, 1.0, one_by_one(lambda tid, _payload: requeued.append(tid))).sweep() == {"requeued": 3, "resent": 0, "failed": 0}
+    assert LeaseReaper(ledger, ROLLOUT, 3, 1.0, one_by_one(lambda tid, _payload: requeued.append(tid))).sweep() == {"requeued": 3, "resent": 0, "failed": 0}
     assert sorted(requeued) == sorted(tids)
 
     live = [ledger.claim(tid, f"live{n:04d}", 30) for n, tid in enumerate(tids)]  # another worker runs them again

@@ -12,7 +12,7 @@ import torch
 from services.cli.local_stack import free_port
 from services.weights.broadcast import WeightBroadcaster
 from shared.settings import NcclWeightSync, S3WeightSync, SettingsError, load_settings
-from services.weights.group import WeightGroup, WeightGroupError
+from services.weights.process_group import WeightProcessGroup, WeightProcessGroupError
 
 SENT = [("a", torch.arange(12, dtype=torch.float32).reshape(3, 4) / 7),
         ("b", (torch.arange(5, dtype=torch.float32) - 2.5).to(torch.bfloat16)),
@@ -54,12 +54,12 @@ def test_nccl_without_cuda_is_refused_before_any_replica_is_touched():
     from services.trainer.broadcast_publish import BroadcastPublisher
 
     settings = load_settings(inference={"weight_sync": "nccl", "base_url": "http://127.0.0.1:9"})
-    with pytest.raises(WeightGroupError, match="nccl weight-sync path needs CUDA.*inference.weight_sync: s3"):
+    with pytest.raises(WeightProcessGroupError, match="nccl weight-sync path needs CUDA.*inference.weight_sync: s3"):
         WeightBroadcaster.from_settings(settings)
-    with pytest.raises(WeightGroupError, match="needs CUDA"):  # the trainer refuses at start
+    with pytest.raises(WeightProcessGroupError, match="needs CUDA"):  # the trainer refuses at start
         BroadcastPublisher(settings, redis_client=None, store=None)
-    with pytest.raises(WeightGroupError, match="needs CUDA"):
-        WeightGroup("nccl", "127.0.0.1", free_port(), 0, 2)
+    with pytest.raises(WeightProcessGroupError, match="needs CUDA"):
+        WeightProcessGroup("nccl", "127.0.0.1", free_port(), 0, 2)
 
 
 def test_from_settings_needs_the_nccl_choice():
@@ -68,16 +68,16 @@ def test_from_settings_needs_the_nccl_choice():
 
 
 def test_bad_group_arguments_are_refused():
-    with pytest.raises(WeightGroupError, match="choose one of nccl, gloo"):
-        WeightGroup("mpi", "127.0.0.1", 1, 0, 2)  # type: ignore[arg-type]
-    with pytest.raises(WeightGroupError, match="at least one replica"):
-        WeightGroup("gloo", "127.0.0.1", 1, 0, 1)
-    with pytest.raises(WeightGroupError, match="rank 2 of a weight group of 2"):
-        WeightGroup("gloo", "127.0.0.1", 1, 2, 2)
+    with pytest.raises(WeightProcessGroupError, match="choose one of nccl, gloo"):
+        WeightProcessGroup("mpi", "127.0.0.1", 1, 0, 2)  # type: ignore[arg-type]
+    with pytest.raises(WeightProcessGroupError, match="at least one replica"):
+        WeightProcessGroup("gloo", "127.0.0.1", 1, 0, 1)
+    with pytest.raises(WeightProcessGroupError, match="rank 2 of a weight group of 2"):
+        WeightProcessGroup("gloo", "127.0.0.1", 1, 2, 2)
 
 
 def _receiver(port: int, rank: int, world: int, out) -> None:
-    group = WeightGroup("gloo", "127.0.0.1", port, rank, world, timeout_s=60)
+    group = WeightProcessGroup("gloo", "127.0.0.1", port, rank, world, timeout_s=60)
     try:
         got = [group.broadcast(torch.zeros(t.shape, dtype=t.dtype)) for _, t in SENT]
         out.put((rank, [t.tolist() for t in got]))
@@ -93,11 +93,11 @@ def test_gloo_group_broadcasts_every_tensor_to_every_rank():
     for p in procs:
         p.start()
     try:
-        group = WeightGroup("gloo", "127.0.0.1", port, 0, 3, timeout_s=60)
+        group = WeightProcessGroup("gloo", "127.0.0.1", port, 0, 3, timeout_s=60)
         try:
             for _, t in SENT:
                 group.broadcast(t.clone())
-            with pytest.raises(WeightGroupError, match="tensor on meta"):
+            with pytest.raises(WeightProcessGroupError, match="tensor on meta"):
                 group.broadcast(torch.empty(1, device="meta"))
         finally:
             group.close()

@@ -27,27 +27,27 @@ Backend = Literal["nccl", "gloo"]
 BACKENDS = ("nccl", "gloo")
 
 
-class WeightGroupError(RuntimeError):
+class WeightProcessGroupError(RuntimeError):
     pass
 
 
 def check_backend(backend: str) -> None:
-    """Raise ``WeightGroupError`` unless ``backend`` can run in this process."""
+    """Raise ``WeightProcessGroupError`` unless ``backend`` can run in this process."""
     if backend not in BACKENDS:
-        raise WeightGroupError(f"weight-sync process group backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+        raise WeightProcessGroupError(f"weight-sync process group backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     if backend == "nccl" and not torch.cuda.is_available():
-        raise WeightGroupError("the nccl weight-sync path needs CUDA, and torch sees no GPU in this process "
+        raise WeightProcessGroupError("the nccl weight-sync path needs CUDA, and torch sees no GPU in this process "
                                "(set inference.weight_sync: s3 on hosts without GPUs)")
 
 
-class WeightGroup:
+class WeightProcessGroup:
     """Rank ``rank`` of a ``world_size`` group at ``host:port`` (rank 0 hosts the store)."""
 
     def __init__(self, backend: Backend, host: str, port: int, rank: int, world_size: int, *,
                  device: torch.device | str | None = None, timeout_s: float = 300.0):
         check_backend(backend)
         if not 0 <= rank < world_size or world_size < 2:
-            raise WeightGroupError(f"rank {rank} of a weight group of {world_size}: need 0 <= rank < world_size, "
+            raise WeightProcessGroupError(f"rank {rank} of a weight group of {world_size}: need 0 <= rank < world_size, "
                                    "and at least one replica besides the trainer")
         self.backend, self.rank, self.world_size = backend, rank, world_size
         self.device = torch.device(device) if device is not None else (
@@ -71,7 +71,7 @@ class WeightGroup:
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """Broadcast ``tensor`` from rank 0 in place (on this group's device); returns it."""
         if tensor.device != self.device:
-            raise WeightGroupError(f"tensor on {tensor.device}, group on {self.device}")
+            raise WeightProcessGroupError(f"tensor on {tensor.device}, group on {self.device}")
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         self._pg.broadcast([tensor], opts).wait()

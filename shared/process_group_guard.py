@@ -1,9 +1,9 @@
 """The process that ends a command's process groups when the command itself is gone.
 
 ``shared.processes.start_group_leader`` starts each child of a command (vLLM, Redis, a
-Celery worker) as the leader of its own process group and tells this reaper about it over a
+Celery worker) as the leader of its own process group and tells this guard about it over a
 pipe: ``+<pgid>`` when the group starts, ``-<pgid>`` when the command ended it itself. When the
-pipe closes, however the command ended (a clean exit, an exception, SIGKILL), the reaper does
+pipe closes, however the command ended (a clean exit, an exception, SIGKILL), the guard does
 what the command's own ``stop()`` would have done to every group still on its list: SIGTERM,
 then SIGKILL to whatever is left after the grace period. Then it exits.
 
@@ -14,7 +14,7 @@ Invariants:
   group released) signals nothing.
 - It never waits longer than the grace period plus a few seconds.
 
-Usage (by ``shared.processes`` only): ``python -m shared.group_reaper <grace_s>``.
+Usage (by ``shared.processes`` only): ``python -m shared.process_group_guard <grace_s>``.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
     groups = read_groups(sys.stdin)  # returns when the command's end of the pipe closes
     killed = end_groups(groups, grace_s)
     if killed:
-        print(f"[group-reaper] SIGKILL to process groups {sorted(killed)}: still running {grace_s:.0f}s after SIGTERM",
+        print(f"[process-group-guard] SIGKILL to process groups {sorted(killed)}: still running {grace_s:.0f}s after SIGTERM",
               file=sys.stderr)
     return 0
 
