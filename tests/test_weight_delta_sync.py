@@ -156,7 +156,7 @@ def test_the_follower_serves_announced_chain_versions(served_model: Any, s3_endp
     store.ensure_bucket()
     settings = Settings(run_id=run_id, inference={"dtype": "float32", "weight_sync": {
         "mode": "delta", "encoding": "xor", "delta_max_fraction": 1.0}})
-    publisher = DeltaPublisher(settings, store)
+    publisher = DeltaPublisher(settings, store, PolicyVersion(redis_client, run_id).get)
     model, _ = load_policy(served_model.model_dir)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))

@@ -10,14 +10,19 @@ Invariants:
 - A version is announced by its chain prefix when the chain holds it, else by its checkpoint
   prefix (the s3 path serves that one): a resumed trainer re-announces its version either way.
 - What the chain holds is ``model.state_dict()`` cast to ``inference.dtype``: what vLLM serves.
+- After each full version, the chain is pruned of the versions no replica can still need
+  (``services.weights.delta_prune``, whose rule reads the run's served version from ``served``).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 from services.policy.model import served_dtype
 from services.weights.delta_chain import ChainWriter, Published
+from services.weights.delta_prune import prune_chain
 from shared.names import CHECKPOINT_COMMITTED, weight_chain_prefix
 from shared.settings import DeltaWeightSync, Settings
 from shared.storage import ObjectStore
@@ -25,12 +30,13 @@ from shared.storage import ObjectStore
 class DeltaPublisher:
     """Publishes each trained version to the chain; see the invariants."""
 
-    def __init__(self, settings: Settings, store: ObjectStore):
+    def __init__(self, settings: Settings, store: ObjectStore, served: Callable[[], int]):
         sync = settings.inference.weight_sync
         if not isinstance(sync, DeltaWeightSync):
             raise ValueError(f"the delta publisher needs inference.weight_sync: delta, not {sync.mode}")
         self.dtype = served_dtype(settings.inference.dtype)
         self.last_published: int | None = None
+        self.served = served  # the run's served policy version (0: none of the chain's yet)
         self.writer = ChainWriter(store, settings.run_id, full_every=sync.full_every,
                                   max_fraction=sync.delta_max_fraction, encoding=sync.encoding)
 
@@ -46,6 +52,10 @@ class DeltaPublisher:
         tensors = {name: t.detach().to("cpu", dtype=self.dtype or t.dtype) for name, t in model.state_dict().items()}
         published: Published = self.writer.publish(version, tensors, probe_json)
         self.last_published = version
-        return {"delta_full": float(published.version.kind == "full"), "delta_bytes": float(published.version.payload_size),
+        pruned: dict[str, float] = {}
+        if published.version.kind == "full":
+            done = prune_chain(self.writer.store, self.writer.run_id, self.served())
+            pruned = {"delta_pruned_versions": float(len(done.deleted)), "delta_prune_s": done.seconds}
+        return pruned | {"delta_full": float(published.version.kind == "full"), "delta_bytes": float(published.version.payload_size),
                 "delta_full_size": float(published.full_size), "delta_encode_s": published.encode_s,
                 "delta_upload_s": published.upload_s}
