@@ -9,7 +9,9 @@ Invariants:
   trainer would publish again.
 - A version is announced by its chain prefix when the chain holds it, else by its checkpoint
   prefix (the s3 path serves that one): a resumed trainer re-announces its version either way.
-- What the chain holds is ``model.state_dict()`` cast to ``inference.dtype``: what vLLM serves.
+- What the chain holds is what vLLM serves, cast to ``inference.dtype``: ``model.state_dict()``,
+  or for a LoRA policy (``trainer.lora.sync: merged``) the base weights with the adapters added,
+  under the base's names (``services.trainer.lora.merged_state_dict``, as its checkpoint holds).
 - After each full version, the chain is pruned of the versions no replica can still need
   (``services.weights.delta_prune``, whose rule reads the run's served version from ``served``).
 """
@@ -19,8 +21,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from peft import PeftModel
 
 from services.policy.model import served_dtype
+from services.trainer.lora import merged_state_dict
 from services.weights.delta_chain import ChainWriter, Published
 from services.weights.delta_prune import prune_chain
 from shared.names import CHECKPOINT_COMMITTED, weight_chain_prefix
@@ -49,7 +53,8 @@ class DeltaPublisher:
         return prefix + CHECKPOINT_COMMITTED in self.writer.store.list_keys(prefix)
 
     def publish(self, version: int, model: torch.nn.Module, probe_json: str | None) -> dict[str, float]:
-        tensors = {name: t.detach().to("cpu", dtype=self.dtype or t.dtype) for name, t in model.state_dict().items()}
+        served = merged_state_dict(model) if isinstance(model, PeftModel) else model.state_dict()
+        tensors = {name: t.detach().to("cpu", dtype=self.dtype or t.dtype) for name, t in served.items()}
         published: Published = self.writer.publish(version, tensors, probe_json)
         self.last_published = version
         pruned: dict[str, float] = {}
