@@ -7,13 +7,15 @@ where ``floor`` is the lower of
   other): a replica whose follower planned a catch-up to a version of the previous segment
   still finds it whole, however far the trainer has moved on;
 - the full version that starts the segment of the version the run serves (``policy_version``):
-  every replica's next target is above it, so its plan starts at or after that full version.
+  a restarted replica is re-synced to that version itself (``WeightFollower``'s lagging
+  replicas), and every other target is above it, so every plan starts at or after that full
+  version.
 
 Why nothing needed goes (``delta_chain.ChainReader.plan`` walks back from a target by ``base``
 links and stops at the first full version): a plan to a target ``t`` reads only the versions
 from the newest full version at or below ``t`` to ``t``, and every target a follower holds
-(a version above the served one) or will hold (the newest) has that full version at or above
-``floor``. A trainer resumes from its newest committed checkpoint, at or above the newest chain
+(the served version or one above it) or will hold (the newest) has that full version at or
+above ``floor``. A trainer resumes from its newest committed checkpoint, at or above the newest chain
 version (a checkpoint is committed before its chain version): its re-announced version is never
 below the newest full one. A checkpoint announced by its checkpoint prefix (a trainer that died
 between the two) does not read the chain at all.
