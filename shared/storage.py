@@ -23,6 +23,8 @@ Invariants:
   (removed, or hidden from ``list_keys`` if even that fails). The store's root holds a marker
   file from its first open: a root without it (a vanished or unmounted volume) is a fault, and
   is never filled again on the disk beneath the mount point.
+- ``delete_keys`` removes the objects it names, in order; a key that is not there is no error
+  (a retried delete). Only a store's owner of that prefix deletes (the delta chain's pruning).
 - ``open_store`` checks the S3 server at once: refusing the bucket is a ``StorageError`` naming
   the endpoint.
 """
@@ -30,6 +32,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import functools
 import gzip
 import io
 import os
@@ -55,6 +58,7 @@ class ObjectStore(Protocol):
     def put_bytes(self, key: str, data: bytes, content_type: str = "application/gzip") -> None: ...
     def get_bytes(self, key: str) -> bytes: ...
     def list_keys(self, prefix: str) -> list[str]: ...
+    def delete_keys(self, keys: Sequence[str]) -> None: ...
 
 
 def put_model(store: ObjectStore, key: str, model: BaseModel) -> int:
@@ -170,6 +174,17 @@ class LocalStore:
         )
 
 
+    def delete_keys(self, keys: Sequence[str]) -> None:
+        for path in [self._path(key) for key in keys]:
+            self._call(functools.partial(self._unlink, path))
+
+    def _unlink(self, path: Path) -> None:
+        self._require_root()
+        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # the object's folder, once empty
+            path.parent.rmdir()
+
+
 class S3Store:
     def __init__(self, settings: S3StorageSettings, outage: OutageSettings | None = None):
         import urllib3
@@ -237,6 +252,14 @@ class S3Store:
 
     def list_keys(self, prefix: str) -> list[str]:
         return self._call(lambda: sorted(o.object_name for o in self.client.list_objects(self.bucket, prefix=prefix, recursive=True)))
+
+
+    def delete_keys(self, keys: Sequence[str]) -> None:
+        for key in keys:  # one at a time, in order: a reader never sees a later key gone before an earlier one
+            try:
+                self._call(functools.partial(self.client.remove_object, self.bucket, key))
+            except self._s3error as exc:
+                raise StorageError(f"S3 delete {self.bucket}/{key} failed: {exc.code}") from exc
 
 
 def _certifi_bundle() -> str:

@@ -156,7 +156,7 @@ def test_the_follower_serves_announced_chain_versions(served_model: Any, s3_endp
     store.ensure_bucket()
     settings = Settings(run_id=run_id, inference={"dtype": "float32", "weight_sync": {
         "mode": "delta", "encoding": "xor", "delta_max_fraction": 1.0}})
-    publisher = DeltaPublisher(settings, store)
+    publisher = DeltaPublisher(settings, store, PolicyVersion(redis_client, run_id).get)
     model, _ = load_policy(served_model.model_dir)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
@@ -176,3 +176,76 @@ def test_the_follower_serves_announced_chain_versions(served_model: Any, s3_endp
             assert applied.sync.extra["plans"] == ({"None": [1]} if version == 1 else {"1": [2]})
             assert PolicyVersion(redis_client, run_id).get() == version and ws.weight_version(http, url) == str(version)
         verify_replica(http, url, SyncProbe(logprob_probe(model, 2), "tiny", FP32_TOLERANCE))
+
+
+# A weight follower in its own process that SIGKILLs itself at the apply of a delta sync: "after"
+# once the worker answered (the worker applied, nothing labelled, the replica left paused), or
+# "in_flight" with the apply call sent and not yet answered (the worker goes on without it).
+KILLED_FOLLOWER = """
+import os, signal, sys, threading, time
+from pathlib import Path
+import redis
+from services.weights import delta_sync
+from services.weights.follower import WeightFollower
+from shared.settings import S3StorageSettings
+from shared.storage import S3Store
+redis_url, endpoint, run_id, url, work_dir, when = sys.argv[1:]
+real = delta_sync.worker_calls
+def dying(http, target, method, kwargs, timeout_s):
+    if method == delta_sync.APPLY_DELTA:
+        call = threading.Thread(target=real, args=(http, target, method, kwargs, timeout_s), daemon=True)
+        call.start()
+        call.join() if when == "after" else time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(http, target, method, kwargs, timeout_s)
+delta_sync.worker_calls = dying
+store = S3Store(S3StorageSettings(endpoint=endpoint, access_key="testing", secret_key="testing", bucket=run_id))
+WeightFollower(redis.Redis.from_url(redis_url, decode_responses=True), store, run_id, [url], Path(work_dir),
+               probe_model="tiny").process_once()
+"""
+
+
+@pytest.mark.slow
+def test_a_follower_killed_mid_apply_is_restarted_onto_the_right_version(
+        served_model: Any, s3_endpoint: str, redis_url: str, redis_client: Any, run_id: str, tmp_path: Path) -> None:
+    """kill -9 of the follower during a delta apply: restarted, it ends serving the announced
+    version with the trainer's checksums, or never labels wrong weights as it."""
+    import os
+    import subprocess
+    import sys
+
+    from services.weights.follower import WeightFollower
+    from shared.schemas import CheckpointAnnouncement
+    from shared.state.checkpoint_announcements import CheckpointAnnouncements
+    from shared.state.policy_version import PolicyVersion
+
+    url = served_model.base_url
+    store = S3Store(S3StorageSettings(endpoint=s3_endpoint, access_key="testing", secret_key="testing", bucket=run_id))
+    store.ensure_bucket()
+    trainer = Trainer(served_model.model_dir, store, run_id, seed=5, full_every=10)
+    announcements = CheckpointAnnouncements(redis_client, run_id)
+    work_dir = tmp_path / "w"
+    trainer.step_and_publish()  # 1: full
+    served = 0  # the run's served version: none of its chain yet
+    with ws.admin_client() as http:
+        for when, plans in (("after", {"2": []}), ("in_flight", None)):
+            trainer.step_and_publish()  # 2, then 3: deltas
+            version = trainer.version
+            announcements.announce(CheckpointAnnouncement(version=version, prefix=weight_chain_prefix(run_id, version)))
+            killed = subprocess.run([sys.executable, "-c", KILLED_FOLLOWER, redis_url, s3_endpoint, run_id, url,
+                                     str(work_dir), when], env={**os.environ, "PYTHONPATH": os.getcwd()},
+                                    capture_output=True, text=True, timeout=120)
+            assert killed.returncode == -9, killed.stderr[-2000:]
+            assert ws.is_paused(http, url) and PolicyVersion(redis_client, run_id).get() == served
+            with WeightFollower(redis_client, store, run_id, [url], work_dir, probe_model="tiny") as follower:
+                applied = follower.process_once()  # the restart
+            assert applied is not None and applied.version == version
+            if plans is not None:  # the worker had applied it: labelled and probed, not applied again
+                assert applied.sync.extra["plans"] == plans
+            assert not ws.is_paused(http, url) and ws.weight_version(http, url) == str(version)
+            assert PolicyVersion(redis_client, run_id).get() == version
+            [answer] = worker_calls(http, url, DELTA_VERSION, {"checksums": True}, 30.0)
+            assert answer["version"] == version
+            assert answer["checksums"] == {e.name: e.checksum for e in ChainReader(store, run_id).manifest(version).tensors}
+            verify_replica(http, url, SyncProbe(trainer.probes[version], "tiny", FP32_TOLERANCE))
+            served = version

@@ -9,15 +9,24 @@ Invariants:
   trainer would publish again.
 - A version is announced by its chain prefix when the chain holds it, else by its checkpoint
   prefix (the s3 path serves that one): a resumed trainer re-announces its version either way.
-- What the chain holds is ``model.state_dict()`` cast to ``inference.dtype``: what vLLM serves.
+- What the chain holds is what vLLM serves, cast to ``inference.dtype``: ``model.state_dict()``,
+  or for a LoRA policy (``trainer.lora.sync: merged``) the base weights with the adapters added,
+  under the base's names (``services.trainer.lora.merged_state_dict``, as its checkpoint holds).
+- After each full version, the chain is pruned of the versions no replica can still need
+  (``services.weights.delta_prune``, whose rule reads the run's served version from ``served``).
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+from peft import PeftModel
 
 from services.policy.model import served_dtype
+from services.trainer.lora import merged_state_dict
 from services.weights.delta_chain import ChainWriter, Published
+from services.weights.delta_prune import prune_chain
 from shared.names import CHECKPOINT_COMMITTED, weight_chain_prefix
 from shared.settings import DeltaWeightSync, Settings
 from shared.storage import ObjectStore
@@ -25,12 +34,13 @@ from shared.storage import ObjectStore
 class DeltaPublisher:
     """Publishes each trained version to the chain; see the invariants."""
 
-    def __init__(self, settings: Settings, store: ObjectStore):
+    def __init__(self, settings: Settings, store: ObjectStore, served: Callable[[], int]):
         sync = settings.inference.weight_sync
         if not isinstance(sync, DeltaWeightSync):
             raise ValueError(f"the delta publisher needs inference.weight_sync: delta, not {sync.mode}")
         self.dtype = served_dtype(settings.inference.dtype)
         self.last_published: int | None = None
+        self.served = served  # the run's served policy version (0: none of the chain's yet)
         self.writer = ChainWriter(store, settings.run_id, full_every=sync.full_every,
                                   max_fraction=sync.delta_max_fraction, encoding=sync.encoding)
 
@@ -43,9 +53,14 @@ class DeltaPublisher:
         return prefix + CHECKPOINT_COMMITTED in self.writer.store.list_keys(prefix)
 
     def publish(self, version: int, model: torch.nn.Module, probe_json: str | None) -> dict[str, float]:
-        tensors = {name: t.detach().to("cpu", dtype=self.dtype or t.dtype) for name, t in model.state_dict().items()}
+        served = merged_state_dict(model) if isinstance(model, PeftModel) else model.state_dict()
+        tensors = {name: t.detach().to("cpu", dtype=self.dtype or t.dtype) for name, t in served.items()}
         published: Published = self.writer.publish(version, tensors, probe_json)
         self.last_published = version
-        return {"delta_full": float(published.version.kind == "full"), "delta_bytes": float(published.version.payload_size),
+        pruned: dict[str, float] = {}
+        if published.version.kind == "full":
+            done = prune_chain(self.writer.store, self.writer.run_id, self.served())
+            pruned = {"delta_pruned_versions": float(len(done.deleted)), "delta_prune_s": done.seconds}
+        return pruned | {"delta_full": float(published.version.kind == "full"), "delta_bytes": float(published.version.payload_size),
                 "delta_full_size": float(published.full_size), "delta_encode_s": published.encode_s,
                 "delta_upload_s": published.upload_s}

@@ -70,6 +70,7 @@ from shared.storage import ObjectStore, get_model
 from shared.state.train_queue import TrainQueue
 from shared.state.trainer_counters import TrainerCounter, TrainerCounters
 from shared.state.checkpoint_announcements import CheckpointAnnouncements
+from shared.state.policy_version import PolicyVersion
 from shared.state.run_records import RunRecords
 from shared.state.step_metrics import StepMetrics
 from shared.state.weight_sync_record import WeightSyncRecord
@@ -107,8 +108,8 @@ class TrainingLoop:
                                             broadcaster=self.broadcaster) \
             if self.settings.inference.weight_sync.mode == "nccl" else None
         # inference.weight_sync delta: the checkpoint as on s3, then the version on the delta chain
-        self.delta = DeltaPublisher(self.settings, self.store) if self.settings.inference.weight_sync.mode == "delta" \
-            else None
+        self.delta = DeltaPublisher(self.settings, self.store, PolicyVersion(self.redis, self.run_id).get) \
+            if self.settings.inference.weight_sync.mode == "delta" else None
         self._in_step = False  # weights may differ from the last published version's
         self.budget.advance_step(self.version)
         self.train_queue = TrainQueue(self.redis, self.run_id)

@@ -9,7 +9,8 @@ or null>, "saved_at"}``.
 
 Invariants:
 - ``COMMITTED`` is written last: a version without it does not exist for any reader, and a
-  committed version is never overwritten (``ChainWriter.publish`` raises).
+  committed version is never overwritten (``ChainWriter.publish`` raises). The trainer deletes
+  the versions no replica can still need, after each full version (``delta_prune``).
 - A delta's ``base`` is the version its writer published before it, in the same process; a
   full version has none. A writer that starts (or restarts) with no previous tensors writes a
   full version first, and one every ``full_every`` versions, and whenever the delta would be

@@ -14,6 +14,9 @@ Invariants (besides ``sync_weights``'):
   were) falls back, with an ERROR log, to a plan from the newest full version. If that fails
   too, the sync fails (``WeightSyncError``) and the version does not move: the replica goes on
   serving the version its label names.
+- A replica whose worker's shadow already holds the target (its follower died after the apply,
+  before the label: a shadow names a version only once it is checked and loaded, a failed load clears it) is
+  not applied to again; it is labelled and probed like the others.
 - The probe is the one in the target version's manifest (the trainer's logprobs of it); the
   label and ``on_served`` come only after every replica applied and passed it.
 """
@@ -125,11 +128,12 @@ def sync_delta(urls: list[str], catch_up: DeltaCatchUp, version: int, *, http: h
     try:
         for have in set(held.values()):
             prepared[have] = catch_up.prepare(version, have)
+        # every replica already holds it: a follower killed after the apply, before the label
+        target = next((p.steps[-1] for p in prepared.values() if p.steps), None) or catch_up.reader.manifest(version)
     except ChainBroken as exc:
         raise ws.WeightSyncError(f"weight sync to version {version}: the delta chain cannot be read ({exc}); the "
                                  "served version does not move", version, {u: str(exc) for u in urls},
                                  "download") from None
-    target = next(iter(prepared.values())).steps[-1]
     probe = None
     if probe_model is not None and target.probe:
         probe = SyncProbe(LogprobProbe.from_json(target.probe.encode()), probe_model, probe_tolerance)
@@ -137,6 +141,12 @@ def sync_delta(urls: list[str], catch_up: DeltaCatchUp, version: int, *, http: h
 
     def apply_one(url: str) -> None:
         plan = prepared[held[url]]
+        if not plan.files:
+            log.warning("replica %s already holds delta-chain version %d (its last sync died after the apply): "
+                        "labelled and probed without applying it again", url, version)
+            worker[url] = [{"version": version, "held": True}]
+            ws.reset_prefix_cache(http, url)
+            return
         try:
             worker[url] = worker_calls(http, url, APPLY_DELTA, {"paths": [str(p) for p in plan.files]}, apply_timeout_s)
         except ws.AdminCallError as exc:

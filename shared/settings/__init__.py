@@ -127,11 +127,18 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _lora_syncs_through_s3(self) -> "Settings":
         """The nccl broadcast sends the model's own parameters and checkpoints a CPU snapshot of
-        its state dict; a LoRA policy serves merged weights or an adapter instead, which neither
-        path knows, so the combination is refused rather than served wrong."""
-        if self.trainer.lora.enabled and self.inference.weight_sync.mode in ("nccl", "delta"):
-            raise ValueError(f"inference.weight_sync: {self.inference.weight_sync.mode} does not support trainer.lora "
-                             "(either sync mode); use weight_sync: s3 with LoRA")
+        its state dict; a LoRA policy serves merged weights or an adapter instead, which it does
+        not know, so the combination is refused rather than served wrong. The delta chain carries
+        a LoRA policy's merged weights (``services.trainer.delta_publish``), not an adapter: an
+        adapter version is already smaller than a merged delta and is served beside the previous
+        one without a pause (docs/performance/training.md, "LoRA and the delta chain")."""
+        lora, mode = self.trainer.lora, self.inference.weight_sync.mode
+        if lora.enabled and mode == "nccl":
+            raise ValueError("inference.weight_sync: nccl does not support trainer.lora (either sync mode); use "
+                             "weight_sync: s3 with LoRA")
+        if lora.enabled and mode == "delta" and lora.sync == "adapter":
+            raise ValueError("inference.weight_sync: delta does not support trainer.lora.sync: adapter (the chain "
+                             "carries merged weights); use trainer.lora.sync: merged, or weight_sync: s3")
         return self
 
     @classmethod

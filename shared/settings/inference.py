@@ -41,7 +41,8 @@ class DeltaWeightSync(Section):
     to the run's delta chain in the served dtype (``services.weights.delta_chain``): only the
     elements that changed, a full version every ``full_every`` versions or when a delta is larger
     than ``delta_max_fraction`` of it; replicas apply it in place (``services.weights.delta_sync``).
-    Refused with trainer.lora (Settings) and under torchrun."""
+    A LoRA policy's chain holds its merged weights; refused with trainer.lora.sync adapter
+    (Settings) and under torchrun."""
 
     mode: Literal["delta"] = "delta"
     full_every: Int = Field(20, gt=0)

@@ -99,9 +99,9 @@ def test_a_target_module_the_model_lacks_is_refused_by_name(tiny_dir, tmp_path):
 
 @pytest.fixture
 def lora_loop(tiny_dir, tmp_path, redis_client, redis_url, run_id, store):  # noqa: F811
-    def make(trainer: dict | None = None, **lora) -> TrainingLoop:
+    def make(trainer: dict | None = None, inference: dict | None = None, **lora) -> TrainingLoop:
         settings = Settings(
-            run_id=run_id, redis={"url": redis_url}, inference={"model_path": tiny_dir},
+            run_id=run_id, redis={"url": redis_url}, inference={"model_path": tiny_dir, **(inference or {})},
             trainer={"max_off_policy_steps": 1, "groups_per_step": 2, "optim": {"lr": 1e-2},
                      "logprob_alarm": SYNTHETIC_LOGPROBS.model_dump(), "reward_curve_path": tmp_path / "curve.png",
                      "lora": {"enabled": True, "rank": 4, "alpha": 8.0, **lora}, **(trainer or {})},
@@ -154,6 +154,27 @@ def test_the_loop_trains_the_adapter_serves_merged_weights_and_resumes(
     loop.trainer.train_step([get_model(store, batch_key(run_id, g), TrainingBatch) for g in (4, 5)])
     for (name, a), b in zip(model.named_parameters(), restarted.trainer.model.parameters()):
         torch.testing.assert_close(b, a, atol=1e-7, rtol=0, msg=name)
+
+
+def test_on_delta_the_chain_holds_the_merged_weights_each_checkpoint_serves(
+        lora_loop, redis_client, store, make_batch, run_id):  # noqa: F811
+    """``inference.weight_sync: delta`` with ``trainer.lora.sync: merged``: each chain version is
+    the merged checkpoint, bit for bit, and a delta moves only the adapted matrices."""
+    from safetensors.torch import load as load_safetensors
+
+    from services.weights.delta import tensor_checksum
+    from services.weights.delta_chain import ChainReader
+
+    loop = lora_loop(inference={"weight_sync": {"mode": "delta", "encoding": "xor", "delta_max_fraction": 1.0}})
+    _train_two_steps(loop, redis_client, store, make_batch, run_id)
+    reader = ChainReader(store, run_id)
+    assert [(m.kind, m.base) for m in (reader.manifest(v) for v in (1, 2))] == [("full", None), ("delta", 1)]
+    for version in (1, 2):
+        checkpoint = load_safetensors(store.get_bytes(checkpoint_prefix(run_id, version) + "model.safetensors"))
+        assert {name: tensor_checksum(t) for name, t in checkpoint.items()} == \
+            {e.name: e.checksum for e in reader.manifest(version).tensors}
+    moved = {e.name for e in reader.manifest(2).tensors if e.changed}
+    assert moved and all(any(f".{m}.weight" in name for m in LORA.target_modules) for name in moved), moved
 
 
 def test_adapter_sync_checkpoints_hold_the_adapter_alone(lora_loop, redis_client, store, make_batch, run_id,  # noqa: F811

@@ -179,6 +179,12 @@ def test_nccl_weight_sync_with_lora_is_refused(sync):
     load_settings(inference={"weight_sync": "nccl"})
 
 
+def test_delta_weight_sync_carries_merged_lora_and_refuses_an_adapter():
+    with pytest.raises(SettingsError, match="weight_sync: delta does not support trainer.lora.sync: adapter"):
+        load_settings(inference={"weight_sync": "delta"}, trainer={"lora": {"enabled": True, "sync": "adapter"}})
+    load_settings(inference={"weight_sync": "delta"}, trainer={"lora": {"enabled": True, "sync": "merged"}})
+
+
 def test_unknown_key_in_yaml_is_rejected(tmp_path):
     with pytest.raises(SettingsError, match="bogus"):
         load_settings(yaml_file=write_yaml(tmp_path, "bogus: 1\n"))
