@@ -20,6 +20,7 @@ from vllm_support import running_vllm
 
 from services.cli.demo import DEMO_REWARD_WEIGHTS
 from services.cli.local_stack import LocalStack
+from services.inference.server import VllmServer
 from shared.state.ledger import Ledger
 from shared.names import RedisKeys
 from shared.schemas import TrainerEvent, parse_message
@@ -34,6 +35,7 @@ REWARD_WEIGHTS = DEMO_REWARD_WEIGHTS
 class ServedModel:
     base_url: str
     model_dir: Path
+    vllm: VllmServer | None = None  # the server's launcher, where the test started it
 
 
 @contextmanager
@@ -43,7 +45,7 @@ def tiny_vllm(root: Path) -> Iterator[ServedModel]:
 
     model_dir = generate_tiny_model(root / "tiny", end_of_turn_bias=4.0)
     with running_vllm(model_dir, "tiny", root / "vllm.log", max_model_len=1024) as vllm:
-        yield ServedModel(vllm.base_url, model_dir)
+        yield ServedModel(vllm.base_url, model_dir, vllm)
 
 
 @contextmanager
