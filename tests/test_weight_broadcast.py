@@ -11,7 +11,6 @@ build of vLLM, and it was never run on the CPU-only machines this project is bui
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +25,15 @@ from services.inference.tiny_model import generate_tiny_model
 from services.weights.broadcast import WeightBroadcaster
 from services.policy.model import load_policy, logprob_probe
 from services.policy.probe import FP32_TOLERANCE
-from vllm_support import running_vllm
+from pipeline_support import ServedModel, same_model
 
 SERVED = "tiny"
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Qwen2 layout (q/k/v biases, tied head): the tied head must be re-processed after a broadcast."""
+    """Qwen2 layout (q/k/v biases, tied head): the tied head must be re-processed after a broadcast.
+    A is what ``qwen2_vllm`` (tests/conftest.py) serves."""
     root = tmp_path_factory.mktemp("broadcast-weights")
     return {"A": generate_tiny_model(root / "A", seed=0, layout="qwen2"),
             "B": generate_tiny_model(root / "B", seed=1, layout="qwen2")}
@@ -52,7 +52,7 @@ def _greedy(model: Any, prompt: list[int], n: int = 8) -> list[int]:
     return ids[len(prompt):]
 
 
-def _served_greedy(server: VllmServer, prompt: list[int], n: int = 8) -> list[int]:
+def _served_greedy(server: ServedModel, prompt: list[int], n: int = 8) -> list[int]:
     body = {"model": SERVED, "prompt": prompt, "max_tokens": n, "temperature": 0.0, "return_token_ids": True,
             "ignore_eos": True}
     r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=300)
@@ -64,13 +64,14 @@ PROMPT = list(range(10, 60))
 
 
 @pytest.fixture(scope="module")
-def server(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    with running_vllm(models["A"], SERVED, tmp_path_factory.mktemp("logs") / "vllm.log", max_model_len=512) as srv:
-        yield srv
+def server(models: dict[str, Path], qwen2_vllm: ServedModel) -> ServedModel:
+    """The pool's Qwen2 server (shared with tests/test_weight_sync_layouts.py), given back as it was."""
+    assert same_model(models["A"], qwen2_vllm.model_dir)  # the server was started on A
+    return qwen2_vllm
 
 
 @pytest.mark.slow
-def test_gloo_broadcast_serves_the_trainers_weights(server: VllmServer, hf: dict[str, Any]) -> None:
+def test_gloo_broadcast_serves_the_trainers_weights(server: ServedModel, hf: dict[str, Any]) -> None:
     assert _served_greedy(server, PROMPT) == _greedy(hf["A"], PROMPT)
     assert _greedy(hf["A"], PROMPT) != _greedy(hf["B"], PROMPT)  # the two models are told apart
     served: list[int] = []
@@ -133,7 +134,7 @@ def test_nccl_broadcast_into_vllm_on_gpu(models: dict[str, Path], tmp_path: Path
 
 
 @pytest.mark.slow
-def test_trainer_publishes_by_broadcast_then_commits_the_checkpoint(server: VllmServer, models: dict[str, Path],
+def test_trainer_publishes_by_broadcast_then_commits_the_checkpoint(server: ServedModel, models: dict[str, Path],
                                                                    hf: dict[str, Any], redis_client: Any,
                                                                    s3_endpoint: str, run_id: str,
                                                                    tmp_path: Path) -> None:

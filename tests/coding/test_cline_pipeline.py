@@ -16,18 +16,17 @@ import tempfile
 from contextlib import contextmanager
 
 import pytest
-from agent_support import long_context_tiny_model, long_context_vllm_args
+from agent_support import LONG_CONTEXT, long_context_tiny_model
 from coding_helpers import CALC
 from pipeline_support import ServedModel, base_stack, run_stack, trained_trajectories
 from scripted_completions import scripted_completions
-from vllm_support import running_vllm
 
 from shared.schemas import StopReason
 
 pytestmark = pytest.mark.slow
 
 GROUP_SIZE = 2
-CONTEXT = 40960  # Cline's system prompt is about 33,000 of the tiny model's tokens
+CONTEXT = LONG_CONTEXT  # Cline's system prompt is about 33,000 of the tiny model's tokens
 FIXED_CALC = CALC.replace("def add(a, b):\n    return a - b", "def add(a, b):\n    return a + b").replace(
     "def mul(a, b):\n    return a + b", "def mul(a, b):\n    return a * b")
 REPLIES = [
@@ -83,14 +82,13 @@ def test_cline_fixes_the_bug_through_the_pipeline_and_scores_1(tmp_path, swe_ben
         assert len(policy.requests) == 2 * GROUP_SIZE
 
 
-def test_cline_against_the_tiny_model_reaches_the_trainer(tmp_path, swe_bench_row, cline_image, coding_run_id):
+def test_cline_against_the_tiny_model_reaches_the_trainer(tmp_path, swe_bench_row, cline_image, coding_run_id,
+                                                          long_context_vllm):
     """The real tiny policy on vLLM: Cline's calls, recorded by the worker's proxy, are what the
     trainer trains on, masks and logprobs included (the logprob alarm stays on: the trainer's
     fp32 logprobs must agree with vLLM's). Nonsense scores 0."""
-    model_dir = long_context_tiny_model(tmp_path / "tiny", CONTEXT)
-    with running_vllm(model_dir, "tiny", tmp_path / "vllm.log", CONTEXT, long_context_vllm_args(CONTEXT)) as vllm, \
-            cline_run(tmp_path, swe_bench_row, cline_image, coding_run_id, ServedModel(vllm.base_url, model_dir),
-                      CONVEYOR_ROLLOUT__MAX_TOKENS_PER_TURN="16", CONVEYOR_ROLLOUT__MAX_TURNS="4") as (stack, dataset):
+    with cline_run(tmp_path, swe_bench_row, cline_image, coding_run_id, long_context_vllm,
+                   CONVEYOR_ROLLOUT__MAX_TOKENS_PER_TURN="16", CONVEYOR_ROLLOUT__MAX_TURNS="4") as (stack, dataset):
         _, pairs = trained_trajectories(stack, coding_run_id, dataset, GROUP_SIZE, timeout_s=900)
         for sample, trajectory in pairs:
             metrics = trajectory.env_info["agent"]["metrics"]
