@@ -14,7 +14,7 @@ an import path that does not import (``intake.env_config.reward_fn``, a ``module
 ``rewards.weights``) names the setting and the import error. Numbers refuse booleans
 (``group_size: true`` is an error, not 1); digits in a string still parse, as env vars need.
 
-A setting with modes (``storage``, ``inference.weight_sync``, each entry of
+A setting with modes (``storage``, ``inference.weight_sync``, ``sandbox.provider``, each entry of
 ``trainer.group_filters``) is a discriminated union of sections: a field of another mode is
 refused with its place (``storage.local.bucket``), never ignored, and a mode no variant has
 names the mode's field (``storage.backend``). Older spellings still read: a mode alone as a
@@ -23,7 +23,7 @@ string, a mapping without its mode (the default mode), and flat names a section 
 only where no type can say it (e.g. ``trainer.mode`` train needs ``max_off_policy_steps``; nccl
 with LoRA spans two sections).
 
-The sections live by component: ``base``, ``services``, ``inference``, ``rollout``, ``intake``,
+The sections live by component: ``base``, ``services``, ``inference``, ``rollout``, ``sandbox``, ``intake``,
 ``trainer``, ``evaluation`` and the ``group_filters`` entries; every name is importable from
 ``shared.settings`` as before.
 """
@@ -52,6 +52,7 @@ from shared.settings.rollout import (  # noqa: F401
     RolloutSettings,
     SamplingSettings,
 )
+from shared.settings.sandbox import DockerProviderSettings, DockerTLSSettings, SandboxProviderSettings, SandboxSettings  # noqa: F401
 from shared.settings.services import (  # noqa: F401
     LedgerSettings,
     LocalStorageSettings,
@@ -98,6 +99,7 @@ class Settings(BaseSettings):
     storage: StorageSettings = S3StorageSettings()
     inference: InferenceSettings = InferenceSettings()
     rollout: RolloutSettings = RolloutSettings()
+    sandbox: SandboxSettings = SandboxSettings()
     ledger: LedgerSettings = LedgerSettings()
     outage: OutageSettings = OutageSettings()
     intake: IntakeSettings = IntakeSettings()

@@ -1,0 +1,78 @@
+"""Which provider a sandbox runs on: built from the settings (``shared.settings.sandbox``), one per
+distinct setting, and chosen per environment.
+
+Invariants:
+- One provider (one client, one connection pool) per distinct provider setting in a process:
+  two environments naming the same host share it.
+- Until ``configure`` is called, every environment gets the local Docker daemon
+  (``client.default_client``: its socket or ``DOCKER_HOST``), as before providers existed.
+  The rollout worker calls ``configure(settings.sandbox)`` at start.
+- ``configured()`` lists every provider this process may create sandboxes on, so the janitor
+  sweeps each of them.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import docker
+from docker.tls import TLSConfig
+
+from shared.settings.sandbox import DockerProviderSettings, SandboxProviderSettings, SandboxSettings
+
+from .client import POOL_SIZE, TIMEOUT_S, default_client
+from .docker_provider import DockerProvider
+from .provider import SandboxProvider
+
+# Docker 20.10's API, which every daemon since accepts; what the isolation policy needs exists there
+REMOTE_API_VERSION = "1.41"
+_lock = threading.Lock()
+_settings = SandboxSettings()
+
+
+def configure(settings: SandboxSettings) -> None:
+    global _settings
+    with _lock:
+        _settings = settings
+
+
+def provider_for_environment(env_name: str) -> SandboxProvider:
+    return provider_from(_settings.provider_for(env_name))
+
+
+def default_provider() -> SandboxProvider:
+    return provider_from(_settings.provider)
+
+
+def configured() -> list[SandboxProvider]:
+    """Every provider the settings name, each once (the stack's first)."""
+    distinct = {s.model_dump_json(): s for s in (_settings.provider, *_settings.environments.values())}
+    return [provider_from(s) for s in distinct.values()]
+
+
+def provider_from(settings: SandboxProviderSettings) -> SandboxProvider:
+    return _cached(settings.model_dump_json())
+
+
+@functools.lru_cache(maxsize=None)
+def _cached(settings_json: str) -> SandboxProvider:
+    settings = DockerProviderSettings.model_validate_json(settings_json)
+    return DockerProvider(docker_client(settings))
+
+
+def docker_client(settings: DockerProviderSettings) -> docker.DockerClient:
+    """The daemon a docker provider setting names (mutual TLS when ``tls`` is set)."""
+    if settings.host is None:
+        return default_client()
+    tls = None
+    if settings.tls is not None:
+        tls = TLSConfig(client_cert=(str(settings.tls.client_cert), str(settings.tls.client_key)),
+                        ca_cert=str(settings.tls.ca_cert), verify=True)
+    # The API version is named, not asked for at construction: requests lets REQUESTS_CA_BUNDLE /
+    # CURL_CA_BUNDLE replace a session's CA (psf/requests#3829), so the client must stop reading
+    # the environment (trust_env) before its first request; the daemon's CA is the one to trust.
+    client = docker.DockerClient(base_url=settings.host, tls=tls, version=REMOTE_API_VERSION,
+                                 max_pool_size=POOL_SIZE, timeout=TIMEOUT_S)
+    client.api.trust_env = False
+    return client
