@@ -1,8 +1,8 @@
 """Settings of the sandbox providers: where sandboxes run, for the whole stack and per environment
 (``services.rollout_worker.sandbox.providers`` turns them into providers; docs/sandboxes.md).
 
-``sandbox.provider`` is a setting with modes, told apart by ``kind`` (only ``docker`` is built;
-a hosted provider adds its own section to the union). ``sandbox.environments`` names, per
+``sandbox.provider`` is a setting with modes, told apart by ``kind``: ``docker``, or ``none``
+(no sandboxes at all); a hosted provider adds its own section to the union. ``sandbox.environments`` names, per
 environment, a provider other than the stack's.
 
 Part of ``shared.settings`` (its docstring states the invariants every section keeps).
@@ -43,9 +43,16 @@ class DockerProviderSettings(Section):
         return self
 
 
+class NoSandboxProviderSettings(Section):
+    """No sandboxes: an environment that asks for one fails with a config error, and the janitor
+    has nothing to sweep there (a worker pool for text-only environments, with no daemon)."""
+
+    kind: Literal["none"] = "none"
+
+
 # kind names the variant, docker when it is left out (sandbox.provider: {host: ...} is a docker host)
-SandboxProviderSettings = Annotated[Union[DockerProviderSettings], Field(discriminator="kind"),
-                                    read_mode("kind", "docker")]
+SandboxProviderSettings = Annotated[Union[DockerProviderSettings, NoSandboxProviderSettings],
+                                    Field(discriminator="kind"), read_mode("kind", "docker")]
 
 
 class SandboxSettings(Section):
@@ -53,5 +60,5 @@ class SandboxSettings(Section):
     # {environment name: provider}: that environment's sandboxes run there instead
     environments: dict[str, SandboxProviderSettings] = Field(default_factory=dict)
 
-    def provider_for(self, env_name: str) -> DockerProviderSettings:
+    def provider_for(self, env_name: str) -> DockerProviderSettings | NoSandboxProviderSettings:
         return self.environments.get(env_name, self.provider)

@@ -9,7 +9,7 @@ import tarfile
 
 import pytest
 
-from services.rollout_worker.sandbox import Sandbox, reap
+from services.rollout_worker.sandbox import Sandbox, SandboxConfigError, reap
 from services.rollout_worker.sandbox import providers
 from services.rollout_worker.sandbox.docker_provider import DockerProvider
 from services.rollout_worker.sandbox.provider import SandboxProvider
@@ -81,3 +81,16 @@ def test_a_sandbox_lives_and_is_reaped_through_the_provider_it_was_made_on(make_
         await sandbox.teardown()  # idempotent on a sandbox the janitor already removed
 
     asyncio.run(scenario())
+
+
+def test_an_environment_on_the_none_provider_gets_a_config_error_and_the_janitor_sweeps_only_real_ones(
+        make_spec, configured_providers, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_SANDBOX__ENVIRONMENTS", '{"qa": "none"}')
+    monkeypatch.setenv("CONVEYOR_SANDBOX__PROVIDER__KIND", "docker")
+    configured_providers(load_settings().sandbox)
+    none = providers.provider_for_environment("qa")
+    assert none.kind == "none" and providers.configured() == [providers.default_provider(), none]
+    assert none.list_sandboxes(["conveyor.trajectory_id"]) == []
+    with pytest.raises(SandboxConfigError, match="sandbox provider is 'none'") as raised:
+        asyncio.run(Sandbox.provision(make_spec(), provider=none))
+    assert raised.value.reason == "no_provider"

@@ -19,14 +19,18 @@ import threading
 import docker
 from docker.tls import TLSConfig
 
+from pydantic import TypeAdapter
+
 from shared.settings.sandbox import DockerProviderSettings, SandboxProviderSettings, SandboxSettings
 
 from .client import POOL_SIZE, TIMEOUT_S, default_client
 from .docker_provider import DockerProvider
+from .no_provider import NoSandboxProvider
 from .provider import SandboxProvider
 
 # Docker 20.10's API, which every daemon since accepts; what the isolation policy needs exists there
 REMOTE_API_VERSION = "1.41"
+_SETTINGS: TypeAdapter[SandboxProviderSettings] = TypeAdapter(SandboxProviderSettings)
 _lock = threading.Lock()
 _settings = SandboxSettings()
 
@@ -57,8 +61,10 @@ def provider_from(settings: SandboxProviderSettings) -> SandboxProvider:
 
 @functools.lru_cache(maxsize=None)
 def _cached(settings_json: str) -> SandboxProvider:
-    settings = DockerProviderSettings.model_validate_json(settings_json)
-    return DockerProvider(docker_client(settings))
+    settings = _SETTINGS.validate_json(settings_json)
+    if isinstance(settings, DockerProviderSettings):
+        return DockerProvider(docker_client(settings))
+    return NoSandboxProvider()
 
 
 def docker_client(settings: DockerProviderSettings) -> docker.DockerClient:
