@@ -155,6 +155,13 @@ def remove_container(api: APIClient, container_id: str) -> None:
             raise
 
 
+def tls_transport(api: APIClient) -> bool:
+    """Whether the daemon is reached over TLS: its attached socket would be an SSLSocket, which
+    asyncio cannot adopt, so commands go through ``exec_runner`` and PID 1 is never attached
+    (an attach closed again can close PID 1's stdin, and the sandbox with it)."""
+    return str(api.base_url).startswith("https://")
+
+
 def _raw_socket(attached) -> socket.socket | None:
     sock = getattr(attached, "_sock", attached)
     # Only a plain socket can be handed to asyncio; an SSLSocket (TLS DOCKER_HOST) cannot.
@@ -198,7 +205,7 @@ async def start_container(api: APIClient, spec: SandboxSpec, limiter: ProvisionL
     uid, gid = command_user(api, spec) if spec.user is not None else await run_blocking(command_user, api, spec)
     kwargs = create_kwargs(api, spec, name=name, now=time.time())
     async with limiter.slot():
-        job = submit(_create_attach_start, api, kwargs, spec.session)
+        job = submit(_create_attach_start, api, kwargs, spec.session and not tls_transport(api))
         try:
             container_id, sock = await asyncio.shield(asyncio.wrap_future(job))
         except asyncio.CancelledError:
