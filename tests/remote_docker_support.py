@@ -12,20 +12,23 @@ a mount namespace of its own, where the cgroup hierarchies are not mounted and d
 start ("Devices cgroup isn't mounted").
 
 Certificates (a CA, the daemon's for its address, the worker's) are made per session with
-openssl. ``remote_docker_host()`` yields the settings of a ``docker`` provider for it; on exit the
-daemon is stopped (its containers with it) and the namespace, link and directories are removed.
+openssl. ``remote_docker_host()`` yields a ``RemoteHost``: the settings of a ``docker`` provider
+for it, and ``lose()``, which kills the daemon as a lost host would vanish. On exit the daemon is
+stopped (its containers with it) and the namespace, link and directories are removed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import docker
@@ -34,6 +37,13 @@ import pytest
 from shared.settings.sandbox import DockerProviderSettings, DockerTLSSettings
 
 PORT = 2376
+_hosts = itertools.count()
+
+
+@dataclass(frozen=True)
+class RemoteHost:
+    settings: DockerProviderSettings
+    lose: Callable[[], None]  # SIGKILL the daemon: the host is gone
 
 
 def _run(*argv: str) -> None:
@@ -67,10 +77,10 @@ def _free_subnet() -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def remote_docker_host() -> Iterator[DockerProviderSettings]:
+def remote_docker_host() -> Iterator[RemoteHost]:
     if os.geteuid() != 0 or not all(shutil.which(t) for t in ("ip", "nsenter", "dockerd", "openssl")):
         pytest.skip("a namespaced second dockerd needs root, ip, nsenter, dockerd and openssl")
-    tag = f"cvr{os.getpid() % 100000}"
+    tag = f"cvr{os.getpid() % 100000}x{next(_hosts)}"  # at most 15 bytes with the link suffix
     netns, host_if, ns_if = tag, f"{tag}h", f"{tag}n"
     host_ip, daemon_ip = _free_subnet()
     root = Path(tempfile.mkdtemp(prefix="conveyor-remote-", dir="/tmp"))
@@ -97,10 +107,11 @@ def remote_docker_host() -> Iterator[DockerProviderSettings]:
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         settings = DockerProviderSettings(host=f"tcp://{daemon_ip}:{PORT}", tls=tls)
         _wait_until_up(root / "docker.sock", daemon, root / "dockerd.log")
-        yield settings
+        yield RemoteHost(settings, lambda: _kill(daemon))
     finally:
         if daemon is not None:
             _stop(daemon)
+        _kill_leftovers(root)  # a killed daemon leaves its containers' shims running
         subprocess.run(["ip", "link", "del", host_if], capture_output=True)
         subprocess.run(["ip", "netns", "del", netns], capture_output=True)
         _unmount_under(root)
@@ -120,6 +131,12 @@ def _wait_until_up(sock: Path, daemon: subprocess.Popen, log: Path, timeout_s: f
     raise RuntimeError(f"the namespaced dockerd did not answer in {timeout_s:.0f}s: {log.read_text()[-2000:]}")
 
 
+def _kill(daemon: subprocess.Popen | None) -> None:
+    if daemon is not None and daemon.poll() is None:
+        daemon.kill()
+        daemon.wait(10)
+
+
 def _stop(daemon: subprocess.Popen) -> None:
     daemon.send_signal(signal.SIGTERM)  # dockerd stops its containers and its containerd
     try:
@@ -127,6 +144,30 @@ def _stop(daemon: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(daemon.pid, signal.SIGKILL)
         daemon.wait(10)
+
+
+def _kill_leftovers(root: Path) -> None:
+    """SIGKILL the containerd shims of this daemon (their command line names its exec root) and
+    the sandbox processes under them."""
+    shims = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p).find(str(root)) >= 0]
+    children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) in shims]
+    for pid in children + shims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _parent(proc: Path) -> int:
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
 
 
 def _unmount_under(root: Path) -> None:

@@ -18,7 +18,8 @@ import requests.exceptions
 from docker.tls import TLSConfig
 from remote_docker_support import remote_docker_host
 
-from services.rollout_worker.sandbox import Sandbox, reap
+from services.rollout_worker.sandbox import Sandbox, SandboxInfraError, reap
+from services.rollout_worker.sandbox.docker_provider import DockerProvider
 from services.rollout_worker.sandbox import providers
 from services.rollout_worker.sandbox.images import ship_image
 from shared.settings.sandbox import DockerProviderSettings, SandboxSettings
@@ -30,7 +31,8 @@ pytestmark = [pytest.mark.docker, pytest.mark.timeout(180)]
 def remote(docker_client, busybox_image, sandbox_run_id):
     """(settings, provider) of the namespaced daemon, holding the busybox image; no container of
     this session may be left on it."""
-    with remote_docker_host() as settings:
+    with remote_docker_host() as host:
+        settings = host.settings
         provider = providers.provider_from(settings)
         image_id = ship_image(busybox_image, source=docker_client, target=provider.client)
         assert provider.client.images.get(busybox_image).id == image_id
@@ -131,3 +133,22 @@ def test_the_janitor_removes_the_sandbox_of_a_worker_killed_with_kill_9_on_the_r
                   is_terminal=lambda trajectory_id: trajectory_id == spec.labels.trajectory_id)
     assert [(r.container_id, r.why) for r in reaped] == [(container_id, "terminal")]
     assert provider.list_sandboxes(label) == []
+
+
+def test_a_host_lost_mid_episode_fails_its_commands_as_infra_errors(make_spec, docker_client, busybox_image):
+    with remote_docker_host() as host:
+        provider = DockerProvider(providers.docker_client(host.settings))  # not the shared one: it dies here
+        ship_image(busybox_image, source=docker_client, target=provider.client)
+
+        async def episode():
+            sandbox = await Sandbox.provision(make_spec(), provider=provider)
+            assert (await sandbox.exec("echo up")).output == "up\n"
+            host.lose()
+            with pytest.raises(SandboxInfraError) as raised:
+                await sandbox.exec("echo still there?")
+            with pytest.raises(SandboxInfraError):
+                await sandbox.teardown()
+            return raised.value
+
+        lost = asyncio.run(episode())
+    assert lost.reason == "daemon_unreachable"

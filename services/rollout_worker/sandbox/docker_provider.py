@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import docker
 import docker.errors
+import requests.exceptions
 
 from .blocking import run_blocking
 from .deployment import StartedContainer, remove_container, start_container
@@ -26,7 +27,9 @@ from .workspace import copy_in
 
 class DockerProvider:
     kind = "docker"
-    client_errors: tuple[type[BaseException], ...] = (docker.errors.DockerException,)
+    # a daemon gone mid-episode raises requests' ConnectionError, which the SDK does not wrap
+    client_errors: tuple[type[BaseException], ...] = (docker.errors.DockerException,
+                                                      requests.exceptions.RequestException)
 
     def __init__(self, client: docker.DockerClient):
         self.client = client
