@@ -15,7 +15,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, model_validator
 
-from shared.settings.base import Section, read_mode
+from shared.settings.base import Float, Int, Section, read_mode
 
 
 class DockerTLSSettings(Section):
@@ -32,6 +32,9 @@ class DockerProviderSettings(Section):
     kind: Literal["docker"] = "docker"
     host: str | None = None  # unix:///var/run/docker.sock, tcp://10.0.0.7:2376, ...
     tls: DockerTLSSettings | None = None
+    # this daemon's rate limit on container creation, per worker process (sandbox.limiter)
+    max_concurrent_creates: Int = Field(8, gt=0)
+    min_create_interval_s: Float = Field(0.01, ge=0)
 
     @model_validator(mode="after")
     def _tcp_needs_tls(self) -> DockerProviderSettings:

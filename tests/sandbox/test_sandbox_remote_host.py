@@ -152,3 +152,20 @@ def test_a_host_lost_mid_episode_fails_its_commands_as_infra_errors(make_spec, d
 
         lost = asyncio.run(episode())
     assert lost.reason == "daemon_unreachable"
+
+
+def test_each_host_has_its_own_rate_limit_on_creation(remote, make_spec):
+    settings, _ = remote
+    remote_one_at_a_time = providers.provider_from(settings.model_copy(update={"max_concurrent_creates": 1}))
+    local_two = providers.provider_from(DockerProviderSettings(host="unix:///var/run/docker.sock",
+                                                               max_concurrent_creates=2))
+    assert remote_one_at_a_time.limiter is not local_two.limiter
+
+    async def burst():
+        sandboxes = await asyncio.gather(*(Sandbox.provision(make_spec(), provider=p)
+                                           for p in [remote_one_at_a_time] * 4 + [local_two] * 4))
+        await asyncio.gather(*(s.teardown() for s in sandboxes))
+
+    asyncio.run(burst())
+    assert remote_one_at_a_time.limiter.peak_in_flight == 1
+    assert local_two.limiter.peak_in_flight == 2  # four creates at once, two at a time

@@ -17,7 +17,7 @@ from .blocking import run_blocking
 from .deployment import StartedContainer, remove_container, start_container
 from .errors import SandboxError, classify_docker_error
 from .exec_runner import ExecRunner
-from .limiter import ProvisionLimiter
+from .limiter import DEFAULT_LIMITER, ProvisionLimiter
 from .protocol import KILL_SIGNAL
 from .provider import ListedSandbox, SandboxHandle, SandboxSession
 from .session import ShellSession
@@ -31,8 +31,9 @@ class DockerProvider:
     client_errors: tuple[type[BaseException], ...] = (docker.errors.DockerException,
                                                       requests.exceptions.RequestException)
 
-    def __init__(self, client: docker.DockerClient):
+    def __init__(self, client: docker.DockerClient, limiter: ProvisionLimiter | None = None):
         self.client = client
+        self.limiter = limiter or DEFAULT_LIMITER
 
     def __repr__(self) -> str:
         return f"DockerProvider({self.client.api.base_url})"

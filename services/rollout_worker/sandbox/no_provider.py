@@ -5,7 +5,7 @@ healthy. For worker pools that serve text-only environments and reach no daemon.
 from __future__ import annotations
 
 from .errors import SandboxConfigError, SandboxError
-from .limiter import ProvisionLimiter
+from .limiter import DEFAULT_LIMITER, ProvisionLimiter
 from .provider import ListedSandbox, SandboxHandle, SandboxSession
 from .spec import SandboxSpec
 
@@ -13,6 +13,7 @@ from .spec import SandboxSpec
 class NoSandboxProvider:
     kind = "none"
     client_errors: tuple[type[BaseException], ...] = ()
+    limiter = DEFAULT_LIMITER  # never used: nothing is created
 
     def __repr__(self) -> str:
         return "NoSandboxProvider()"

@@ -63,6 +63,7 @@ class ListedSandbox:
 @runtime_checkable
 class SandboxProvider(Protocol):
     kind: str  # the settings' tag (shared.settings.sandbox): "docker", ...
+    limiter: ProvisionLimiter  # its own rate limit on creation (per host), unless a caller brings one
     # the provider client's own exception types: what ``classify`` turns into SandboxErrors
     client_errors: tuple[type[BaseException], ...]
 

@@ -25,6 +25,7 @@ from shared.settings.sandbox import DockerProviderSettings, SandboxProviderSetti
 
 from .client import POOL_SIZE, TIMEOUT_S, default_client
 from .docker_provider import DockerProvider
+from .limiter import DEFAULT_LIMITER, ProvisionLimiter
 from .no_provider import NoSandboxProvider
 from .provider import SandboxProvider
 
@@ -63,8 +64,18 @@ def provider_from(settings: SandboxProviderSettings) -> SandboxProvider:
 def _cached(settings_json: str) -> SandboxProvider:
     settings = _SETTINGS.validate_json(settings_json)
     if isinstance(settings, DockerProviderSettings):
-        return DockerProvider(docker_client(settings))
+        return DockerProvider(docker_client(settings), _limiter(settings))
     return NoSandboxProvider()
+
+
+def _limiter(settings: DockerProviderSettings) -> ProvisionLimiter:
+    """The host's own limit; the process-wide one for the local daemon at its defaults (as before
+    there were providers, so benchmarks and other callers share it)."""
+    defaults = DockerProviderSettings()
+    if settings.host is None and (settings.max_concurrent_creates, settings.min_create_interval_s) == (
+            defaults.max_concurrent_creates, defaults.min_create_interval_s):
+        return DEFAULT_LIMITER
+    return ProvisionLimiter(settings.max_concurrent_creates, settings.min_create_interval_s)
 
 
 def docker_client(settings: DockerProviderSettings) -> docker.DockerClient:

@@ -26,7 +26,7 @@ from . import files
 from .blocking import run_blocking
 from .docker_provider import DockerProvider
 from .errors import EpisodeTimeout, SandboxClosed, SandboxError, SandboxFileError, SandboxInfraError, SandboxLost
-from .limiter import DEFAULT_LIMITER, ProvisionLimiter
+from .limiter import ProvisionLimiter
 from .provider import SandboxHandle, SandboxProvider, SandboxSession
 from .providers import default_provider
 from .results import ExecResult, WorkspaceDiff
@@ -56,7 +56,7 @@ class Sandbox:
                         provider: SandboxProvider | None = None, client: docker.DockerClient | None = None,
                         limiter: ProvisionLimiter | None = None) -> Sandbox:
         """On ``provider``; else the docker provider on ``client``; else the process's default
-        provider (``providers.default_provider``)."""
+        provider (``providers.default_provider``). Rate-limited by ``limiter``, else the provider's."""
         provider = provider or _provider_for(client)
         clock = time.perf_counter()
         started: SandboxHandle | None = None
@@ -64,7 +64,7 @@ class Sandbox:
         step = "create"
         try:
             async with asyncio.timeout(spec.timeouts.provision_s):
-                started = await provider.create(spec, limiter or DEFAULT_LIMITER)
+                started = await provider.create(spec, limiter or provider.limiter)
                 step = "open the shell"
                 runner = await provider.open_session(spec, started)
                 sandbox = cls(spec, provider, started, runner)
