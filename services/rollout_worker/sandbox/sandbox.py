@@ -8,6 +8,8 @@ Invariants:
 - Every coroutine leaves the event loop free: the provider's calls do (``provider``).
 - After the episode deadline (``timeouts.episode_s`` from provisioning), commands raise
   ``EpisodeTimeout``; no command runs past it.
+- A sandbox whose shell is lost while its provider does not answer (the host is gone) raises
+  ``SandboxInfraError`` (``daemon_unreachable``), retried as an infra error, not ``SandboxLost``.
 - ``teardown`` is idempotent and completes the removal even if its caller is cancelled. Use
   ``async with await Sandbox.provision(spec) as sandbox:`` so it runs in ``finally``.
 """
@@ -148,6 +150,8 @@ class Sandbox:
             return await self._runner.run(command, timeout_s=timeout, as_root=as_root,
                                           max_output_bytes=max_output_bytes or self.spec.max_output_bytes)
         except SandboxLost as exc:
+            if not await self._host_answers():  # the host is gone, not the sandbox: retry elsewhere
+                raise SandboxInfraError(f"{exc}; its host does not answer", reason="daemon_unreachable") from exc
             state = await self.provider.describe_exit(self.container_id)
             reason = ("oom" if "OOMKilled" in state else
                       "pids_exhausted" if "can't fork" in str(exc) or "Cannot fork" in str(exc) else exc.reason)
@@ -155,6 +159,13 @@ class Sandbox:
             raise self._lost from exc
         except self.provider.client_errors as exc:
             raise self.provider.classify(exc, during="exec") from exc
+
+    async def _host_answers(self) -> bool:
+        try:
+            await run_blocking(self.provider.health)
+            return True
+        except Exception:
+            return False
 
     # -- files ---------------------------------------------------------------------------------
 
