@@ -166,7 +166,7 @@ def tls_transport(api: APIClient) -> bool:
 
 def _raw_socket(attached) -> socket.socket | None:
     sock = getattr(attached, "_sock", attached)
-    # Only a plain socket can be handed to asyncio; an SSLSocket (TLS DOCKER_HOST) cannot.
+    # Only a plain socket can be handed to asyncio; an SSLSocket cannot (TLS daemons: tls_attach).
     return sock if type(sock) is socket.socket else None
 
 

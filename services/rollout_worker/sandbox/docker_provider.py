@@ -2,8 +2,8 @@
 ``DOCKER_HOST``, or the daemon ``client_for`` reaches).
 
 The isolation policy and the container's lifecycle are ``deployment``'s; the stepping session is
-``session.ShellSession`` on the socket attached to PID 1 (``exec_runner`` when no plain socket can
-be had: ``spec.session=False``, or a TLS connection); files go in through one exec's stdin
+``session.ShellSession`` on the socket attached to PID 1 (over TLS, the streams ``tls_attach``
+opens; ``exec_runner`` with ``spec.session=False``); files go in through one exec's stdin
 (``workspace.copy_in``). Invariants: those of ``provider``.
 """
 
