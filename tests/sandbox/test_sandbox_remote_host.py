@@ -5,10 +5,12 @@ that ``sandbox.provider: {kind: docker, host: tcp://..., tls: ...}`` names."""
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import signal
 import subprocess
 import sys
+import tarfile
 import textwrap
 import time
 
@@ -41,6 +43,16 @@ def remote(docker_client, busybox_image, sandbox_run_id):
         assert not leftovers, f"sandboxes left on the remote host: {leftovers}"
 
 
+def _archive(files: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as archive:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
 async def _first_command_s(spec, provider) -> tuple[float, Sandbox]:
     start = time.perf_counter()
     sandbox = await Sandbox.provision(spec, provider=provider)
@@ -55,9 +67,11 @@ def test_a_sandbox_episode_runs_on_the_remote_host_isolated_as_on_the_local_one(
 
     async def episode():
         cold_s, sandbox = await _first_command_s(spec, provider)
+        await sandbox.teardown()
+        sandbox = await Sandbox.provision(spec, provider=provider, workspace=_archive({"seed.txt": b"from the worker\n"}))
         async with sandbox:
             await sandbox.write_file("notes.txt", "remote\n")
-            checks = await sandbox.exec("cat notes.txt; id -u; grep -c : /proc/net/dev; touch /x 2>&1 || echo ro; "
+            checks = await sandbox.exec("cat seed.txt notes.txt; id -u; grep -c : /proc/net/dev; touch /x 2>&1 || echo ro; "
                                         "ls /var/run/docker.sock 2>&1 || echo nosock")
             diff = await sandbox.diff()
             on_local = containers_of(spec.labels.trajectory_id)
@@ -69,7 +83,8 @@ def test_a_sandbox_episode_runs_on_the_remote_host_isolated_as_on_the_local_one(
         return cold_s, checks.output.splitlines(), diff, on_local, on_remote, sorted(round_trips)[2]
 
     cold_s, lines, diff, on_local, on_remote, round_trip_s = asyncio.run(episode())
-    assert lines[0:2] == ["remote", "65534"]
+    assert lines[0:3] == ["from the worker", "remote", "65534"]  # the workspace was copied in
+    lines = lines[1:]
     assert lines[2] == "1"  # one interface, loopback: no network
     assert lines[3].endswith("ro") or "Read-only" in lines[3]
     assert lines[-1] == "nosock"
