@@ -5,7 +5,7 @@ test fails until a bug is fixed (the coding-grader attacks; see ``shop_task``).
 Every container is labelled ``conveyor.run_id=<RUN_ID>``; the session finalizer fails the run
 if one is left behind.
 
-With ``CONVEYOR_TEST_SANDBOX_HOST=namespaced`` the whole suite runs against a second dockerd
+With ``SECURITY_SANDBOX_HOST=namespaced`` the whole suite runs against a second dockerd
 reached over TCP with mutual TLS (``remote_docker_support``): it is the process's default sandbox
 provider, ``docker_client`` is its client, and the images are built here and shipped by id.
 """
@@ -28,7 +28,7 @@ from security_support import DISCOUNT_TEST, F2P, HIDDEN_TEST, P2P, RUN_ID, SHOP,
 RUN_LABEL = f"conveyor.run_id={RUN_ID}"
 
 
-REMOTE = os.environ.get("CONVEYOR_TEST_SANDBOX_HOST") == "namespaced"
+REMOTE = os.environ.get("SECURITY_SANDBOX_HOST") == "namespaced"
 
 
 @pytest.fixture(scope="session")
