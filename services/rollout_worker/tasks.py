@@ -36,6 +36,7 @@ from services.rollout_worker.event_loop import background_loop
 from services.rollout_worker.in_flight import InFlight
 from services.rollout_worker.inference_client import InferenceClient
 from services.rollout_worker.runner import RolloutContext, run_requests
+from services.rollout_worker.sandbox.providers import configure as configure_sandbox_providers
 from services.rollout_worker.sandbox.worker_janitor import SandboxJanitor
 from services.rollout_worker.scoring_outbox import ScoringOutbox
 from shared.celery_app import make_celery, publish_rollouts, publish_rollouts_by_group, publish_scoring
@@ -60,6 +61,7 @@ def _context() -> RolloutContext:
     global _ctx
     with _ctx_lock:
         if _ctx is None:
+            configure_sandbox_providers(settings.sandbox)  # where each environment's sandboxes run
             client = redis_for(settings.redis.url, settings.outage)  # waits out an outage of Redis
             ledger = Ledger(client, settings.ledger.dispatch_ttl_s)
             in_flight = InFlight()

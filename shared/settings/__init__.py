@@ -15,7 +15,8 @@ an import path that does not import (``intake.env_config.reward_fn``, a ``module
 (``group_size: true`` is an error, not 1); digits in a string still parse, as env vars need.
 
 A setting with modes (``storage``, ``inference.weight_sync``, ``trainer`` by ``trainer.mode``,
-each entry of ``trainer.group_filters``) is a discriminated union of sections: a field of another mode is
+``sandbox.provider``, each entry of ``trainer.group_filters``) is a discriminated union of
+sections: a field of another mode is
 refused with its place (``storage.local.bucket``), never ignored, and a mode no variant has
 names the mode's field (``storage.backend``). Older spellings still read: a mode alone as a
 string, a mapping without its mode (the default mode), and flat names a section folds
@@ -23,7 +24,7 @@ string, a mapping without its mode (the default mode), and flat names a section 
 only where no type can say it (nccl or delta with LoRA spans two sections; the eval split spans
 evaluation and intake).
 
-The sections live by component: ``base``, ``services``, ``inference``, ``rollout``, ``intake``,
+The sections live by component: ``base``, ``services``, ``inference``, ``rollout``, ``sandbox``, ``intake``,
 ``trainer``, ``evaluation`` and the ``group_filters`` entries; every name is importable from
 ``shared.settings`` as before.
 """
@@ -52,6 +53,7 @@ from shared.settings.rollout import (  # noqa: F401
     RolloutSettings,
     SamplingSettings,
 )
+from shared.settings.sandbox import DockerProviderSettings, DockerTLSSettings, SandboxProviderSettings, SandboxSettings  # noqa: F401
 from shared.settings.services import (  # noqa: F401
     LedgerSettings,
     LocalStorageSettings,
@@ -103,6 +105,7 @@ class Settings(BaseSettings):
     storage: StorageSettings = S3StorageSettings()
     inference: InferenceSettings = InferenceSettings()
     rollout: RolloutSettings = RolloutSettings()
+    sandbox: SandboxSettings = SandboxSettings()
     ledger: LedgerSettings = LedgerSettings()
     outage: OutageSettings = OutageSettings()
     intake: IntakeSettings = IntakeSettings()

@@ -4,11 +4,16 @@ test fails until a bug is fixed (the coding-grader attacks; see ``shop_task``).
 
 Every container is labelled ``conveyor.run_id=<RUN_ID>``; the session finalizer fails the run
 if one is left behind.
+
+With ``SECURITY_SANDBOX_HOST=namespaced`` the whole suite runs against a second dockerd
+reached over TCP with mutual TLS (``remote_docker_support``): it is the process's default sandbox
+provider, ``docker_client`` is its client, and the images are built here and shipped by id.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -17,29 +22,61 @@ from git_support import diff_of, git, write_files
 
 from services.rollout_worker.environments.coding import coding_task
 from services.rollout_worker.environments.coding.images import build_python_image
-from services.rollout_worker.sandbox.images import build_busybox_image
+from services.rollout_worker.sandbox.images import build_busybox_image, ship_image
 from security_support import DISCOUNT_TEST, F2P, HIDDEN_TEST, P2P, RUN_ID, SHOP, SharedSandbox, spec_for
 
 RUN_LABEL = f"conveyor.run_id={RUN_ID}"
 
 
+REMOTE = os.environ.get("SECURITY_SANDBOX_HOST") == "namespaced"
+
+
 @pytest.fixture(scope="session")
-def docker_client():
+def local_docker_client():
     with leak_checked_docker_client(RUN_LABEL, "security") as client:
         yield client
 
 
 @pytest.fixture(scope="session")
-def busybox_image(docker_client) -> str:
-    return build_busybox_image(docker_client)
+def docker_client(local_docker_client):
+    """The daemon the sandboxes run on: the local one, or the namespaced remote one."""
+    if not REMOTE:
+        yield local_docker_client
+        return
+    from remote_docker_support import remote_docker_host
+
+    from services.rollout_worker.sandbox import providers
+    from shared.settings.sandbox import SandboxSettings
+
+    with remote_docker_host() as host:
+        remote = providers.provider_from(host.settings)
+        providers.configure(SandboxSettings(provider=host.settings))
+        try:
+            yield remote.client
+        finally:
+            providers.configure(SandboxSettings())
+        leftovers = remote.list_sandboxes([RUN_LABEL])
+        assert not leftovers, f"sandboxes left on the remote host: {leftovers}"
+
+
+def _on_sandbox_host(tag: str, local, docker_client) -> str:
+    if docker_client is not local:
+        ship_image(tag, source=local, target=docker_client)
+    return tag
 
 
 @pytest.fixture(scope="session")
-def python_image(docker_client) -> str:
+def busybox_image(local_docker_client, docker_client) -> str:
+    return _on_sandbox_host(build_busybox_image(local_docker_client), local_docker_client, docker_client)
+
+
+@pytest.fixture(scope="session")
+def python_image(local_docker_client, docker_client) -> str:
     try:
-        return build_python_image(docker_client)
+        tag = build_python_image(local_docker_client)
     except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
         pytest.skip(f"cannot build the Python sandbox image (run images/python/build.sh): {exc}")
+    return _on_sandbox_host(tag, local_docker_client, docker_client)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Sandboxed containers for agent trajectories: one Docker container per trajectory.
+"""Sandboxed containers for agent trajectories: one container per trajectory, on a provider.
 
 Layout (in the spirit of SWE-ReX's Deployment/Runtime split):
 
@@ -7,6 +7,8 @@ Layout (in the spirit of SWE-ReX's Deployment/Runtime split):
 - ``protocol``    the shell line protocol (pure); ``session`` runs it over the attached socket;
                   ``exec_runner`` is the one-exec-per-command fallback.
 - ``sandbox``     ``Sandbox``: provision, exec, read/write/list files, diff, teardown.
+- ``provider``    the interface to where sandboxes run; ``docker_provider`` the Docker one;
+                  ``providers`` which provider each environment uses (``sandbox.provider``).
 - ``limiter``     provisioning rate limit; ``retry`` bounded retries of infra errors;
   ``janitor``     removal of its own stack's leaked or expired containers;
   ``images``      offline base images;
@@ -34,6 +36,7 @@ from .janitor import Reaped, reap
 from .limiter import DEFAULT_LIMITER, ProvisionLimiter
 from .results import ExecResult, WorkspaceDiff
 from .pool import WarmPool
+from .provider import SandboxProvider
 from .retry import provision_with_retry
 from .sandbox import Sandbox
 from .spec import Limits, NetworkPolicy, SandboxLabels, SandboxSpec, Timeouts
@@ -54,6 +57,7 @@ __all__ = [
     "SandboxInfraError",
     "SandboxLabels",
     "SandboxLost",
+    "SandboxProvider",
     "SandboxSpec",
     "Timeouts",
     "WarmPool",

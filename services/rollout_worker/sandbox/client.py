@@ -7,7 +7,10 @@ import functools
 
 import docker
 
+POOL_SIZE = 64
+TIMEOUT_S = 120
+
 
 @functools.lru_cache(maxsize=1)
 def default_client() -> docker.DockerClient:
-    return docker.from_env(max_pool_size=64, timeout=120)
+    return docker.from_env(max_pool_size=POOL_SIZE, timeout=TIMEOUT_S)

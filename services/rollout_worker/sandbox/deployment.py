@@ -30,6 +30,7 @@ from docker.types import LogConfig, Ulimit
 
 from shared.stack_id import LABEL_STACK
 
+from . import tls_attach
 from .blocking import run_blocking, submit
 from .errors import SandboxConfigError
 from .limiter import ProvisionLimiter
@@ -48,7 +49,8 @@ LABEL_TTL = "conveyor.ttl"
 class StartedContainer:
     id: str
     name: str
-    shell_socket: socket.socket | None  # stdin/stdout of PID 1, or None: use exec_runner
+    # stdin/stdout of PID 1 (a socket, or asyncio streams over TLS: tls_attach), or None: use exec_runner
+    shell_socket: socket.socket | tuple[asyncio.StreamReader, asyncio.StreamWriter] | None
     uid: int = 65534  # what commands run as
     gid: int = 65534
 
@@ -155,13 +157,20 @@ def remove_container(api: APIClient, container_id: str) -> None:
             raise
 
 
+def tls_transport(api: APIClient) -> bool:
+    """Whether the daemon is reached over TLS: the SDK's attached socket would be an SSLSocket,
+    which asyncio cannot adopt, so ``tls_attach`` attaches instead (never the SDK: an attach
+    closed again can close PID 1's stdin, and the sandbox with it)."""
+    return str(api.base_url).startswith("https://")
+
+
 def _raw_socket(attached) -> socket.socket | None:
     sock = getattr(attached, "_sock", attached)
-    # Only a plain socket can be handed to asyncio; an SSLSocket (TLS DOCKER_HOST) cannot.
+    # Only a plain socket can be handed to asyncio; an SSLSocket cannot (TLS daemons: tls_attach).
     return sock if type(sock) is socket.socket else None
 
 
-def _create_attach_start(api: APIClient, kwargs: dict, attach: bool) -> tuple[str, socket.socket | None]:
+def _create_attach_start(api: APIClient, kwargs: dict, attach: bool, *, start: bool = True) -> tuple[str, socket.socket | None]:
     container_id = api.create_container(**kwargs)["Id"]
     sock = None
     try:
@@ -170,7 +179,8 @@ def _create_attach_start(api: APIClient, kwargs: dict, attach: bool) -> tuple[st
             sock = _raw_socket(attached)
             if sock is None:
                 attached.close()
-        api.start(container_id)
+        if start:
+            api.start(container_id)
         return container_id, sock
     except BaseException:
         if sock is not None:
@@ -197,11 +207,28 @@ async def start_container(api: APIClient, spec: SandboxSpec, limiter: ProvisionL
     name = container_name(spec)
     uid, gid = command_user(api, spec) if spec.user is not None else await run_blocking(command_user, api, spec)
     kwargs = create_kwargs(api, spec, name=name, now=time.time())
+    tls = tls_transport(api)
     async with limiter.slot():
-        job = submit(_create_attach_start, api, kwargs, spec.session)
+        job = submit(_create_attach_start, api, kwargs, spec.session and not tls, start=not (spec.session and tls))
         try:
             container_id, sock = await asyncio.shield(asyncio.wrap_future(job))
         except asyncio.CancelledError:
             job.add_done_callback(_discard_when_created(api))
             raise
-    return StartedContainer(id=container_id, name=name, shell_socket=sock, uid=uid, gid=gid)
+        shell = await _attach_tls_and_start(api, container_id) if spec.session and tls else sock
+    return StartedContainer(id=container_id, name=name, shell_socket=shell, uid=uid, gid=gid)
+
+
+async def _attach_tls_and_start(api: APIClient, container_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Over TLS: attach (asyncio-native), then start; on any failure or cancellation the container
+    is removed (in the docker pool, finishing even if nobody awaits it)."""
+    streams = None
+    try:
+        streams = await tls_attach.attach(api, container_id)
+        await run_blocking(api.start, container_id)
+        return streams
+    except BaseException:
+        if streams is not None:
+            streams[1].close()
+        submit(remove_container, api, container_id)
+        raise

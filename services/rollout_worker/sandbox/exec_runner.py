@@ -1,7 +1,7 @@
 """Commands as one ``docker exec`` each: the fallback when no shell session is attached.
 
 Used when the spec asks for it (``session=False``), when the daemon's socket cannot be used
-asynchronously (TLS ``DOCKER_HOST``), and by the benchmark as the baseline. Slower (one exec,
+asynchronously, and by the benchmark as the baseline. Slower (one exec,
 ~50 ms, per command) and the working directory does not carry over between commands.
 
 Invariant: same contract as ``ShellSession.run``: bounded kept output, and a call returns within

@@ -3,7 +3,8 @@
 Invariant: a tag names exactly one recipe: ``repository:<sha256 of every input>[:12]`` (the
 Dockerfile and files beside it, the busybox binary, the extra CA bundle, the debootstrap
 arguments). An image whose tag exists is reused, never rebuilt; a changed input gives a new tag.
-Nothing is pulled from a registry. Blocking: call from async code through ``run_blocking``.
+Nothing is pulled from a registry: another daemon gets an image from this one (``ship_image``,
+by image id). Blocking: call from async code through ``run_blocking``.
 Every image Conveyor builds carries ``image_labels``: its kind (``conveyor.image``) and the stack
 that built it (``conveyor.stack``, ``shared.stack_id``); a tag reused by another stack keeps
 the label of the stack that built it, and only that stack's pruning may remove it.
@@ -134,3 +135,22 @@ def _finish_rootfs(root: Path, ca: bytes) -> None:
         for entry in (root / cache).glob("*"):
             if entry.is_file():
                 entry.unlink()
+
+
+def ship_image(tag: str, *, source: docker.DockerClient, target: docker.DockerClient) -> str:
+    """Make ``tag`` on ``source`` available under the same tag on ``target`` (another daemon),
+    keyed by content: the image id (the sha256 of its config) is what is compared, so an image
+    the target already holds is only tagged, never sent again, and a tag that names other content
+    there is moved to this one. Otherwise ``docker save`` is streamed into ``docker load``; the
+    id the target then holds must be the source's. Returns the id. Blocking."""
+    image = source.images.get(tag)
+    if not image_exists(target, image.id):
+        target.images.load(image.save(named=True))
+        held = target.images.get(tag)
+        if held.id != image.id:
+            raise RuntimeError(f"{tag} arrived as {held.id}, not {image.id}")
+    held = target.images.get(image.id)
+    if tag not in held.tags:
+        repository, _, version = tag.rpartition(":")
+        held.tag(repository, version)
+    return image.id

@@ -1,4 +1,5 @@
-"""The janitor: removes sandbox containers that outlived their owner.
+"""The janitor: removes sandbox containers that outlived their owner, on one provider (``provider``:
+its list-and-remove; a ``docker.DockerClient`` is the docker provider on that daemon).
 
 Invariants:
 - It only ever touches containers of its own stack: those carrying ``conveyor.trajectory_id``
@@ -20,13 +21,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import docker
 
 from shared.stack_id import LABEL_STACK, stack_label
 
-from .deployment import LABEL_CREATED_AT, LABEL_RUN_ID, LABEL_TRAJECTORY_ID, LABEL_TTL, remove_container
+from .deployment import LABEL_CREATED_AT, LABEL_RUN_ID, LABEL_TRAJECTORY_ID, LABEL_TTL
+from .docker_provider import DockerProvider
+from .provider import SandboxProvider
 
 log = logging.getLogger(__name__)
 
@@ -38,30 +41,34 @@ class Reaped:
     why: str  # "expired", "terminal" or "unlabelled"
 
 
-def reap(client: docker.DockerClient, *, stack_id: str, is_terminal: Callable[[str], bool] | None = None,
+def reap(where: SandboxProvider | docker.DockerClient, *, stack_id: str, is_terminal: Callable[[str], bool] | None = None,
          run_id: str | None = None, now: float | None = None) -> list[Reaped]:
+    provider = _as_provider(where)
     now = time.time() if now is None else now
     label_filter = [LABEL_TRAJECTORY_ID, stack_label(stack_id)] + ([f"{LABEL_RUN_ID}={run_id}"] if run_id else [])
     reaped = []
-    for info in client.api.containers(all=True, filters={"label": label_filter}):
-        labels = info.get("Labels") or {}
-        trajectory_id = labels.get(LABEL_TRAJECTORY_ID, "")
-        why = _why_reap(labels, trajectory_id, now, is_terminal)
+    for listed in provider.list_sandboxes(label_filter):
+        trajectory_id = listed.labels.get(LABEL_TRAJECTORY_ID, "")
+        why = _why_reap(listed.labels, trajectory_id, now, is_terminal)
         if why is None:
             continue
-        remove_container(client.api, info["Id"])
-        log.info("janitor of stack %s removed %s (trajectory %s): %s", stack_id, info["Id"][:12], trajectory_id, why)
-        reaped.append(Reaped(info["Id"], trajectory_id, why))
+        provider.remove_now(listed.id)
+        log.info("janitor of stack %s removed %s (trajectory %s): %s", stack_id, listed.id[:12], trajectory_id, why)
+        reaped.append(Reaped(listed.id, trajectory_id, why))
     return reaped
 
 
-def legacy_sandboxes(client: docker.DockerClient) -> list[str]:
+def legacy_sandboxes(where: SandboxProvider | docker.DockerClient) -> list[str]:
     """Ids of sandbox containers without a ``conveyor.stack`` label, which no janitor removes."""
-    return [info["Id"] for info in client.api.containers(all=True, filters={"label": LABEL_TRAJECTORY_ID})
-            if LABEL_STACK not in (info.get("Labels") or {})]
+    return [listed.id for listed in _as_provider(where).list_sandboxes([LABEL_TRAJECTORY_ID])
+            if LABEL_STACK not in listed.labels]
 
 
-def _why_reap(labels: dict[str, str], trajectory_id: str, now: float,
+def _as_provider(where: SandboxProvider | docker.DockerClient) -> SandboxProvider:
+    return DockerProvider(where) if isinstance(where, docker.DockerClient) else where
+
+
+def _why_reap(labels: Mapping[str, str], trajectory_id: str, now: float,
               is_terminal: Callable[[str], bool] | None) -> str | None:
     try:
         expires = float(labels[LABEL_CREATED_AT]) + float(labels[LABEL_TTL])

@@ -1,7 +1,9 @@
 """Rate limit on container creation, so a burst of provisions cannot topple the daemon.
 
-Invariant: at most ``max_concurrent`` create+start calls are in flight per process, and two
-starts are at least ``min_interval_s`` apart. The limiter is process-wide and loop-agnostic
+Invariant: at most ``max_concurrent`` create+start calls are in flight per limiter, and two
+starts are at least ``min_interval_s`` apart. Each sandbox host has its own limiter in a process
+(``providers``: ``max_concurrent_creates`` of its settings); the local daemon at the default
+settings has ``DEFAULT_LIMITER``, as before there were hosts. The limiter is process-wide and loop-agnostic
 (thread-safe counters, async waiting), because a worker may run one event loop per thread;
 waiting never blocks a thread.
 """

@@ -19,16 +19,18 @@ import asyncio
 import uuid
 
 from .limiter import ProvisionLimiter
+from .provider import SandboxProvider
 from .retry import provision_with_retry
 from .sandbox import Sandbox
 from .spec import SandboxSpec
 
 
 class WarmPool:
-    def __init__(self, spec: SandboxSpec, size: int, *, limiter: ProvisionLimiter | None = None):
+    def __init__(self, spec: SandboxSpec, size: int, *, limiter: ProvisionLimiter | None = None,
+                 provider: SandboxProvider | None = None):
         if size < 0:
             raise ValueError("pool size must be >= 0")
-        self.spec, self.size, self.limiter = spec, size, limiter
+        self.spec, self.size, self.limiter, self.provider = spec, size, limiter, provider
         self._idle: list[Sandbox] = []
         self._refills: set[asyncio.Task] = set()
         self._closed = False
@@ -52,7 +54,7 @@ class WarmPool:
                 sandbox.assigned_to = trajectory_id
                 return sandbox
             await sandbox.teardown()
-        sandbox = await provision_with_retry(labelled, limiter=self.limiter)
+        sandbox = await provision_with_retry(labelled, limiter=self.limiter, provider=self.provider)
         sandbox.assigned_to = trajectory_id
         return sandbox
 
@@ -79,7 +81,7 @@ class WarmPool:
     async def _add_one(self) -> None:
         pooled = self.spec.for_trajectory(run_id=self.spec.labels.run_id, group_id="pool",
                                           trajectory_id=f"pool-{uuid.uuid4().hex[:12]}")
-        sandbox = await provision_with_retry(pooled, limiter=self.limiter)
+        sandbox = await provision_with_retry(pooled, limiter=self.limiter, provider=self.provider)
         sandbox.assigned_to = None
         if self._closed:
             await sandbox.teardown()

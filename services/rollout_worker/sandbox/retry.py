@@ -14,6 +14,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, sto
 
 from .errors import SandboxInfraError
 from .limiter import ProvisionLimiter
+from .provider import SandboxProvider
 from .sandbox import Sandbox
 from .spec import SandboxSpec
 from .workspace import WorkspaceSource
@@ -27,7 +28,8 @@ def _log_retry(state: RetryCallState) -> None:
 
 
 async def provision_with_retry(spec: SandboxSpec, *, workspace: WorkspaceSource | None = None,
-                               client: docker.DockerClient | None = None, limiter: ProvisionLimiter | None = None,
+                               provider: SandboxProvider | None = None, client: docker.DockerClient | None = None,
+                               limiter: ProvisionLimiter | None = None,
                                attempts: int = 3, backoff_initial_s: float = 0.5,
                                backoff_max_s: float = 8.0) -> Sandbox:
     async for attempt in AsyncRetrying(
@@ -38,5 +40,6 @@ async def provision_with_retry(spec: SandboxSpec, *, workspace: WorkspaceSource 
         reraise=True,
     ):
         with attempt:
-            return await Sandbox.provision(spec, workspace=workspace, client=client, limiter=limiter)
+            return await Sandbox.provision(spec, workspace=workspace, provider=provider, client=client,
+                                               limiter=limiter)
     raise AssertionError("unreachable: tenacity re-raises the last error")

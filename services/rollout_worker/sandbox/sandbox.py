@@ -1,13 +1,15 @@
-"""One trajectory's sandbox: provision, exec, files, workspace diff, teardown.
+"""One trajectory's sandbox: provision, exec, files, workspace diff, teardown, on any provider
+(``provider``; the local Docker daemon unless told).
 
 Invariants:
 - ``Sandbox.provision`` either returns a sandbox whose shell answers, or removes what it created
   and raises a ``SandboxError`` (infra errors are retryable: see ``retry.provision_with_retry``).
   It takes at most ``timeouts.provision_s``.
-- Every coroutine leaves the event loop free: docker SDK calls run on the ``blocking`` pool, the
-  shell session is asyncio-native.
+- Every coroutine leaves the event loop free: the provider's calls do (``provider``).
 - After the episode deadline (``timeouts.episode_s`` from provisioning), commands raise
   ``EpisodeTimeout``; no command runs past it.
+- A sandbox whose shell is lost while its provider does not answer (the host is gone) raises
+  ``SandboxInfraError`` (``daemon_unreachable``), retried as an infra error, not ``SandboxLost``.
 - ``teardown`` is idempotent and completes the removal even if its caller is cancelled. Use
   ``async with await Sandbox.provision(spec) as sandbox:`` so it runs in ``finally``.
 """
@@ -24,35 +26,24 @@ from shared.prometheus import SANDBOX_PROVISION_SECONDS
 
 from . import files
 from .blocking import run_blocking
-from .client import default_client
-from .deployment import StartedContainer, remove_container, start_container
-from .errors import (
-    EpisodeTimeout,
-    SandboxClosed,
-    SandboxError,
-    SandboxFileError,
-    SandboxInfraError,
-    SandboxLost,
-    classify_docker_error,
-)
-from .exec_runner import ExecRunner
-from .limiter import DEFAULT_LIMITER, ProvisionLimiter
-from .protocol import KILL_SIGNAL
+from .docker_provider import DockerProvider
+from .errors import EpisodeTimeout, SandboxClosed, SandboxError, SandboxFileError, SandboxInfraError, SandboxLost
+from .limiter import ProvisionLimiter
+from .provider import SandboxHandle, SandboxProvider, SandboxSession
+from .providers import default_provider
 from .results import ExecResult, WorkspaceDiff
-from .session import ShellSession
 from .spec import SandboxSpec
-from .workspace import WorkspaceSource, copy_in, pack
+from .workspace import WorkspaceSource, pack
 
 log = logging.getLogger(__name__)
 
 
 class Sandbox:
-    def __init__(self, spec: SandboxSpec, client: docker.DockerClient, container: StartedContainer,
-                 runner: ShellSession | ExecRunner):
+    def __init__(self, spec: SandboxSpec, provider: SandboxProvider, handle: SandboxHandle, runner: SandboxSession):
         self.spec = spec
-        self.container_id = container.id
-        self.name = container.name
-        self._client = client
+        self.container_id = handle.id  # the provider's id of the sandbox (a container's, for docker)
+        self.name = handle.name
+        self.provider = provider
         self._runner = runner
         self._deadline = time.monotonic() + spec.timeouts.episode_s
         self.assigned_to: str | None = spec.labels.trajectory_id  # differs for pooled sandboxes (pool.py)
@@ -64,42 +55,43 @@ class Sandbox:
 
     @classmethod
     async def provision(cls, spec: SandboxSpec, *, workspace: WorkspaceSource | None = None,
-                        client: docker.DockerClient | None = None,
+                        provider: SandboxProvider | None = None, client: docker.DockerClient | None = None,
                         limiter: ProvisionLimiter | None = None) -> Sandbox:
-        client = client or default_client()
+        """On ``provider``; else the docker provider on ``client``; else the process's default
+        provider (``providers.default_provider``). Rate-limited by ``limiter``, else the provider's."""
+        provider = provider or _provider_for(client)
         clock = time.perf_counter()
-        started: StartedContainer | None = None
-        runner: ShellSession | ExecRunner | None = None
+        started: SandboxHandle | None = None
+        runner: SandboxSession | None = None
         step = "create"
         try:
             async with asyncio.timeout(spec.timeouts.provision_s):
-                started = await start_container(client.api, spec, limiter or DEFAULT_LIMITER)
+                started = await provider.create(spec, limiter or provider.limiter)
                 step = "open the shell"
-                runner = await _open_runner(client, spec, started)
-                sandbox = cls(spec, client, started, runner)
+                runner = await provider.open_session(spec, started)
+                sandbox = cls(spec, provider, started, runner)
                 if workspace is not None:
                     step = "copy the workspace in"
                     archive = await run_blocking(pack, workspace)
-                    await run_blocking(copy_in, client.api, started.id, archive, dest=spec.workspace_dir,
-                                       user=spec.user)
+                    await provider.copy_in(started, archive, dest=spec.workspace_dir, user=spec.user)
                     sandbox._baseline = await sandbox._manifest()
                 SANDBOX_PROVISION_SECONDS.observe(time.perf_counter() - clock)
                 return sandbox
         except BaseException as exc:
             if started is not None:
                 try:
-                    await _discard(client, started.id, runner)
+                    await _discard(provider, started.id, runner)
                 except Exception as cleanup_exc:  # the janitor removes it after its TTL
                     log.warning("could not remove %s after a failed provision: %s", started.name, cleanup_exc)
             if isinstance(exc, TimeoutError):
                 raise SandboxInfraError(f"provisioning took longer than {spec.timeouts.provision_s:.0f}s (at: {step})",
                                         reason="provision_timeout") from exc
             if isinstance(exc, SandboxLost) and started is not None:
-                state = await _describe_exit(client, started.id)
+                state = await provider.describe_exit(started.id)
                 reason = "oom_during_setup" if "OOMKilled" in state else "died_during_setup"
                 raise SandboxInfraError(f"the sandbox died during setup ({step}): {state}", reason=reason) from exc
             if isinstance(exc, Exception):
-                raise classify_docker_error(exc, during=step) from exc
+                raise provider.classify(exc, during=step) from exc
             raise
 
     async def teardown(self) -> None:
@@ -107,10 +99,10 @@ class Sandbox:
             return
         self._closed = True
         try:
-            await _discard(self._client, self.container_id, self._runner)
-        except docker.errors.DockerException as exc:
+            await _discard(self.provider, self.container_id, self._runner)
+        except self.provider.client_errors as exc:
             during = f"teardown of {self.name} (the janitor removes it after its TTL)"
-            raise classify_docker_error(exc, during=during) from exc
+            raise self.provider.classify(exc, during=during) from exc
 
     async def __aenter__(self) -> Sandbox:
         return self
@@ -158,13 +150,22 @@ class Sandbox:
             return await self._runner.run(command, timeout_s=timeout, as_root=as_root,
                                           max_output_bytes=max_output_bytes or self.spec.max_output_bytes)
         except SandboxLost as exc:
-            state = await _describe_exit(self._client, self.container_id)
+            if not await self._host_answers():  # the host is gone, not the sandbox: retry elsewhere
+                raise SandboxInfraError(f"{exc}; its host does not answer", reason="daemon_unreachable") from exc
+            state = await self.provider.describe_exit(self.container_id)
             reason = ("oom" if "OOMKilled" in state else
                       "pids_exhausted" if "can't fork" in str(exc) or "Cannot fork" in str(exc) else exc.reason)
             self._lost = SandboxLost(f"{exc} ({state})", reason=reason)
             raise self._lost from exc
-        except docker.errors.DockerException as exc:
-            raise classify_docker_error(exc, during="exec") from exc
+        except self.provider.client_errors as exc:
+            raise self.provider.classify(exc, during="exec") from exc
+
+    async def _host_answers(self) -> bool:
+        try:
+            await run_blocking(self.provider.health)
+            return True
+        except Exception:
+            return False
 
     # -- files ---------------------------------------------------------------------------------
 
@@ -206,38 +207,20 @@ class Sandbox:
         return files.parse_manifest(result.output)
 
 
-async def _open_runner(client: docker.DockerClient, spec: SandboxSpec,
-                       started: StartedContainer) -> ShellSession | ExecRunner:
-    if started.shell_socket is None:
-        return ExecRunner(client.api, started.id, user=f"{started.uid}:{started.gid}", env=spec.env,
-                          workdir=spec.workspace_dir,
-                          kill_grace_s=spec.timeouts.kill_grace_s, flood_bytes=spec.output_flood_bytes)
-
-    async def kill() -> None:
-        await run_blocking(client.api.kill, started.id, KILL_SIGNAL)
-
-    return await ShellSession.open(started.shell_socket, kill=kill, cwd=spec.workspace_dir,
-                                   kill_grace_s=spec.timeouts.kill_grace_s, flood_bytes=spec.output_flood_bytes,
-                                   ready_timeout_s=spec.timeouts.provision_s, uid=started.uid, gid=started.gid)
+def _provider_for(client: docker.DockerClient | None) -> SandboxProvider:
+    if client is not None:
+        return DockerProvider(client)
+    return default_provider()
 
 
-async def _discard(client: docker.DockerClient, container_id: str, runner: ShellSession | ExecRunner | None) -> None:
-    """Remove the container; the removal finishes even if the awaiting task is cancelled."""
-    removal = asyncio.ensure_future(run_blocking(remove_container, client.api, container_id))
+async def _discard(provider: SandboxProvider, sandbox_id: str, runner: SandboxSession | None) -> None:
+    """Remove the sandbox; the removal finishes even if the awaiting task is cancelled."""
+    removal = asyncio.ensure_future(provider.remove(sandbox_id))
     try:
         await asyncio.shield(removal)
     finally:
         if runner is not None:
             await runner.close()
-
-
-async def _describe_exit(client: docker.DockerClient, container_id: str) -> str:
-    try:
-        state = (await run_blocking(client.api.inspect_container, container_id))["State"]
-    except Exception as exc:
-        return f"container state unknown: {exc}"
-    flags = ["OOMKilled"] if state.get("OOMKilled") else []
-    return f"status={state.get('Status')} exit={state.get('ExitCode')} {' '.join(flags)}".strip()
 
 
 def _file_error(op: str, path: str, result: ExecResult) -> SandboxError:

@@ -62,11 +62,11 @@ class ShellSession:
         self._task = asyncio.create_task(self._read_loop(), name="conveyor-shell-reader")
 
     @classmethod
-    async def open(cls, sock: socket.socket, *, kill: Kill, cwd: str, kill_grace_s: float, flood_bytes: int,
+    async def open(cls, sock: socket.socket | tuple[asyncio.StreamReader, asyncio.StreamWriter], *, kill: Kill, cwd: str, kill_grace_s: float, flood_bytes: int,
                    ready_timeout_s: float, uid: int, gid: int) -> ShellSession:
-        """Wrap an attached socket whose peer is a fresh root ``sh``; returns once the shell answers.
-        Commands run as ``uid:gid``."""
-        reader, writer = await asyncio.open_connection(sock=sock)
+        """Wrap an attached socket (or the streams of one, ``tls_attach``) whose peer is a fresh root
+        ``sh``; returns once the shell answers. Commands run as ``uid:gid``."""
+        reader, writer = sock if isinstance(sock, tuple) else await asyncio.open_connection(sock=sock)
         session = cls(reader, writer, kill=kill, cwd=cwd, kill_grace_s=kill_grace_s, flood_bytes=flood_bytes,
                       uid=uid, gid=gid)
         try:

@@ -1,4 +1,5 @@
-"""The rollout worker's sandbox janitor: removes sandbox containers nobody owns any more.
+"""The rollout worker's sandbox janitor: removes sandbox containers nobody owns any more, on every
+sandbox provider the worker's settings name (``providers.configured``).
 
 Invariants:
 - A container is removed only if it belongs to this worker's stack (``conveyor.stack``, see
@@ -12,10 +13,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 from shared.state.leases import loop_thread
 from shared.state.ledger import Ledger
 from shared.stack_id import current_stack_id
+
+if TYPE_CHECKING:
+    from services.rollout_worker.sandbox.provider import SandboxProvider
 
 log = logging.getLogger(__name__)
 
@@ -39,25 +44,38 @@ class SandboxJanitor:
         return state is not None and state != "running"
 
     def sweep(self) -> int:
-        import docker
+        """One pass over every provider this worker may create sandboxes on (``providers.configured``);
+        one that does not answer is skipped this time. None answers: the janitor says so and stops."""
+        from services.rollout_worker.sandbox.providers import configured
 
-        from services.rollout_worker.sandbox.client import default_client
-        from services.rollout_worker.sandbox.janitor import legacy_sandboxes, reap
-
+        answering, reason = [], None
         try:
-            client = default_client()
-            client.ping()
-        except docker.errors.DockerException as exc:
-            log.info("sandbox janitor idle: no Docker daemon (%s)", exc)
+            providers = configured()
+        except Exception as exc:  # the local daemon's client cannot even be made: no socket
+            providers, reason = [], exc
+        for provider in providers:
+            try:
+                provider.health()
+                answering.append(provider)
+            except Exception as exc:
+                reason = exc
+                log.info("sandbox janitor skips %r: it does not answer (%s)", provider, exc)
+        if not answering:
+            log.info("sandbox janitor idle: no sandbox provider answers, no Docker daemon (%s)", reason)
             self._stop.set()
             return 0
+        return sum(self._sweep_one(provider) for provider in answering)
+
+    def _sweep_one(self, provider: SandboxProvider) -> int:
+        from services.rollout_worker.sandbox.janitor import legacy_sandboxes, reap
+
         if not self._legacy_reported:
             self._legacy_reported = True
-            if legacy := legacy_sandboxes(client):
+            if legacy := legacy_sandboxes(provider):
                 log.warning("sandbox janitor of stack %s leaves %d sandbox containers without a conveyor.stack label "
                             "alone (made before stack labels); remove them by hand once no old worker runs: "
                             "docker rm -f %s", self.stack_id, len(legacy), " ".join(c[:12] for c in legacy))
-        return len(reap(client, stack_id=self.stack_id, is_terminal=self.is_done_with))
+        return len(reap(provider, stack_id=self.stack_id, is_terminal=self.is_done_with))
 
     def start(self) -> None:
         self.sweep()

@@ -2,14 +2,17 @@
 
 The root filesystem is read-only and the workspace is a tmpfs, so ``put_archive`` cannot be
 used (the daemon refuses read-only roots and writes beneath tmpfs mounts). Instead the archive
-is streamed into ``tar -x`` through one exec's stdin, as the sandbox user. Blocking functions:
-call them through ``blocking.run_blocking``.
+is streamed into ``tar -x`` through one exec's stdin, as the sandbox user. On a daemon reached
+over TLS, stdin cannot be half-closed (shutting an ``SSLSocket``'s write side ends its TLS), so
+there ``head -c <length>`` ends tar's input instead of EOF. Blocking functions: call them through
+``blocking.run_blocking``.
 """
 
 from __future__ import annotations
 
 import io
 import socket
+import ssl
 import tarfile
 from pathlib import Path
 
@@ -35,14 +38,18 @@ def pack(source: WorkspaceSource) -> bytes:
 
 
 def copy_in(api: APIClient, container_id: str, archive: bytes, *, dest: str, user: str | None) -> None:
-    exec_id = api.exec_create(container_id, ["tar", "-x", "-f", "-", "-C", dest], stdin=True, user=user or "")["Id"]
+    tls = str(api.base_url).startswith("https://")
+    argv = (["sh", "-c", 'head -c "$1" | tar -x -f - -C "$2"', "sh", str(len(archive)), dest] if tls
+            else ["tar", "-x", "-f", "-", "-C", dest])
+    exec_id = api.exec_create(container_id, argv, stdin=True, user=user or "")["Id"]
     attached = api.exec_start(exec_id, socket=True)
     sock: socket.socket = getattr(attached, "_sock", attached)
     try:
         sock.sendall(archive)
-        sock.shutdown(socket.SHUT_WR)  # EOF on tar's stdin
+        if not tls:
+            sock.shutdown(socket.SHUT_WR)  # EOF on tar's stdin
         output = bytearray()
-        while chunk := sock.recv(65536):
+        while chunk := _recv(sock):
             if len(output) < 4096:
                 output += chunk
     finally:
@@ -51,3 +58,10 @@ def copy_in(api: APIClient, container_id: str, archive: bytes, *, dest: str, use
     if exit_code != 0:
         raise SandboxInfraError(f"copying the workspace in failed (tar exit {exit_code}): "
                                 f"{bytes(output[8:]).decode(errors='replace')[:500]}", reason="workspace_copy")
+
+
+def _recv(sock: socket.socket) -> bytes:
+    try:
+        return sock.recv(65536)
+    except ssl.SSLEOFError:  # the daemon closed the TLS connection without close_notify: the end
+        return b""

@@ -30,6 +30,7 @@ from shared.environments import (AgentAction, ArtifactWriter, Environment, Envir
                                  StepResult, VerifyResult)
 from services.rollout_worker.sandbox import (EpisodeTimeout, Limits, Sandbox, SandboxClosed, SandboxFileError,
                                              SandboxLabels, SandboxLost, SandboxSpec, Timeouts, provision_with_retry)
+from services.rollout_worker.sandbox.providers import provider_for_environment
 from shared.required import required
 from shared.schemas import ToolCall
 from shared.storage import ObjectStore
@@ -96,10 +97,13 @@ class CodingEnv(Environment, SandboxedEnvironment, ArtifactWriter):
         return required(self.sandbox, f"{self.name}'s agent sandbox (reset starts it)")
 
     async def _provision(self, spec: SandboxSpec) -> Sandbox:
-        """A sandbox with the task's workspace: streamed in, or copied from the snapshot image."""
+        """A sandbox with the task's workspace: streamed in, or copied from the snapshot image; on
+        this environment's provider (``sandbox.environments``, else ``sandbox.provider``)."""
+        provider = provider_for_environment(self.name)
         if not self.snapshot:
-            return await provision_with_retry(spec, workspace=required(self.workspace, "the workspace (reset prepares it)").archive)
-        sandbox = await provision_with_retry(spec)
+            workspace = required(self.workspace, "the workspace (reset prepares it)").archive
+            return await provision_with_retry(spec, workspace=workspace, provider=provider)
+        sandbox = await provision_with_retry(spec, provider=provider)
         try:
             filled = await sandbox.exec(populate_command(spec.workspace_dir), timeout_s=spec.timeouts.provision_s)
             if filled.exit_code != 0:
