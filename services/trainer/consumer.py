@@ -10,8 +10,8 @@ Invariants:
   So a restart loses no group and trains no group twice.
 - What becomes of a completed group is decided by ``services.trainer.group_decision`` (pure:
   accepted, zero_variance, all_failed, filtered or stale); this module applies the decision and
-  counts each group by its status. With ``trainer.mode: train`` the staleness bound
-  (``max_off_policy_steps``) is asked of each group and a dropped group frees its admission slot;
+  counts each group by its status. With ``trainer.mode: train`` the staleness bound at use
+  (``max_staleness_at_use``, by default ``max_off_policy_steps``) is asked of each group and a dropped group frees its admission slot;
   with ``assemble`` nothing is stale. An accepted group's batch is
   written, and its batch key goes on the run's append-only train queue in the same transaction
   that marks the group done; a dropped zero-variance or filtered group goes there too, as a
