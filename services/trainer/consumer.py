@@ -112,6 +112,11 @@ class TrainerConsumer:
         trainer = self.settings.trainer
         self.group_filters = [build_filter(spec) for spec in trainer.group_filters]
         self.budget = budget_of(self.client, self.run_id, trainer)  # mode train: it throttles rollouts to the steps
+        if self.budget is not None and self.budget.max_staleness_at_use > self.budget.max_off_policy_steps \
+                and trainer.loss.correction == "none":
+            log.warning("trainer.max_staleness_at_use %d trains groups up to that many steps old with "
+                        "trainer.loss.correction none: only the PPO clip bounds their update (docs/configuration.md)",
+                        self.budget.max_staleness_at_use)
         self.metrics = GroupMetricsLog(Path(self.settings.trainer.metrics_path), self.run_id)
         self.marker = RunMarker(self.client, self.run_id, self.store)
         self.marker.check(_STOPS, look_in_store=True)  # before anything of the run is created again

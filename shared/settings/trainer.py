@@ -238,7 +238,7 @@ class TrainTrainerSettings(TrainerSettings):
     def _use_bound_covers_admission(self) -> "TrainTrainerSettings":
         """A group admitted inside max_off_policy_steps may be trained: the bound at use is not lower.
         Above it no correction is forced (loss.correction none trains the old tokens by the clipped
-        ratio against their behaviour logprobs alone); docs/configuration.md advises one."""
+        ratio against their behaviour logprobs alone); the trainer's consumer warns of it at start."""
         use = self.max_staleness_at_use
         if use is not None and use < self.max_off_policy_steps:
             raise ValueError(f"max_staleness_at_use ({use}) must be >= max_off_policy_steps ({self.max_off_policy_steps}): "
