@@ -20,14 +20,16 @@
    step; also from intake's start, ``LearningRun.wall_s``, which adds intake's own start-up) at
    k = 0 (sync) and each of ``--ks``, each step training exactly ``groups_per_step`` groups
    (zero-variance groups kept, no extra groups), and the share of finished groups discarded as
-   stale (``filtered_stale``). vLLM runs eager there (it starts in a third of the time; decoding
+   stale (``filtered_stale``). ``--stale-at-use N`` sets ``trainer.max_staleness_at_use`` on the
+   async runs (k > 0; sync runs as before): admission stays bounded by k, and a group up to N
+   steps behind is trained instead of discarded. vLLM runs eager there (it starts in a third of the time; decoding
    speed hardly matters when tools take the time).
 
 Every figure is printed with the 1-minute load average around it. ``--out`` keeps every run's
 step logs and ``loop_speed.json``.
 
     .venv/bin/python bench/loop_speed.py [--steps 12] [--agentic-steps 10] [--ks 1,2,4] [--threads 1]
-        [--skip-trl] [--skip-agentic] [--out DIR]
+        [--worker-slots 8] [--stale-at-use N] [--skip-trl] [--skip-agentic] [--out DIR]
 """
 
 from __future__ import annotations
@@ -152,19 +154,25 @@ def stale_share(steps: list[dict]) -> float:
     return stale / (stale + trained) if stale + trained else 0.0
 
 
-def agentic(out: Path, steps: int, ks: list[int], p50: float, p99: float, worker_slots: int) -> dict:
+def agentic(out: Path, steps: int, ks: list[int], p50: float, p99: float, worker_slots: int,
+            stale_at_use: int | None = None) -> dict:
+    at_use = "" if stale_at_use is None else f"; async runs train groups up to {stale_at_use} steps behind"
     print(f"## async against sync on agentic episodes: {steps} steps of 4 groups x 8, every environment step waits a "
           f"lognormal tool latency (p50 {p50} s, p99 {p99} s, seeded per trajectory); one rollout worker with "
-          f"{worker_slots} slots", flush=True)
+          f"{worker_slots} slots{at_use}", flush=True)
     runs = {}
     for k in [0, *ks]:
         before = load()
-        run = run_learning(out / f"agentic-k{k}", steps, k, overrides=AGENTIC,
+        overrides = dict(AGENTIC)
+        if k > 0 and stale_at_use is not None:
+            overrides["CONVEYOR_TRAINER__MAX_STALENESS_AT_USE"] = str(stale_at_use)
+        run = run_learning(out / f"agentic-k{k}", steps, k, overrides=overrides,
                            task_config={"step_latency_s": p50, "step_latency_p99_s": p99}, worker_slots=worker_slots)
         groups = [json.loads(line) for line in (run.workdir / "stack" / "metrics.jsonl").read_text().splitlines() if line]
         first_dispatch = min(g["time"] - g["group_latency_s"] for g in groups)
         runs[k] = {"wall_s": run.wall_s, "from_first_dispatch_s": run.steps[-1]["time"] - first_dispatch,
-                   "steps": len(run.steps), "stale_share": stale_share(run.steps), "load": [before, load()]}
+                   "steps": len(run.steps), "stale_share": stale_share(run.steps), "load": [before, load()],
+                   "max_staleness_at_use": overrides.get("CONVEYOR_TRAINER__MAX_STALENESS_AT_USE")}
         print(f"  k={k}: {runs[k]['from_first_dispatch_s']:.1f} s from the first dispatch to step {len(run.steps)} "
               f"({run.wall_s:.1f} s from intake's start), stale {runs[k]['stale_share']:.1%} "
               f"({before} before, {runs[k]['load'][1]} after)", flush=True)
@@ -188,6 +196,8 @@ def main() -> None:
     parser.add_argument("--tool-p99", type=float, default=20.0)
     parser.add_argument("--worker-slots", type=int, default=8,
                         help="the rollout worker's episodes at once in the agentic runs (tool waits cost no CPU)")
+    parser.add_argument("--stale-at-use", type=int, default=None,
+                        help="trainer.max_staleness_at_use of the async agentic runs (>= each k); default: k")
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--skip-agentic", action="store_true")
     parser.add_argument("--out", type=Path, help="default: a temp dir")
@@ -201,7 +211,7 @@ def main() -> None:
         (out / "loop_speed.json").write_text(json.dumps(results, indent=1))
     if not args.skip_agentic:
         results["agentic"] = agentic(out, args.agentic_steps, [int(k) for k in args.ks.split(",")],
-                                     args.tool_p50, args.tool_p99, args.worker_slots)
+                                     args.tool_p50, args.tool_p99, args.worker_slots, args.stale_at_use)
         (out / "loop_speed.json").write_text(json.dumps(results, indent=1))
     print(f"figures: {out / 'loop_speed.json'}")
 

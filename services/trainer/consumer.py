@@ -10,8 +10,8 @@ Invariants:
   So a restart loses no group and trains no group twice.
 - What becomes of a completed group is decided by ``services.trainer.group_decision`` (pure:
   accepted, zero_variance, all_failed, filtered or stale); this module applies the decision and
-  counts each group by its status. With ``trainer.mode: train`` the staleness bound
-  (``max_off_policy_steps``) is asked of each group and a dropped group frees its admission slot;
+  counts each group by its status. With ``trainer.mode: train`` the staleness bound at use
+  (``max_staleness_at_use``, by default ``max_off_policy_steps``) is asked of each group and a dropped group frees its admission slot;
   with ``assemble`` nothing is stale. An accepted group's batch is
   written, and its batch key goes on the run's append-only train queue in the same transaction
   that marks the group done; a dropped zero-variance or filtered group goes there too, as a
@@ -112,6 +112,11 @@ class TrainerConsumer:
         trainer = self.settings.trainer
         self.group_filters = [build_filter(spec) for spec in trainer.group_filters]
         self.budget = budget_of(self.client, self.run_id, trainer)  # mode train: it throttles rollouts to the steps
+        if self.budget is not None and self.budget.max_staleness_at_use > self.budget.max_off_policy_steps \
+                and trainer.loss.correction == "none":
+            log.warning("trainer.max_staleness_at_use %d trains groups up to that many steps old with "
+                        "trainer.loss.correction none: only the PPO clip bounds their update (docs/configuration.md)",
+                        self.budget.max_staleness_at_use)
         self.metrics = GroupMetricsLog(Path(self.settings.trainer.metrics_path), self.run_id)
         self.marker = RunMarker(self.client, self.run_id, self.store)
         self.marker.check(_STOPS, look_in_store=True)  # before anything of the run is created again

@@ -10,8 +10,8 @@ Invariants:
 - Statuses, in the order they are tried: ``all_failed`` (no member scored), ``zero_variance``
   (every scored reward equal, unless ``zero_variance_groups: keep``: then trained with every
   advantage exactly 0), ``filtered`` (the first objection of ``trainer.group_filters``),
-  ``stale`` (oldest turn more than ``max_off_policy_steps`` behind the trainer; never without a
-  bound), else ``accepted``. Only an accepted decision carries a batch.
+  ``stale`` (oldest turn more than ``max_staleness_at_use``, by default ``max_off_policy_steps``,
+  behind the trainer; never without a bound), else ``accepted``. Only an accepted decision carries a batch.
 - Members are every scored member, with its reward and advantage, and every failed member,
   with its failure; sorted by trajectory id.
 - A train-queue entry follows the status: a ``TrainBatchEntry`` for an accepted group, a

@@ -5,7 +5,7 @@ Invariants:
   weights after step ``v``. Version 0 is the base model vLLM started with.
 - Step ``v + 1`` trains on the next G (``groups_per_step``) groups of the run's append-only
   train queue after cursor ``v``, skipping groups that have become stale by then (oldest
-  turn more than ``max_off_policy_steps`` behind ``v``): staleness is checked when a group is
+  turn more than ``max_staleness_at_use``, by default ``max_off_policy_steps``, behind ``v``): staleness is checked when a group is
   trained on, not only when it was accepted. Dropped zero-variance groups (``skip`` entries)
   are passed over and counted; with ``max_extra_groups_per_step = c`` the step stops
   waiting once it has passed G + c fresh entries, and trains on the groups among them

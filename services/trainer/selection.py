@@ -3,7 +3,7 @@ cursor, the version, and settings, so a restarted trainer selects the same group
 
 Invariants:
 - Entries are taken in queue order. A stale group (oldest turn more than
-  ``max_off_policy_steps`` behind ``v``) is passed over and counted; a ``skip`` entry (a dropped
+  ``max_staleness_at_use``, by default ``max_off_policy_steps``, behind ``v``) is passed over and counted; a ``skip`` entry (a dropped
   group) is passed over and counted toward the cap on extra groups; an entry that does not
   parse is passed over and counted (``bad``).
 - Mixing (``trainer.min_env_share``): each environment ``e`` with a share gets at least

@@ -215,7 +215,12 @@ class TrainTrainerSettings(TrainerSettings):
     staleness bound (``shared.state.staleness``)."""
 
     mode: Literal["train"] = "train"
-    max_off_policy_steps: Int = Field(ge=0)  # the staleness bound, 0: synchronous
+    max_off_policy_steps: Int = Field(ge=0)  # the staleness bound at admission, 0: synchronous
+    # the staleness bound at use: a group whose oldest turn is more than this many steps behind the
+    # trainer is dropped as stale. None: max_off_policy_steps. Above it, a long-running group admitted
+    # inside the bound is trained off-policy instead of thrown away: its tokens were sampled by a policy
+    # up to this many steps old, so turn on a correction (loss.correction, with the proximal policy)
+    max_staleness_at_use: Int | None = Field(None, ge=0)
     groups_per_step: Int = Field(4, gt=0)
     max_steps: Int | None = Field(None, gt=0)  # the trainer exits after this many optimizer steps
     # while dropping: how many dropped groups one step may wait for beyond groups_per_step;
@@ -228,6 +233,17 @@ class TrainTrainerSettings(TrainerSettings):
     step_metrics_path: Path = Path(".conveyor/train_steps.jsonl")  # one line per optimizer step
     reward_curve_path: Path = Path(".conveyor/reward_curve.png")
     wandb_project: str | None = None
+
+    @model_validator(mode="after")
+    def _use_bound_covers_admission(self) -> "TrainTrainerSettings":
+        """A group admitted inside max_off_policy_steps may be trained: the bound at use is not lower.
+        Above it no correction is forced (loss.correction none trains the old tokens by the clipped
+        ratio against their behaviour logprobs alone); the trainer's consumer warns of it at start."""
+        use = self.max_staleness_at_use
+        if use is not None and use < self.max_off_policy_steps:
+            raise ValueError(f"max_staleness_at_use ({use}) must be >= max_off_policy_steps ({self.max_off_policy_steps}): "
+                             "a group admitted inside the bound would be dropped at use; leave it unset for the same bound")
+        return self
 
     @model_validator(mode="after")
     def _shares_fit_a_step(self) -> "TrainTrainerSettings":

@@ -1,5 +1,6 @@
-"""``decide_group``, the trainer's decision on a completed group, without Redis or object storage:
-trajectories come from a dict, the staleness bound from a plain function."""
+"""``decide_group``, the trainer's decision on a completed group, without object storage:
+trajectories come from a dict, the staleness bound from a plain function (or, for the bound at
+use, the run's budget in a real Redis)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from shared.schemas import (
     Trajectory,
     Turn,
 )
-from shared.settings import TrainerSettings
+from shared.settings import Settings, TrainerSettings
+from shared.state.staleness import budget_of
 
 RUN, GROUP = "decide", 3
 
@@ -150,6 +152,24 @@ def test_a_group_whose_oldest_turn_is_stale_is_dropped_with_no_entry():
 def test_without_a_staleness_bound_nothing_is_stale():
     decision = decide(group_of(scored(0, 1.0), scored(1, 0.0)), read=Trajectories(t0=(0,), t1=(0,)), is_stale=None)
     assert decision.status == "accepted" and decision.oldest_policy_version == 0
+
+
+@pytest.mark.parametrize("at_use, statuses", [(None, ["accepted", "stale", "stale"]), (4, ["accepted", "accepted", "stale"])])
+def test_the_bound_at_use_trains_a_group_admitted_inside_the_bound_that_finished_behind_it(
+        redis_client, run_id, at_use, statuses):
+    """The run's budget in Redis (``budget_of``, as the consumer asks it), k = 1, trainer at step 10:
+    a group 1 behind is inside both bounds, one 2 behind (k + 1) is trained only with
+    ``max_staleness_at_use`` 4, one 5 behind is stale either way."""
+    trainer = Settings(trainer={"max_off_policy_steps": 1, "max_staleness_at_use": at_use}).trainer
+    budget = budget_of(redis_client, run_id, trainer)
+    budget.advance_step(10)
+
+    def status(oldest: int) -> str:
+        read = Trajectories(t0=(oldest, 10), t1=(10,))
+        return decide(group_of(scored(0, 1.0), scored(1, 0.0)), read=read,
+                      is_stale=lambda version: budget.is_stale(version, budget.state().trainer_step)).status
+
+    assert [status(oldest) for oldest in (9, 8, 5)] == statuses
 
 
 def test_per_token_rewards_place_advantages_on_the_sampled_tokens():

@@ -627,3 +627,13 @@ def test_a_stopped_run_ends_the_consumer_between_reads_with_every_trajectory_ter
     assert (counts["consumed"], counts["failed"], sum(counts.values())) == (GROUP_SIZE, 2 * GROUP_SIZE, 3 * GROUP_SIZE)
     assert consumer.stopped.reason == "enough"
     assert {r.split(" (by ")[0] for r in ledger.failure_reasons(run_id).values()} == {"run_stopped: enough"}
+
+
+@pytest.mark.parametrize("correction, warned", [("none", True), ("tis", False)])
+def test_a_bound_at_use_above_admission_without_a_correction_is_warned_of(settings, redis_client, store, caplog,
+                                                                         correction, warned):
+    trainer = {**settings.trainer.model_dump(include={"consumer_name", "block_ms", "metrics_path"}),
+               "max_off_policy_steps": 1, "max_staleness_at_use": 3, "loss": {"correction": correction}}
+    with caplog.at_level("WARNING", logger="services.trainer.consumer"):
+        TrainerConsumer(settings.model_copy(update={"trainer": Settings(trainer=trainer).trainer}), redis_client, store)
+    assert ("max_staleness_at_use 3" in caplog.text) is warned

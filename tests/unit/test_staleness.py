@@ -47,6 +47,16 @@ def test_stale_means_more_than_the_bound_behind(redis_client, run_id):
     assert budget.is_stale(oldest_policy_version=3, trainer_step=5)
 
 
+def test_the_bound_at_use_is_never_below_the_admission_bound(redis_client, run_id):
+    with pytest.raises(ValueError, match="must be >= max_off_policy_steps"):
+        Settings(trainer={"max_off_policy_steps": 2, "max_staleness_at_use": 1})
+    with pytest.raises(ValueError, match="must be >= max_off_policy_steps"):
+        StalenessBudget(redis_client, run_id, 2, 1, max_staleness_at_use=1)
+    budget = StalenessBudget(redis_client, run_id, 2, 1, max_staleness_at_use=2)  # equal: the default's meaning
+    assert budget.is_stale(oldest_policy_version=2, trainer_step=5) and not budget.is_stale(3, 5)
+    assert [budget.try_admit() for _ in range(4)] == [True, True, True, False]  # admission: (2 + 0 + 1) * 1
+
+
 def test_intake_waits_for_the_trainer_instead_of_over_admitting(redis_client, redis_url, run_id):
     settings = Settings(run_id=run_id, redis={"url": redis_url}, rollout={"group_size": 2},
                         trainer={"max_off_policy_steps": 0, "groups_per_step": 2})
