@@ -257,7 +257,7 @@ def crossslot_check(client: redis.Redis, per_run: bool) -> dict[str, str]:
     ledger = per_run_ledger(client) if per_run else Ledger(client)
     run = f"x{uuid.uuid4().hex[:8]}"
     tids = [ids.trajectory_id(run, 0, i, i) for i in range(3)]
-    requests = [RolloutRequest(run_id=run, group_id=0, episode_index=i, episode_seed=i, trajectory_id=tid, group_size=3,
+    requests = [RolloutRequest(run_id=run, group_id=0, episode_index=i, episode_seed=i, trajectory_id=tid, members_dispatched=3,
                                task=TASK, dispatched_at=time.time()) for i, tid in enumerate(tids)]
     event = ScoredEvent(trajectory_id=tids[0], run_id=run, group_id=0, reward=1.0, scored_key="k", at=time.time())
     steps = {

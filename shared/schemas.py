@@ -30,6 +30,7 @@ import enum
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
+    AliasChoices,
     BaseModel,
     ConfigDict,
     Discriminator,
@@ -41,7 +42,7 @@ from pydantic import (
     model_validator,
 )
 
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 
 
 class Message(BaseModel):
@@ -102,7 +103,9 @@ class RolloutRequest(Message):
     episode_index: int
     episode_seed: int
     trajectory_id: str
-    group_size: int  # members dispatched (rollout.group_size + rollout.redundancy); the kept count is the registration's keep
+    # members dispatched (rollout.group_size + rollout.redundancy; rollout.group_size is the count
+    # kept, the registration's keep); read from "group_size" too, its name before schema 1.2
+    members_dispatched: int = Field(validation_alias=AliasChoices("members_dispatched", "group_size"))
     task: TaskProfile
     policy_version: int = 0  # the policy version when intake dispatched the group
     dispatched_at: float  # unix time; queue wait is measured from here

@@ -114,7 +114,7 @@ def build_group(settings: Settings, group_id: int, task: TaskProfile, policy_ver
         requests.append(
             RolloutRequest(
                 run_id=settings.run_id, group_id=group_id, episode_index=index, episode_seed=seed,
-                trajectory_id=ids.trajectory_id(settings.run_id, group_id, index, seed), group_size=dispatched,
+                trajectory_id=ids.trajectory_id(settings.run_id, group_id, index, seed), members_dispatched=dispatched,
                 task=task, policy_version=policy_version, dispatched_at=now,
             )
         )

@@ -57,7 +57,7 @@ def recorded(tmp_path, redis_client, run_id):
     seed = ids.episode_seed(0, 3, 1)
     tid = ids.trajectory_id(run_id, 3, 1, seed)
     task = TaskProfile(task_id="g3", env_name="guess_number", task_data={"low": 1, "high": 100, "target": 37}, source="d.jsonl:4")
-    request = RolloutRequest(run_id=run_id, group_id=3, episode_index=1, episode_seed=seed, trajectory_id=tid, group_size=4,
+    request = RolloutRequest(run_id=run_id, group_id=3, episode_index=1, episode_seed=seed, trajectory_id=tid, members_dispatched=4,
                              task=task, dispatched_at=time.time())
     trajectory = asyncio.run(play(GuessNumberEnv(), request))
     base = trajectory_key(run_id, 3, tid)

@@ -295,3 +295,14 @@ def test_messages_are_frozen():
 
 def test_terminal_states():
     assert {s for s in TrajectoryState if s.terminal} == {TrajectoryState.consumed, TrajectoryState.failed}
+
+
+def test_a_rollout_request_of_schema_1_1_still_reads_its_dispatched_count_from_group_size():
+    from shared.schemas import RolloutRequest
+
+    old = {"schema_version": "1.1", "run_id": "r", "group_id": 2, "episode_index": 0, "episode_seed": 7,
+           "trajectory_id": "r_2_0_7", "group_size": 5, "dispatched_at": 0.0,
+           "task": {"task_id": "t", "env_name": "single_turn", "task_data": {}}}
+    request = RolloutRequest.model_validate(old)
+    assert request.members_dispatched == 5
+    assert "group_size" not in request.model_dump() and request.model_dump()["members_dispatched"] == 5

@@ -36,7 +36,7 @@ from shared.schemas import (
 )
 
 TASK = TaskProfile(task_id="t", env_name="guess_number", task_data={"low": 1, "high": 9, "target": 3})
-REQUEST = RolloutRequest(run_id="r", group_id=1, episode_index=0, episode_seed=5, trajectory_id="r_1_0_5", group_size=4,
+REQUEST = RolloutRequest(run_id="r", group_id=1, episode_index=0, episode_seed=5, trajectory_id="r_1_0_5", members_dispatched=4,
                          task=TASK, dispatched_at=1.0)
 TEMPLATES = {  # schema -> a valid message of it, as its producer writes it (before JSON)
     TrainerEvent: [ScoredEvent(trajectory_id="r_1_0_5", run_id="r", group_id=1, reward=0.5, scored_key="k", at=1.0)

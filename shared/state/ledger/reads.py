@@ -51,7 +51,7 @@ class LedgerReads:
         own fields: the member ids follow from the request (``shared.ids``)."""
         task_seed = request.task_seed
         members = [ids.trajectory_id(request.run_id, request.group_id, index, task_seed + index)
-                   for index in range(request.group_size) if index != request.episode_index]
+                   for index in range(request.members_dispatched) if index != request.episode_index]
         if not members:
             return {}
         run = request.run_id
