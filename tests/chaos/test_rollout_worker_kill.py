@@ -43,7 +43,7 @@ def in_unsent_batch(ledger: Ledger, run_id: str) -> list[str]:
     scorers = set(ledger.redis.hkeys(SCORING.owners(run_id)))
     pipe = ledger.redis.pipeline(transaction=False)
     for t in uploaded:
-        pipe.zscore(SCORING.leases, t)
+        pipe.zscore(SCORING.leases(run_id), t)
     unsent_until = time.time() + LEASE_TTL_S + LINGER_S + 1
     return sorted(t for t, send_by in zip(uploaded, pipe.execute())
                   if send_by is not None and send_by <= unsent_until and t not in scorers)
