@@ -16,6 +16,9 @@ from shared.state.ledger import ROLLOUT, SCORING, Ledger
 from shared.names import RedisKeys
 from shared.settings import LedgerSettings, SettingsError
 
+ON_BOTH_TOPOLOGIES = True  # each test using redis_client runs on the standalone Redis and a Redis Cluster
+
+
 LATER = time.time() + 1e6  # every lease taken in these tests has run out by then
 
 

@@ -11,6 +11,9 @@ from shared.names import RedisKeys
 from shared.schemas import RolloutRequest, ScoredEvent, TaskProfile, TrainerEvent, parse_message
 
 
+ON_BOTH_TOPOLOGIES = True  # each test using redis_client runs on the standalone Redis and a Redis Cluster
+
+
 def requests_for(run_id: str, group_id: int = 0, size: int = 3, base_seed: int = 100) -> list[RolloutRequest]:
     task = TaskProfile(task_id="t", env_name="guess_number", task_data={"low": 1, "high": 9, "target": 3})
     out = []

@@ -22,6 +22,9 @@ from shared.schemas import ScoringTask, StopReason, Trajectory, parse_message
 from shared.storage import LocalStore, put_model
 
 
+ON_BOTH_TOPOLOGIES = True  # each test using redis_client runs on the standalone Redis and a Redis Cluster
+
+
 def uploaded_with_send_by(ledger: Ledger, run_id: str, size: int, send_within_s: float) -> list[ScoringTask]:
     """``size`` trajectories as a rollout worker leaves them before its batch goes out."""
     tasks = []

@@ -20,7 +20,7 @@ import redis
 from shared.state import ledger_lua
 from shared.ids import parse_trajectory_id
 from shared.names import RedisKeys
-from shared.outage import redis_client
+from shared.redis_clients import redis_for
 from shared.state.ledger.reads import LedgerReads
 from shared.state.ledger.stages import LEASE_STAGES, ROLLOUT, SCORING, UNFINISHED, LeaseStage, TransitionResult
 from shared.state.redis_scripts import ScriptCall, run_pipelined
@@ -30,13 +30,6 @@ from shared.schemas import FailedEvent, RolloutRequest, ScoredEvent, TrajectoryS
 from shared.settings import LedgerSettings, OutageSettings
 
 DEFAULT_DISPATCH_TTL_S = LedgerSettings().dispatch_ttl_s
-
-
-def redis_for(url: str, outage: OutageSettings | None = None) -> redis.Redis:
-    """A client for the ledger and the other owners of Redis state. With ``outage`` (a
-    long-running service), every call waits out an outage of Redis (``shared.outage``); without,
-    a call fails at once (a one-shot command)."""
-    return redis_client(url, outage) if outage is not None else redis.Redis.from_url(url, decode_responses=True)
 
 
 class Ledger(LedgerReads):
