@@ -252,6 +252,11 @@ class RedisKeys:
         return f"{_P}:{{{run_id}}}:trainer"
 
 
+# The keys that span runs, each one key in one slot, so no script or transaction ever pairs it
+# with another key (shared.redis_clients; docs/compose.md says why each is safe on a cluster).
+# Every other key is a run's: ``conveyor:{run_id}:...``, all of a run in the run's one slot.
+CROSS_RUN_KEYS = ("runs", "replica_holders", "dead_letters")
+
 _LEDGER = "shared.state.ledger"
 # Each Redis key's one owner: the only module that names it. Any other module reads or changes the
 # key through its owner's methods; tests/unit/test_key_ownership.py fails on any other module that
