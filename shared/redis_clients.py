@@ -25,7 +25,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from shared.outage import redis_client
-from shared.settings import OutageSettings
+from shared.settings import OutageSettings, RedisSettings
 
 CLUSTER_SCHEME = "redis+cluster://"
 
@@ -43,3 +43,11 @@ def redis_for(url: str, outage: OutageSettings | None = None) -> redis.Redis:
         cluster = RedisCluster.from_url("redis://" + url[len(CLUSTER_SCHEME):], decode_responses=True)
         return cluster  # type: ignore[return-value]  # RedisCluster serves the commands the owners use
     return redis_client(url, outage) if outage is not None else redis.Redis.from_url(url, decode_responses=True)
+
+
+def broker_client(redis_settings: RedisSettings, outage: OutageSettings | None = None) -> redis.Redis | None:
+    """A client of the broker's Redis, for reading its queues' lengths (the reapers), when the
+    broker has a Redis of its own (``redis.broker_url``); None when it is the ledger's."""
+    if not redis_settings.broker_url or redis_settings.broker_url == redis_settings.url:
+        return None
+    return redis_for(redis_settings.broker_url, outage)

@@ -112,17 +112,22 @@ TOPOLOGIES = ["standalone", "cluster"]
 
 
 def pytest_generate_tests(metafunc):
-    if getattr(metafunc.module, "ON_BOTH_TOPOLOGIES", False) and "redis_client" in metafunc.fixturenames:
-        metafunc.parametrize("redis_client", TOPOLOGIES, indirect=True)
+    if getattr(metafunc.module, "ON_BOTH_TOPOLOGIES", False) and "redis_topology_url" in metafunc.fixturenames:
+        metafunc.parametrize("redis_topology_url", TOPOLOGIES, indirect=True)
 
 
 @pytest.fixture
-def redis_client(request):
-    """The session's Redis, flushed. In a module that sets ``ON_BOTH_TOPOLOGIES = True``, each test
-    using it runs twice: on the standalone Redis and on the Redis Cluster."""
+def redis_topology_url(request):
+    """The URL of the session's standalone Redis; in a module that sets ``ON_BOTH_TOPOLOGIES = True``,
+    each test using it (or ``redis_client``) runs twice: on the standalone Redis and on the Redis Cluster."""
     topology = getattr(request, "param", "standalone")
-    url = request.getfixturevalue("redis_cluster_url" if topology == "cluster" else "redis_url")
-    client = redis_for(url)
+    return request.getfixturevalue("redis_cluster_url" if topology == "cluster" else "redis_url")
+
+
+@pytest.fixture
+def redis_client(redis_topology_url):
+    """A client of ``redis_topology_url``, the Redis flushed."""
+    client = redis_for(redis_topology_url)
     client.flushall()
     return client
 

@@ -40,6 +40,7 @@ from services.rollout_worker.sandbox.worker_janitor import SandboxJanitor
 from services.rollout_worker.scoring_outbox import ScoringOutbox
 from shared.celery_app import make_celery, publish_rollouts, publish_rollouts_by_group, publish_scoring
 from shared.state.leases import LeaseKeeper, Reaper, settle_s
+from shared.redis_clients import broker_client
 from shared.state.ledger import ROLLOUT, Ledger, redis_for
 from shared.model_source import resolve_model_source
 from shared.names import ROLLOUT_QUEUE, ROLLOUT_TASK
@@ -61,7 +62,7 @@ def _context() -> RolloutContext:
     with _ctx_lock:
         if _ctx is None:
             client = redis_for(settings.redis.url, settings.outage)  # waits out an outage of Redis
-            ledger = Ledger(client, settings.ledger.dispatch_ttl_s)
+            ledger = Ledger(client, settings.ledger.dispatch_ttl_s, broker_client(settings.redis, settings.outage))
             in_flight = InFlight()
             loop = background_loop().loop
 

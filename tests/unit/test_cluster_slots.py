@@ -81,7 +81,7 @@ def script_keys(monkeypatch) -> list[list[str]]:
     return calls
 
 
-@pytest.mark.parametrize("redis_client", ["cluster"], indirect=True)
+@pytest.mark.parametrize("redis_topology_url", ["cluster"], indirect=True)
 def test_every_script_keeps_to_one_slot_on_a_real_cluster(redis_client, script_keys, run_id):
     ledger = Ledger(redis_client)
     requests = requests_for(run_id, size=4)
