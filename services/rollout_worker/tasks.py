@@ -143,7 +143,7 @@ def _start_background(sender: object = None, **_: object) -> None:
     global _reaper, _janitor
     _task_intake.consumer = sender
     ctx = _context()
-    serve_metrics(settings.metrics_port, ctx.redis)
+    serve_metrics(settings.metrics_port, ctx.redis, ctx.ledger.broker)
     _reaper = Reaper(
         ctx.ledger, ROLLOUT, settings.ledger.max_attempts, settings.ledger.reaper_interval_s,
         lambda items: publish_rollouts_by_group(app, [RolloutRequest.model_validate_json(r) for _, r in items]),

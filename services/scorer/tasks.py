@@ -55,7 +55,7 @@ _reaper = Reaper(
 
 @worker_ready.connect
 def _start_background(**_: object) -> None:
-    serve_metrics(settings.metrics_port, _redis)
+    serve_metrics(settings.metrics_port, _redis, _ledger.broker)
     _leases.start()
     _reaper.sweep()
     _reaper.start()
