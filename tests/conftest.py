@@ -7,15 +7,14 @@ Redis runs as Conveyor runs it everywhere (docs/reliability.md): with its append
 
 from __future__ import annotations
 
-import random
 import shutil
-import socket
 import subprocess
-import time
 import uuid
 
 import pytest
 import redis
+
+from redis_cluster import running_cluster, wait_for_ping
 
 from services.cli.local_stack import free_port
 from shared.redis_clients import redis_for
@@ -33,79 +32,19 @@ def redis_url(tmp_path_factory):
          "--dir", str(workdir)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    _wait_for_ping(redis.Redis(port=port))
+    wait_for_ping(redis.Redis(port=port))
     yield f"redis://127.0.0.1:{port}/0"
     proc.terminate()
     proc.wait(10)
 
 
-CLUSTER_NODES = 6  # three masters, each with one replica
-
-
 @pytest.fixture(scope="session")
 def redis_cluster_url(tmp_path_factory):
     """A real Redis Cluster on localhost, started the first time a test asks: three masters and
-    three replicas (``redis-cli --cluster create ... --cluster-replicas 1``), each redis-server in
-    its own directory, durable as the standalone one. Yields the ``redis+cluster://`` URL of one
+    three replicas (``redis_cluster.running_cluster``). Yields the ``redis+cluster://`` URL of one
     node (``shared.redis_clients``); about 2 s to start."""
-    binary, cli = shutil.which("redis-server"), shutil.which("redis-cli")
-    if binary is None or cli is None:
-        pytest.fail("redis-server and redis-cli are not installed (apt-get install -y redis-server)")
-    ports = _cluster_ports(CLUSTER_NODES)
-    procs = []
-    for port in ports:
-        workdir = tmp_path_factory.mktemp(f"redis-cluster-{port}")
-        procs.append(subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
-             "--appendfsync", "everysec", "--dir", str(workdir), "--cluster-enabled", "yes",
-             "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        ))
-    clients = [redis.Redis(port=port, decode_responses=True, socket_timeout=5) for port in ports]
-    for client in clients:
-        _wait_for_ping(client)
-    subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{port}" for port in ports), "--cluster-replicas", "1",
-                    "--cluster-yes"], check=True, stdout=subprocess.DEVNULL, timeout=60)
-    deadline = time.monotonic() + 30
-    while not all(client.cluster("info")["cluster_state"] == "ok" for client in clients):
-        if time.monotonic() > deadline:
-            pytest.fail("the Redis Cluster did not reach cluster_state:ok in 30 s")
-        time.sleep(0.05)
-    yield f"redis+cluster://127.0.0.1:{ports[0]}"
-    for proc in procs:
-        proc.terminate()
-    for proc in procs:
-        proc.wait(10)
-
-
-def _cluster_ports(count: int) -> list[int]:
-    """Distinct free ports whose cluster bus ports (port + 10000) are free too, and none the bus
-    port of another: a client of a bus port would wait for an answer that never comes."""
-    ports: list[int] = []
-    while len(ports) < count:
-        port = random.randint(20000, 50000)
-        taken = {p for q in ports for p in (q, q + 10000, q - 10000)}
-        if port not in taken and _free(port) and _free(port + 10000):
-            ports.append(port)
-    return ports
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-def _wait_for_ping(client: redis.Redis) -> None:
-    for _ in range(100):
-        try:
-            client.ping()
-            return
-        except redis.ConnectionError:
-            time.sleep(0.05)
+    with running_cluster(tmp_path_factory.mktemp("redis-cluster")) as cluster:
+        yield cluster.url
 
 
 TOPOLOGIES = ["standalone", "cluster"]
