@@ -66,7 +66,11 @@ def running_cluster(root: Path) -> Iterator[Cluster]:
         for proc in procs.values():
             proc.terminate()
         for proc in procs.values():
-            proc.wait(10)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:  # a node slow to stop (a loaded machine) is not kept waiting for
+                proc.kill()
+                proc.wait(10)
 
 
 def wait_for_ping(client: redis.Redis) -> None:
