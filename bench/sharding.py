@@ -21,12 +21,11 @@ Layouts:
 - ``1 shard``: one redis-server, the ledger as it is.
 - ``N shards``: N redis-servers; a run lives on the shard that owns its hash slot, the slot Redis
   Cluster gives every ``{run_id}`` key (CRC16 mod 16384, slots split in equal ranges). The global
-  keys (``leases``, ``scoring_leases``, ``runs``) exist once per shard, holding that shard's runs.
+  key (``runs``, the run registry) exists once per shard, holding that shard's runs.
 - ``cluster``: one redis-server in cluster mode owning every slot. Cluster mode refuses a command
   or script whose keys hash to different slots (``CROSSSLOT``). ``--crossslot`` calls each step of
-  the lifecycle there as the ledger is, and lists those refused. The layout then runs the
-  lifecycle with per-run lease keys (``conveyor:{run}:leases``), a prototype done here by
-  renaming the global keys a script is given (``PerRunKeys``); ``shared/state/ledger/`` is unchanged.
+  the lifecycle there as the ledger is, and lists those refused (none, since the lease zsets
+  became per run: ``conveyor:{run}:leases``). The layout then runs the lifecycle there.
 
     .venv/bin/python bench/sharding.py [--clients 4] [--runs 32] [--groups 40] [--group-size 16] [--shards 1 2 3]
 """
@@ -58,7 +57,7 @@ from shared import ids  # noqa: E402
 from shared.state.group_registry import GroupRegistry  # noqa: E402
 from shared.state.leases import LeaseKeeper, LeaseReaper  # noqa: E402
 from shared.state.ledger import LEASE_STAGES, ROLLOUT, SCORING, Ledger  # noqa: E402
-from shared.names import ROLLOUT_QUEUE, SCORING_QUEUE, RedisKeys  # noqa: E402
+from shared.names import RedisKeys  # noqa: E402
 from shared.schemas import GroupRegistration, RolloutRequest, ScoredEvent, ScoringTask, TaskProfile  # noqa: E402
 from shared.settings import LedgerSettings  # noqa: E402
 from shared.state.trainer_counters import TrainerCounter, TrainerCounters  # noqa: E402
@@ -117,37 +116,11 @@ def shard_of(run_id: str, shards: int) -> int:
     return key_slot(RedisKeys.states(run_id).encode()) * shards // REDIS_CLUSTER_HASH_SLOTS
 
 
-# --- per-run lease keys: the prototype of the cluster-safe ledger ---------------------------------
-GLOBAL_KEYS = {RedisKeys.leases: "leases", RedisKeys.scoring_leases: "scoring_leases", RedisKeys.runs: "in_runs",
-               # the broker queues EXPIRE reads (empty here: the bench publishes nothing)
-               ROLLOUT_QUEUE: "rollout_queue", SCORING_QUEUE: "scoring_queue"}
-
-
-class PerRunKeys:
-    """Wraps one of the ledger's registered scripts: a global key it is given becomes the run's
-    own (``conveyor:{run}:leases``...), the run read from the hash tag of the script's first key.
-    The run's id still goes into the global ``runs`` set, by a command of its own (one key)."""
-
-    def __init__(self, script, client: redis.Redis):
-        self.script, self.client = script, client
-
-    def __call__(self, keys: list[str], args: list, client=None):
-        run = keys[0].split("{", 1)[1].split("}", 1)[0]
-        if RedisKeys.runs in keys:
-            self.client.sadd(RedisKeys.runs, run)
-        keys = [f"conveyor:{{{run}}}:{GLOBAL_KEYS[k]}" if k in GLOBAL_KEYS else k for k in keys]
-        return self.script(keys=keys, args=args, client=client)
-
-
+# --- per-run lease keys ------------------------------------------------------------------------
 def per_run_ledger(client: redis.Redis) -> Ledger:
-    ledger = Ledger(client)
-    for name in ("_register", "_claim", "_heartbeat", "_transition", "_expire", "_hand_back", "_sent"):
-        setattr(ledger, name, PerRunKeys(getattr(ledger, name), client))
-    return ledger
-
-
-def per_run_leases(run_id: str, stage_name: str) -> str:
-    return f"conveyor:{{{run_id}}}:{'leases' if stage_name == 'rollout' else 'scoring_leases'}"
+    """The ledger: its lease keys are per run now (``conveyor:{run}:leases``, ``shared.names``), so
+    the prototype this bench once wrapped around the scripts is the ledger itself."""
+    return Ledger(client)
 
 
 # --- one client process -----------------------------------------------------------------------
@@ -194,11 +167,7 @@ def _sweep(shard: Shard, runs: list[str], per_run: bool, interval_s: float, stop
     """Both reapers' sweeps at their interval; with per-run leases, the sweep reads each run's zset."""
     while not stop.wait(interval_s):
         for reaper in shard.reapers:
-            reaper.sweep()
-            if per_run:
-                for run in runs:
-                    leases = per_run_leases(run, reaper.stage.name)
-                    shard.ledger.redis.zrangebyscore(leases, "-inf", time.time(), start=0, num=500)
+            reaper.sweep()  # reads each run's lease zset (the run registry's runs)
 
 
 def _group_lifecycle(shard: Shard, run: str, group_id: int, size: int) -> int:

@@ -50,7 +50,7 @@ from shared.settings import LedgerSettings, Settings, SettingsError
 
 def make_celery(settings: Settings) -> Celery:
     check_lease_timing(settings.ledger)
-    app = Celery("conveyor", broker=settings.redis.url)
+    app = Celery("conveyor", broker=settings.redis.broker)
     app.conf.update(
         task_acks_late=True,
         task_reject_on_worker_lost=True,
@@ -67,7 +67,7 @@ def make_celery(settings: Settings) -> Celery:
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,  # for ever: outage.limit_s is enforced by shared.outage
         worker_consumer="shared.celery_app:OutageConsumer",
-        broker_transport="shared.celery_app:OutageRedisTransport" if settings.redis.url.startswith("redis://") else None,
+        broker_transport="shared.celery_app:OutageRedisTransport" if settings.redis.broker.startswith("redis://") else None,
         worker_cancel_long_running_tasks_on_connection_loss=False,
         task_queues=[Queue(ROLLOUT_QUEUE), Queue(SCORING_QUEUE)],
         task_routes={ROLLOUT_TASK: {"queue": ROLLOUT_QUEUE}, SCORING_TASK: {"queue": SCORING_QUEUE}},

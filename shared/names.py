@@ -118,9 +118,7 @@ def weight_chain_prefix(run_id: str, version: int) -> str:
 class RedisKeys:
     """Redis key names. Per-run keys share a hash tag so a cluster keeps a run on one slot."""
 
-    runs = f"{_P}:runs"  # set of run ids
-    leases = f"{_P}:leases"  # zset trajectory_id -> rollout lease deadline (unix s), all runs
-    scoring_leases = f"{_P}:scoring_leases"  # zset trajectory_id -> scoring lease deadline, all runs
+    runs = f"{_P}:runs"  # set of run ids: the run registry, cross-run (the reapers iterate it)
     # hash replica URL -> JSON {run_id: {trains, model, until}}: whose weight follower holds it (shared.state.replica_holders)
     replica_holders = f"{_P}:replica_holders"
     dead_letters = f"{_P}:dead_letters"  # list of messages that did not fit their schema, all runs (shared.state.dead_letters)
@@ -128,6 +126,14 @@ class RedisKeys:
     @staticmethod
     def run_marker(run_id: str) -> str:  # JSON {run_id, created_at}: Redis holds the run (shared.state.run_marker)
         return f"{_P}:{{{run_id}}}:marker"
+
+    @staticmethod
+    def leases(run_id: str) -> str:  # zset trajectory_id -> rollout lease or dispatch deadline (unix s)
+        return f"{_P}:{{{run_id}}}:leases"
+
+    @staticmethod
+    def scoring_leases(run_id: str) -> str:  # zset trajectory_id -> scoring lease or send-by deadline
+        return f"{_P}:{{{run_id}}}:scoring_leases"
 
     @staticmethod
     def states(run_id: str) -> str:  # hash trajectory_id -> state ("failed" detail in `failures`)
@@ -245,6 +251,11 @@ class RedisKeys:
     def trainer_counters(run_id: str) -> str:  # hash: counter -> int (shared.state.trainer_counters)
         return f"{_P}:{{{run_id}}}:trainer"
 
+
+# The keys that span runs, each one key in one slot, so no script or transaction ever pairs it
+# with another key (shared.redis_clients; docs/compose.md says why each is safe on a cluster).
+# Every other key is a run's: ``conveyor:{run_id}:...``, all of a run in the run's one slot.
+CROSS_RUN_KEYS = ("runs", "replica_holders", "dead_letters")
 
 _LEDGER = "shared.state.ledger"
 # Each Redis key's one owner: the only module that names it. Any other module reads or changes the

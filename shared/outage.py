@@ -272,7 +272,8 @@ def redis_client(url: str, outage: OutageSettings, decode_responses: bool = True
 
 
 def _dependency_of(client: redis.Redis) -> Dependency | None:
-    retry = client.get_retry()
+    get_retry = getattr(client, "get_retry", None)  # a cluster client has none: it does not wait out outages
+    retry = get_retry() if get_retry is not None else None
     return retry.dependency if isinstance(retry, OutageRetry) else None
 
 

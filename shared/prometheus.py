@@ -48,10 +48,12 @@ _lock = threading.Lock()
 
 
 class LedgerCollector(Collector):
-    """Queue depth and ledger states, read from Redis at scrape time."""
+    """Queue depth and ledger states, read from Redis at scrape time: the queues from the
+    broker's Redis (``broker_client``, when it is not the ledger's: ``redis.broker_url``)."""
 
-    def __init__(self, redis_client: Any):
+    def __init__(self, redis_client: Any, broker_client: Any = None):
         self.redis = redis_client
+        self.broker = redis_client if broker_client is None else broker_client
 
     def collect(self):
         from shared.state.ledger import STATES, Ledger
@@ -61,7 +63,7 @@ class LedgerCollector(Collector):
                                    labels=["run", "state"])
         try:
             for queue in (ROLLOUT_QUEUE, SCORING_QUEUE):
-                depth.add_metric([queue], float(self.redis.llen(queue)))
+                depth.add_metric([queue], float(self.broker.llen(queue)))
             ledger = Ledger(self.redis)
             for run in ledger.runs():
                 counts = ledger.counts(run)
@@ -73,7 +75,7 @@ class LedgerCollector(Collector):
         yield states
 
 
-def serve_metrics(port: int | None, redis_client: Any = None) -> bool:
+def serve_metrics(port: int | None, redis_client: Any = None, broker_client: Any = None) -> bool:
     """Expose this process's metrics on ``port`` (None: off); True if the endpoint is up."""
     if not port:
         return False
@@ -87,6 +89,6 @@ def serve_metrics(port: int | None, redis_client: Any = None) -> bool:
             return False
         _started.add(port)
         if redis_client is not None:
-            REGISTRY.register(LedgerCollector(redis_client))
+            REGISTRY.register(LedgerCollector(redis_client, broker_client))
     log.info("Prometheus metrics on :%d/metrics", port)
     return True

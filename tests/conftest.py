@@ -1,7 +1,8 @@
-"""Shared fixtures: real Redis and a real S3 server (moto), each started on a free port, and one
-real vLLM serving the tiny model for every module that needs no other (``served_model``); the
-few modules that need another configuration, and the same one, share it from a pool that stops
-it after the last of them (tests/shared_servers.py: ``qwen2_vllm``, ``long_context_vllm``).
+"""Shared fixtures: real Redis (standalone, and a Redis Cluster for the tests that ask) and a real
+S3 server (moto), each started on a free port, and one real vLLM serving the tiny model for every
+module that needs no other (``served_model``); the few modules that need another configuration,
+and the same one, share it from a pool that stops it after the last of them
+(tests/shared_servers.py: ``qwen2_vllm``, ``long_context_vllm``).
 
 Redis runs as Conveyor runs it everywhere (docs/reliability.md): with its append-only file
 (``appendonly yes``, ``appendfsync everysec``), so tests exercise the durable configuration."""
@@ -10,15 +11,16 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
 import uuid
 
 import pytest
 import redis
 
+from redis_cluster import running_cluster, wait_for_ping
 from shared_servers import SharedServers
 
 from services.cli.local_stack import free_port
+from shared.redis_clients import redis_for
 
 _SHARED = pytest.StashKey[SharedServers]()
 POOLED = ("qwen2_vllm", "long_context_vllm")  # the fixtures handing out a server of the pool
@@ -50,21 +52,41 @@ def redis_url(tmp_path_factory):
          "--dir", str(workdir)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    client = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
+    wait_for_ping(redis.Redis(port=port))
     yield f"redis://127.0.0.1:{port}/0"
     proc.terminate()
     proc.wait(10)
 
 
+@pytest.fixture(scope="session")
+def redis_cluster_url(tmp_path_factory):
+    """A real Redis Cluster on localhost, started the first time a test asks: three masters and
+    three replicas (``redis_cluster.running_cluster``). Yields the ``redis+cluster://`` URL of one
+    node (``shared.redis_clients``); about 2 s to start."""
+    with running_cluster(tmp_path_factory.mktemp("redis-cluster")) as cluster:
+        yield cluster.url
+
+
+TOPOLOGIES = ["standalone", "cluster"]
+
+
+def pytest_generate_tests(metafunc):
+    if getattr(metafunc.module, "ON_BOTH_TOPOLOGIES", False) and "redis_topology_url" in metafunc.fixturenames:
+        metafunc.parametrize("redis_topology_url", TOPOLOGIES, indirect=True)
+
+
 @pytest.fixture
-def redis_client(redis_url):
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
+def redis_topology_url(request):
+    """The URL of the session's standalone Redis; in a module that sets ``ON_BOTH_TOPOLOGIES = True``,
+    each test using it (or ``redis_client``) runs twice: on the standalone Redis and on the Redis Cluster."""
+    topology = getattr(request, "param", "standalone")
+    return request.getfixturevalue("redis_cluster_url" if topology == "cluster" else "redis_url")
+
+
+@pytest.fixture
+def redis_client(redis_topology_url):
+    """A client of ``redis_topology_url``, the Redis flushed."""
+    client = redis_for(redis_topology_url)
     client.flushall()
     return client
 

@@ -20,7 +20,7 @@ import pytest
 from vllm_support import running_vllm
 
 from services.cli.demo import DEMO_REWARD_WEIGHTS
-from services.cli.local_stack import LocalStack
+from services.cli.local_stack import LocalStack, ManagedProcess
 from services.inference.server import VllmServer
 from shared.state.ledger import Ledger
 from shared.names import RedisKeys
@@ -98,6 +98,16 @@ def start_and_publish(stack: LocalStack, dataset: Path, concurrency: int = 8) ->
     intake = stack.run_conveyor("intake", "--dataset", str(dataset))
     assert intake.returncode == 0, intake.stderr
     return intake
+
+
+def start_with_a_victim(stack: LocalStack, dataset: Path) -> tuple[ManagedProcess, Ledger]:
+    """A rollout worker to be killed (concurrency 4), a scoring worker and the trainer, then
+    intake of ``dataset``; returns the victim and a ledger on the stack's Redis."""
+    victim = stack.start_rollout_worker(name="victim", concurrency=4)
+    stack.start_scoring_worker()
+    stack.start_trainer()
+    assert stack.run_conveyor("intake", "--dataset", str(dataset)).returncode == 0
+    return victim, Ledger(stack.redis_client())
 
 
 def wait_terminal(stack: LocalStack, run_id: str, expected: int, timeout_s: float) -> dict[str, int]:

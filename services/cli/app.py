@@ -151,10 +151,11 @@ def viewer(
 
     from services.viewer.app import make_app, tokenizer_decode
     from services.viewer.data import ViewerData
-    from shared.outage import redact_url, redis_client
+    from shared.outage import redact_url
+    from shared.redis_clients import redis_for
     from shared.storage import open_store
 
-    data = ViewerData(redis_client(settings.redis.url, settings.outage), open_store(settings.storage, settings.outage))
+    data = ViewerData(redis_for(settings.redis.url, settings.outage), open_store(settings.storage, settings.outage))
     console.print(f"viewer on http://{host}:{port}/ (Redis {redact_url(settings.redis.url)})")
     web.run_app(make_app(data, tokenizer_decode(str(settings.inference.model_path))), host=host, port=port, print=None)
 

@@ -52,6 +52,6 @@ def setup_logging() -> None:
 def wait_for_redis(settings: Settings) -> None:
     """A worker waits for Redis at start, as through any outage (``shared.outage``: logged,
     bounded by outage.limit_s, then one line and exit 2); a refused password stops it at once."""
-    from shared.outage import redis_client
+    from shared.redis_clients import redis_for
 
-    redis_client(settings.redis.url, settings.outage).ping()
+    redis_for(settings.redis.url, settings.outage).ping()

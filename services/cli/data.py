@@ -67,12 +67,12 @@ def export_run(run_id: str, out: Path, fmt: str, form: str, min_reward: Optional
                config: Optional[Path], min_margin: float = 0.0, settings: "Settings | None" = None) -> int:
     """``conveyor export``: the run's consumed trajectories (or pairs of them) to ``out``; returns how many."""
     from services.trainer.export import export_records, write_records
-    from shared.outage import redis_client
+    from shared.redis_clients import redis_for
     from shared.storage import open_store
 
     settings = settings or load_settings(config)
     errors.state.settings = settings
-    client = redis_client(settings.redis.url, settings.outage)
+    client = redis_for(settings.redis.url, settings.outage)
     store = open_store(settings.storage, settings.outage)
     with progress(f"export {run_id}: reading trajectories", total=stream_length(client, run_id)) as advance:
         records = []

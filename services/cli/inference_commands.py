@@ -58,10 +58,11 @@ def inference(
         raise typer.Exit(0 if health.get("ok") else 1)
     stop = threading.Event()
     if settings.metrics_port:
-        from shared.outage import redis_client
+        from shared.redis_clients import broker_client, redis_for
         from shared.prometheus import serve_metrics
 
-        serve_metrics(settings.metrics_port, redis_client(settings.redis.url, settings.outage))
+        serve_metrics(settings.metrics_port, redis_for(settings.redis.url, settings.outage),
+                      broker_client(settings.redis, settings.outage))
     if attach:
         with WeightFollower.from_settings(settings, base_urls=replica or None) as follower:
             try:

@@ -33,6 +33,7 @@ from pathlib import Path
 import redis
 
 from shared.processes import die_with_parent, release_group, start_group_leader
+from shared.redis_clients import redis_for
 
 
 def free_port() -> int:
@@ -193,7 +194,7 @@ class LocalStack:
         return self.conveyor("trainer", *args)
 
     def redis_client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.env["CONVEYOR_REDIS__URL"], decode_responses=True)
+        return redis_for(self.env["CONVEYOR_REDIS__URL"])  # the ledger's Redis: one server or a cluster
 
     def logs(self, name: str, lines: int = 40) -> str:
         return log_tail(self.root / "logs" / f"{name}.log", lines)

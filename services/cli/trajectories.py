@@ -32,12 +32,12 @@ stdout = Console()
 
 
 def _find(settings: Settings, trajectory_id: str) -> FoundTrajectory:
-    from shared.outage import redis_client
+    from shared.redis_clients import redis_for
     from shared.storage import open_store
 
     try:
         return find_trajectory(open_store(settings.storage, settings.outage), trajectory_id,
-                               redis_client(settings.redis.url, settings.outage))
+                               redis_for(settings.redis.url, settings.outage))
     except TrajectoryNotFound as exc:
         raise errors.CommandError(str(exc)) from None
 

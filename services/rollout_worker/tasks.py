@@ -41,6 +41,7 @@ from services.rollout_worker.sandbox.worker_janitor import SandboxJanitor
 from services.rollout_worker.scoring_outbox import ScoringOutbox
 from shared.celery_app import make_celery, publish_rollouts, publish_rollouts_by_group, publish_scoring
 from shared.state.leases import LeaseKeeper, LeaseReaper, settle_s
+from shared.redis_clients import broker_client
 from shared.state.ledger import ROLLOUT, Ledger, redis_for
 from shared.model_source import resolve_model_source
 from shared.names import ROLLOUT_QUEUE, ROLLOUT_TASK
@@ -63,7 +64,7 @@ def _context() -> RolloutContext:
         if _ctx is None:
             configure_sandbox_providers(settings.sandbox)  # where each environment's sandboxes run
             client = redis_for(settings.redis.url, settings.outage)  # waits out an outage of Redis
-            ledger = Ledger(client, settings.ledger.dispatch_ttl_s)
+            ledger = Ledger(client, settings.ledger.dispatch_ttl_s, broker_client(settings.redis, settings.outage))
             in_flight = InFlight()
             loop = background_loop().loop
 
@@ -145,7 +146,7 @@ def _start_background(sender: object = None, **_: object) -> None:
     global _reaper, _janitor
     _rollout_queue_switch.celery_consumer = sender
     ctx = _context()
-    serve_metrics(settings.metrics_port, ctx.redis)
+    serve_metrics(settings.metrics_port, ctx.redis, ctx.ledger.broker)
     _reaper = LeaseReaper(
         ctx.ledger, ROLLOUT, settings.ledger.max_attempts, settings.ledger.reaper_interval_s,
         lambda items: publish_rollouts_by_group(app, [RolloutRequest.model_validate_json(r) for _, r in items]),

@@ -26,6 +26,7 @@ from services.scorer.scorer import Scorer
 from shared.celery_app import make_celery, publish_scoring, scoring_tasks_of
 from shared.state.dead_letters import DeadLetters
 from shared.state.leases import LeaseKeeper, LeaseReaper, one_by_one, settle_s
+from shared.redis_clients import broker_client
 from shared.state.ledger import SCORING, Ledger, redis_for
 from shared.names import SCORING_TASK
 from shared.prometheus import serve_metrics
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 settings = load_settings()
 app = make_celery(settings)
 _redis = redis_for(settings.redis.url, settings.outage)  # waits out an outage of Redis
-_ledger = Ledger(_redis, settings.ledger.dispatch_ttl_s)
+_ledger = Ledger(_redis, settings.ledger.dispatch_ttl_s, broker_client(settings.redis, settings.outage))
 _leases = LeaseKeeper(_ledger, settings.ledger.lease_ttl_s, settings.ledger.heartbeat_s, SCORING)
 _scorer = Scorer(
     open_store(settings.storage, settings.outage),
@@ -54,7 +55,7 @@ _reaper = LeaseReaper(
 
 @worker_ready.connect
 def _start_background(**_: object) -> None:
-    serve_metrics(settings.metrics_port, _redis)
+    serve_metrics(settings.metrics_port, _redis, _ledger.broker)
     _leases.start()
     _reaper.sweep()
     _reaper.start()

@@ -51,11 +51,13 @@ class TrainerProcess:
         ``trainer.mode: train``, the training loop (loading the model); ``ranks``: rank 0 of a
         torchrun job; ``evaluator``: builds the evaluation during training, if any."""
         from shared.prometheus import serve_metrics
+        from shared.redis_clients import broker_client
 
         store = open_store(settings.storage, settings.outage)  # both wait out an outage (shared.outage)
         consumer = TrainerConsumer(settings, redis_for(settings.redis.url, settings.outage), store)
         trainer = settings.trainer
-        serve_metrics(trainer.prometheus_port or settings.metrics_port, consumer.client)
+        serve_metrics(trainer.prometheus_port or settings.metrics_port, consumer.client,
+                      broker_client(settings.redis, settings.outage))
         if trainer.mode != "train":
             return cls(consumer)
         from services.trainer.loop import TrainingLoop

@@ -88,7 +88,7 @@ from shared.state.checkpoint_announcements import CheckpointAnnouncements
 from shared.state.dead_letters import DeadLetters
 from shared.names import checkpoint_prefix, weight_chain_of_run
 from shared.outage import OutageTooLong
-from shared.outage import redis_client as redis_client_waiting
+from shared.redis_clients import redis_for
 from shared.state.run_marker import RedisDataLost, RunMarker
 from shared.state.policy_version import PolicyVersion
 from shared.state.replica_holders import ReplicaHold, ReplicaHolders
@@ -184,7 +184,7 @@ class WeightFollower:
                       redis_client: Any = None, store: ObjectStore | None = None, **kwargs: Any) -> WeightFollower:
         """Build from ``shared.settings.Settings`` (one replica at ``inference.base_url`` by default)."""
         if redis_client is None:
-            redis_client = redis_client_waiting(settings.redis.url, settings.outage)
+            redis_client = redis_for(settings.redis.url, settings.outage)
         if store is None:
             from shared.storage import open_store
 

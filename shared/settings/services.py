@@ -9,13 +9,31 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from shared.settings.base import Float, Int, Section, read_mode
 
 
 class RedisSettings(Section):
+    """Where the ledger and the other state owners live (``url``), and the Celery broker
+    (``broker_url``, the same Redis when left empty). ``url`` may name a Redis Cluster
+    (``redis+cluster://host:port``, ``shared.redis_clients``); the broker then needs a
+    standalone Redis of its own: kombu's Redis transport has no cluster support."""
+
     url: str = "redis://127.0.0.1:6379/0"
+    broker_url: str = ""
+
+    @property
+    def broker(self) -> str:
+        """The Celery broker's URL."""
+        return self.broker_url or self.url
+
+    @model_validator(mode="after")
+    def _broker_is_standalone(self) -> "RedisSettings":
+        if self.broker.startswith("redis+cluster://"):
+            raise ValueError("redis.broker_url: the Celery broker needs a standalone Redis (kombu's Redis transport has "
+                             "no cluster support); set redis.broker_url when redis.url names a cluster")
+        return self
 
 
 class S3StorageSettings(Section):

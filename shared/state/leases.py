@@ -5,6 +5,10 @@ re-dispatches work whose lease ran out.
 Invariants:
 - A worker process renews all leases it holds for a stage in one Redis call per heartbeat; if
   the process dies, its leases stop being renewed and run out after ``lease_ttl_s``.
+- A sweep visits every run in the run registry (``RedisKeys.runs``): each run's lease zset is
+  its own, under the run's hash tag, so a Redis Cluster keeps each expiry in one slot.
+  Whether the stage's broker queue holds messages is read once per sweep (the broker's Redis
+  need not be the ledger's).
 - The reaper only acts through ``Ledger.expire`` (atomic): any number of reapers may run, in
   any number of workers; a trajectory is re-dispatched or failed once per expiry.
 - Right after Redis comes back (it restarted, or this process saw it down), a live holder has
@@ -151,8 +155,11 @@ class LeaseReaper:
         to_send: dict[str, str] = {}  # per sweep: each trajectory goes out once
         waiting = 0
         forgive_before = self._forgive_before(uptime)
-        for trajectory_id in self.ledger.expired_leases(stage=self.stage):
-            result = self.ledger.expire(trajectory_id, self.max_attempts, stage=self.stage, forgive_before=forgive_before)
+        expired = self.ledger.expired_leases(stage=self.stage)
+        queue_busy = bool(expired) and self.ledger.queue_busy(self.stage)  # one LLEN per sweep, on the broker's Redis
+        for trajectory_id in expired:
+            result = self.ledger.expire(trajectory_id, self.max_attempts, stage=self.stage, forgive_before=forgive_before,
+                                        queue_busy=queue_busy)
             waiting += result == "waiting"
             if result in ("requeued", "resent"):
                 self._add_payload(trajectory_id, to_send)

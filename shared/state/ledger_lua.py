@@ -15,20 +15,19 @@ local function set_state(states, counts, tid, from, to)
 end
 """
 
-# KEYS: states, counts, requests, runs, run marker, rollout leases
-# ARGV: run_id, marker value, require_marker ('1': the run must be open), dispatch deadline,
+# KEYS: states, counts, requests, run marker, rollout leases (all of one run: one slot)
+# ARGV: marker value, require_marker ('1': the run must be open), dispatch deadline,
 #       then (tid, request_json) pairs
 # -> trajectories added, or -1 when the run's marker is required and gone (Redis lost its data)
 # A trajectory enters ``queued`` with its dispatch deadline in the rollout lease zset (no owner):
 # if no worker claims it by then, its message was lost and the reaper sends it again.
 REGISTER = """
-local states, counts, requests, runs, marker, leases = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local run_id, marker_value, require_marker, deadline = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local states, counts, requests, marker, leases = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local marker_value, require_marker, deadline = ARGV[1], ARGV[2], ARGV[3]
 if require_marker == '1' and redis.call('EXISTS', marker) == 0 then return -1 end
 redis.call('SET', marker, marker_value, 'NX')
 local added = 0
-redis.call('SADD', runs, run_id)
-for i = 5, #ARGV, 2 do
+for i = 4, #ARGV, 2 do
   if redis.call('HSETNX', states, ARGV[i], 'queued') == 1 then
     redis.call('HSET', requests, ARGV[i], ARGV[i + 1])
     redis.call('HINCRBY', counts, 'queued', 1)
@@ -141,19 +140,20 @@ return moved
 # - A dispatch deadline (no owner) of a trajectory still waiting to be claimed: its message was
 #   never sent, or lost. No attempt was made, so none counts ('resent'); the next deadline is
 #   further ahead each time (dispatch TTL x 2^resends, up to x32).
-# - Unless the stage's broker queue (KEYS[9], kombu's Redis list) still holds messages: its own
+# - Unless the stage's broker queue (kombu's Redis list) still holds messages (ARGV[10] '1': the
+#   caller read it; the broker's Redis need not be the ledger's, so the script cannot): its own
 #   may be one of them, and a copy would only join the back of the same queue. The deadline
 #   moves one dispatch TTL ahead, nothing is sent or counted ('waiting'). A message that only
 #   waits in a long queue (the pipeline stalled by an outage of Redis, a backlog) is not copied.
 # - A lease last renewed before Redis itself restarted (deadline < ARGV[9]) was lost in a crash
 #   of Redis, not by anything the trajectory did: its attempt does not count ('requeued').
-# KEYS: states, counts, owners, leases, attempts, failures, stream, resends, the stage's broker queue
+# KEYS: states, counts, owners, leases, attempts, failures, stream, resends (all of one run)
 # ARGV: tid, now, max_attempts, failed_event_json, held, claim_from, expired_reason, dispatch TTL (s),
-#       forgive deadlines before (0: none)
+#       forgive deadlines before (0: none), queue busy ('1': the stage's broker queue holds messages)
 # -> "requeued" | "resent" | "waiting" | "failed" | "skip"
 EXPIRE = _SET_STATE + """
-local states, counts, owners, leases, attempts_hash, failures, stream, resends_hash, queue = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
-local tid, now, max_attempts, failed_event, held, claim_from, expired_reason, dispatch_ttl, forgive_before = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]
+local states, counts, owners, leases, attempts_hash, failures, stream, resends_hash = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local tid, now, max_attempts, failed_event, held, claim_from, expired_reason, dispatch_ttl, forgive_before, queue_busy = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10]
 local deadline = redis.call('ZSCORE', leases, tid)
 if not deadline or tonumber(deadline) > tonumber(now) then return 'skip' end
 local state = redis.call('HGET', states, tid)
@@ -162,7 +162,7 @@ if redis.call('HDEL', owners, tid) == 0 then
     redis.call('ZREM', leases, tid)
     return 'skip'
   end
-  if redis.call('LLEN', queue) > 0 then
+  if queue_busy == '1' then
     redis.call('ZADD', leases, tonumber(now) + tonumber(dispatch_ttl), tid)
     return 'waiting'
   end

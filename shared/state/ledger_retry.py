@@ -74,7 +74,7 @@ def retry_failed(redis: Redis, run_id: str, wanted_reason: str | None, publish: 
     script = redis.register_script(ledger_lua.RETRY_GROUP)
     report = RetryReport()
     keys = [*ledger.retry_keys(run_id), GroupRegistry(redis, run_id).done_key, stream_key(run_id),
-            TrainerCounters(redis, run_id).key, budget_key(run_id), ROLLOUT.leases]
+            TrainerCounters(redis, run_id).key, budget_key(run_id), ROLLOUT.leases(run_id)]
     for group_id, retry in sorted(chosen.items()):
         argv: list[str] = [str(group_id), TrainerCounter.groups_reopened.value, StalenessBudget.FILTERED,
                            repr(ledger.dispatch_deadline())]

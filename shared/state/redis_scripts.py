@@ -10,6 +10,9 @@ Invariant: a call answered NoScriptError did not run, so it is run again, alone,
 ``Script.__call__``, which loads the script and runs it. Every other reply, and every other
 error, is returned or raised as the pipeline gave it: no call ever runs twice because of this.
 A single call is run through ``Script.__call__`` directly.
+
+On a Redis Cluster (``shared.redis_clients``) the pipeline sends each call to the node of its
+keys' slot; every call's keys are of one run, so of one slot.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ def run_pipelined(client: redis.Redis, calls: list[ScriptCall]) -> list[Any]:
         return [call.script(keys=call.keys, args=call.args) for call in calls]
     pipe = client.pipeline(transaction=False)
     for call in calls:
-        pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+        # EVALSHA by name: a cluster's pipeline refuses ``evalsha``, and routes this by its keys
+        pipe.execute_command("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
     replies = pipe.execute(raise_on_error=False)
     for index, (call, reply) in enumerate(zip(calls, replies)):
         if isinstance(reply, NoScriptError):

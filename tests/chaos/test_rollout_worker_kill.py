@@ -20,7 +20,7 @@ import signal
 import time
 
 import pytest
-from pipeline_support import REWARD_WEIGHTS, run_stack, stream_events, wait_terminal
+from pipeline_support import REWARD_WEIGHTS, run_stack, start_with_a_victim, stream_events, wait_terminal
 
 from services.cli.demo import write_demo_dataset
 from shared.state.ledger import SCORING, Ledger
@@ -43,7 +43,7 @@ def in_unsent_batch(ledger: Ledger, run_id: str) -> list[str]:
     scorers = set(ledger.redis.hkeys(SCORING.owners(run_id)))
     pipe = ledger.redis.pipeline(transaction=False)
     for t in uploaded:
-        pipe.zscore(SCORING.leases, t)
+        pipe.zscore(SCORING.leases(run_id), t)
     unsent_until = time.time() + LEASE_TTL_S + LINGER_S + 1
     return sorted(t for t, send_by in zip(uploaded, pipe.execute())
                   if send_by is not None and send_by <= unsent_until and t not in scorers)
@@ -81,11 +81,7 @@ def test_rollout_worker_killed_mid_episode_loses_and_duplicates_nothing(base, tm
     )
     dataset = write_demo_dataset(tmp_path / "guess.jsonl", GROUPS, seed=1)
     with stack:
-        victim = stack.start_rollout_worker(name="victim", concurrency=4)
-        stack.start_scoring_worker()
-        stack.start_trainer()
-        assert stack.run_conveyor("intake", "--dataset", str(dataset)).returncode == 0
-        ledger = Ledger(stack.redis_client())
+        victim, ledger = start_with_a_victim(stack, dataset)
         unsent = kill_with_a_batch_in_flight(victim, ledger, run_id, deadline=time.time() + 600)
         killed_at = time.time()
         held = sorted(t for t, s in ledger.states(run_id).items() if s == "running")

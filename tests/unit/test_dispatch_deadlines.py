@@ -29,7 +29,7 @@ def assert_deadlines(ledger: Ledger, tids: list[str], why: str) -> None:
     """The invariant: work-holding states have their deadline, nothing else has one."""
     for tid in tids:
         state = ledger.state(tid)
-        in_zset = {stage.name: ledger.redis.zscore(stage.leases, tid) is not None for stage in (ROLLOUT, SCORING)}
+        in_zset = {stage.name: ledger.lease_deadline(tid, stage) is not None for stage in (ROLLOUT, SCORING)}
         owners = {stage.name: ledger.lease_owner(tid, stage) for stage in (ROLLOUT, SCORING)}
         if state in TERMINAL:
             assert in_zset == {"rollout": False, "scoring": False} and set(owners.values()) == {None}, (tid, state, why)

@@ -43,6 +43,9 @@ from shared.storage import LocalStore, get_model, put_model
 # --- GroupAssembler -----------------------------------------------------------------------
 
 
+ON_BOTH_TOPOLOGIES = True  # each test using redis_client runs on the standalone Redis and a Redis Cluster
+
+
 def ev(group_id: int, episode: int, kind: str = "scored", reward: float = 1.0) -> TrainerEvent:
     tid = f"r_{group_id}_{episode}_{group_id + episode}"
     if kind == "scored":
@@ -441,12 +444,13 @@ def test_restart_after_crash_mid_completion_finishes_the_group(settings, ledger,
     assert [m["group_id"] for m in metrics_lines(settings)] == [0]  # died before its line: written once, now
 
 
-def test_crash_before_the_group_is_marked_done_is_finished_once_on_restart(settings, ledger, store, redis_client, redis_url, run_id, monkeypatch):
+def test_crash_before_the_group_is_marked_done_is_finished_once_on_restart(settings, ledger, store, redis_client, redis_topology_url, run_id,
+                                                                          monkeypatch):
     """Done, counted and acked move together: a trainer dying before that transaction leaves
     the group pending, and the restarted trainer completes and counts it exactly once."""
     groups = register_groups(settings, redis_client, 1)
     reqs = groups[0]
-    client_a = redis_for(redis_url)  # its own client: only trainer A's transaction fails
+    client_a = redis_for(redis_topology_url)  # its own client: only trainer A's transaction fails
     consumer_a = TrainerConsumer(settings, client_a, store)
 
     pipeline = consumer_a.client.pipeline

@@ -16,6 +16,9 @@ from shared.state.ledger import ROLLOUT, SCORING, Ledger
 from shared.names import RedisKeys
 from shared.settings import LedgerSettings, SettingsError
 
+ON_BOTH_TOPOLOGIES = True  # each test using redis_client runs on the standalone Redis and a Redis Cluster
+
+
 LATER = time.time() + 1e6  # every lease taken in these tests has run out by then
 
 
@@ -43,8 +46,8 @@ def test_scoring_claim_holds_an_uploaded_trajectory_once(ledger, run_id):
     assert ledger.lease_owner(tid, SCORING) == "s1"
     assert ledger.payload(tid, SCORING) == '["args"]'
     assert (ledger.attempts(tid, SCORING), ledger.attempts(tid)) == (1, 1)  # stages count apart
-    assert ledger.redis.zscore(RedisKeys.scoring_leases, tid) is not None
-    assert ledger.redis.zscore(RedisKeys.leases, tid) is None
+    assert ledger.lease_deadline(tid, SCORING) is not None
+    assert ledger.lease_deadline(tid) is None
     assert_counts_consistent(ledger, run_id, 3)
 
 
@@ -59,26 +62,26 @@ def test_only_the_scoring_owner_scores_or_fails_and_that_ends_the_lease(ledger, 
     assert ledger.mark_scored(tid, event, token="owner").state == "scored"
     assert stream_events(ledger.redis, run_id) == [event]
     assert ledger.lease_owner(tid, SCORING) is None
-    assert ledger.redis.zscore(RedisKeys.scoring_leases, tid) is None
+    assert ledger.lease_deadline(tid, SCORING) is None
     assert ledger.mark_scored(other, scored_event(other, run_id), token="owner").state == "not_owner"  # never claimed
     ledger.claim(other, "owner-2", 30, SCORING)
     assert ledger.fail(other, "scoring_error: bad", token="owner-2").ok
-    assert ledger.redis.zscore(RedisKeys.scoring_leases, other) is None
+    assert ledger.lease_deadline(other, SCORING) is None
     assert_counts_consistent(ledger, run_id, 3)
 
 
 def test_scoring_heartbeat_renews_only_the_owners_held_leases(ledger, run_id):
     tid, *_ = uploaded(ledger, run_id)
     ledger.claim(tid, "owner", 10, SCORING)
-    before = ledger.redis.zscore(RedisKeys.scoring_leases, tid)
+    before = ledger.lease_deadline(tid, SCORING)
     assert ledger.heartbeat({tid: "intruder"}, 1000, SCORING) == 0
     assert ledger.heartbeat({tid: "owner"}, 1000) == 0  # the rollout stage holds nothing here
-    assert ledger.redis.zscore(RedisKeys.scoring_leases, tid) == before
+    assert ledger.lease_deadline(tid, SCORING) == before
     assert ledger.heartbeat({tid: "owner"}, 1000, SCORING) == 1
-    assert ledger.redis.zscore(RedisKeys.scoring_leases, tid) > before + 900
+    assert ledger.lease_deadline(tid, SCORING) > before + 900
     ledger.mark_scored(tid, scored_event(tid, run_id), token="owner")
     assert ledger.heartbeat({tid: "owner"}, 1000, SCORING) == 0
-    assert ledger.redis.zscore(RedisKeys.scoring_leases, tid) is None
+    assert ledger.lease_deadline(tid, SCORING) is None
 
 
 def test_expired_scoring_lease_frees_the_trajectory_then_fails_it_after_max_attempts(ledger, run_id):
@@ -110,7 +113,7 @@ def test_expiry_after_the_hand_off_is_a_no_op(ledger, run_id):
     tid, *_ = uploaded(ledger, run_id)
     ledger.claim(tid, "s", 30, SCORING)
     # the lease's deadline passed, but the owner scored before any reaper looked
-    ledger.redis.zadd(RedisKeys.scoring_leases, {tid: 1.0})
+    ledger.redis.zadd(RedisKeys.scoring_leases(run_id), {tid: 1.0})
     assert ledger.mark_scored(tid, scored_event(tid, run_id), token="s").ok
     assert ledger.expire(tid, 1, stage=SCORING) == "skip"
     assert ledger.claim(tid, "late-copy", 30, SCORING) == (False, "scored")
@@ -146,17 +149,17 @@ def test_keeper_claims_renews_and_lets_go(ledger, run_id):
     token, attempt = keeper.claim(tid, '["p"]')
     assert token and attempt == "1" and ledger.lease_owner(tid, SCORING) == token
     assert keeper.claim(tid) == (None, "leased")
-    ledger.redis.zadd(RedisKeys.scoring_leases, {tid: time.time() + 5})
+    ledger.redis.zadd(RedisKeys.scoring_leases(run_id), {tid: time.time() + 5})
     keeper.start()
     try:
         deadline = time.time() + 10
-        while ledger.redis.zscore(RedisKeys.scoring_leases, tid) < time.time() + 900:
+        while ledger.lease_deadline(tid, SCORING) < time.time() + 900:
             assert time.time() < deadline, "the heartbeat thread never renewed the lease"
             time.sleep(0.05)
         keeper.release(tid)
-        ledger.redis.zadd(RedisKeys.scoring_leases, {tid: 1.0})
+        ledger.redis.zadd(RedisKeys.scoring_leases(run_id), {tid: 1.0})
         time.sleep(0.3)  # several heartbeats: a released lease is no longer renewed
-        assert ledger.redis.zscore(RedisKeys.scoring_leases, tid) == 1.0
+        assert ledger.lease_deadline(tid, SCORING) == 1.0
     finally:
         keeper.stop()
     assert keeper.beat() == 0

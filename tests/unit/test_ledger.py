@@ -11,6 +11,9 @@ from shared.names import RedisKeys
 from shared.schemas import RolloutRequest, ScoredEvent, TaskProfile, TrainerEvent, parse_message
 
 
+ON_BOTH_TOPOLOGIES = True  # each test using redis_client runs on the standalone Redis and a Redis Cluster
+
+
 def requests_for(run_id: str, group_id: int = 0, size: int = 3, base_seed: int = 100) -> list[RolloutRequest]:
     task = TaskProfile(task_id="t", env_name="guess_number", task_data={"low": 1, "high": 9, "target": 3})
     out = []
@@ -85,15 +88,15 @@ def test_heartbeat_renews_only_for_the_owner(ledger, run_id):
     ledger.register(reqs)
     tid = reqs[0].trajectory_id
     ledger.claim(tid, "owner", 10)
-    before = ledger.redis.zscore(RedisKeys.leases, tid)
+    before = ledger.lease_deadline(tid)
     assert ledger.heartbeat({tid: "intruder"}, 1000) == 0
-    assert ledger.redis.zscore(RedisKeys.leases, tid) == before
+    assert ledger.lease_deadline(tid) == before
     assert ledger.heartbeat({tid: "owner"}, 1000) == 1
-    assert ledger.redis.zscore(RedisKeys.leases, tid) > before + 900
+    assert ledger.lease_deadline(tid) > before + 900
     # not running any more -> nothing to renew, and no lease re-created
     assert ledger.mark_uploaded(tid, "owner").ok
     assert ledger.heartbeat({tid: "owner"}, 1000) == 0
-    assert ledger.redis.zscore(RedisKeys.leases, tid) is None
+    assert ledger.lease_deadline(tid) is None
 
 
 def test_mark_uploaded_by_non_owner_is_rejected(ledger, run_id):
@@ -108,7 +111,7 @@ def test_mark_uploaded_by_non_owner_is_rejected(ledger, run_id):
     result = ledger.mark_uploaded(tid, "owner")
     assert (result.ok, result.state) == (True, "running")
     assert ledger.state(tid) == "uploaded"
-    assert ledger.redis.zscore(RedisKeys.leases, tid) is None
+    assert ledger.lease_deadline(tid) is None
     assert ledger.redis.hget(RedisKeys.owners(run_id), tid) is None
 
 
@@ -160,7 +163,7 @@ def test_fail_from_each_non_terminal_state(ledger, run_id, state):
     failed = [e for e in stream_events(ledger.redis, run_id) if e.kind == "failed"]
     assert len(failed) == 1
     assert (failed[0].trajectory_id, failed[0].group_id, failed[0].failure_reason) == (tid, 0, "broken env")
-    assert ledger.redis.zscore(RedisKeys.leases, tid) is None
+    assert ledger.lease_deadline(tid) is None
     # terminal: a second fail is a no-op and adds no event
     assert not ledger.fail(tid, "again").ok
     assert len([e for e in stream_events(ledger.redis, run_id) if e.kind == "failed"]) == 1
@@ -222,7 +225,7 @@ def test_requeue_by_owner_allows_a_fresh_claim(ledger, run_id):
     assert ledger.requeue(tid, "a").ok
     assert ledger.state(tid) == "queued" and ledger.lease_owner(tid) is None
     # the lease became a dispatch deadline: the owner publishes next, and if that is lost the reaper does
-    assert ledger.redis.zscore(RedisKeys.leases, tid) > time.time() + ledger.dispatch_ttl_s - 5
+    assert ledger.lease_deadline(tid) > time.time() + ledger.dispatch_ttl_s - 5
     assert ledger.claim(tid, "b", 30) == (True, "2")
 
 

@@ -22,6 +22,9 @@ from shared.schemas import BadMessage, ScoredTrajectory, ScoringTask, StopReason
 from shared.storage import LocalStore, get_model, put_model
 
 
+ON_BOTH_TOPOLOGIES = True  # each test using redis_client runs on the standalone Redis and a Redis Cluster
+
+
 @pytest.fixture
 def scorer(ledger, store, redis_client) -> Scorer:
     return Scorer(store, RewardCombiner({"verifier": 1.0}), LeaseKeeper(ledger, 30, 5, SCORING), DeadLetters(redis_client))

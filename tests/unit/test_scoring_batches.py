@@ -22,6 +22,9 @@ from shared.schemas import ScoringTask, StopReason, Trajectory, parse_message
 from shared.storage import LocalStore, put_model
 
 
+ON_BOTH_TOPOLOGIES = True  # each test using redis_client runs on the standalone Redis and a Redis Cluster
+
+
 def uploaded_with_send_by(ledger: Ledger, run_id: str, size: int, send_within_s: float) -> list[ScoringTask]:
     """``size`` trajectories as a rollout worker leaves them before its batch goes out."""
     tasks = []
@@ -62,7 +65,7 @@ def test_a_sent_batch_moves_its_deadlines_ahead_but_not_a_lease_a_scorer_already
 
 def test_an_upload_without_a_scoring_task_leaves_no_send_by_entry(ledger, store, run_id):
     tid, _task = upload(ledger, store, run_id)  # the ledger-only path some tools take
-    assert ledger.redis.zscore(SCORING.leases, tid) is None
+    assert ledger.lease_deadline(tid, SCORING) is None
 
 
 def test_the_outbox_sends_at_the_end_of_a_task_at_its_size_limit_and_after_its_linger():
@@ -109,7 +112,7 @@ def test_a_batch_that_cannot_be_sent_is_logged_and_left_to_the_reaper(caplog):
 
 def test_the_send_by_deadline_is_a_unix_time(ledger, run_id):
     [task] = uploaded_with_send_by(ledger, run_id, size=1, send_within_s=0.0)
-    deadline = ledger.redis.zscore(SCORING.leases, task.trajectory_id)
+    deadline = ledger.lease_deadline(task.trajectory_id, SCORING)
     assert deadline is not None and abs(deadline - time.time()) < 5
 
 

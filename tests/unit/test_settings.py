@@ -377,3 +377,11 @@ def test_the_agent_proxys_bounds_load_from_the_environment_and_name_a_bad_one(mo
     with pytest.raises(SettingsError) as info:
         load_settings()
     assert "rollout.agent_proxy.header_timeout_s" in str(info.value) and "greater than 0" in str(info.value)
+
+
+def test_a_cluster_ledger_needs_a_standalone_broker_of_its_own():
+    with pytest.raises(SettingsError, match="redis.broker_url: the Celery broker needs a standalone Redis"):
+        load_settings(redis={"url": "redis+cluster://127.0.0.1:7000"})
+    settings = load_settings(redis={"url": "redis+cluster://127.0.0.1:7000", "broker_url": "redis://127.0.0.1:6380/0"})
+    assert settings.redis.broker == "redis://127.0.0.1:6380/0"
+    assert load_settings(redis={"url": "redis://h:1/0"}).redis.broker == "redis://h:1/0"  # one Redis for both

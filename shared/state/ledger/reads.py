@@ -5,7 +5,8 @@ Invariants:
 - A read never writes: every change of the ledger is a transition of ``Ledger``
   (``shared.state.ledger.transitions``), one Lua call each.
 - A read of one trajectory finds its run's keys from its id (``shared.ids``); a read of a run
-  touches only that run's keys (and the set of runs).
+  touches only that run's keys (and the set of runs). A read across runs (``expired_leases``)
+  goes run by run through the run registry, never a script over two runs' keys.
 - Replies are decoded (``decode_responses=True``, as ``redis_for`` and ``shared.outage`` make the
   client): the casts name the str redis-py returns.
 """
@@ -35,8 +36,13 @@ class LedgerReads:
         self.redis = client
 
     def expired_leases(self, now: float | None = None, limit: int = 500, stage: LeaseStage = ROLLOUT) -> list[str]:
+        """The stage's passed deadlines, up to ``limit`` per run, of every run in the registry:
+        one ZRANGEBYSCORE per run (each run's lease zset is its own), pipelined."""
         now = time.time() if now is None else now
-        return cast(list[str], self.redis.zrangebyscore(stage.leases, "-inf", now, start=0, num=limit))
+        pipe = self.redis.pipeline(transaction=False)
+        for run_id in self.runs():
+            pipe.zrangebyscore(stage.leases(run_id), "-inf", now, start=0, num=limit)
+        return [tid for expired in pipe.execute() for tid in cast(list[str], expired)]
 
     def payload(self, trajectory_id: str, stage: LeaseStage = ROLLOUT) -> str:
         run_id = parse_trajectory_id(trajectory_id).run_id
@@ -96,7 +102,7 @@ class LedgerReads:
         return int(self.redis.hget(stage.attempts(run_id), trajectory_id) or 0)
 
     def lease_deadline(self, trajectory_id: str, stage: LeaseStage = ROLLOUT) -> float | None:
-        return self.redis.zscore(stage.leases, trajectory_id)
+        return self.redis.zscore(stage.leases(parse_trajectory_id(trajectory_id).run_id), trajectory_id)
 
     def lease_owner(self, trajectory_id: str, stage: LeaseStage = ROLLOUT) -> str | None:
         return cast(str | None, self.redis.hget(stage.owners(parse_trajectory_id(trajectory_id).run_id), trajectory_id))

@@ -5,7 +5,7 @@ Invariants:
   can still leave.
 - Each ``LeaseStage`` holds a different state (``LEASE_STAGES``): rollout holds ``running``,
   scoring holds ``uploaded``. A stage names its own keys (lease zset, owners, attempts,
-  payloads, resends) and the broker queue its messages wait in; the ledger's Lua is given them
+  payloads, resends), each one per run, under the run's hash tag (``shared.names.RedisKeys``) and the broker queue its messages wait in; the ledger's Lua is given them
   (``shared.state.ledger_lua``), so one script serves both stages.
 """
 
@@ -31,7 +31,7 @@ class LeaseStage:
     claim_from: TrajectoryState
     held: TrajectoryState
     expired_reason: str  # failure reason once the lease expired max_attempts times
-    leases: str  # zset trajectory id -> deadline, all runs
+    leases: Callable[[str], str]  # run id -> zset trajectory id -> deadline
     owners: Callable[[str], str]  # run id -> hash trajectory id -> token
     attempts: Callable[[str], str]  # run id -> hash trajectory id -> attempts started
     payloads: Callable[[str], str]  # run id -> hash trajectory id -> what a re-dispatch publishes

@@ -20,7 +20,7 @@ import redis
 from shared.state import ledger_lua
 from shared.ids import parse_trajectory_id
 from shared.names import RedisKeys
-from shared.outage import redis_client
+from shared.redis_clients import redis_for
 from shared.state.ledger.reads import LedgerReads
 from shared.state.ledger.stages import LEASE_STAGES, ROLLOUT, SCORING, UNFINISHED, LeaseStage, TransitionResult
 from shared.state.redis_scripts import ScriptCall, run_pipelined
@@ -32,19 +32,15 @@ from shared.settings import LedgerSettings, OutageSettings
 DEFAULT_DISPATCH_TTL_S = LedgerSettings().dispatch_ttl_s
 
 
-def redis_for(url: str, outage: OutageSettings | None = None) -> redis.Redis:
-    """A client for the ledger and the other owners of Redis state. With ``outage`` (a
-    long-running service), every call waits out an outage of Redis (``shared.outage``); without,
-    a call fails at once (a one-shot command)."""
-    return redis_client(url, outage) if outage is not None else redis.Redis.from_url(url, decode_responses=True)
-
-
 class Ledger(LedgerReads):
-    def __init__(self, client: redis.Redis, dispatch_ttl_s: float = DEFAULT_DISPATCH_TTL_S):
+    def __init__(self, client: redis.Redis, dispatch_ttl_s: float = DEFAULT_DISPATCH_TTL_S,
+                 broker: redis.Redis | None = None):
         """``dispatch_ttl_s``: how long a trajectory may wait to be claimed before its message is
-        presumed lost and sent again (``ledger.dispatch_ttl_s``)."""
+        presumed lost and sent again (``ledger.dispatch_ttl_s``). ``broker``: the Redis holding
+        the broker's queues (``redis.broker_url``), when it is not the ledger's own."""
         super().__init__(client)
         self.dispatch_ttl_s = dispatch_ttl_s
+        self.broker = client if broker is None else broker
         self._register = client.register_script(ledger_lua.REGISTER)
         self._claim = client.register_script(ledger_lua.CLAIM)
         self._heartbeat = client.register_script(ledger_lua.HEARTBEAT)
@@ -59,6 +55,10 @@ class Ledger(LedgerReads):
         """With ``outage``, a ledger whose calls wait out an outage of Redis: ``redis_for``."""
         return cls(redis_for(url, outage), dispatch_ttl_s)
 
+    def queue_busy(self, stage: LeaseStage) -> bool:
+        """Whether the stage's broker queue (kombu's Redis list) holds messages now."""
+        return int(self.broker.llen(stage.queue)) > 0
+
     def dispatch_deadline(self, now: float | None = None) -> float:
         """When a trajectory entering a claim-from state now must have been claimed."""
         return (time.time() if now is None else now) + self.dispatch_ttl_s
@@ -71,12 +71,15 @@ class Ledger(LedgerReads):
         if not requests:
             return 0
         run_id = requests[0].run_id
-        argv: list[str] = [run_id, marker_value(run_id), "1" if require_marker else "0", repr(self.dispatch_deadline())]
+        argv: list[str] = [marker_value(run_id), "1" if require_marker else "0", repr(self.dispatch_deadline())]
         for req in requests:
             argv += [req.trajectory_id, req.model_dump_json()]
         k = RedisKeys
-        keys = [k.states(run_id), k.counts(run_id), k.requests(run_id), k.runs, RunMarker(self.redis, run_id).key,
-                ROLLOUT.leases]
+        keys = [k.states(run_id), k.counts(run_id), k.requests(run_id), RunMarker(self.redis, run_id).key,
+                ROLLOUT.leases(run_id)]
+        # The run registry is cross-run (another slot on a cluster): added first, on every
+        # registration, so no trajectory is ever registered in a run the reapers do not visit.
+        self.redis.sadd(k.runs, run_id)
         added = int(self._register(keys=keys, args=argv))
         if added < 0:
             raise RedisDataLost(lost_message(run_id, "intake saw it when it opened the run", "registers nothing more of it"))
@@ -98,7 +101,7 @@ class Ledger(LedgerReads):
         calls = []
         for trajectory_id, token, payload in claims:
             run = parse_trajectory_id(trajectory_id).run_id
-            keys = [RedisKeys.states(run), RedisKeys.counts(run), stage.owners(run), stage.leases, stage.attempts(run),
+            keys = [RedisKeys.states(run), RedisKeys.counts(run), stage.owners(run), stage.leases(run), stage.attempts(run),
                     stage.payloads(run), stage.resends(run)]
             args = [trajectory_id, token, deadline, stage.claim_from.value, stage.held.value, payload]
             calls.append(ScriptCall(self._claim, keys, args))
@@ -117,18 +120,20 @@ class Ledger(LedgerReads):
         lost: list[str] = []
         deadline = time.time() + lease_ttl_s
         for run, pairs in by_run.items():
-            keys = [RedisKeys.states(run), stage.owners(run), stage.leases]
+            keys = [RedisKeys.states(run), stage.owners(run), stage.leases(run)]
             lost += [_text(tid) for tid in self._heartbeat(keys=keys, args=[deadline, stage.held.value, *pairs])]
         return lost
 
 
     def expire(self, trajectory_id: str, max_attempts: int, now: float | None = None, stage: LeaseStage = ROLLOUT,
-               forgive_before: float = 0.0) -> str:
+               forgive_before: float = 0.0, queue_busy: bool | None = None) -> str:
         """A deadline passed. A lease: 'requeued' (publish the payload again) or 'failed'. A
         dispatch deadline of a trajectory still unclaimed: 'resent' (publish the payload again;
         no attempt counts), or 'waiting' while the stage's broker queue holds messages (its own
         may be among them: the deadline moves ahead, nothing is sent). Else 'skip'. A lease whose deadline is before ``forgive_before``
-        (it was last renewed before Redis restarted) does not count its attempt."""
+        (it was last renewed before Redis restarted) does not count its attempt. ``queue_busy``:
+        whether the stage's broker queue holds messages, read by the caller (a reaper reads it
+        once per sweep); None reads it now (``queue_busy``)."""
         ids = parse_trajectory_id(trajectory_id)
         now = time.time() if now is None else now
         reason = f"{stage.expired_reason} after {max_attempts} attempts"
@@ -136,10 +141,11 @@ class Ledger(LedgerReads):
             trajectory_id=trajectory_id, run_id=ids.run_id, group_id=ids.group_id, failure_reason=reason, at=now,
         )
         k, run = RedisKeys, ids.run_id
-        keys = [k.states(run), k.counts(run), stage.owners(run), stage.leases, stage.attempts(run), k.failures(run),
-                stream_key(run), stage.resends(run), stage.queue]
+        keys = [k.states(run), k.counts(run), stage.owners(run), stage.leases(run), stage.attempts(run), k.failures(run),
+                stream_key(run), stage.resends(run)]
+        busy = self.queue_busy(stage) if queue_busy is None else queue_busy
         args: list[str | float] = [trajectory_id, now, max_attempts, event.model_dump_json(), stage.held.value, stage.claim_from.value,
-                stage.expired_reason, self.dispatch_ttl_s, repr(forgive_before)]
+                stage.expired_reason, self.dispatch_ttl_s, repr(forgive_before), "1" if busy else "0"]
         return self._expire(keys=keys, args=args)
 
     # --- transitions ------------------------------------------------------------------------
@@ -171,7 +177,7 @@ class Ledger(LedgerReads):
         for tid in trajectory_ids:
             by_run.setdefault(parse_trajectory_id(tid).run_id, []).append(tid)
         deadline = repr(self.dispatch_deadline())
-        calls = [ScriptCall(self._sent, [SCORING.owners(run), SCORING.leases], [deadline, *tids]) for run, tids in by_run.items()]
+        calls = [ScriptCall(self._sent, [SCORING.owners(run), SCORING.leases(run)], [deadline, *tids]) for run, tids in by_run.items()]
         return sum(run_pipelined(self.redis, calls))
 
     def requeue(self, trajectory_id: str, token: str) -> TransitionResult:
@@ -186,7 +192,7 @@ class Ledger(LedgerReads):
         shutting down before the work was done (publish the payload again)."""
         _require_token(token)
         run = parse_trajectory_id(trajectory_id).run_id
-        keys = [RedisKeys.states(run), RedisKeys.counts(run), stage.owners(run), stage.leases, stage.attempts(run)]
+        keys = [RedisKeys.states(run), RedisKeys.counts(run), stage.owners(run), stage.leases(run), stage.attempts(run)]
         args = [trajectory_id, token, stage.held.value, stage.claim_from.value, repr(self.dispatch_deadline())]
         status, detail = self._hand_back(keys=keys, args=args)
         return TransitionResult(status == "ok", detail)
@@ -255,9 +261,9 @@ class Ledger(LedgerReads):
         run = parse_trajectory_id(trajectory_id).run_id
         k = RedisKeys
         following = next((stage for stage in LEASE_STAGES if stage.claim_from is to), ROLLOUT)
-        keys = [k.states(run), k.counts(run), k.failures(run), stream_key(run), following.payloads(run), following.leases]
+        keys = [k.states(run), k.counts(run), k.failures(run), stream_key(run), following.payloads(run), following.leases(run)]
         for stage in LEASE_STAGES:
-            keys += [stage.owners(run), stage.leases]
+            keys += [stage.owners(run), stage.leases(run)]
         args = [trajectory_id, to.value, token or "", reason, event.model_dump_json() if event else ""]
         args += [",".join(s.value for s in allowed_from), next_payload, repr(send_by)]
         for stage in LEASE_STAGES:

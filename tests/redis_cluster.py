@@ -1,0 +1,103 @@
+"""A real Redis Cluster on localhost for tests: three masters and three replicas of
+``redis-server``, each in its own directory, durable as the standalone one (``appendonly yes``,
+``appendfsync everysec``), created with ``redis-cli --cluster create ... --cluster-replicas 1``.
+A master that dies is replaced by its replica after ``NODE_TIMEOUT_MS`` (about 3 to 5 s in all)."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+
+NODES = 6  # three masters, each with one replica
+NODE_TIMEOUT_MS = 2000
+
+
+@dataclass
+class Cluster:
+    url: str  # redis+cluster://host:port of its first node
+    procs: dict[int, subprocess.Popen]  # port -> its redis-server
+
+    def kill(self, port: int) -> None:
+        """SIGKILL the node on ``port``."""
+        self.procs[port].send_signal(signal.SIGKILL)
+        self.procs[port].wait(10)
+
+
+@contextmanager
+def running_cluster(root: Path) -> Iterator[Cluster]:
+    binary, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+    if binary is None or cli is None:
+        pytest.fail("redis-server and redis-cli are not installed (apt-get install -y redis-server)")
+    ports = _cluster_ports(NODES)
+    procs: dict[int, subprocess.Popen] = {}
+    try:
+        for port in ports:
+            workdir = root / str(port)
+            workdir.mkdir(parents=True)
+            procs[port] = subprocess.Popen(
+                [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
+                 "--appendfsync", "everysec", "--dir", str(workdir), "--cluster-enabled", "yes",
+                 "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(NODE_TIMEOUT_MS)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+        clients = [redis.Redis(port=port, decode_responses=True, socket_timeout=5) for port in ports]
+        for client in clients:
+            wait_for_ping(client)
+        subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{port}" for port in ports), "--cluster-replicas", "1",
+                        "--cluster-yes"], check=True, stdout=subprocess.DEVNULL, timeout=60)
+        deadline = time.monotonic() + 30
+        while not all(client.cluster("info")["cluster_state"] == "ok" for client in clients):
+            if time.monotonic() > deadline:
+                pytest.fail("the Redis Cluster did not reach cluster_state:ok in 30 s")
+            time.sleep(0.05)
+        yield Cluster(f"redis+cluster://127.0.0.1:{ports[0]}", procs)
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:  # a node slow to stop (a loaded machine) is not kept waiting for
+                proc.kill()
+                proc.wait(10)
+
+
+def wait_for_ping(client: redis.Redis) -> None:
+    for _ in range(100):
+        try:
+            client.ping()
+            return
+        except redis.ConnectionError:
+            time.sleep(0.05)
+
+
+def _cluster_ports(count: int) -> list[int]:
+    """Distinct free ports whose cluster bus ports (port + 10000) are free too, and none the bus
+    port of another: a client of a bus port would wait for an answer that never comes."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = random.randint(20000, 50000)
+        taken = {p for q in ports for p in (q, q + 10000, q - 10000)}
+        if port not in taken and _free(port) and _free(port + 10000):
+            ports.append(port)
+    return ports
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
