@@ -97,6 +97,7 @@ def _admit_in_thread(wait) -> tuple[threading.Thread, list[float]]:
     return thread, done
 
 
+@pytest.mark.parametrize("redis_topology_url", ["standalone", "cluster"], indirect=True)
 @pytest.mark.parametrize("writer", ["trainer_step_then_served_version", "filtered_group"])
 def test_a_waiting_intake_wakes_when_the_bound_moves_not_at_its_next_poll(redis_client, run_id, writer):
     from services.intake.admission_wait import AdmissionWait
