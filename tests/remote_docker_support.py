@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import shutil
 import signal
@@ -37,6 +38,7 @@ import pytest
 from shared.settings.sandbox import DockerProviderSettings, DockerTLSSettings
 
 PORT = 2376
+RUNSC = "/usr/bin/runsc"
 _hosts = itertools.count()
 
 
@@ -77,9 +79,11 @@ def _free_subnet() -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def remote_docker_host() -> Iterator[RemoteHost]:
+def remote_docker_host(runtime: str = "runc") -> Iterator[RemoteHost]:
     if os.geteuid() != 0 or not all(shutil.which(t) for t in ("ip", "nsenter", "dockerd", "openssl")):
         pytest.skip("a namespaced second dockerd needs root, ip, nsenter, dockerd and openssl")
+    if runtime == "runsc" and not os.access(RUNSC, os.X_OK):
+        pytest.skip(f"gVisor is not installed ({RUNSC}: apt-get install runsc)")
     tag = f"cvr{os.getpid() % 100000}x{next(_hosts)}"  # at most 15 bytes with the link suffix
     netns, host_if, ns_if = tag, f"{tag}h", f"{tag}n"
     host_ip, daemon_ip = _free_subnet()
@@ -97,15 +101,17 @@ def remote_docker_host() -> Iterator[RemoteHost]:
         (root / "certs").mkdir()
         tls = make_certs(root / "certs", daemon_ip)
         certs = root / "certs"
+        runtimes = {"runsc": {"path": RUNSC, "runtimeArgs": ["--network=none"]}} if os.access(RUNSC, os.X_OK) else {}
+        (root / "daemon.json").write_text(json.dumps({"runtimes": runtimes}))
         log = open(root / "dockerd.log", "wb")
         daemon = subprocess.Popen(
-            ["nsenter", f"--net=/var/run/netns/{netns}", "dockerd", "--data-root", f"{root}/data",
-             "--exec-root", f"{root}/exec", "--pidfile", f"{root}/docker.pid", "-H", f"unix://{root}/docker.sock",
+            ["nsenter", f"--net=/var/run/netns/{netns}", "dockerd", "--config-file", f"{root}/daemon.json",
+             "--data-root", f"{root}/data", "--exec-root", f"{root}/exec", "--pidfile", f"{root}/docker.pid", "-H", f"unix://{root}/docker.sock",
              "-H", f"tcp://{daemon_ip}:{PORT}", "--tlsverify", "--tlscacert", f"{certs}/ca.pem",
              "--tlscert", f"{certs}/server.pem", "--tlskey", f"{certs}/server-key.pem", "--bridge=none",
              "--iptables=false", "--ip6tables=false", "--ip-masq=false", f"--cgroup-parent={tag}"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        settings = DockerProviderSettings(host=f"tcp://{daemon_ip}:{PORT}", tls=tls)
+        settings = DockerProviderSettings(host=f"tcp://{daemon_ip}:{PORT}", tls=tls, runtime=runtime)
         _wait_until_up(root / "docker.sock", daemon, root / "dockerd.log")
         yield RemoteHost(settings, lambda: _kill(daemon))
     finally:

@@ -32,6 +32,9 @@ class DockerProviderSettings(Section):
     kind: Literal["docker"] = "docker"
     host: str | None = None  # unix:///var/run/docker.sock, tcp://10.0.0.7:2376, ...
     tls: DockerTLSSettings | None = None
+    # the OCI runtime the daemon runs sandboxes with: runc, or a name registered with the daemon
+    # (runsc: gVisor, its own kernel in user space; docs/sandboxes.md)
+    runtime: str = "runc"
     # this daemon's rate limit on container creation, per worker process (sandbox.limiter)
     max_concurrent_creates: Int = Field(8, gt=0)
     min_create_interval_s: Float = Field(0.01, ge=0)

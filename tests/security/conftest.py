@@ -28,7 +28,8 @@ from security_support import DISCOUNT_TEST, F2P, HIDDEN_TEST, P2P, RUN_ID, SHOP,
 RUN_LABEL = f"conveyor.run_id={RUN_ID}"
 
 
-REMOTE = os.environ.get("SECURITY_SANDBOX_HOST") == "namespaced"
+RUNTIME = os.environ.get("SECURITY_SANDBOX_RUNTIME", "runc")
+REMOTE = os.environ.get("SECURITY_SANDBOX_HOST") == "namespaced" or RUNTIME != "runc"
 
 
 @pytest.fixture(scope="session")
@@ -48,7 +49,7 @@ def docker_client(local_docker_client):
     from services.rollout_worker.sandbox import providers
     from shared.settings.sandbox import SandboxSettings
 
-    with remote_docker_host() as host:
+    with remote_docker_host(runtime=RUNTIME) as host:
         remote = providers.provider_from(host.settings)
         providers.configure(SandboxSettings(provider=host.settings))
         try:

@@ -79,10 +79,12 @@ def _tmpfs_options(size: int, user: str | None, *, shared: bool) -> str:
     return f"{opts},mode=1777"
 
 
-def create_kwargs(api: APIClient, spec: SandboxSpec, *, name: str, now: float) -> dict:
-    """Arguments for ``APIClient.create_container``: the whole isolation policy in one place."""
+def create_kwargs(api: APIClient, spec: SandboxSpec, *, name: str, now: float, runtime: str = "runc") -> dict:
+    """Arguments for ``APIClient.create_container``: the whole isolation policy in one place
+    (``runtime``: the daemon's OCI runtime, runc or runsc; the policy is the same under each)."""
     limits = spec.limits
     host_config = api.create_host_config(
+        runtime=runtime,
         network_mode="none",
         cap_drop=["ALL"],
         cap_add=list(SESSION_CAPS),
@@ -200,13 +202,14 @@ def _discard_when_created(api: APIClient):
     return callback
 
 
-async def start_container(api: APIClient, spec: SandboxSpec, limiter: ProvisionLimiter) -> StartedContainer:
+async def start_container(api: APIClient, spec: SandboxSpec, limiter: ProvisionLimiter, *,
+                          runtime: str = "runc") -> StartedContainer:
     """Create, attach to (before start, so no output is missed) and start one sandbox container."""
     if spec.network.mode != "none" or spec.limits.disk is not None:
         await run_blocking(check_supported, api, spec)
     name = container_name(spec)
     uid, gid = command_user(api, spec) if spec.user is not None else await run_blocking(command_user, api, spec)
-    kwargs = create_kwargs(api, spec, name=name, now=time.time())
+    kwargs = create_kwargs(api, spec, name=name, now=time.time(), runtime=runtime)
     tls = tls_transport(api)
     async with limiter.slot():
         job = submit(_create_attach_start, api, kwargs, spec.session and not tls, start=not (spec.session and tls))

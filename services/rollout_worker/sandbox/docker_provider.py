@@ -31,15 +31,17 @@ class DockerProvider:
     client_errors: tuple[type[BaseException], ...] = (docker.errors.DockerException,
                                                       requests.exceptions.RequestException)
 
-    def __init__(self, client: docker.DockerClient, limiter: ProvisionLimiter | None = None):
+    def __init__(self, client: docker.DockerClient, limiter: ProvisionLimiter | None = None, *,
+                 runtime: str = "runc"):
         self.client = client
         self.limiter = limiter or DEFAULT_LIMITER
+        self.runtime = runtime  # the daemon's OCI runtime for sandboxes: runc, or runsc (gVisor)
 
     def __repr__(self) -> str:
-        return f"DockerProvider({self.client.api.base_url})"
+        return f"DockerProvider({self.client.api.base_url}, runtime={self.runtime})"
 
     async def create(self, spec: SandboxSpec, limiter: ProvisionLimiter) -> StartedContainer:
-        return await start_container(self.client.api, spec, limiter)
+        return await start_container(self.client.api, spec, limiter, runtime=self.runtime)
 
     async def open_session(self, spec: SandboxSpec, handle: SandboxHandle) -> SandboxSession:
         started = _started(handle)

@@ -64,7 +64,7 @@ def provider_from(settings: SandboxProviderSettings) -> SandboxProvider:
 def _cached(settings_json: str) -> SandboxProvider:
     settings = _SETTINGS.validate_json(settings_json)
     if isinstance(settings, DockerProviderSettings):
-        return DockerProvider(docker_client(settings), _limiter(settings))
+        return DockerProvider(docker_client(settings), _limiter(settings), runtime=settings.runtime)
     return NoSandboxProvider()
 
 
