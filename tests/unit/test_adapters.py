@@ -248,7 +248,7 @@ def test_traversal_intake_rejects_bad_rows_and_goes_on(clean_env, redis_client, 
         g = call[0].group_id
         for i, req in enumerate(call):
             seed = ids.episode_seed(1000, g, i)
-            assert (req.episode_index, req.episode_seed, req.group_size) == (i, seed, 3)
+            assert (req.episode_index, req.episode_seed, req.members_dispatched) == (i, seed, 3)
             assert req.trajectory_id == ids.trajectory_id(run_id, g, i, seed)
             # registered in the ledger before it was published
             assert ledger.state(req.trajectory_id) == "queued"
