@@ -7,9 +7,11 @@ import time
 
 import pytest
 
+from services.intake.admission_wait import AdmissionWait
 from services.intake.datasets import Row
 from services.intake.publisher import run_intake
 from shared.names import RedisKeys
+from shared.state.policy_version import PolicyVersion
 from shared.state.staleness import StalenessBudget
 from shared.settings import Settings
 
@@ -100,9 +102,6 @@ def _admit_in_thread(wait) -> tuple[threading.Thread, list[float]]:
 @pytest.mark.parametrize("redis_topology_url", ["standalone", "cluster"], indirect=True)
 @pytest.mark.parametrize("writer", ["trainer_step_then_served_version", "filtered_group"])
 def test_a_waiting_intake_wakes_when_the_bound_moves_not_at_its_next_poll(redis_client, run_id, writer):
-    from services.intake.admission_wait import AdmissionWait
-    from shared.state.policy_version import PolicyVersion
-
     budget = StalenessBudget(redis_client, run_id, max_off_policy_steps=0, groups_per_step=1)
     assert budget.try_admit() and not budget.try_admit()
     wait = AdmissionWait(budget, redis_client, log_every_s=60, poll_s=30)  # a poll would take 30 s
@@ -123,8 +122,6 @@ def test_a_waiting_intake_wakes_when_the_bound_moves_not_at_its_next_poll(redis_
 
 
 def test_a_lost_announcement_costs_one_poll_and_admits_nothing_early(redis_client, run_id):
-    from services.intake.admission_wait import AdmissionWait
-
     budget = StalenessBudget(redis_client, run_id, max_off_policy_steps=0, groups_per_step=1)
     assert budget.try_admit()
     wait = AdmissionWait(budget, redis_client, log_every_s=60, poll_s=0.5)
