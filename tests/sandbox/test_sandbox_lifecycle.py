@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import docker.errors
@@ -67,7 +68,16 @@ def test_provision_never_blocks_the_event_loop(make_spec):
             beat.cancel()
         return max(gaps)
 
-    assert run(scenario()) < 0.1
+    # What is measured is provisioning's own blocking, not the collector's: late in the full suite
+    # one full collection of this process's heap (torch, vLLM, every earlier test's garbage) paused
+    # the loop for 0.59 s inside this test. So collect first and keep the collector off meanwhile.
+    gc.collect()
+    gc.disable()
+    try:
+        longest_gap = run(scenario())
+    finally:
+        gc.enable()
+    assert longest_gap < 0.1
 
 
 def test_teardown_runs_when_the_episode_raises(make_spec, containers_of):
