@@ -1,8 +1,9 @@
 """Settings of the sandbox providers: where sandboxes run, for the whole stack and per environment
 (``services.rollout_worker.sandbox.providers`` turns them into providers; docs/sandboxes.md).
 
-``sandbox.provider`` is a setting with modes, told apart by ``kind``: ``docker``, or ``none``
-(no sandboxes at all); a hosted provider adds its own section to the union. ``sandbox.environments`` names, per
+``sandbox.provider`` is a setting with modes, told apart by ``kind``: ``docker`` (one daemon),
+``docker_hosts`` (several daemons, each new sandbox placed on one: ``sandbox.placement``), or
+``none`` (no sandboxes at all); a hosted provider adds its own section to the union. ``sandbox.environments`` names, per
 environment, a provider other than the stack's.
 
 Part of ``shared.settings`` (its docstring states the invariants every section keeps).
@@ -56,8 +57,29 @@ class NoSandboxProviderSettings(Section):
     kind: Literal["none"] = "none"
 
 
+class DockerHostsSettings(Section):
+    """Several Docker daemons for the same sandboxes: each new one goes to the least loaded host
+    that answers and holds its image (``services.rollout_worker.sandbox.placement``). Each host
+    keeps its own settings (TLS, runtime, rate limit on creation)."""
+
+    kind: Literal["docker_hosts"] = "docker_hosts"
+    hosts: list[DockerProviderSettings] = Field(min_length=1)
+    # sandboxes this worker keeps on one host before it prefers a host without the image
+    max_sandboxes_per_host: Int = Field(32, gt=0)
+    # a host that stopped answering is skipped this long before it is asked again
+    recheck_s: Float = Field(5.0, gt=0)
+
+    @model_validator(mode="after")
+    def _each_host_once(self) -> DockerHostsSettings:
+        named = [host.host or "the local daemon" for host in self.hosts]
+        if twice := sorted({name for name in named if named.count(name) > 1}):
+            raise ValueError(f"a sandbox host is listed twice: {', '.join(twice)} (each daemon once, or its "
+                             "sandboxes would be counted apart)")
+        return self
+
+
 # kind names the variant, docker when it is left out (sandbox.provider: {host: ...} is a docker host)
-SandboxProviderSettings = Annotated[Union[DockerProviderSettings, NoSandboxProviderSettings],
+SandboxProviderSettings = Annotated[Union[DockerProviderSettings, DockerHostsSettings, NoSandboxProviderSettings],
                                     Field(discriminator="kind"), read_mode("kind", "docker")]
 
 
@@ -66,5 +88,5 @@ class SandboxSettings(Section):
     # {environment name: provider}: that environment's sandboxes run there instead
     environments: dict[str, SandboxProviderSettings] = Field(default_factory=dict)
 
-    def provider_for(self, env_name: str) -> DockerProviderSettings | NoSandboxProviderSettings:
+    def provider_for(self, env_name: str) -> DockerProviderSettings | DockerHostsSettings | NoSandboxProviderSettings:
         return self.environments.get(env_name, self.provider)

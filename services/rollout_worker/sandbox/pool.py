@@ -19,7 +19,7 @@ import asyncio
 import uuid
 
 from .limiter import ProvisionLimiter
-from .provider import SandboxProvider
+from .placement import SandboxTarget
 from .retry import provision_with_retry
 from .sandbox import Sandbox
 from .spec import SandboxSpec
@@ -27,7 +27,7 @@ from .spec import SandboxSpec
 
 class WarmPool:
     def __init__(self, spec: SandboxSpec, size: int, *, limiter: ProvisionLimiter | None = None,
-                 provider: SandboxProvider | None = None):
+                 provider: SandboxTarget | None = None):
         if size < 0:
             raise ValueError("pool size must be >= 0")
         self.spec, self.size, self.limiter, self.provider = spec, size, limiter, provider

@@ -8,7 +8,9 @@ Invariants:
   (``client.default_client``: its socket or ``DOCKER_HOST``), as before providers existed.
   The rollout worker calls ``configure(settings.sandbox)`` at start.
 - ``configured()`` lists every provider this process may create sandboxes on, so the janitor
-  sweeps each of them.
+  sweeps each of them: each host of a ``docker_hosts`` setting is one, shared with a ``docker``
+  setting that names the same host.
+- A ``docker_hosts`` setting is a ``placement.HostPlacement`` over those hosts' providers.
 """
 
 from __future__ import annotations
@@ -17,16 +19,19 @@ import functools
 import threading
 
 import docker
+import requests.adapters
 from docker.tls import TLSConfig
 
 from pydantic import TypeAdapter
 
-from shared.settings.sandbox import DockerProviderSettings, SandboxProviderSettings, SandboxSettings
+from shared.settings.sandbox import (DockerHostsSettings, DockerProviderSettings, SandboxProviderSettings,
+                                     SandboxSettings)
 
 from .client import POOL_SIZE, TIMEOUT_S, default_client
 from .docker_provider import DockerProvider
 from .limiter import DEFAULT_LIMITER, ProvisionLimiter
 from .no_provider import NoSandboxProvider
+from .placement import HostPlacement, SandboxTarget
 from .provider import SandboxProvider
 
 # Docker 20.10's API, which every daemon since accepts; what the isolation policy needs exists there
@@ -42,30 +47,44 @@ def configure(settings: SandboxSettings) -> None:
         _settings = settings
 
 
-def provider_for_environment(env_name: str) -> SandboxProvider:
+def provider_for_environment(env_name: str) -> SandboxTarget:
     return provider_from(_settings.provider_for(env_name))
 
 
-def default_provider() -> SandboxProvider:
+def default_provider() -> SandboxTarget:
     return provider_from(_settings.provider)
 
 
 def configured() -> list[SandboxProvider]:
-    """Every provider the settings name, each once (the stack's first)."""
-    distinct = {s.model_dump_json(): s for s in (_settings.provider, *_settings.environments.values())}
-    return [provider_from(s) for s in distinct.values()]
+    """Every provider the settings name, each once (the stack's first; a placement's hosts in
+    their order)."""
+    listed: list[SandboxProvider] = []
+    for settings in (_settings.provider, *_settings.environments.values()):
+        named = settings.hosts if isinstance(settings, DockerHostsSettings) else [settings]
+        listed += [p for p in map(provider_from, named) if not isinstance(p, HostPlacement) and p not in listed]
+    return listed
 
 
-def provider_from(settings: SandboxProviderSettings) -> SandboxProvider:
+def provider_from(settings: SandboxProviderSettings) -> SandboxTarget:
     return _cached(settings.model_dump_json())
 
 
 @functools.lru_cache(maxsize=None)
-def _cached(settings_json: str) -> SandboxProvider:
+def _cached(settings_json: str) -> SandboxTarget:
     settings = _SETTINGS.validate_json(settings_json)
     if isinstance(settings, DockerProviderSettings):
         return DockerProvider(docker_client(settings), _limiter(settings), runtime=settings.runtime)
+    if isinstance(settings, DockerHostsSettings):
+        return HostPlacement([docker_provider(host) for host in settings.hosts], recheck_s=settings.recheck_s,
+                             max_sandboxes_per_host=settings.max_sandboxes_per_host)
     return NoSandboxProvider()
+
+
+def docker_provider(settings: DockerProviderSettings) -> DockerProvider:
+    """The one provider of this process for a Docker daemon's setting."""
+    provider = provider_from(settings)
+    assert isinstance(provider, DockerProvider)  # a docker setting makes a docker provider
+    return provider
 
 
 def _limiter(settings: DockerProviderSettings) -> ProvisionLimiter:
@@ -92,4 +111,7 @@ def docker_client(settings: DockerProviderSettings) -> docker.DockerClient:
     client = docker.DockerClient(base_url=settings.host, tls=tls, version=REMOTE_API_VERSION,
                                  max_pool_size=POOL_SIZE, timeout=TIMEOUT_S)
     client.api.trust_env = False
+    # over TLS the SDK keeps requests' own pool of 10 connections (max_pool_size is for sockets):
+    # a burst would open and drop connections, a TLS handshake each
+    client.api.mount("https://", requests.adapters.HTTPAdapter(pool_maxsize=POOL_SIZE))
     return client

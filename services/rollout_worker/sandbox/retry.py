@@ -2,7 +2,8 @@
 
 Invariant: only ``SandboxInfraError`` is retried, at most ``attempts`` times in total, with
 jittered exponential backoff; every failed attempt has already removed its container
-(``Sandbox.provision``). Config errors and anything else propagate at once.
+(``Sandbox.provision``). Config errors and anything else propagate at once. Each attempt is
+placed anew: on several hosts (``placement``), one that failed as unreachable is skipped.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, sto
 
 from .errors import SandboxInfraError
 from .limiter import ProvisionLimiter
-from .provider import SandboxProvider
+from .placement import SandboxTarget
 from .sandbox import Sandbox
 from .spec import SandboxSpec
 from .workspace import WorkspaceSource
@@ -28,7 +29,7 @@ def _log_retry(state: RetryCallState) -> None:
 
 
 async def provision_with_retry(spec: SandboxSpec, *, workspace: WorkspaceSource | None = None,
-                               provider: SandboxProvider | None = None, client: docker.DockerClient | None = None,
+                               provider: SandboxTarget | None = None, client: docker.DockerClient | None = None,
                                limiter: ProvisionLimiter | None = None,
                                attempts: int = 3, backoff_initial_s: float = 0.5,
                                backoff_max_s: float = 8.0) -> Sandbox:

@@ -8,8 +8,9 @@ Invariants:
 - Every coroutine leaves the event loop free: the provider's calls do (``provider``).
 - After the episode deadline (``timeouts.episode_s`` from provisioning), commands raise
   ``EpisodeTimeout``; no command runs past it.
-- A sandbox whose shell is lost while its provider does not answer (the host is gone) raises
-  ``SandboxInfraError`` (``daemon_unreachable``), retried as an infra error, not ``SandboxLost``.
+- A sandbox whose shell is lost while its provider does not answer (the host is gone), in an
+  episode or during setup, raises ``SandboxInfraError`` (``daemon_unreachable``), retried as an
+  infra error (on another host, with several: ``placement``), not ``SandboxLost``.
 - ``teardown`` is idempotent and completes the removal even if its caller is cancelled. Use
   ``async with await Sandbox.provision(spec) as sandbox:`` so it runs in ``finally``.
 """
@@ -29,6 +30,7 @@ from .blocking import run_blocking
 from .docker_provider import DockerProvider
 from .errors import EpisodeTimeout, SandboxClosed, SandboxError, SandboxFileError, SandboxInfraError, SandboxLost
 from .limiter import ProvisionLimiter
+from .placement import SandboxTarget, placed
 from .provider import SandboxHandle, SandboxProvider, SandboxSession
 from .providers import default_provider
 from .results import ExecResult, WorkspaceDiff
@@ -55,11 +57,12 @@ class Sandbox:
 
     @classmethod
     async def provision(cls, spec: SandboxSpec, *, workspace: WorkspaceSource | None = None,
-                        provider: SandboxProvider | None = None, client: docker.DockerClient | None = None,
+                        provider: SandboxTarget | None = None, client: docker.DockerClient | None = None,
                         limiter: ProvisionLimiter | None = None) -> Sandbox:
-        """On ``provider``; else the docker provider on ``client``; else the process's default
-        provider (``providers.default_provider``). Rate-limited by ``limiter``, else the provider's."""
-        provider = provider or _provider_for(client)
+        """On ``provider`` (on the host it places the sandbox on, for a ``placement.HostPlacement``);
+        else the docker provider on ``client``; else the process's default provider
+        (``providers.default_provider``). Rate-limited by ``limiter``, else the provider's."""
+        provider = await placed(provider or _provider_for(client), spec)
         clock = time.perf_counter()
         started: SandboxHandle | None = None
         runner: SandboxSession | None = None
@@ -87,6 +90,9 @@ class Sandbox:
                 raise SandboxInfraError(f"provisioning took longer than {spec.timeouts.provision_s:.0f}s (at: {step})",
                                         reason="provision_timeout") from exc
             if isinstance(exc, SandboxLost) and started is not None:
+                if not await _answers(provider):  # the host is gone, not the sandbox
+                    raise SandboxInfraError(f"{exc} during setup ({step}); its host does not answer",
+                                            reason="daemon_unreachable") from exc
                 state = await provider.describe_exit(started.id)
                 reason = "oom_during_setup" if "OOMKilled" in state else "died_during_setup"
                 raise SandboxInfraError(f"the sandbox died during setup ({step}): {state}", reason=reason) from exc
@@ -150,7 +156,7 @@ class Sandbox:
             return await self._runner.run(command, timeout_s=timeout, as_root=as_root,
                                           max_output_bytes=max_output_bytes or self.spec.max_output_bytes)
         except SandboxLost as exc:
-            if not await self._host_answers():  # the host is gone, not the sandbox: retry elsewhere
+            if not await _answers(self.provider):  # the host is gone, not the sandbox: retry elsewhere
                 raise SandboxInfraError(f"{exc}; its host does not answer", reason="daemon_unreachable") from exc
             state = await self.provider.describe_exit(self.container_id)
             reason = ("oom" if "OOMKilled" in state else
@@ -159,13 +165,6 @@ class Sandbox:
             raise self._lost from exc
         except self.provider.client_errors as exc:
             raise self.provider.classify(exc, during="exec") from exc
-
-    async def _host_answers(self) -> bool:
-        try:
-            await run_blocking(self.provider.health)
-            return True
-        except Exception:
-            return False
 
     # -- files ---------------------------------------------------------------------------------
 
@@ -207,10 +206,18 @@ class Sandbox:
         return files.parse_manifest(result.output)
 
 
-def _provider_for(client: docker.DockerClient | None) -> SandboxProvider:
+def _provider_for(client: docker.DockerClient | None) -> SandboxTarget:
     if client is not None:
         return DockerProvider(client)
     return default_provider()
+
+
+async def _answers(provider: SandboxProvider) -> bool:
+    try:
+        await run_blocking(provider.health)
+        return True
+    except Exception:
+        return False
 
 
 async def _discard(provider: SandboxProvider, sandbox_id: str, runner: SandboxSession | None) -> None:

@@ -1,0 +1,157 @@
+"""Placement over two real Docker hosts: the local daemon and a second one in a network namespace
+(``remote_docker_support``), as ``sandbox.provider: {kind: docker_hosts, hosts: [...]}`` names
+them (``placement.HostPlacement``). The namespaced daemon starts without the test image; the
+module's last test kills it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+from remote_docker_support import remote_docker_host
+
+from services.rollout_worker.sandbox import Sandbox, SandboxInfraError, provision_with_retry
+from services.rollout_worker.sandbox import providers
+from services.rollout_worker.sandbox.images import image_exists, ship_image
+from services.rollout_worker.sandbox.placement import HostPlacement
+from shared.settings import SettingsError, load_settings
+from shared.settings.sandbox import DockerHostsSettings, DockerProviderSettings, SandboxSettings
+
+pytestmark = [pytest.mark.docker, pytest.mark.timeout(180)]
+
+
+@pytest.fixture(scope="module")
+def remote(docker_client, busybox_image):
+    """The namespaced host, holding no image yet; killed by the last test."""
+    with remote_docker_host() as host:
+        yield host
+
+
+def test_hosts_settings_round_trip_through_the_union():
+    settings = load_settings(sandbox={"provider": {"kind": "docker_hosts", "hosts": [{}],
+                                                   "max_sandboxes_per_host": 4}}).sandbox.provider
+    assert isinstance(settings, DockerHostsSettings) and settings.max_sandboxes_per_host == 4
+
+
+def two_hosts(remote, room: int = 32, *, image: str | None = None) -> HostPlacement:
+    """A fresh placement (its own counts) over the local daemon, then the namespaced one (given
+    ``image`` first, when named)."""
+    local = providers.docker_provider(DockerProviderSettings())
+    if image is not None:
+        ship_image(image, source=local.client, target=providers.docker_provider(remote.settings).client)
+    return HostPlacement([local, providers.docker_provider(remote.settings)], max_sandboxes_per_host=room,
+                         recheck_s=60)
+
+
+def test_docker_hosts_settings_make_one_placement_whose_hosts_the_janitor_sweeps(remote):
+    local = DockerProviderSettings()
+    settings = SandboxSettings.model_validate({"environments": {"coding": {"kind": "docker_hosts", "hosts": [
+        local.model_dump(), remote.settings.model_dump(mode="json")]}}})
+    before = providers._settings
+    providers.configure(settings)
+    try:
+        placement = providers.provider_for_environment("coding")
+        assert isinstance(placement, HostPlacement)
+        assert [h.provider for h in placement.hosts] == [providers.docker_provider(local),
+                                                         providers.docker_provider(remote.settings)]
+        assert providers.configured() == [h.provider for h in placement.hosts]  # the local one once
+    finally:
+        providers.configure(before)
+    with pytest.raises(SettingsError, match="a sandbox host is listed twice: the local daemon"):
+        load_settings(sandbox={"provider": {"kind": "docker_hosts", "hosts": [{}, {"kind": "docker"}]}})
+    with pytest.raises(SettingsError, match="hosts: List should have at least 1 item"):
+        load_settings(sandbox={"provider": {"kind": "docker_hosts", "hosts": []}})
+
+
+def test_a_host_without_the_image_is_used_only_when_the_hosts_with_it_are_full(remote, make_spec, docker_client,
+                                                                               busybox_image):
+    placement = two_hosts(remote, room=2)
+    local, far = placement.hosts
+    image_id = docker_client.images.get(busybox_image).id
+    assert not image_exists(far.provider.client, image_id)
+
+    async def one_by_one() -> list[Sandbox]:
+        sandboxes: list[Sandbox] = []
+        try:
+            for _ in range(4):
+                sandboxes.append(await Sandbox.provision(make_spec(), provider=placement))
+            return sandboxes[:]
+        finally:
+            loads.append((local.load, far.load))
+            await _teardown(sandboxes)
+
+    loads: list[tuple[int, int]] = []
+    sandboxes = asyncio.run(one_by_one())
+    # two on the host with the image (up to its room), though the other was emptier; then the
+    # image is shipped (by content: the same id there) and the emptier host takes the next two
+    assert [s.provider for s in sandboxes] == [local, local, far, far]
+    assert far.provider.client.images.get(busybox_image).id == image_id
+    assert loads == [(2, 2)]
+    assert (local.load, far.load) == (0, 0)
+
+
+def test_a_burst_spreads_evenly_over_the_two_hosts(remote, make_spec, sandbox_run_id, busybox_image):
+    placement = two_hosts(remote, image=busybox_image)
+    local, far = placement.hosts
+
+    async def burst() -> tuple[list[Sandbox], list[str], list[str]]:
+        sandboxes = await asyncio.gather(*(Sandbox.provision(make_spec(), provider=placement) for _ in range(12)))
+        try:
+            outputs = await asyncio.gather(*(s.exec("echo up") for s in sandboxes))
+            on_far = await asyncio.to_thread(far.list_sandboxes, [f"conveyor.run_id={sandbox_run_id}"])
+            return sandboxes, [o.output for o in outputs], [s.id for s in on_far]
+        finally:
+            await _teardown(sandboxes)
+
+    sandboxes, outputs, on_far = asyncio.run(burst())
+    assert outputs == ["up\n"] * 12
+    assert (local.placed, far.placed) == (6, 6) and (local.peak_load, far.peak_load) == (6, 6)
+    assert sorted(on_far) == sorted(s.container_id for s in sandboxes if s.provider is far)
+    assert (local.load, far.load) == (0, 0)
+
+
+def test_episodes_on_a_host_lost_mid_burst_are_retried_and_finish_on_the_other(remote, make_spec, busybox_image):
+    """Last in the module: it kills the namespaced daemon."""
+    placement = two_hosts(remote, image=busybox_image)
+    local, far = placement.hosts
+    killed = asyncio.Event()
+    runs: list[tuple[str, str]] = []  # (episode, host) of each provisioned sandbox
+
+    async def episode(index: int) -> str:
+        for _ in range(3):  # a trajectory failed as an infra error is run again (the runner requeues it)
+            sandbox = await provision_with_retry(make_spec(), provider=placement, backoff_initial_s=0.05)
+            runs.append((f"e{index}", "far" if sandbox.provider is far else "local"))
+            try:
+                await sandbox.exec("echo started")
+                await killed.wait()
+                return (await sandbox.exec("echo finished")).output
+            except SandboxInfraError as lost:
+                assert lost.reason == "daemon_unreachable"
+            finally:
+                with contextlib.suppress(SandboxInfraError):
+                    await sandbox.teardown()
+        raise AssertionError(f"episode {index} never finished")
+
+    async def kill_when_the_far_host_has_sandboxes() -> None:
+        while len([name for name, host in runs if host == "far"]) < 2:  # others may be being created there
+            await asyncio.sleep(0.005)
+        await asyncio.to_thread(remote.lose)
+        killed.set()
+
+    async def burst() -> list[str]:
+        killer = asyncio.create_task(kill_when_the_far_host_has_sandboxes())
+        outputs = await asyncio.gather(*(episode(i) for i in range(12)))
+        await killer
+        return outputs
+
+    outputs = asyncio.run(burst())
+    assert outputs == ["finished\n"] * 12
+    assert far.placed == 6 and far.lost_at is not None  # half the burst went there, before the loss
+    rerun = {name for name, host in runs if host == "far"}
+    assert len(rerun) >= 2 and all((name, "local") in runs for name in rerun)  # each finished on the local host
+    assert local.load == 0
+
+
+async def _teardown(sandboxes: list[Sandbox]) -> None:
+    await asyncio.gather(*(s.teardown() for s in sandboxes))
