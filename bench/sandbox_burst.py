@@ -48,6 +48,7 @@ from services.rollout_worker.sandbox.blocking import run_blocking  # noqa: E402
 from services.rollout_worker.sandbox.client import default_client  # noqa: E402
 from services.rollout_worker.sandbox.deployment import LABEL_RUN_ID  # noqa: E402
 from services.rollout_worker.sandbox.images import build_busybox_image  # noqa: E402
+from services.rollout_worker.sandbox.placement import SandboxTarget  # noqa: E402
 from shared.stack_id import current_stack_id  # noqa: E402
 
 DAEMONS = ("dockerd", "containerd")  # the shims come and go with containers: not counted
@@ -72,11 +73,13 @@ def daemon_cpu_s() -> float:
 
 
 async def first_command(image: str, run_id: str, index: int, ttl_s: float | None = None,
-                        keep: list[Sandbox] | None = None) -> float | None:
-    """Seconds from the provision request to the first command's output; None if it failed."""
+                        keep: list[Sandbox] | None = None, provider: SandboxTarget | None = None) -> float | None:
+    """Seconds from the provision request to the first command's output; None if it failed. On
+    ``provider`` (at its hosts' own limiters), else the local daemon at ``DEFAULT_LIMITER``."""
     started = time.perf_counter()
+    limiter = DEFAULT_LIMITER if provider is None else None
     try:
-        sandbox = await Sandbox.provision(spec_for(image, run_id, index, ttl_s), limiter=DEFAULT_LIMITER)
+        sandbox = await Sandbox.provision(spec_for(image, run_id, index, ttl_s), limiter=limiter, provider=provider)
     except Exception as exc:  # noqa: BLE001 - a failed provision is a figure, reported below
         print(f"  sandbox {index}: provision failed: {exc}", file=sys.stderr)
         return None
