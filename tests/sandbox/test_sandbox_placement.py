@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import pytest
 from remote_docker_support import remote_docker_host
@@ -109,6 +110,28 @@ def test_a_burst_spreads_evenly_over_the_two_hosts(remote, make_spec, sandbox_ru
     assert (local.placed, far.placed) == (6, 6) and (local.peak_load, far.peak_load) == (6, 6)
     assert sorted(on_far) == sorted(s.container_id for s in sandboxes if s.provider is far)
     assert (local.load, far.load) == (0, 0)
+
+
+def test_a_lost_host_gets_no_sandbox_until_a_background_ping_finds_it_answering(make_spec):
+    placement = HostPlacement([providers.docker_provider(DockerProviderSettings())], max_sandboxes_per_host=4,
+                              recheck_s=0.2)
+    host = placement.hosts[0]
+    host.lost_at = time.monotonic()  # as a call that failed as daemon_unreachable marks it
+    with pytest.raises(SandboxInfraError, match="no sandbox host answers") as raised:
+        asyncio.run(placement.place(make_spec()))
+    assert raised.value.reason == "daemon_unreachable" and host.load == 0
+    deadline = time.monotonic() + 10
+    while not host.usable(time.monotonic()):  # skipped for recheck_s, then pinged in the background
+        assert time.monotonic() < deadline, "the lost host was never pinged again"
+        time.sleep(0.02)
+    assert host.lost_at is None
+
+    async def provision() -> str:
+        async with await Sandbox.provision(make_spec(), provider=placement) as sandbox:
+            assert sandbox.provider is host
+            return (await sandbox.exec("echo back")).output
+
+    assert asyncio.run(provision()) == "back\n" and host.load == 0
 
 
 def test_episodes_on_a_host_lost_mid_burst_are_retried_and_finish_on_the_other(remote, make_spec, busybox_image):

@@ -8,7 +8,8 @@ Layout (in the spirit of SWE-ReX's Deployment/Runtime split):
                   ``exec_runner`` is the one-exec-per-command fallback.
 - ``sandbox``     ``Sandbox``: provision, exec, read/write/list files, diff, teardown.
 - ``provider``    the interface to where sandboxes run; ``docker_provider`` the Docker one;
-                  ``providers`` which provider each environment uses (``sandbox.provider``).
+                  ``providers`` which provider each environment uses (``sandbox.provider``);
+                  ``placement`` the choice of a host among several (``docker_hosts``).
 - ``limiter``     provisioning rate limit; ``retry`` bounded retries of infra errors;
   ``janitor``     removal of its own stack's leaked or expired containers;
   ``images``      offline base images;

@@ -10,10 +10,11 @@ Invariants:
   (being created, or live). It is counted when the host is chosen, under one lock, so the
   sandboxes of a burst spread before any of them exists. No daemon is asked for it.
 - A new sandbox goes to the least loaded host that answers and holds ``spec.image`` by content
-  (the image id of the first listed host that holds the tag); ties go to the host listed first.
-  A host without the image is chosen only when every host with it holds
-  ``max_sandboxes_per_host`` or more; the image is then shipped to it (``images.ship_image``),
-  once per host however many sandboxes wait for it. With every host full, the least loaded
+  (the image id of the first listed host that holds the tag, looked up once per tag); ties go to
+  the host listed first. A host without the image is chosen only when every host with it holds
+  ``max_sandboxes_per_host`` or more; the image is then shipped to it from the first answering
+  host that holds it (``images.ship_image``), once per host however many sandboxes wait for it.
+  With no answering host holding it, ``place`` raises ``SandboxInfraError`` (``image_not_found``). With every host full, the least loaded
   host with the image takes it: placement never waits (the rate limits do).
 - A host is lost when a call to it fails as ``daemon_unreachable`` or its health check fails;
   a lost host gets no new sandbox for ``recheck_s``, then is pinged in the background (never
@@ -155,7 +156,7 @@ class HostPlacement:
         self.hosts = [PlacedHost(p, recheck_s=recheck_s) for p in providers]
         self.room = max_sandboxes_per_host
         self._lock = threading.Lock()
-        self._image_ids: dict[str, tuple[str, PlacedHost]] = {}  # tag -> (content id, a host holding it)
+        self._image_ids: dict[str, str] = {}  # tag -> content id (image id)
         self._holds: set[tuple[int, str]] = set()  # (host index, image id) known to be there
         self._shipping: dict[tuple[int, str], threading.Lock] = {}
 
@@ -169,14 +170,18 @@ class HostPlacement:
         usable = [host for host in self.hosts if host.usable(now)]
         if not usable:
             raise SandboxInfraError(f"no sandbox host answers: {self.hosts!r}", reason="daemon_unreachable")
-        image_id, source = await run_blocking(self._image_id, spec.image, usable)
-        holding = {id(host) for host in await run_blocking(self._holding, image_id, usable)}
+        image_id = await run_blocking(self._image_id, spec.image, usable)
+        holders = await run_blocking(self._holding, image_id, usable)
+        if not holders:
+            raise SandboxInfraError(f"no sandbox host that answers holds the image {spec.image}",
+                                    reason="image_not_found")
+        holding = {id(host) for host in holders}
         with self._lock:
             host = choose(usable, has_image=lambda h: id(h) in holding, room=self.room)
             host.reserve()
         if id(host) not in holding:
             try:
-                await run_blocking(self._ship, spec.image, image_id, source, host)
+                await run_blocking(self._ship, spec.image, image_id, holders[0], host)
             except Exception as exc:
                 host.release()
                 raise host.classify(exc, during=f"ship {spec.image}") from exc
@@ -185,16 +190,17 @@ class HostPlacement:
                 raise
         return host
 
-    def _image_id(self, tag: str, usable: list[PlacedHost]) -> tuple[str, PlacedHost]:
+    def _image_id(self, tag: str, usable: list[PlacedHost]) -> str:
+        """Looked up once per tag: a Conveyor image's tag names its content (``images``)."""
         if tag in self._image_ids:
             return self._image_ids[tag]
         for host in usable:
             try:
-                found = self._image_ids[tag] = (host.provider.client.images.get(tag).id, host)
-                return found
+                image_id = self._image_ids[tag] = host.provider.client.images.get(tag).id
+                return image_id
             except host.client_errors:
                 continue
-        raise SandboxInfraError(f"no sandbox host holds the image {tag}", reason="image_not_found")
+        raise SandboxInfraError(f"no sandbox host that answers holds the image {tag}", reason="image_not_found")
 
     def _holding(self, image_id: str, usable: list[PlacedHost]) -> list[PlacedHost]:
         holding = []

@@ -62,13 +62,19 @@ class Sandbox:
         """On ``provider`` (on the host it places the sandbox on, for a ``placement.HostPlacement``);
         else the docker provider on ``client``; else the process's default provider
         (``providers.default_provider``). Rate-limited by ``limiter``, else the provider's."""
-        provider = await placed(provider or _provider_for(client), spec)
         clock = time.perf_counter()
+        deadline = asyncio.get_running_loop().time() + spec.timeouts.provision_s
+        try:
+            async with asyncio.timeout_at(deadline):
+                provider = await placed(provider or _provider_for(client), spec)
+        except TimeoutError as exc:
+            raise SandboxInfraError(f"placing the sandbox took longer than {spec.timeouts.provision_s:.0f}s",
+                                    reason="provision_timeout") from exc
         started: SandboxHandle | None = None
         runner: SandboxSession | None = None
         step = "create"
         try:
-            async with asyncio.timeout(spec.timeouts.provision_s):
+            async with asyncio.timeout_at(deadline):
                 started = await provider.create(spec, limiter or provider.limiter)
                 step = "open the shell"
                 runner = await provider.open_session(spec, started)
