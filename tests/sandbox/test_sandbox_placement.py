@@ -92,6 +92,25 @@ def test_a_host_without_the_image_is_used_only_when_the_hosts_with_it_are_full(r
     assert (local.load, far.load) == (0, 0)
 
 
+def test_a_host_whose_image_was_removed_since_is_looked_at_again(remote, make_spec, docker_client, busybox_image):
+    local, far = providers.docker_provider(DockerProviderSettings()), providers.docker_provider(remote.settings)
+    ship_image(busybox_image, source=local.client, target=far.client)
+    placement = HostPlacement([far, local], max_sandboxes_per_host=4, recheck_s=60)  # the namespaced one first
+    image_id = docker_client.images.get(busybox_image).id
+
+    async def twice() -> tuple[Sandbox, Sandbox]:
+        async with await Sandbox.provision(make_spec(), provider=placement) as first:
+            pass
+        far.client.images.remove(image_id, force=True)  # pruned there since
+        second = await provision_with_retry(make_spec(), provider=placement, backoff_initial_s=0.05)
+        await second.teardown()
+        return first, second
+
+    first, second = asyncio.run(twice())
+    assert first.provider is placement.hosts[0]  # it held the image, and ties go to the first listed
+    assert second.provider is placement.hosts[1] and placement.hosts[0].images == set()
+
+
 def test_a_burst_spreads_evenly_over_the_two_hosts(remote, make_spec, sandbox_run_id, busybox_image):
     placement = two_hosts(remote, image=busybox_image)
     local, far = placement.hosts

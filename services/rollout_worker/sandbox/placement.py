@@ -14,7 +14,9 @@ Invariants:
   the host listed first. A host without the image is chosen only when every host with it holds
   ``max_sandboxes_per_host`` or more; the image is then shipped to it from the first answering
   host that holds it (``images.ship_image``), once per host however many sandboxes wait for it.
-  With no answering host holding it, ``place`` raises ``SandboxInfraError`` (``image_not_found``). With every host full, the least loaded
+  With no answering host holding it, ``place`` raises ``SandboxInfraError`` (``image_not_found``).
+  What a host holds is remembered, and forgotten when a create there misses its image (pruned
+  since): that attempt fails as an infra error, and the next placement looks again. With every host full, the least loaded
   host with the image takes it: placement never waits (the rate limits do).
 - A host is lost when a call to it fails as ``daemon_unreachable`` or its health check fails;
   a lost host gets no new sandbox for ``recheck_s``, then is pinged in the background (never
@@ -55,6 +57,7 @@ class PlacedHost:
         self.peak_load = 0
         self.lost_at: float | None = None
         self._probing = False
+        self.images: set[str] = set()  # image ids known to be there (forgotten when a create misses one)
 
     def __repr__(self) -> str:
         return f"PlacedHost({self.provider!r}, load={self.load}, lost={self.lost_at is not None})"
@@ -105,8 +108,10 @@ class PlacedHost:
     async def create(self, spec: SandboxSpec, limiter: ProvisionLimiter) -> SandboxHandle:
         try:
             handle = await self.provider.create(spec, limiter)
-        except BaseException:
+        except BaseException as exc:
             self.release()  # the caller classifies the error (``classify`` notes a lost host)
+            if isinstance(exc, Exception) and self.provider.classify(exc, during="create").reason == "image_not_found":
+                self.images.clear()  # removed there since (pruned): looked for again at the next placement
             raise
         with self._lock:
             self._creating -= 1
@@ -157,7 +162,6 @@ class HostPlacement:
         self.room = max_sandboxes_per_host
         self._lock = threading.Lock()
         self._image_ids: dict[str, str] = {}  # tag -> content id (image id)
-        self._holds: set[tuple[int, str]] = set()  # (host index, image id) known to be there
         self._shipping: dict[tuple[int, str], threading.Lock] = {}
 
     def __repr__(self) -> str:
@@ -205,10 +209,9 @@ class HostPlacement:
     def _holding(self, image_id: str, usable: list[PlacedHost]) -> list[PlacedHost]:
         holding = []
         for host in usable:
-            key = (self.hosts.index(host), image_id)
             try:
-                if key in self._holds or image_exists(host.provider.client, image_id):
-                    self._holds.add(key)
+                if image_id in host.images or image_exists(host.provider.client, image_id):
+                    host.images.add(image_id)
                     holding.append(host)
             except host.client_errors as exc:
                 host.classify(exc, during="look for the image")
@@ -219,9 +222,9 @@ class HostPlacement:
         with self._lock:
             lock = self._shipping.setdefault(key, threading.Lock())
         with lock:  # one shipment per host and image; the others wait for it
-            if key not in self._holds:
+            if image_id not in host.images:
                 ship_image(tag, source=source.provider.client, target=host.provider.client)
-                self._holds.add(key)
+                host.images.add(image_id)
 
 
 def choose(hosts: list[PlacedHost], *, has_image: Callable[[PlacedHost], bool], room: int) -> PlacedHost:
