@@ -12,7 +12,7 @@ import time
 import pytest
 from remote_docker_support import remote_docker_host
 
-from services.rollout_worker.sandbox import Sandbox, SandboxInfraError, provision_with_retry
+from services.rollout_worker.sandbox import Sandbox, SandboxInfraError, provision_with_retry, reap
 from services.rollout_worker.sandbox import providers
 from services.rollout_worker.sandbox.images import image_exists, ship_image
 from services.rollout_worker.sandbox.placement import HostPlacement
@@ -109,6 +109,33 @@ def test_a_host_whose_image_was_removed_since_is_looked_at_again(remote, make_sp
     first, second = asyncio.run(twice())
     assert first.provider is placement.hosts[0]  # it held the image, and ties go to the first listed
     assert second.provider is placement.hosts[1] and placement.hosts[0].images == set()
+
+
+def test_the_janitor_reaps_orphans_on_every_host_of_a_placement(remote, make_spec, busybox_image, sandbox_run_id):
+    settings = DockerHostsSettings(hosts=[DockerProviderSettings(), remote.settings], max_sandboxes_per_host=1)
+    two_hosts(remote, image=busybox_image)  # ships the image there
+    before = providers._settings
+    providers.configure(SandboxSettings(provider=settings))
+    try:
+        placement = providers.default_provider()
+        assert isinstance(placement, HostPlacement)
+
+        async def orphans_then_sweep() -> tuple[list[int], list[str]]:
+            sandboxes = [await Sandbox.provision(make_spec(), provider=placement) for _ in range(2)]
+            try:  # their worker is gone: the janitor's sweep of every configured provider
+                swept = [await asyncio.to_thread(reap, provider, stack_id=sandboxes[0].spec.labels.stack_id,
+                                                 run_id=sandbox_run_id, now=float("inf"))
+                         for provider in providers.configured()]
+                return [len(reaped) for reaped in swept], [s.container_id for s in sandboxes]
+            finally:
+                await _teardown(sandboxes)
+
+        counts, made = asyncio.run(orphans_then_sweep())
+    finally:
+        providers.configure(before)
+    assert counts == [1, 1]  # one on each host (the second to the less loaded), each removed by its sweep
+    assert all(h.list_sandboxes([f"conveyor.run_id={sandbox_run_id}"]) == [] for h in placement.hosts)
+    assert len(set(made)) == 2
 
 
 def test_a_burst_spreads_evenly_over_the_two_hosts(remote, make_spec, sandbox_run_id, busybox_image):
