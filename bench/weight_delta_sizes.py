@@ -13,7 +13,7 @@ elements taken in the order of the old value's exponent (stable), which a decode
 old tensor can recompute: a small weight moves a bf16 step at a small lr far more often than a
 large one. All zstd. The figures: the fraction of bf16 elements changed, the bytes of each encoding against
 the full bf16 size (and against a zstd'd full version), each one's encode and decode
-(``decode_frame`` of every frame) time, and, for the codec's default (``smallest``), the step
+(``decode_frame`` of every frame) time, and, for the codec's default (``set-planes``), the step
 file's write (``delta_shadow.write_step``) and the time to apply and verify it on a shadow
 (``DeltaShadow.apply``: what a replica's worker does while paused, before vLLM's in-memory load).
 
@@ -38,7 +38,7 @@ from services.weights.delta_shadow import DeltaShadow, read_step, write_step
 
 REGIMES = ("fp32-master", "bf16")
 ENCODINGS = ("set", "xor", "set-planes", "xor-planes", "smallest")
-ADOPTED = "smallest"
+ADOPTED = "set-planes"  # the codec's default
 
 
 def varint(values: np.ndarray) -> bytes:
@@ -140,7 +140,7 @@ def measure(size: str, regime: str, lr: float, steps: int, scratch: Path) -> lis
                 decode_frame(entry, frame_of(entry, payload))
             row[f"{encoding}_decode_s"] = time.perf_counter() - t
             if encoding == ADOPTED:
-                row["smallest_ops"] = ",".join(sorted({e.op for e in entries}))
+                row["ops"] = ",".join(sorted({e.op for e in entries}))
                 t = time.perf_counter()
                 path = write_step(_version(entries, payload, step, step - 1), payload, scratch / f"{step}.pt", "bench")
                 row["step_file_s"] = time.perf_counter() - t
