@@ -218,7 +218,7 @@ def undo_change(tensor: torch.Tensor, undo: Change) -> None:
 
 
 def encode_version(tensors: dict[str, torch.Tensor], previous: dict[str, torch.Tensor] | None,
-                   encoding: Encoding = "set", level: int = ZSTD_LEVEL) -> tuple[list[TensorEntry], bytes]:
+                   encoding: Encoding = "set-planes", level: int = ZSTD_LEVEL) -> tuple[list[TensorEntry], bytes]:
     """Every tensor of a version against ``previous`` (None: a full version): entries and payload.
     A tensor with no counterpart in ``previous`` is written full."""
     compressor = zstandard.ZstdCompressor(level=level)
