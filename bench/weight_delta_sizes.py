@@ -4,10 +4,17 @@ Method. A Qwen2.5-shaped model (``CONFIGS`` of ``bench/weight_sync_sizes.py``: r
 weights) takes real AdamW steps (one short random sequence, its language-model loss) at each
 learning rate, in two regimes: ``fp32-master`` (fp32 parameters and optimizer, served in bf16)
 and ``bf16`` (bf16 parameters and optimizer). After each step the served bf16 tensors are
-encoded against the step before (``services.weights.delta.encode_version``) with both
-encodings, and the figures are: the fraction of bf16 elements changed, the bytes of each
-encoding against the full bf16 size (and against a zstd'd full version), the encode time, the
-decode time (``delta_shadow.write_step``) and the time to apply and verify it on a shadow
+encoded against the step before (``services.weights.delta.encode_version``) with every
+encoding (``ENCODINGS``), and, beside them, layouts the codec does not have (``EXPERIMENTS``,
+bytes and encode time only): ``varint``, the gaps as LEB128 varints then the changed elements'
+XOR in byte planes; ``zigzag``, ``set-planes`` with each changed element's integer difference
+of bits (zigzag) instead of its XOR; ``grouped`` and ``grouped-zigzag``, the same two with the
+elements taken in the order of the old value's exponent (stable), which a decoder holding the
+old tensor can recompute: a small weight moves a bf16 step at a small lr far more often than a
+large one. All zstd. The figures: the fraction of bf16 elements changed, the bytes of each encoding against
+the full bf16 size (and against a zstd'd full version), each one's encode and decode
+(``decode_frame`` of every frame) time, and, for the codec's default (``set-planes``), the step
+file's write (``delta_shadow.write_step``) and the time to apply and verify it on a shadow
 (``DeltaShadow.apply``: what a replica's worker does while paused, before vLLM's in-memory load).
 
     .venv/bin/python bench/weight_sync.py --delta-sizes 0.5B [--delta-lrs 1e-6 1e-5] [--delta-steps 3]
@@ -20,14 +27,61 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
+import zstandard
 
 from bench.weight_sync_sizes import CONFIGS
-from services.weights.delta import encode_version
+from services.weights.delta import ZSTD_LEVEL, bits_of, byte_planes, decode_frame, encode_version, frame_of
 from services.weights.delta_chain import ChainVersion
 from services.weights.delta_shadow import DeltaShadow, read_step, write_step
 
 REGIMES = ("fp32-master", "bf16")
+ENCODINGS = ("set", "xor", "set-planes", "xor-planes", "smallest")
+ADOPTED = "set-planes"  # the codec's default
+
+
+def varint(values: np.ndarray) -> bytes:
+    """``values`` (unsigned, < 2**35) as LEB128: seven bits a byte, low first, the top bit set on all but the last."""
+    values = values.astype(np.uint64)
+    width = np.ones(values.size, dtype=np.int64)
+    for k in range(1, 5):
+        width += values >= (1 << (7 * k))
+    start = np.cumsum(width) - width
+    out = np.zeros(int(width.sum()), dtype=np.uint8)
+    for k in range(5):
+        at = width > k
+        more = np.where(width[at] > k + 1, 0x80, 0).astype(np.uint8)
+        out[start[at] + k] = ((values[at] >> np.uint64(7 * k)) & np.uint64(0x7F)).astype(np.uint8) | more
+    return out.tobytes()
+
+
+def _zigzag(old: np.ndarray, new: np.ndarray) -> bytes:
+    """The integer differences of the bits, zigzag-coded (small of either sign: small), in byte planes."""
+    diff = new.astype(np.int64) - old.astype(np.int64)
+    return byte_planes(((diff << 1) ^ (diff >> 63)).astype(np.uint32))
+
+
+def _experiment(name: str, old: np.ndarray, new: np.ndarray) -> bytes:
+    if name.startswith("grouped"):
+        order = np.argsort((old.view(np.uint16 if old.itemsize == 2 else np.uint32) >> 7) & 0xFF, kind="stable")
+        old, new = old[order], new[order]
+    flips = np.bitwise_xor(old, new)
+    index = np.flatnonzero(flips)
+    gaps = np.diff(index, prepend=-1)
+    if name == "varint":
+        return varint(gaps) + byte_planes(flips[index])
+    values = _zigzag(old[index], new[index]) if name.endswith("zigzag") else byte_planes(flips[index])
+    return byte_planes(gaps.astype(np.uint32)) + values
+
+
+EXPERIMENTS = ("varint", "zigzag", "grouped", "grouped-zigzag")
+
+
+def experiment_payload(name: str, after: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> int:
+    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    return sum(len(compressor.compress(_experiment(name, bits_of(before[k]).numpy(), bits_of(after[k]).numpy())))
+               for k in sorted(after))
 
 
 def _model(size: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -75,20 +129,31 @@ def measure(size: str, regime: str, lr: float, steps: int, scratch: Path) -> lis
         after = _served(model)
         row = {"size": size, "regime": regime, "lr": lr, "step": step, "train_s": train_s, "full_bytes": full_bytes,
                "full_zstd_bytes": full_zstd_bytes, "full_encode_s": full_encode_s}
-        for encoding in ("set", "xor"):
+        for encoding in ENCODINGS:
             t = time.perf_counter()
             entries, payload = encode_version(after, before, encoding)
             row[f"{encoding}_encode_s"] = time.perf_counter() - t
             row[f"{encoding}_bytes"] = len(payload)
             row["changed_fraction"] = sum(e.changed for e in entries) / elements
-            if encoding == "set":
+            t = time.perf_counter()
+            for entry in entries:
+                decode_frame(entry, frame_of(entry, payload))
+            row[f"{encoding}_decode_s"] = time.perf_counter() - t
+            if encoding == ADOPTED:
+                row["ops"] = ",".join(sorted({e.op for e in entries}))
                 t = time.perf_counter()
                 path = write_step(_version(entries, payload, step, step - 1), payload, scratch / f"{step}.pt", "bench")
-                row["decode_s"] = time.perf_counter() - t
+                row["step_file_s"] = time.perf_counter() - t
                 decoded = read_step(path)
                 timings = shadow.apply([decoded])
                 row["apply_s"], row["verify_s"] = timings["apply_s"], timings["verify_s"]
                 path.unlink()
+                del decoded
+            del entries, payload
+        for name in EXPERIMENTS:
+            t = time.perf_counter()
+            row[f"{name}_bytes"] = experiment_payload(name, after, before)
+            row[f"{name}_encode_s"] = time.perf_counter() - t
         rows.append(row)
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
         before = after
@@ -108,21 +173,23 @@ def run(sizes: list[str], lrs: list[float], steps: int) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    """Means over each setting's steps."""
-    lines = ["| size | regime | lr | changed (bf16 elements) | set bytes (x fewer than full) | xor bytes (x fewer) "
-             "| encode set / xor | decode | apply + verify |", "|" + "---|" * 9]
+    """Means over each setting's steps: per encoding, MB (x fewer than the full bf16 bytes), encode / decode s."""
+    names = (*ENCODINGS, *EXPERIMENTS)
+    lines = ["| size | regime | lr | changed (bf16 elements) | " + " | ".join(names) + " | apply + verify |",
+             "|" + "---|" * (5 + len(names))]
     keys = sorted({(r["size"], r["regime"], r["lr"]) for r in rows}, key=lambda k: (k[0], k[1], k[2]))
     for key in keys:
         group = [r for r in rows if (r["size"], r["regime"], r["lr"]) == key]
 
         def mean(field: str, group: list[dict] = group) -> float:
-            return sum(r[field] for r in group) / len(group)
+            return sum(r.get(field, float("nan")) for r in group) / len(group)
 
-        full = mean("full_bytes")
-        lines.append(
-            f"| {key[0]} | {key[1]} | {key[2]:g} | {100 * mean('changed_fraction'):.3f}% "
-            f"| {mean('set_bytes') / 1e6:.2f} MB ({full / max(mean('set_bytes'), 1):.0f}x) "
-            f"| {mean('xor_bytes') / 1e6:.2f} MB ({full / max(mean('xor_bytes'), 1):.0f}x) "
-            f"| {mean('set_encode_s'):.2f} s / {mean('xor_encode_s'):.2f} s | {mean('decode_s'):.2f} s "
-            f"| {mean('apply_s'):.2f} + {mean('verify_s'):.2f} s |")
+        cells = []
+        for name in names:
+            size = mean(f"{name}_bytes")
+            decode = f" / {mean(f'{name}_decode_s'):.1f}" if name in ENCODINGS else ""
+            cells.append(f"{size / 1e6:.1f} MB ({mean('full_bytes') / max(size, 1):.0f}x), "
+                         f"{mean(f'{name}_encode_s'):.1f}{decode} s")
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]:g} | {100 * mean('changed_fraction'):.3f}% | "
+                     + " | ".join(cells) + f" | {mean('apply_s'):.2f} + {mean('verify_s'):.2f} s |")
     return "\n".join(lines)

@@ -56,7 +56,7 @@ def _apply(entries, payload, tensors: dict[str, torch.Tensor]) -> None:
         apply_change(tensors[entry.name], decode_frame(entry, frame_of(entry, payload)))
 
 
-@pytest.mark.parametrize("encoding", ["set", "xor"])
+@pytest.mark.parametrize("encoding", ["set", "xor", "set-planes", "xor-planes"])
 @pytest.mark.parametrize("served", [torch.bfloat16, torch.float32])
 def test_deltas_of_real_adamw_steps_apply_bit_for_bit(encoding, served) -> None:
     versions = _versions(1e-5, 3, served)
@@ -87,7 +87,7 @@ def test_bits_not_values_decide_what_changed() -> None:
     old = torch.tensor([0.0, 1.0, float("nan"), 2.0], dtype=torch.bfloat16)
     new = torch.tensor([-0.0, 1.0, float("nan"), 3.0], dtype=torch.bfloat16)
     new.view(torch.int16)[2] = old.view(torch.int16)[2] ^ 1  # another NaN
-    for encoding in ("set", "xor"):
+    for encoding in ("set", "xor", "set-planes", "xor-planes", "smallest"):
         entries, payload = encode_version({"w": new}, {"w": old}, encoding)
         assert entries[0].changed == 3
         held = {"w": old.clone()}
@@ -150,6 +150,38 @@ def test_chain_on_s3_plans_newest_full_plus_deltas_and_refuses_a_broken_one(s3_e
     with pytest.raises(ChainBroken, match="version 2 .* is missing"):
         reader.plan(4, have=1)
     assert [s.version for s in reader.plan(6, have=1)] == [5, 6]
+
+
+def test_a_format_1_chain_still_reads_and_an_unknown_format_is_refused(tmp_path) -> None:
+    import json
+
+    from shared.names import CHECKPOINT_COMMITTED
+    from shared.storage import LocalStore
+
+    store, versions = LocalStore(tmp_path), _versions(1e-5, 2, torch.bfloat16)
+    writer = ChainWriter(store, "r", encoding="set")  # the ops of format 1
+    for v in (1, 2):
+        writer.publish(v, versions[v])
+    key = weight_chain_prefix("r", 2) + CHECKPOINT_COMMITTED
+    manifest = json.loads(store.get_bytes(key))
+    assert manifest["format"] == 2
+
+    def rewrite(**fields) -> None:
+        store.put_bytes(key, json.dumps({k: v for k, v in {**manifest, **fields}.items() if v is not None}).encode())
+
+    rewrite(format=None)  # as written before the field
+    reader = ChainReader(store, "r")
+    held = {k: v.clone() for k, v in versions[1].items()}
+    step = reader.plan(2, have=1)[0]
+    assert step.format == 1
+    _apply(step.tensors, reader.fetch(step), held)
+    assert all(tensor_checksum(held[e.name]) == e.checksum for e in step.tensors)
+    rewrite(format=3)
+    with pytest.raises(ChainBroken, match="format 3; this reader knows formats"):
+        reader.plan(2, have=1)
+    rewrite(format=None, tensors=[{**t, "op": "xor-planes"} for t in manifest["tensors"]])
+    with pytest.raises(ChainBroken, match="ops \\['xor-planes'\\] that format does not have"):
+        reader.plan(2, have=1)
 
 
 def test_a_delta_larger_than_the_fraction_is_written_full(tmp_path) -> None:

@@ -33,7 +33,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
         # the tiny model is served in float32, where Adam moves every element: XOR frames, which
         # zstd folds to under the full size, and no size cap on a delta
-        self.writer = ChainWriter(store, run_id, full_every=full_every, max_fraction=1.0, encoding="xor")
+        self.writer = ChainWriter(store, run_id, full_every=full_every, max_fraction=1.0)
         self.ids = torch.randint(0, self.model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(seed))
         self.version = 0
         self.probes: dict[int, LogprobProbe] = {}
@@ -155,7 +155,7 @@ def test_the_follower_serves_announced_chain_versions(served_model: Any, s3_endp
     store = S3Store(S3StorageSettings(endpoint=s3_endpoint, access_key="testing", secret_key="testing", bucket=run_id))
     store.ensure_bucket()
     settings = Settings(run_id=run_id, inference={"dtype": "float32", "weight_sync": {
-        "mode": "delta", "encoding": "xor", "delta_max_fraction": 1.0}})
+        "mode": "delta", "delta_max_fraction": 1.0}})
     publisher = DeltaPublisher(settings, store, PolicyVersion(redis_client, run_id).get)
     model, _ = load_policy(served_model.model_dir)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -8,7 +8,16 @@ One version is one payload (the per-tensor zstd frames, concatenated) and a list
 - ``set`` (index+value): the flat indices of the changed elements as gaps (uint32, the first
   gap from -1), then their new bits;
 - ``xor``: the XOR of old and new bits over the whole tensor (mostly zero bytes, which zstd
-  folds away).
+  folds away);
+- ``xor-planes``: that XOR with its bytes regrouped by significance (every element's low byte,
+  then every high byte, ...): a small change flips only low mantissa bits, so the high planes are
+  almost all zero and each plane compresses on its own statistics;
+- ``set-planes``: the gaps (uint32) then the XOR of the changed elements' bits, each regrouped
+  by byte planes the same way.
+
+``FORMAT`` is the chain format these frames belong to (2: all five ops; 1, a manifest without a
+format: ``full``, ``set`` and ``xor`` only); ``encoding="smallest"`` writes each tensor as the
+smaller of its ``set-planes`` and ``xor-planes`` frames.
 
 Decoding a frame gives a ``Change`` (indices and bits, or the whole tensor); ``apply_change``
 writes it into the tensor of the version before, in place, and ``tensor_checksum`` (xxh3-64 of
@@ -34,10 +43,13 @@ import torch
 import xxhash
 import zstandard
 
-Encoding = Literal["set", "xor"]
-Op = Literal["full", "set", "xor"]
+Encoding = Literal["set", "xor", "set-planes", "xor-planes", "smallest"]
+Op = Literal["full", "set", "xor", "set-planes", "xor-planes"]
+FORMAT = 2
+OPS_OF_FORMAT = {1: ("full", "set", "xor"), 2: ("full", "set", "xor", "set-planes", "xor-planes")}
 ZSTD_LEVEL = 3
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_BITS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 class DeltaError(RuntimeError):
@@ -88,6 +100,39 @@ def _dtype_name(tensor: torch.Tensor) -> str:
     return str(tensor.dtype).removeprefix("torch.")
 
 
+def byte_planes(values: np.ndarray) -> bytes:
+    """The bytes of ``values`` regrouped by significance: every element's byte 0, then every byte 1, ..."""
+    return values.view(np.uint8).reshape(-1, values.itemsize).T.tobytes()
+
+
+def from_byte_planes(raw: bytes | memoryview, dtype: type, count: int) -> np.ndarray:
+    """The inverse of ``byte_planes`` for ``count`` elements of ``dtype``: a flat, writable array."""
+    width = np.dtype(dtype).itemsize
+    planes = np.frombuffer(raw, dtype=np.uint8, count=count * width).reshape(width, count)
+    return planes.T.copy().view(dtype).reshape(-1)
+
+
+def _gaps(index: np.ndarray, name: str) -> np.ndarray:
+    """Flat sorted indices as uint32 gaps, the first from -1."""
+    gaps = np.diff(index, prepend=-1)
+    if gaps.size and int(gaps.max()) >= 2**32:
+        raise DeltaError(f"{name}: a gap of {int(gaps.max())} elements does not fit uint32")
+    return gaps.astype(np.uint32)
+
+
+def _delta_frame(name: str, flips: np.ndarray, new_bits: np.ndarray, op: Op,
+                 compressor: zstandard.ZstdCompressor) -> tuple[int, bytes]:
+    """The changed-element count and the frame of one delta op (``flips``: old XOR new bits)."""
+    if op == "xor":
+        return int(np.count_nonzero(flips)), compressor.compress(flips.tobytes())
+    if op == "xor-planes":
+        return int(np.count_nonzero(flips)), compressor.compress(byte_planes(flips))
+    index = np.flatnonzero(flips)
+    if op == "set":
+        return index.size, compressor.compress(_gaps(index, name).tobytes() + new_bits[index].tobytes())
+    return index.size, compressor.compress(byte_planes(_gaps(index, name)) + byte_planes(flips[index]))
+
+
 def encode_tensor(name: str, new: torch.Tensor, old: torch.Tensor | None, encoding: Encoding,
                   compressor: zstandard.ZstdCompressor) -> tuple[TensorEntry, bytes]:
     """The entry (offset 0) and frame of ``new`` against ``old`` (None: a full frame)."""
@@ -101,16 +146,11 @@ def encode_tensor(name: str, new: torch.Tensor, old: torch.Tensor | None, encodi
         return entry("full", new_bits.numel(), compressor.compress(new_bits.numpy().tobytes()))
     if old.shape != new.shape or old.dtype != new.dtype:
         raise DeltaError(f"{name}: {tuple(old.shape)} {old.dtype} before, {tuple(new.shape)} {new.dtype} now")
-    old_bits = bits_of(old.cpu())
-    if encoding == "xor":
-        flips = torch.bitwise_xor(old_bits, new_bits)
-        return entry("xor", int(torch.count_nonzero(flips)), compressor.compress(flips.numpy().tobytes()))
-    index = torch.nonzero(old_bits != new_bits).reshape(-1)
-    gaps = torch.diff(index, prepend=torch.tensor([-1])).to(torch.int64)
-    if index.numel() and int(gaps.max()) >= 2**32:
-        raise DeltaError(f"{name}: a gap of {int(gaps.max())} elements does not fit uint32")
-    raw = gaps.numpy().astype(np.uint32).tobytes() + new_bits[index].numpy().tobytes()
-    return entry("set", index.numel(), compressor.compress(raw))
+    new_np = new_bits.numpy()
+    flips = np.bitwise_xor(bits_of(old.cpu()).numpy(), new_np)
+    ops: tuple[Op, ...] = ("set-planes", "xor-planes") if encoding == "smallest" else (encoding,)
+    best = min((_delta_frame(name, flips, new_np, op, compressor) + (op,) for op in ops), key=lambda f: len(f[1]))
+    return entry(best[2], best[0], best[1])
 
 
 def decode_frame(entry: TensorEntry, frame: bytes) -> Change:
@@ -119,26 +159,36 @@ def decode_frame(entry: TensorEntry, frame: bytes) -> Change:
     itemsize = torch.empty(0, dtype=dtype).element_size()
     numel = int(np.prod(entry.shape, dtype=np.int64))
     try:
-        raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=max(numel * max(itemsize, 4) + 8, 1))
+        raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=numel * (itemsize + 4) + 8)
     except zstandard.ZstdError as exc:
         raise DeltaError(f"{entry.name}: its frame does not decompress ({exc})") from None
     int_type = _BITS[itemsize]
-    if entry.op in ("full", "xor"):
+    np_type = _NP_BITS[itemsize]
+    if entry.op in ("full", "xor", "xor-planes"):
         if len(raw) != numel * itemsize:
             raise DeltaError(f"{entry.name}: {len(raw)} bytes decoded, {numel * itemsize} expected")
-        bits = torch.frombuffer(bytearray(raw), dtype=int_type) if raw else torch.empty(0, dtype=int_type)
+        if entry.op == "xor-planes":
+            bits = torch.from_numpy(from_byte_planes(raw, np_type, numel))
+        else:
+            bits = torch.frombuffer(bytearray(raw), dtype=int_type) if raw else torch.empty(0, dtype=int_type)
         if entry.op == "full":
             return Change("full", bits)
         index = torch.nonzero(bits).reshape(-1)
         return Change("xor", bits[index], index)
+    if entry.op not in ("set", "set-planes"):
+        raise DeltaError(f"{entry.name}: unknown frame op {entry.op!r} (this reader knows {OPS_OF_FORMAT[FORMAT]})")
     count = entry.changed
     if len(raw) != count * (4 + itemsize):
         raise DeltaError(f"{entry.name}: {len(raw)} bytes decoded for {count} changed elements")
-    gaps = np.frombuffer(raw, dtype=np.uint32, count=count).astype(np.int64)
-    index = torch.from_numpy(np.cumsum(gaps) - 1)
+    planes = entry.op == "set-planes"
+    gaps = from_byte_planes(raw, np.uint32, count) if planes else np.frombuffer(raw, dtype=np.uint32, count=count)
+    index = torch.from_numpy(np.cumsum(gaps.astype(np.int64)) - 1)
     if count and (int(index[-1]) >= numel):
         raise DeltaError(f"{entry.name}: index {int(index[-1])} beyond its {numel} elements")
-    bits = torch.frombuffer(bytearray(raw[count * 4:]), dtype=int_type) if count else torch.empty(0, dtype=int_type)
+    values = memoryview(raw)[count * 4:]
+    if planes:
+        return Change("xor", torch.from_numpy(from_byte_planes(values, np_type, count)), index)
+    bits = torch.frombuffer(bytearray(values), dtype=int_type) if count else torch.empty(0, dtype=int_type)
     return Change("set", bits, index)
 
 
@@ -168,7 +218,7 @@ def undo_change(tensor: torch.Tensor, undo: Change) -> None:
 
 
 def encode_version(tensors: dict[str, torch.Tensor], previous: dict[str, torch.Tensor] | None,
-                   encoding: Encoding = "set", level: int = ZSTD_LEVEL) -> tuple[list[TensorEntry], bytes]:
+                   encoding: Encoding = "set-planes", level: int = ZSTD_LEVEL) -> tuple[list[TensorEntry], bytes]:
     """Every tensor of a version against ``previous`` (None: a full version): entries and payload.
     A tensor with no counterpart in ``previous`` is written full."""
     compressor = zstandard.ZstdCompressor(level=level)

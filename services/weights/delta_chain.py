@@ -3,9 +3,10 @@ the version before, each one self-describing (``inference.weight_sync: delta``).
 
 Layout, one prefix per version: ``weight_chain/{run}/{version:06d}/`` holds ``payload.bin``
 (the version's frames, ``services.weights.delta``) and then ``COMMITTED``, the version's
-manifest: ``{"version", "kind": "full" | "delta", "base": <version or null>, "encoding",
+manifest: ``{"format", "version", "kind": "full" | "delta", "base": <version or null>, "encoding",
 "payload": {"size", "xxh3"}, "tensors": [TensorEntry...], "probe": <the trainer's logprob probe
-or null>, "saved_at"}``.
+or null>, "saved_at"}``. ``format`` is ``services.weights.delta.FORMAT`` when written (a manifest
+without it is format 1, from before the field).
 
 Invariants:
 - ``COMMITTED`` is written last: a version without it does not exist for any reader, and a
@@ -19,6 +20,8 @@ Invariants:
   steps that take a replica at ``have`` (None: nothing known) to ``target``, oldest first,
   starting at a full version unless it reaches ``have``. A missing manifest or payload is a
   ``ChainBroken`` naming the version, never a shorter plan.
+- A manifest of a format this reader does not know, or with a frame op its format does not
+  have, is refused (``ChainBroken`` naming both), never guessed at.
 - ``fetch`` checks a payload against its manifest's size and xxh3 before anything is decoded
   (``ChainBroken`` on a mismatch): a corrupted object is refused before any replica sees it.
 """
@@ -33,7 +36,7 @@ from typing import Any
 import torch
 import xxhash
 
-from services.weights.delta import Encoding, TensorEntry, encode_version
+from services.weights.delta import FORMAT, OPS_OF_FORMAT, Encoding, TensorEntry, encode_version
 from shared.names import CHECKPOINT_COMMITTED, weight_chain_prefix
 from shared.storage import ObjectStore, StorageError
 
@@ -59,17 +62,27 @@ class ChainVersion:
     tensors: tuple[TensorEntry, ...]
     probe: str | None = None  # LogprobProbe JSON
     extra: dict[str, Any] = field(default_factory=dict)
+    format: int = FORMAT
 
     def as_json(self) -> dict[str, Any]:
-        return {"version": self.version, "kind": self.kind, "base": self.base, "encoding": self.encoding,
+        return {"format": self.format, "version": self.version, "kind": self.kind, "base": self.base, "encoding": self.encoding,
                 "payload": {"size": self.payload_size, "xxh3": self.payload_xxh3},
                 "tensors": [t.as_json() for t in self.tensors], "probe": self.probe, **self.extra}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ChainVersion:
+        """Raises ``ChainBroken`` for a format this reader does not know (see the invariants)."""
+        fmt = data.get("format", 1)
+        if fmt not in OPS_OF_FORMAT:
+            raise ChainBroken(f"chain version {data.get('version')} is in format {fmt!r}; this reader knows formats "
+                              f"{sorted(OPS_OF_FORMAT)}: refused, not guessed at")
+        unknown = {t.get("op") for t in data["tensors"]} - set(OPS_OF_FORMAT[fmt])
+        if unknown:
+            raise ChainBroken(f"chain version {data.get('version')} (format {fmt}) has frame ops {sorted(map(str, unknown))} "
+                              f"that format does not have")
         return cls(int(data["version"]), data["kind"], data["base"], data["encoding"], int(data["payload"]["size"]),
                    data["payload"]["xxh3"], tuple(TensorEntry.from_json(t) for t in data["tensors"]),
-                   data.get("probe"), {k: data[k] for k in ("saved_at", "encode_s", "full_size") if k in data})
+                   data.get("probe"), {k: data[k] for k in ("saved_at", "encode_s", "full_size") if k in data}, fmt)
 
 
 @dataclass(frozen=True)
@@ -85,7 +98,7 @@ class ChainWriter:
     it published, or full (see the invariants). Holds a CPU copy of the last published tensors."""
 
     def __init__(self, store: ObjectStore, run_id: str, *, full_every: int = FULL_EVERY,
-                 max_fraction: float = MAX_FRACTION, encoding: Encoding = "set"):
+                 max_fraction: float = MAX_FRACTION, encoding: Encoding = "set-planes"):
         if full_every < 1 or not 0 < max_fraction <= 1:
             raise ValueError(f"full_every {full_every} must be >= 1 and max_fraction {max_fraction} in (0, 1]")
         self.store, self.run_id = store, run_id

@@ -47,7 +47,10 @@ class DeltaWeightSync(Section):
     mode: Literal["delta"] = "delta"
     full_every: Int = Field(20, gt=0)
     delta_max_fraction: Float = Field(0.25, gt=0, le=1)
-    encoding: Literal["set", "xor"] = "set"  # index+value, or XOR of the bits (both zstd)
+    # services.weights.delta: index+value, XOR of the bits, either in byte planes, or per tensor the
+    # smaller of the two byte-plane frames (all zstd); set-planes is the smallest measured
+    # (docs/performance/training.md), and smallest only costs encode time over it
+    encoding: Literal["set", "xor", "set-planes", "xor-planes", "smallest"] = "set-planes"
 
 
 # the mode names the variant: a field of the other mode is an error naming it

@@ -165,7 +165,7 @@ def test_on_delta_the_chain_holds_the_merged_weights_each_checkpoint_serves(
     from services.weights.delta import tensor_checksum
     from services.weights.delta_chain import ChainReader
 
-    loop = lora_loop(inference={"weight_sync": {"mode": "delta", "encoding": "xor", "delta_max_fraction": 1.0}})
+    loop = lora_loop(inference={"weight_sync": {"mode": "delta", "delta_max_fraction": 1.0}})
     _train_two_steps(loop, redis_client, store, make_batch, run_id)
     reader = ChainReader(store, run_id)
     assert [(m.kind, m.base) for m in (reader.manifest(v) for v in (1, 2))] == [("full", None), ("delta", 1)]
