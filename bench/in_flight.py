@@ -42,12 +42,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.capacity import ReplayPolicy  # noqa: E402
 from bench.in_flight_probe import LAG, RENEWAL, Histograms, RedisMeter  # noqa: E402
-from bench.in_flight_run import InFlightRun, check_exactly_once  # noqa: E402
+from bench.in_flight_run import InFlightRun, check_exactly_once, replay_stack  # noqa: E402
 from bench.local_runs import rss_mb  # noqa: E402
-from services.cli.local_stack import LocalStack  # noqa: E402
-from services.inference.tiny_model import generate_tiny_model  # noqa: E402
 
 
 def hold_level(run: InFlightRun, level: int, hold_s: float, kill_at_s: float | None) -> dict:
@@ -126,23 +123,14 @@ def main() -> None:
     slots = math.ceil(max(levels) / args.group_size / args.workers * args.headroom)
     with tempfile.TemporaryDirectory(prefix="conveyor-in-flight-") as tmp:
         root = Path(tmp)
-        model_dir = generate_tiny_model(root / "tiny")  # the workers' tokenizer; the replay policy speaks it
-        policy = ReplayPolicy(model_dir)
-        base = LocalStack(root / "base")
-        try:
-            base.start_redis()
-            base.start_s3()
-            base.use_inference(policy.base_url, model_dir, "tiny")
-            with InFlightRun.start(base, root, args.workers, slots, args.group_size, args.max_turns,
-                                   args.step_latency) as run:
-                results = []
-                for index, level in enumerate(levels):
-                    kill_at = args.hold_s / 2 if args.kill and index == len(levels) - 1 else None
-                    results.append(hold_level(run, level, args.hold_s, kill_at))
-                    print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-                done = check_exactly_once(run, timeout_s=args.step_latency * args.max_turns * 3 + 600)
-        finally:
-            base.stop()
+        with replay_stack(root) as base, InFlightRun.start(base, root, args.workers, slots, args.group_size,
+                                                            args.max_turns, args.step_latency) as run:
+            results = []
+            for index, level in enumerate(levels):
+                kill_at = args.hold_s / 2 if args.kill and index == len(levels) - 1 else None
+                results.append(hold_level(run, level, args.hold_s, kill_at))
+                print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+            done = check_exactly_once(run, timeout_s=args.step_latency * args.max_turns * 3 + 600)
     if args.json:
         print(json.dumps({"settings": vars(args), "results": results, "end": done}, indent=2))
     else:

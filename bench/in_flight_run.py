@@ -7,15 +7,35 @@ from __future__ import annotations
 
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.capacity import ReplayPolicy
 from bench.local_runs import BenchRun, episode_settings
 from services.cli.local_stack import LocalStack, ManagedProcess, free_port
+from services.inference.tiny_model import generate_tiny_model
 from shared.names import RedisKeys
 from shared.schemas import GroupRecord
 from shared.state.ledger import ROLLOUT
 from shared.storage import get_model
+
+
+@contextmanager
+def replay_stack(root: Path) -> Iterator[LocalStack]:
+    """redis-server, the moto S3 server and the replay policy in place of vLLM (its tokenizer is
+    the tiny generated model's, which the workers load)."""
+    model_dir = generate_tiny_model(root / "tiny")
+    policy = ReplayPolicy(model_dir)
+    base = LocalStack(root / "base")
+    try:
+        base.start_redis()
+        base.start_s3()
+        base.use_inference(policy.base_url, model_dir, "tiny")
+        yield base
+    finally:
+        base.stop()
 
 
 def episodes_in_flight(port: int) -> int:
@@ -41,10 +61,10 @@ class InFlightRun:
 
     @classmethod
     def start(cls, base: LocalStack, root: Path, workers: int, slots: int, group_size: int, max_turns: int,
-              step_latency: float, run_id: str = "inflight") -> "InFlightRun":
+              step_latency: float, run_id: str = "inflight", env: dict[str, str] | None = None) -> "InFlightRun":
         overrides = episode_settings(group_size, max_turns, 4) | {
             "CONVEYOR_TRAINER__ZERO_VARIANCE_GROUPS": "keep",  # every reply is the same: keep, assemble, write
-        }
+        } | (env or {})
         run = cls(BenchRun.open(base, root, run_id, overrides), slots, group_size, step_latency)
         for i in range(workers):
             run.start_worker(f"rollout{i}")
