@@ -1,6 +1,8 @@
 """Prometheus metrics that every long-running Conveyor service exposes (``metrics_port``).
 
-- Rollout workers: episodes in flight, sandbox provisioning time, inference request latency.
+- Rollout workers: episodes in flight, sandbox provisioning time, inference request latency,
+  the lag of their event loop (``rollout_worker.event_loop``).
+- Any lease holder: the time of one heartbeat's renewal of all its leases (``shared.state.leases``).
 - Scoring workers: scoring time per trajectory.
 - The inference control plane: weight-sync time and the served policy version.
 - Any service given a Redis client: queue depth of ``rollouts`` and ``scoring``, and the
@@ -40,6 +42,12 @@ SERVED_POLICY_VERSION = Gauge("conveyor_served_policy_version", "the policy vers
 CODING_VERDICTS = Counter(
     "conveyor_coding_verdicts_total", "coding episodes graded by hidden tests, by verdict: "
     "flagged (the static diff scan scored it 0), untrusted (the test report was not trusted), graded", ["verdict"])
+LEASE_RENEWAL_SECONDS = Histogram(
+    "conveyor_lease_renewal_seconds", "one heartbeat's renewal of every lease a process holds for a stage",
+    ["stage"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+EVENT_LOOP_LAG_SECONDS = Histogram(
+    "conveyor_event_loop_lag_seconds", "how late the rollout worker's event loop ran a timer it had scheduled",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 SCORING_SECONDS = Histogram("conveyor_scoring_seconds", "time to score one trajectory",
                             buckets=(0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30))
 

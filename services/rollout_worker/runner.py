@@ -67,6 +67,7 @@ from shared.state.ledger import Ledger, TransitionResult
 from shared.names import trajectory_bundle_key
 from shared.outage import OutageTooLong
 from shared.state.policy_version import PolicyVersion
+from services.rollout_worker.served_version import ServedVersion
 from shared.outcomes import FailureKind, RolloutOutcome, RolloutResult, reason
 from shared.prometheus import EPISODES_IN_FLIGHT
 from shared.state.run_stop import RunStop, stop_of
@@ -104,6 +105,7 @@ class RolloutContext:
     in_flight: InFlight = field(default_factory=InFlight)  # what a shutdown hands back
     agent_proxy: AgentProxy | None = None  # started on the first agent-driven episode (agent_proxy_of)
     _agent_proxy_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    served_versions: dict[str, ServedVersion] = field(default_factory=dict)  # run id -> its version, read shared
 
 
 async def run_requests(ctx: RolloutContext, requests: list[RolloutRequest]) -> dict[str, RolloutResult]:
@@ -178,9 +180,11 @@ async def _roll_out(ctx: RolloutContext, uploads: Uploads, request: RolloutReque
 async def _episode(ctx: RolloutContext, request: RolloutRequest, attempt: int) -> Trajectory:
     env = registry_for(ctx.settings.environments).make(request.task.env_name, request.task.env_config)
     limits = EpisodeLimits.from_settings(ctx.settings.rollout, ctx.settings.inference.max_model_len, env.config)
-    served = PolicyVersion(ctx.redis, request.run_id)
+    served = ctx.served_versions.get(request.run_id)
+    if served is None:  # one per run for the process: its episodes' turns share the reads
+        served = ctx.served_versions[request.run_id] = ServedVersion(PolicyVersion(ctx.redis, request.run_id).get)
     driver = driver_for(env, TokenLoopDriver(ctx.inference, ctx.chat, ctx.store), AgentDriver(lambda: agent_proxy_of(ctx), ctx.store))
-    return await driver.run(request, env, limits, policy_version=served.get, attempt=attempt, worker=ctx.worker_name)
+    return await driver.run(request, env, limits, policy_version=served, attempt=attempt, worker=ctx.worker_name)
 
 
 async def agent_proxy_of(ctx: RolloutContext) -> AgentProxy:

@@ -47,6 +47,7 @@ import time
 import uuid
 from typing import Callable
 
+from shared.prometheus import LEASE_RENEWAL_SECONDS
 from shared.state.ledger import ROLLOUT, LeaseStage, Ledger
 from shared.settings import OutageSettings
 
@@ -106,7 +107,9 @@ class LeaseKeeper:
             held = dict(self._held)
         if not held:
             return 0
+        started = time.monotonic()
         lost = self.ledger.renew(held, self.lease_ttl_s, self.stage)
+        LEASE_RENEWAL_SECONDS.labels(self.stage.name).observe(time.monotonic() - started)
         if lost and self.on_lost is not None:
             self.on_lost(lost)
         return len(held) - len(lost)

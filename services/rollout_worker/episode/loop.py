@@ -47,6 +47,7 @@ from typing import Any, Callable, cast
 from services.rollout_worker.chat_tokens import ChatTokens
 from shared.environments import AgentAction, EnvConfig, Environment
 from services.rollout_worker.inference_client import InferenceClient
+from services.rollout_worker.served_version import read_fresh
 from services.rollout_worker.sandbox.errors import SandboxInfraError
 from services.rollout_worker.tool_calls import parse_tool_calls
 from services.rollout_worker.episode.trials import Trial
@@ -126,7 +127,7 @@ async def take_turn(state: EpisodeState, env: Environment, client: InferenceClie
         return state
     state.context += state.next_ids
     request, trial = state.request, state.trial
-    version = await asyncio.to_thread(policy_version)  # a Redis read may wait out an outage: not in the loop
+    version = await read_fresh(policy_version)  # a Redis read, shared by concurrent turns (served_version)
     t0 = time.perf_counter()
     completion = await client.complete(
         state.context, budget, turn_seed(request.trajectory_id, index), limits.temperature, limits.top_p,
