@@ -51,8 +51,8 @@ reopened, so the root shell keeps the nonce as under runc. What does not hold th
 any process read ``/proc/<pid>/fd/N`` of another process of the same uid (so a worker's FIFO
 ends would be open to commands: one more reason there is none), lets other uids read PID 1's
 ``environ`` and ``maps`` and list its ``fd`` (no secret is in them: the nonce and the restart
-secret are unexported shell variables), and the seccomp profile is not applied inside the
-sandbox (gVisor's own kernel answers those calls; ``--oci-seccomp`` did not change that).
+secret are unexported shell variables), and the seccomp profile is not applied (gVisor's Sentry
+answers those calls; ptrace of another uid's process is still refused by the uid check).
 Not covered: processes of the sandbox user can tamper with each other (a background job of one
 command with a later command's process), as in any shell; that is the agent acting on itself.
 """
