@@ -2,9 +2,9 @@
 dockerd of ``remote_docker_support`` has runsc registered (the host daemon is left as it is), and
 the same isolation policy holds there as under runc. Skipped where runsc is not installed.
 
-Sandboxes here run with ``session=False`` (one ``docker exec`` per command): the persistent
-session shell does not come up under runsc yet (its opening handshake never answers; see
-docs/sandboxes.md)."""
+The sandbox here runs the persistent session shell: gVisor will not execute the worker's
+unreadable shell, so the session opens without a worker and drops privileges per command
+(``protocol.open_lines``); status and working directory still carry over."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def gvisor(docker_client, busybox_image, sandbox_run_id):
 
 
 def test_a_sandbox_under_runsc_runs_on_gvisors_kernel_with_the_same_isolation(gvisor, make_spec):
-    spec = make_spec(session=False)
+    spec = make_spec()
     probes = {
         "kernel": "uname -r",
         "uid": "id -u",
@@ -45,6 +45,9 @@ def test_a_sandbox_under_runsc_runs_on_gvisors_kernel_with_the_same_isolation(gv
     async def episode() -> tuple[dict[str, str], dict]:
         async with await Sandbox.provision(spec, provider=gvisor) as sandbox:
             seen = {name: (await sandbox.exec(command)).output.strip() for name, command in probes.items()}
+            failed = await sandbox.exec("cd /tmp; echo $$ > /tmp/pid; sh -c 'exit 7'")
+            seen["status, cwd"] = f"{failed.exit_code} {(await sandbox.exec('pwd')).output.strip()}"
+            seen["fresh process"] = str((await sandbox.exec("[ $$ != $(cat /tmp/pid) ] && echo yes")).output.strip())
             config = await asyncio.to_thread(gvisor.client.api.inspect_container, sandbox.container_id)
         return seen, config["HostConfig"]
 
@@ -56,5 +59,7 @@ def test_a_sandbox_under_runsc_runs_on_gvisors_kernel_with_the_same_isolation(gv
     assert seen["root"].endswith("read-only")
     assert seen["docker socket"].endswith("none")
     assert seen["become root"].endswith("refused")
+    assert seen["status, cwd"] == "7 /tmp"
+    assert seen["fresh process"] == "yes"  # no worker under runsc: each command is a new process
     assert host_config["PidsLimit"] == spec.limits.pids and host_config["Memory"] == int(spec.limits.memory)
 

@@ -23,12 +23,11 @@ from git_support import diff_of, git, write_files
 from services.rollout_worker.environments.coding import coding_task
 from services.rollout_worker.environments.coding.images import build_python_image
 from services.rollout_worker.sandbox.images import build_busybox_image, ship_image
-from security_support import DISCOUNT_TEST, F2P, HIDDEN_TEST, P2P, RUN_ID, SHOP, SharedSandbox, spec_for
+from security_support import DISCOUNT_TEST, F2P, HIDDEN_TEST, P2P, RUN_ID, RUNTIME, SHOP, SharedSandbox, spec_for
 
 RUN_LABEL = f"conveyor.run_id={RUN_ID}"
 
 
-RUNTIME = os.environ.get("SECURITY_SANDBOX_RUNTIME", "runc")
 REMOTE = os.environ.get("SECURITY_SANDBOX_HOST") == "namespaced" or RUNTIME != "runc"
 
 

@@ -7,12 +7,14 @@ test adds ``tests/test_total.py::test_total`` (FAIL_TO_PASS); ``test_discount`` 
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 
 from services.rollout_worker.sandbox import Sandbox, SandboxLabels, SandboxSpec
 from shared.environments import AgentAction
 from shared.schemas import ToolCall
 
+RUNTIME = os.environ.get("SECURITY_SANDBOX_RUNTIME", "runc")  # runsc: gVisor, on the namespaced daemon
 RUN_ID = "sectest-" + uuid.uuid4().hex[:8]
 SHOP = "def total(prices):\n    return sum(prices) - 1\n\n\ndef discount(price, percent):\n    return price * (100 - percent) / 100\n"
 DISCOUNT_TEST = "from shop import discount\n\n\ndef test_discount():\n    assert discount(200, 10) == 180\n"

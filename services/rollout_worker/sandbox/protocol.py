@@ -12,8 +12,11 @@ in ``CONTROL_DIR`` (which commands cannot list) and sends the nonce and the toke
 ``GO_FIFO``. The worker, a shell of the sandbox user (65534 by default, no capabilities, started
 once through ``DROP``: util-linux ``setpriv`` or busybox ``su``), runs the script in a forked
 subshell, prints ``<nonce> D<cwd>`` and ``<nonce> R<status>`` once ``wait`` returns, and tells
-the root shell the status through ``STATUS_FIFO``. Without the FIFOs the command runs unstarted:
-``DROP 'cd "$1"; eval "$2"; ...' sh CWD CMD &``, one privilege drop (two execs) per command.
+the root shell the status through ``STATUS_FIFO``. Without the FIFOs, or where the sandbox user
+cannot execute the worker's shell (gVisor's runsc refuses to execute a file its user cannot
+read), there is no worker and the command runs unstarted: ``DROP 'cd "$1"; eval "$2"; ...' sh
+CWD CMD &``, one privilege drop (two execs) per command. Then no process of the sandbox user
+ever holds a nonce: only the root shell does, and the command is a fresh exec.
 
 Invariants (why a command cannot subvert its session):
 - The shell and the commands run under different uids, so a command cannot read or write the
@@ -42,6 +45,14 @@ Invariants (why a command cannot subvert its session):
   the preamble forks.
 - The parser runs in linear time: it keeps at most one trailer's worth of unclassified bytes,
   and a "trailer" longer than ``MAX_TRAILER`` is output. Every byte received counts (``received``).
+Under gVisor (``runtime: runsc``, checked with Debian's 0.0~20221219) the uid wall holds:
+``/proc/1/mem`` and ``/proc/1/fd/0`` are refused to other uids, and ``/proc/1/fd/1`` cannot be
+reopened, so the root shell keeps the nonce as under runc. What does not hold there: gVisor lets
+any process read ``/proc/<pid>/fd/N`` of another process of the same uid (so a worker's FIFO
+ends would be open to commands: one more reason there is none), lets other uids read PID 1's
+``environ`` and ``maps`` and list its ``fd`` (no secret is in them: the nonce and the restart
+secret are unexported shell variables), and the seccomp profile is not applied (gVisor's Sentry
+answers those calls; ptrace of another uid's process is still refused by the uid check).
 Not covered: processes of the sandbox user can tamper with each other (a background job of one
 command with a later command's process), as in any shell; that is the agent acting on itself.
 """
@@ -108,14 +119,20 @@ def probe_command(uid: int) -> str:
             f"if [ -n \"$n\" ] && command -v su >/dev/null; then echo \"su:$n\"; else echo none; fi; fi")
 
 
+# Whether the sandbox user can execute the unreadable shell: Linux can, gVisor refuses to execute
+# a file its user cannot read (EACCES). Without it there is no worker: one drop per command.
+_WORKER_RUNS = f"( {DROP} {shlex.quote(f'exec {WORKER_SHELL} -c :')} sh ) </dev/null >/dev/null 2>&1"
+
+
 def open_lines(uid: int, gid: int, secret: str, nonce: str) -> bytes:
     """The first thing the session sends (forks are fine: nothing of the agent runs yet): finds the
     drop tool (``probe_command``), makes the FIFOs and the worker's unreadable shell, installs the
-    preamble, starts the worker, and answers ``<nonce> D<tool> <worker?>`` and ``<nonce> R0``."""
+    preamble, starts the worker if the sandbox user can execute that shell (``_WORKER_RUNS``),
+    and answers ``<nonce> D<tool> <worker?>`` and ``<nonce> R0``."""
     setup = (f"__cv_tool=$({probe_command(uid)}); mkfifo -m 600 {GO_FIFO} {STATUS_FIFO} 2>/dev/null; "
              f"{{ install -m 0711 /bin/sh {WORKER_SHELL} || {{ cat /bin/sh >{WORKER_SHELL} && chmod 0711 {WORKER_SHELL}; }}; }}"
              " 2>/dev/null\n")
-    report = (f'__cv_ok=; [ "$__cv_tool" != none ] && [ -p {GO_FIFO} ] && [ -x {WORKER_SHELL} ] && __cv_wstart '
+    report = (f'__cv_ok=; [ "$__cv_tool" != none ] && [ -p {GO_FIFO} ] && {_WORKER_RUNS} && __cv_wstart '
               f'&& __cv_ok=worker; __cv_say {nonce} "D$__cv_tool $__cv_ok"; __cv_say {nonce} R0\n')
     return setup.encode() + preamble(secret, None, uid, gid) + report.encode()
 
