@@ -1,6 +1,7 @@
 """A real Redis Cluster on localhost for tests: three masters and three replicas of
 ``redis-server``, each in its own directory, durable as the standalone one (``appendonly yes``,
-``appendfsync everysec``), created with ``redis-cli --cluster create ... --cluster-replicas 1``.
+``appendfsync everysec``), created with ``redis-cli --cluster create ... --cluster-replicas 1``, and ready once every master has its
+replica connected (``shared.state.replica_ack`` waits for it).
 A master that dies is replaced by its replica after ``NODE_TIMEOUT_MS`` (about 3 to 5 s in all)."""
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def running_cluster(root: Path) -> Iterator[Cluster]:
             workdir.mkdir(parents=True)
             procs[port] = subprocess.Popen(
                 [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
-                 "--appendfsync", "everysec", "--dir", str(workdir), "--cluster-enabled", "yes",
+                 "--appendfsync", "everysec", "--repl-diskless-sync-delay", "0", "--dir", str(workdir), "--cluster-enabled", "yes",
                  "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(NODE_TIMEOUT_MS)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )
@@ -57,9 +58,9 @@ def running_cluster(root: Path) -> Iterator[Cluster]:
         subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{port}" for port in ports), "--cluster-replicas", "1",
                         "--cluster-yes"], check=True, stdout=subprocess.DEVNULL, timeout=60)
         deadline = time.monotonic() + 30
-        while not all(client.cluster("info")["cluster_state"] == "ok" for client in clients):
+        while not all(client.cluster("info")["cluster_state"] == "ok" and _replicated(client) for client in clients):
             if time.monotonic() > deadline:
-                pytest.fail("the Redis Cluster did not reach cluster_state:ok in 30 s")
+                pytest.fail("the Redis Cluster did not reach cluster_state:ok, each master with its replica, in 30 s")
             time.sleep(0.05)
         yield Cluster(f"redis+cluster://127.0.0.1:{ports[0]}", procs)
     finally:
@@ -71,6 +72,14 @@ def running_cluster(root: Path) -> Iterator[Cluster]:
             except subprocess.TimeoutExpired:  # a node slow to stop (a loaded machine) is not kept waiting for
                 proc.kill()
                 proc.wait(10)
+
+
+def _replicated(client: redis.Redis) -> bool:
+    """A replica, or a master whose replica is connected and known to the cluster as its own."""
+    role = client.execute_command("ROLE")
+    if role[0] != "master":
+        return True
+    return len(role[2]) == 1 and bool(client.execute_command("CLUSTER", "REPLICAS", client.execute_command("CLUSTER", "MYID")))
 
 
 def wait_for_ping(client: redis.Redis) -> None:
