@@ -42,6 +42,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +59,7 @@ from shared.state.group_registry import GroupRegistry  # noqa: E402
 from shared.state.leases import LeaseKeeper, LeaseReaper  # noqa: E402
 from shared.state.ledger import LEASE_STAGES, ROLLOUT, SCORING, Ledger  # noqa: E402
 from shared.names import RedisKeys  # noqa: E402
+from shared.redis_clients import redis_for  # noqa: E402
 from shared.schemas import GroupRegistration, RolloutRequest, ScoredEvent, ScoringTask, TaskProfile  # noqa: E402
 from shared.settings import LedgerSettings  # noqa: E402
 from shared.state.trainer_counters import TrainerCounter, TrainerCounters  # noqa: E402
@@ -134,7 +136,7 @@ class Shard:
 
     @classmethod
     def connect(cls, url: str, per_run: bool, settings: LedgerSettings) -> "Shard":
-        client = redis.Redis.from_url(url, decode_responses=True)
+        client = redis_for(url)  # a standalone server, or a cluster (bench/sharding_cluster.py)
         ledger = per_run_ledger(client) if per_run else Ledger(client)
         keepers = {s.name: LeaseKeeper(ledger, settings.lease_ttl_s, settings.heartbeat_s, s) for s in LEASE_STAGES}
         reapers = [LeaseReaper(ledger, s, settings.max_attempts, settings.reaper_interval_s, lambda items: None)
@@ -298,18 +300,26 @@ class LayoutResult:
         return sum(s.trajectories for s in self.shards)
 
 
+def drive_in_processes(target: Callable[..., None], urls: list[str], runs: list[str], clients: int, groups: int,
+                       group_size: int, per_run: bool) -> list[tuple[int, float, float]]:
+    """``target`` (``drive`` or one like it) in ``clients`` processes, each with its share of the
+    runs; their (trajectories, CPU seconds, seconds)."""
+    out: mp.Queue = mp.Queue()
+    procs = [mp.Process(target=target, args=(urls, runs[i::clients], groups, group_size, per_run, out))
+             for i in range(clients)]
+    for proc in procs:
+        proc.start()
+    reports = [out.get(timeout=900) for _ in procs]
+    for proc in procs:
+        proc.join(30)
+    return reports
+
+
 def run_layout(name: str, servers: list[RedisServer], runs: list[str], clients: int, groups: int, group_size: int,
                per_run: bool) -> LayoutResult:
     urls = [s.url for s in servers]
     before = [s.usage() for s in servers]
-    out: mp.Queue = mp.Queue()
-    procs = [mp.Process(target=drive, args=(urls, runs[i::clients], groups, group_size, per_run, out))
-             for i in range(clients)]
-    for proc in procs:
-        proc.start()
-    reports = [out.get(timeout=600) for _ in procs]
-    for proc in procs:
-        proc.join(30)
+    reports = drive_in_processes(drive, urls, runs, clients, groups, group_size, per_run)
     after = [s.usage() for s in servers]
     loads = []
     for index, (b, a) in enumerate(zip(before, after)):

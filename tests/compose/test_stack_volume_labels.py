@@ -27,6 +27,7 @@ def test_the_named_volumes_carry_the_stack_id(tmp_path: Path) -> None:
         stack.dc("up", "--no-start", "redis", timeout=90)
         labelled = subprocess.run(["docker", "volume", "ls", "-q", "--filter", f"label=conveyor.stack={project}"],
                                   capture_output=True, text=True, check=True).stdout.split()
-        assert sorted(labelled) == [f"{project}_{v}" for v in ("models", "redis-data", "run-data", "s3-data")]
+        volumes = ["models", *(f"redis-cluster-{n}" for n in range(1, 7)), "redis-data", "run-data", "s3-data"]
+        assert sorted(labelled) == [f"{project}_{v}" for v in volumes]  # the cluster profile's too (created unused)
     finally:
         stack.tear_down()

@@ -8,6 +8,9 @@ Invariants:
 - Every state entered that waits to be claimed gets its dispatch deadline (``dispatch_ttl_s``
   ahead) in the same call; a lease-held state gets its lease.
 - ``Ledger`` reads as ``LedgerReads`` does (``shared.state.ledger.reads``); it adds only writes.
+- On a Redis Cluster, a registration or a guarded transition (``_run_moves``) returns only once
+  the run's master has it on its replica, or has none a failover could promote
+  (``shared.state.replica_ack``): an acknowledged write survives a failover.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from shared.redis_clients import redis_for
 from shared.state.ledger.reads import LedgerReads
 from shared.state.ledger.stages import LEASE_STAGES, ROLLOUT, SCORING, UNFINISHED, LeaseStage, TransitionResult
 from shared.state.redis_scripts import ScriptCall, run_pipelined
+from shared.state.replica_ack import ReplicaAck
 from shared.state.run_marker import RedisDataLost, RunMarker, lost_message, marker_value
 from shared.state.trainer_stream import stream_key
 from shared.schemas import FailedEvent, RolloutRequest, ScoredEvent, TrajectoryState
@@ -48,6 +52,7 @@ class Ledger(LedgerReads):
         self._expire = client.register_script(ledger_lua.EXPIRE)
         self._hand_back = client.register_script(ledger_lua.HAND_BACK)
         self._sent = client.register_script(ledger_lua.SENT)
+        self._replicas = ReplicaAck(client)
 
     @classmethod
     def from_url(cls, url: str, outage: OutageSettings | None = None,
@@ -80,7 +85,8 @@ class Ledger(LedgerReads):
         # The run registry is cross-run (another slot on a cluster): added first, on every
         # registration, so no trajectory is ever registered in a run the reapers do not visit.
         self.redis.sadd(k.runs, run_id)
-        added = int(self._register(keys=keys, args=argv))
+        added = self._replicas.write([keys[0]], lambda: [int(self._register(keys=keys, args=argv))],
+                                     lambda first, again: first)[0]
         if added < 0:
             raise RedisDataLost(lost_message(run_id, "intake saw it when it opened the run", "registers nothing more of it"))
         return added
@@ -244,7 +250,15 @@ class Ledger(LedgerReads):
         return self._run_moves([self._move_call(trajectory_id, to, allowed_from, **details)])[0]
 
     def _run_moves(self, calls: list[ScriptCall]) -> list[TransitionResult]:
-        return [TransitionResult(status == "ok", detail) for status, detail in run_pipelined(self.redis, calls)]
+        def run() -> list[TransitionResult]:
+            return [TransitionResult(status == "ok", detail) for status, detail in run_pipelined(self.redis, calls)]
+
+        def merge(first: list[TransitionResult], again: list[TransitionResult]) -> list[TransitionResult]:
+            """After a failover during the moves: a copy that moved the trajectory (the first move
+            was lost) or found it in the target state (the first survived) keeps the first reply."""
+            return [f if (a.ok or a.state == call.args[1]) and f.ok else a for f, a, call in zip(first, again, calls)]
+
+        return self._replicas.write([call.keys[0] for call in calls], run, merge)
 
     def _move_call(
         self,
