@@ -9,6 +9,7 @@ Redis runs as Conveyor runs it everywhere (docs/reliability.md): with its append
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import uuid
@@ -32,6 +33,21 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     config.stash[_SHARED].note_users(POOLED, items)
+
+
+@pytest.fixture(autouse=True)
+def process_environment_restored():
+    """Every test leaves this process's environment as it found it. Stacks and commands that
+    tests start inherit it, so one test's change reaches every later test: in CI the in-flight
+    test's run settings (``bench.local_runs.BenchRun.open`` updates ``os.environ``, as a
+    benchmark's own process wants) gave the kill-all chaos test's services S3 fields beside its
+    filesystem store, and every one of them refused to start. Session and module fixtures are
+    set up before this snapshot, so what they set stays."""
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.hookimpl(hookwrapper=True)
