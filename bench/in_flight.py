@@ -58,24 +58,29 @@ def hold_level(run: InFlightRun, level: int, hold_s: float, kill_at_s: float | N
     meter.start(started)
     consumed0 = run.finished()
     running: list[int] = []
+    sampled_at: list[float] = []
     rss: list[float] = []
     killed: dict = {}
     while (now := time.time()) - started < hold_s:
         run.feed(level)
         counts = run.bench.ledger.counts(run.bench.run_id)
         running.append(counts["running"])
+        sampled_at.append(now - started)
         rss.append(sum(rss_mb(p.proc.pid) for p in run.workers if p.alive()))
         if kill_at_s is not None and not killed and now - started >= kill_at_s:
-            killed = run.kill_one_worker()
+            killed = {**run.kill_one_worker(), "at_hold_s": round(now - started, 1)}
         time.sleep(max(0.0, 1.0 - (time.time() - now)))
     wall = time.time() - started
     histograms.ports = run.metrics_ports()  # a replacement's counts start at 0: still a lower bound for it
     histograms.stop()
     ops, redis_cores = meter.rates(time.time())
     mean_running = sum(running) / len(running)
+    lowest = running.index(min(running))
     return {
         "level": level, "ramp_s": round(ramp_s, 1), "hold_s": round(wall, 1),
         "running_min": min(running), "running_mean": round(mean_running),
+        "running_min_at_hold_s": round(sampled_at[lowest], 1),
+        "seconds_below_95pct": sum(1 for n in running if n < 0.95 * level),
         "rss_mb_per_episode": round(sum(rss) / len(rss) / max(mean_running, 1), 3),
         "workers_rss_mb": round(sum(rss) / len(rss)),
         "redis_ops_per_s": round(ops), "redis_cpu_cores": round(redis_cores, 3),
@@ -103,6 +108,9 @@ def print_table(results: list[dict], done: dict, args: argparse.Namespace) -> No
     for r in results:
         if "killed" in r:
             print(f"kill -9 at level {r['level']}: {r['killed']}")
+    for r in results:
+        print(f"level {r['level']}: lowest running {r['running_min']} at {r['running_min_at_hold_s']} s into the hold; "
+              f"{r['seconds_below_95pct']} of {r['hold_s']:.0f} s sampled below 95% of the level")
     print(f"end: {json.dumps(done)}")
 
 
