@@ -78,6 +78,8 @@ class RedisServer:
     def start(cls, root: Path, cluster: bool = False) -> "RedisServer":
         """As ``LocalStack.start_redis`` runs it: append-only file, fsync every second."""
         port = free_port()
+        while cluster and port + 10000 > 65535:  # a cluster node also listens on its bus port, port + 10000
+            port = free_port()
         data = root / f"redis-{port}"
         data.mkdir(parents=True)
         args = [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1",
