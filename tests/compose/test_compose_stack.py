@@ -79,6 +79,7 @@ def test_your_own_dataset_runs_as_written_in_the_docs_while_the_demo_run_trains(
     assert demo["consumed"] < DEMO_TRAJECTORIES and container_state(stack, "trainer")["Status"] == "running", \
         f"the demo run is not training: {demo}"
     write_demo_dataset(tmp_path / "mine.jsonl", 2)
+    started = time.monotonic()
     copy, start_trainer, publish = doc_commands("CONVEYOR_RUN_ID=mine")
     run_as_written(stack, copy, tmp_path)
     trainer = run_as_written(stack, start_trainer, tmp_path).strip().splitlines()[-1]
@@ -88,6 +89,7 @@ def test_your_own_dataset_runs_as_written_in_the_docs_while_the_demo_run_trains(
                                  text=True).stdout
     assert exit_code == "0" and ledger.counts("mine") == ended_consumed(16), (exit_code, trainer_log[-3000:])
     assert "trainer mine: " in trainer_log, trainer_log[-3000:]  # its counters, as it exits
+    print(f"run mine: {time.monotonic() - started:.0f}s from the recipe's first line to its trainer's exit; demo {demo}")
     assert wait_for_exit(stack, "trainer", 1500) == 0, stack.logs("trainer")
     assert ledger.counts("demo") == ended_consumed(DEMO_TRAJECTORIES)
 
