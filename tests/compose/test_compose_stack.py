@@ -1,6 +1,7 @@
 """The compose stack, as users run it: images built offline, `docker-compose up` with the CPU
-profile, the demo experiment end to end, Flower, durable Redis and S3, and sandboxes that a
-compose-run worker starts cut off from every service of the stack.
+profile, the demo experiment end to end, a second run beside it from docs/compose.md's
+own-dataset recipe run as written, Flower, durable Redis and S3, and sandboxes that a
+compose-run worker (in its own torch-free image) starts cut off from every service of the stack.
 
 One stack per module (its own compose project, volumes and published ports); it is brought
 down with its volumes at the end. Needs a Docker daemon, docker-compose (1.29 or v2), and

@@ -5,10 +5,11 @@ loads the policy's tokenizer (``tokenizer_loading``), which is still the tokeniz
 Each check runs in a fresh interpreter, so that nothing this test process imported counts.
 
 The rollout worker's image (compose/images/worker) holds no torch, peft or vLLM
-(``image_wheels.worker_requirements``). The last test runs the worker's entry points in an
-interpreter where every package the service image has and the worker image lacks cannot be
-imported, as in that image: the ``conveyor`` command, the Celery task module, every module of
-``services.rollout_worker`` and ``shared``, the environments' start-up check and the tokenizer.
+(``image_wheels.worker_requirements``). The last two tests: no module of
+``services.rollout_worker`` or ``shared`` imports a package the service image has and the worker
+image lacks, even inside a function; and the worker's entry points run in an interpreter where
+those packages cannot be imported, as in that image: the ``conveyor`` command, the Celery task
+module, every module of those two packages, the environments' start-up check and the tokenizer.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import pytest
 from packaging.utils import canonicalize_name
 
 from services.cli.image_wheels import runtime_requirements, worker_requirements
-
 from services.inference.tiny_model import generate_tiny_model
 
 
