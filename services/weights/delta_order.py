@@ -90,15 +90,18 @@ def grouped_frame(old: np.ndarray, new: np.ndarray, compressor: zstandard.ZstdCo
 
 
 def resolve_ranked(old: np.ndarray, positions: np.ndarray, zigzag: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Flat indices and new bits of the changed elements at ``positions`` (sorted, in the grouped
-    order of ``old``) with differences ``zigzag`` (bits of ``old``'s width)."""
+    """Flat indices (ascending) and new bits of the changed elements at ``positions`` (sorted, in
+    the grouped order of ``old``) with differences ``zigzag`` (bits of ``old``'s width)."""
     if positions.size and (positions[0] < 0 or positions[-1] >= old.size):
         raise OrderError(f"a position beyond the tensor's {old.size} elements")
     index: np.ndarray = np.empty(positions.size, dtype=np.int64)
+    taken: np.ndarray = np.empty(positions.size, dtype=np.int64)  # which difference goes with each index
     bounds = np.asarray(np.searchsorted(positions, np.arange(0, old.size + CHUNK, CHUNK)))
     for chunk, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
         if a < b:
             lo = chunk * CHUNK
-            index[a:b] = _order(old, lo, min(old.size, lo + CHUNK))[positions[a:b] - lo]
-    new = old[index] + _unzigzag(zigzag.view(_UNSIGNED[old.itemsize]), old.dtype.type)
+            flat = _order(old, lo, min(old.size, lo + CHUNK))[positions[a:b] - lo]
+            ascending = np.argsort(flat)  # sorted indices: the paused writes go through memory in order
+            index[a:b], taken[a:b] = flat[ascending], ascending + a
+    new = old[index] + _unzigzag(zigzag.view(_UNSIGNED[old.itemsize])[taken], old.dtype.type)
     return index, new
