@@ -8,16 +8,19 @@ encoded against the step before (``services.weights.delta.encode_version``) with
 encoding (``ENCODINGS``), and, beside them, layouts the codec does not have (``EXPERIMENTS``,
 bytes and encode time only): ``varint``, the gaps as LEB128 varints then the changed elements'
 XOR in byte planes; ``zigzag``, ``set-planes`` with each changed element's integer difference
-of bits (zigzag) instead of its XOR; ``grouped`` and ``grouped-zigzag``, the same two with the
-elements taken in the order of the old value's exponent (stable), which a decoder holding the
-old tensor can recompute: a small weight moves a bf16 step at a small lr far more often than a
-large one. All zstd. The figures: the fraction of bf16 elements changed, the bytes of each encoding against
+of bits (zigzag) instead of its XOR; ``grouped-zigzag``, that with the elements of the whole
+tensor taken in the order of the old value's exponent (stable), where the codec's ``grouped``
+orders block by block (``services.weights.delta_order``): a small weight moves a bf16 step at a
+small lr far more often than a large one. All zstd. The figures: the fraction of bf16 elements changed, the bytes of each encoding against
 the full bf16 size (and against a zstd'd full version), each one's encode and decode
-(``decode_frame`` of every frame) time, and, for the codec's default (``set-planes``), the step
-file's write (``delta_shadow.write_step``) and the time to apply and verify it on a shadow
-(``DeltaShadow.apply``: what a replica's worker does while paused, before vLLM's in-memory load).
+(``decode_frame`` of every frame) time, and, for the codec's default (``grouped``), the step
+file's write (``delta_shadow.write_step``), its resolution against the old tensors
+(``DeltaShadow.resolve``: what a replica's worker does before the pause) and the time to apply
+and verify it on a shadow (``DeltaShadow.apply``: what the worker does while paused, before
+vLLM's in-memory load).
 
-    .venv/bin/python bench/weight_sync.py --delta-sizes 0.5B [--delta-lrs 1e-6 1e-5] [--delta-steps 3]
+    .venv/bin/python bench/weight_sync.py --delta-sizes 0.5B [--delta-lrs 1e-6 1e-5] [--delta-steps 3] \
+        [--delta-regimes fp32-master bf16] [--delta-encodings set-planes grouped]
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ from services.weights.delta_chain import ChainVersion
 from services.weights.delta_shadow import DeltaShadow, read_step, write_step
 
 REGIMES = ("fp32-master", "bf16")
-ENCODINGS = ("set", "xor", "set-planes", "xor-planes", "smallest")
-ADOPTED = "set-planes"  # the codec's default
+ENCODINGS = ("set", "xor", "set-planes", "xor-planes", "grouped", "smallest")
+ADOPTED = "grouped"  # the codec's default
 
 
 def varint(values: np.ndarray) -> bytes:
@@ -63,7 +66,7 @@ def _zigzag(old: np.ndarray, new: np.ndarray) -> bytes:
 
 
 def _experiment(name: str, old: np.ndarray, new: np.ndarray) -> bytes:
-    if name.startswith("grouped"):
+    if name == "grouped-zigzag":
         order = np.argsort((old.view(np.uint16 if old.itemsize == 2 else np.uint32) >> 7) & 0xFF, kind="stable")
         old, new = old[order], new[order]
     flips = np.bitwise_xor(old, new)
@@ -75,7 +78,7 @@ def _experiment(name: str, old: np.ndarray, new: np.ndarray) -> bytes:
     return byte_planes(gaps.astype(np.uint32)) + values
 
 
-EXPERIMENTS = ("varint", "zigzag", "grouped", "grouped-zigzag")
+EXPERIMENTS = ("varint", "zigzag", "grouped-zigzag")
 
 
 def experiment_payload(name: str, after: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> int:
@@ -103,7 +106,8 @@ def _version(entries, payload: bytes, version: int, base: int | None) -> ChainVe
                         len(payload), "", tuple(entries))
 
 
-def measure(size: str, regime: str, lr: float, steps: int, scratch: Path) -> list[dict]:
+def measure(size: str, regime: str, lr: float, steps: int, scratch: Path, encodings: tuple[str, ...] = ENCODINGS,
+            experiments: tuple[str, ...] = EXPERIMENTS) -> list[dict]:
     model = _model(size, torch.float32 if regime == "fp32-master" else torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     ids = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1))
@@ -129,7 +133,7 @@ def measure(size: str, regime: str, lr: float, steps: int, scratch: Path) -> lis
         after = _served(model)
         row = {"size": size, "regime": regime, "lr": lr, "step": step, "train_s": train_s, "full_bytes": full_bytes,
                "full_zstd_bytes": full_zstd_bytes, "full_encode_s": full_encode_s}
-        for encoding in ENCODINGS:
+        for encoding in encodings:
             t = time.perf_counter()
             entries, payload = encode_version(after, before, encoding)
             row[f"{encoding}_encode_s"] = time.perf_counter() - t
@@ -145,12 +149,15 @@ def measure(size: str, regime: str, lr: float, steps: int, scratch: Path) -> lis
                 path = write_step(_version(entries, payload, step, step - 1), payload, scratch / f"{step}.pt", "bench")
                 row["step_file_s"] = time.perf_counter() - t
                 decoded = read_step(path)
+                t = time.perf_counter()
+                decoded = shadow.resolve([decoded])[0]
+                row["resolve_s"] = time.perf_counter() - t
                 timings = shadow.apply([decoded])
                 row["apply_s"], row["verify_s"] = timings["apply_s"], timings["verify_s"]
                 path.unlink()
                 del decoded
             del entries, payload
-        for name in EXPERIMENTS:
+        for name in experiments:
             t = time.perf_counter()
             row[f"{name}_bytes"] = experiment_payload(name, after, before)
             row[f"{name}_encode_s"] = time.perf_counter() - t
@@ -162,21 +169,22 @@ def measure(size: str, regime: str, lr: float, steps: int, scratch: Path) -> lis
     return rows
 
 
-def run(sizes: list[str], lrs: list[float], steps: int) -> list[dict]:
+def run(sizes: list[str], lrs: list[float], steps: int, regimes: tuple[str, ...] = REGIMES,
+        encodings: tuple[str, ...] = ENCODINGS, experiments: tuple[str, ...] = EXPERIMENTS) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="conveyor-bench-delta-") as tmp:
         for size in sizes:
-            for regime in REGIMES:
+            for regime in regimes:
                 for lr in lrs:
-                    rows += measure(size, regime, lr, steps, Path(tmp))
+                    rows += measure(size, regime, lr, steps, Path(tmp), encodings, experiments)
     return rows
 
 
 def table(rows: list[dict]) -> str:
     """Means over each setting's steps: per encoding, MB (x fewer than the full bf16 bytes), encode / decode s."""
-    names = (*ENCODINGS, *EXPERIMENTS)
-    lines = ["| size | regime | lr | changed (bf16 elements) | " + " | ".join(names) + " | apply + verify |",
-             "|" + "---|" * (5 + len(names))]
+    names = [n for n in (*ENCODINGS, *EXPERIMENTS) if any(f"{n}_bytes" in r for r in rows)]
+    lines = ["| size | regime | lr | changed (bf16 elements) | " + " | ".join(names)
+             + " | resolve (before the pause) | apply + verify (paused) |", "|" + "---|" * (6 + len(names))]
     keys = sorted({(r["size"], r["regime"], r["lr"]) for r in rows}, key=lambda k: (k[0], k[1], k[2]))
     for key in keys:
         group = [r for r in rows if (r["size"], r["regime"], r["lr"]) == key]
@@ -191,5 +199,5 @@ def table(rows: list[dict]) -> str:
             cells.append(f"{size / 1e6:.1f} MB ({mean('full_bytes') / max(size, 1):.0f}x), "
                          f"{mean(f'{name}_encode_s'):.1f}{decode} s")
         lines.append(f"| {key[0]} | {key[1]} | {key[2]:g} | {100 * mean('changed_fraction'):.3f}% | "
-                     + " | ".join(cells) + f" | {mean('apply_s'):.2f} + {mean('verify_s'):.2f} s |")
+                     + " | ".join(cells) + f" | {mean('resolve_s'):.2f} s | {mean('apply_s'):.2f} + {mean('verify_s'):.2f} s |")
     return "\n".join(lines)

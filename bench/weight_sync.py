@@ -159,11 +159,17 @@ def main() -> None:
                         help="the delta path's codec at these sizes instead (bench/weight_delta_sizes.py)")
     parser.add_argument("--delta-lrs", nargs="+", type=float, default=[1e-6, 1e-5])
     parser.add_argument("--delta-steps", type=int, default=3)
+    parser.add_argument("--delta-regimes", nargs="+", choices=["fp32-master", "bf16"], default=["fp32-master", "bf16"])
+    parser.add_argument("--delta-encodings", nargs="+", default=None, help="a subset of the codec's encodings")
+    parser.add_argument("--delta-experiments", nargs="*", default=None, help="a subset of the layouts it does not have")
     args = parser.parse_args()
     if args.delta_sizes:
         from bench import weight_delta_sizes
 
-        rows = weight_delta_sizes.run(args.delta_sizes, args.delta_lrs, args.delta_steps)
+        rows = weight_delta_sizes.run(args.delta_sizes, args.delta_lrs, args.delta_steps, tuple(args.delta_regimes),
+                                      tuple(args.delta_encodings or weight_delta_sizes.ENCODINGS),
+                                      tuple(weight_delta_sizes.EXPERIMENTS if args.delta_experiments is None
+                                            else args.delta_experiments))
         print()
         print(weight_delta_sizes.table(rows))
         print(json.dumps(rows))

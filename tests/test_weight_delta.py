@@ -56,7 +56,7 @@ def _apply(entries, payload, tensors: dict[str, torch.Tensor]) -> None:
         apply_change(tensors[entry.name], decode_frame(entry, frame_of(entry, payload)))
 
 
-@pytest.mark.parametrize("encoding", ["set", "xor", "set-planes", "xor-planes"])
+@pytest.mark.parametrize("encoding", ["set", "xor", "set-planes", "xor-planes", "grouped"])
 @pytest.mark.parametrize("served", [torch.bfloat16, torch.float32])
 def test_deltas_of_real_adamw_steps_apply_bit_for_bit(encoding, served) -> None:
     versions = _versions(1e-5, 3, served)
@@ -87,12 +87,41 @@ def test_bits_not_values_decide_what_changed() -> None:
     old = torch.tensor([0.0, 1.0, float("nan"), 2.0], dtype=torch.bfloat16)
     new = torch.tensor([-0.0, 1.0, float("nan"), 3.0], dtype=torch.bfloat16)
     new.view(torch.int16)[2] = old.view(torch.int16)[2] ^ 1  # another NaN
-    for encoding in ("set", "xor", "set-planes", "xor-planes", "smallest"):
+    for encoding in ("set", "xor", "set-planes", "xor-planes", "grouped", "smallest"):
         entries, payload = encode_version({"w": new}, {"w": old}, encoding)
         assert entries[0].changed == 3
         held = {"w": old.clone()}
         _apply(entries, payload, held)
         assert torch.equal(bits(held["w"]), bits(new))
+
+
+def test_grouped_frames_cross_blocks_and_chunks_and_need_the_old_tensor(monkeypatch) -> None:
+    """Positions in the old tensor's order: exact against that tensor across block and chunk edges
+    (both made small here), wrong bits (caught by the checksum) against another one."""
+    from services.weights import delta_order
+
+    monkeypatch.setattr(delta_order, "BLOCK", 64)
+    monkeypatch.setattr(delta_order, "CHUNK", 256)
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float32):
+        old = (torch.randn(1000, generator=g) * torch.logspace(-4, 0, 1000)).to(dtype)
+        new = old.clone()
+        picked = torch.randperm(1000, generator=g)[:150]
+        new[picked] = (old[picked].float() * (1 + 1e-2 * torch.randn(150, generator=g))).to(dtype)
+        new[:256] = old[:256]  # a chunk with no change at all
+        entries, payload = encode_version({"w": new}, {"w": old}, "grouped")
+        [entry] = entries
+        assert entry.op == "grouped" and entry.changed == int((bits(old) != bits(new)).sum())
+        change = decode_frame(entry, frame_of(entry, payload))
+        assert change.op == "ranked"
+        held = old.clone()
+        apply_change(held, change)
+        assert torch.equal(bits(held), bits(new)) and tensor_checksum(held) == entry.checksum
+        other = old.flip(0).contiguous()  # another old tensor: resolved to other bits
+        apply_change(other, change)
+        assert tensor_checksum(other) != entry.checksum
+        with pytest.raises(DeltaError, match="beyond"):
+            apply_change(old.clone()[:10].contiguous(), change)
 
 
 def test_undo_puts_a_tensor_back_and_a_bad_frame_is_refused() -> None:
@@ -164,7 +193,7 @@ def test_a_format_1_chain_still_reads_and_an_unknown_format_is_refused(tmp_path)
         writer.publish(v, versions[v])
     key = weight_chain_prefix("r", 2) + CHECKPOINT_COMMITTED
     manifest = json.loads(store.get_bytes(key))
-    assert manifest["format"] == 2
+    assert manifest["format"] == 3
 
     def rewrite(**fields) -> None:
         store.put_bytes(key, json.dumps({k: v for k, v in {**manifest, **fields}.items() if v is not None}).encode())
@@ -176,8 +205,8 @@ def test_a_format_1_chain_still_reads_and_an_unknown_format_is_refused(tmp_path)
     assert step.format == 1
     _apply(step.tensors, reader.fetch(step), held)
     assert all(tensor_checksum(held[e.name]) == e.checksum for e in step.tensors)
-    rewrite(format=3)
-    with pytest.raises(ChainBroken, match="format 3; this reader knows formats"):
+    rewrite(format=4)
+    with pytest.raises(ChainBroken, match="format 4; this reader knows formats"):
         reader.plan(2, have=1)
     rewrite(format=None, tensors=[{**t, "op": "xor-planes"} for t in manifest["tensors"]])
     with pytest.raises(ChainBroken, match="ops \\['xor-planes'\\] that format does not have"):
@@ -219,4 +248,32 @@ def test_a_shadow_refuses_a_wrong_base_and_is_left_as_it_was_by_a_checksum_misma
     assert shadow.version == 0
     assert all(torch.equal(bits(shadow.tensors[k]), bits(v)) for k, v in versions[0].items())  # undone
     shadow.apply([step_file(1, 0), step_file(2, 1)])
+    assert shadow.version == 2 and all(torch.equal(bits(shadow.tensors[k]), bits(v)) for k, v in versions[2].items())
+
+
+def test_a_shadow_resolves_grouped_frames_before_the_apply_only_on_its_own_base(tmp_path) -> None:
+    """``DeltaShadow.resolve`` (what a worker does before the pause) turns one delta on the held
+    version into flat ``set`` changes; any other plan is left for the apply to resolve."""
+    from services.weights.delta_chain import ChainVersion
+    from services.weights.delta_shadow import DeltaShadow, read_step, write_step
+
+    versions = _versions(1e-4, 2, torch.bfloat16)
+
+    def step_file(version: int, base: int | None) -> dict:
+        entries, payload = encode_version(versions[version], None if base is None else versions[base], "grouped")
+        step = ChainVersion(version, "full" if base is None else "delta", base, "grouped", len(payload), "",
+                            tuple(entries))
+        return read_step(write_step(step, payload, tmp_path / f"{version}.pt", "r"))
+
+    shadow = DeltaShadow()
+    shadow.apply([step_file(0, None)])
+    two = [step_file(1, 0), step_file(2, 1)]
+    assert shadow.resolve(two) is two  # two steps: the second's base is not held yet
+    [resolved] = shadow.resolve([two[0]])
+    assert {t["op"] for t in resolved["tensors"]} == {"set"} and shadow.version == 0
+    assert all(torch.equal(bits(shadow.tensors[k]), bits(v)) for k, v in versions[0].items())  # untouched
+    shadow.apply([resolved])
+    assert all(torch.equal(bits(shadow.tensors[k]), bits(v)) for k, v in versions[1].items())
+    assert shadow.resolve([two[0]])[0]["tensors"][0]["op"] == "ranked"  # no longer its base
+    shadow.apply([two[1]])  # resolved while applying
     assert shadow.version == 2 and all(torch.equal(bits(shadow.tensors[k]), bits(v)) for k, v in versions[2].items())

@@ -75,6 +75,8 @@ def test_delta_chain_reaches_the_replica_exactly_and_faults_never_serve_wrong_we
         assert late.extra["plans"] == {"None": [1, 2]} and ws.weight_version(http, url) == "2"
         caught_up = sync(3)  # from the version held: the one delta
         assert caught_up.extra["plans"] == {"2": [3]} and caught_up.extra["probe_max_abs_diff"] <= FP32_TOLERANCE
+        [applied] = caught_up.extra["worker"][url]
+        assert applied["prepared"] and applied["prepare_error"] is None  # resolved before the pause
         assert held_version(http, url, run_id) == 3
         [answer] = worker_calls(http, url, DELTA_VERSION, {"checksums": True}, 30.0)
         trained = {e.name: e.checksum for e in ChainReader(store, run_id).manifest(3).tensors}

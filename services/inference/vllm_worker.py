@@ -32,6 +32,10 @@ Invariants:
   (``services.weights.delta_shadow``), checks every tensor's checksum there, and only then loads
   the shadow's tensors into vLLM; a mismatch raises before vLLM's weights are touched. Any other
   load (``conveyor_reload_weights``, ``conveyor_receive_weights``) drops the shadow first.
+  ``conveyor_prepare_delta(paths)``, called while the replica serves, reads the same step files
+  and resolves them against the shadow (``DeltaShadow.resolve``) in a background thread; the
+  apply of the same paths on the same shadow version takes that result (waiting for it), any
+  other apply reads its files itself. A prepare changes nothing the worker serves.
 """
 
 from __future__ import annotations
@@ -67,8 +71,10 @@ class ConveyorWorkerExtension:
 
     _conveyor_weight_group: WeightProcessGroup | None  # set while this worker is in the trainer's weight group
     _conveyor_shadow: DeltaShadow | None  # the delta path's tensors of the served version
+    _conveyor_prepared: tuple | None  # (paths, (chain, version) held, thread, result) of a prepare
 
     def _conveyor_drop_shadow(self) -> None:
+        self._conveyor_take_prepared(None)
         shadow = getattr(self, "_conveyor_shadow", None)
         if shadow is not None:
             shadow.clear()
@@ -85,17 +91,69 @@ class ConveyorWorkerExtension:
             answer["checksums"] = {name: tensor_checksum(t) for name, t in shadow.tensors.items()}
         return answer
 
+    def _conveyor_the_shadow(self) -> DeltaShadow:
+        from services.weights.delta_shadow import DeltaShadow
+
+        if getattr(self, "_conveyor_shadow", None) is None:
+            self._conveyor_shadow = DeltaShadow()
+        assert self._conveyor_shadow is not None
+        return self._conveyor_shadow
+
+    def conveyor_prepare_delta(self, paths: list[str]) -> dict:
+        """Start reading and resolving the step files ``paths`` against the shadow in a background
+        thread (the replica keeps serving); ``conveyor_delta_prepared`` says when it is done."""
+        import threading
+        import time
+
+        from services.weights.delta_shadow import read_step
+
+        self._conveyor_take_prepared(None)
+        shadow = self._conveyor_the_shadow()
+        result: dict = {}
+
+        def work() -> None:
+            t0 = time.perf_counter()
+            try:
+                result["steps"] = shadow.resolve([read_step(path) for path in paths])
+            except Exception as exc:  # the apply reads the files itself and raises what is wrong
+                result["error"] = repr(exc)
+            result["prepare_s"] = time.perf_counter() - t0
+
+        thread = threading.Thread(target=work, name="conveyor-delta-prepare", daemon=True)
+        thread.start()
+        self._conveyor_prepared = (tuple(paths), (shadow.chain, shadow.version), thread, result)
+        return {"started": True}
+
+    def conveyor_delta_prepared(self) -> dict:
+        """``{"done"}``: whether the last ``conveyor_prepare_delta`` finished (True when there is none)."""
+        prepared = getattr(self, "_conveyor_prepared", None)
+        return {"done": prepared is None or not prepared[2].is_alive()}
+
+    def _conveyor_take_prepared(self, paths: list[str] | None) -> tuple[list | None, dict]:
+        """The prepared steps for ``paths`` on the shadow as it is now (None: none), waiting for them;
+        forgets any prepare."""
+        prepared = getattr(self, "_conveyor_prepared", None)
+        self._conveyor_prepared = None
+        if prepared is None:
+            return None, {}
+        held_paths, held, thread, result = prepared
+        thread.join()
+        shadow = getattr(self, "_conveyor_shadow", None)
+        if paths is None or held_paths != tuple(paths) or shadow is None or held != (shadow.chain, shadow.version):
+            return None, {}
+        return result.get("steps"), {"prepare_s": result.get("prepare_s", 0.0), "prepare_error": result.get("error")}
+
     def conveyor_apply_delta(self, paths: list[str]) -> dict:
         """Apply the step files ``paths`` (oldest first) to the shadow, check it, load it into vLLM."""
         import time
 
-        from services.weights.delta_shadow import DeltaShadow, read_step
+        from services.weights.delta_shadow import read_step
 
-        if getattr(self, "_conveyor_shadow", None) is None:
-            self._conveyor_shadow = DeltaShadow()
-        shadow = self._conveyor_shadow
-        assert shadow is not None
-        timings = shadow.apply([read_step(path) for path in paths])
+        t0 = time.perf_counter()
+        steps, prepared = self._conveyor_take_prepared(paths)
+        prepared["prepared_wait_s"] = time.perf_counter() - t0
+        shadow = self._conveyor_the_shadow()
+        timings = shadow.apply(steps if steps is not None else [read_step(path) for path in paths])
         t0 = time.perf_counter()
         try:
             self.reload_weights(weights_iterator=iter(list(shadow.tensors.items())))  # type: ignore[attr-defined]
@@ -103,7 +161,8 @@ class ConveyorWorkerExtension:
         except BaseException:
             shadow.clear()  # vLLM may hold part of the new version: the shadow no longer says what it serves
             raise
-        return {**timings, "load_s": time.perf_counter() - t0, "version": shadow.version, "reprocessed": reprocessed}
+        return {**timings, **prepared, "prepared": steps is not None, "load_s": time.perf_counter() - t0,
+                "version": shadow.version, "reprocessed": reprocessed}
 
     def conveyor_reload_weights(self, weights_path: str) -> list[str]:
         """Reload ``weights_path`` in place, then reprocess layers with shared (tied) parameters.

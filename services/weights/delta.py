@@ -13,16 +13,20 @@ One version is one payload (the per-tensor zstd frames, concatenated) and a list
   then every high byte, ...): a small change flips only low mantissa bits, so the high planes are
   almost all zero and each plane compresses on its own statistics;
 - ``set-planes``: the gaps (uint32) then the XOR of the changed elements' bits, each regrouped
-  by byte planes the same way.
+  by byte planes the same way;
+- ``grouped``: like ``set-planes``, with the elements taken in an order the old tensor decides
+  (block by block, by the old value's exponent) and zigzag differences instead of XORs
+  (``services.weights.delta_order``): its positions mean something only against the old tensor.
 
-``FORMAT`` is the chain format these frames belong to (2: all five ops; 1, a manifest without a
-format: ``full``, ``set`` and ``xor`` only); ``encoding="smallest"`` writes each tensor as the
-smaller of its ``set-planes`` and ``xor-planes`` frames.
+``FORMAT`` is the chain format these frames belong to (3: all six ops; 2: all but ``grouped``;
+1, a manifest without a format: ``full``, ``set`` and ``xor`` only); ``encoding="smallest"``
+writes each tensor as the smaller of its ``set-planes`` and ``xor-planes`` frames.
 
-Decoding a frame gives a ``Change`` (indices and bits, or the whole tensor); ``apply_change``
-writes it into the tensor of the version before, in place, and ``tensor_checksum`` (xxh3-64 of
-the tensor's bytes) of the result must equal the entry's checksum: that is the check that the
-applied tensor is exactly the trainer's.
+Decoding a frame gives a ``Change`` (indices and bits, or the whole tensor; for ``grouped``,
+positions in the old tensor's order: a ``ranked`` change, which ``resolve_change`` turns into a
+``set`` one with the old tensor); ``apply_change`` writes it into the tensor of the version
+before, in place, and ``tensor_checksum`` (xxh3-64 of the tensor's bytes) of the result must
+equal the entry's checksum: that is the check that the applied tensor is exactly the trainer's.
 
 Invariants:
 - Bits, not values: an element is changed when its bit pattern is (``-0.0`` vs ``0.0``, NaN
@@ -43,10 +47,13 @@ import torch
 import xxhash
 import zstandard
 
-Encoding = Literal["set", "xor", "set-planes", "xor-planes", "smallest"]
-Op = Literal["full", "set", "xor", "set-planes", "xor-planes"]
-FORMAT = 2
-OPS_OF_FORMAT = {1: ("full", "set", "xor"), 2: ("full", "set", "xor", "set-planes", "xor-planes")}
+from services.weights.delta_order import OrderError, grouped_frame, resolve_ranked, supports
+
+Encoding = Literal["set", "xor", "set-planes", "xor-planes", "grouped", "smallest"]
+Op = Literal["full", "set", "xor", "set-planes", "xor-planes", "grouped"]
+FORMAT = 3
+OPS_OF_FORMAT = {1: ("full", "set", "xor"), 2: ("full", "set", "xor", "set-planes", "xor-planes"),
+                 3: ("full", "set", "xor", "set-planes", "xor-planes", "grouped")}
 ZSTD_LEVEL = 3
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_BITS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
@@ -79,11 +86,13 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class Change:
-    """A decoded frame: the whole tensor's bits (``op == "full"``), or flat indices and their bits."""
+    """A decoded frame: the whole tensor's bits (``op == "full"``), or flat indices and their bits
+    (``"set"``: new bits, ``"xor"``: old XOR new), or positions in the old tensor's grouped order
+    and zigzag differences (``"ranked"``, see ``resolve_change``)."""
 
-    op: Op
+    op: str  # "full" | "set" | "xor" | "ranked"
     bits: torch.Tensor
-    index: torch.Tensor | None = None  # int64, for "set" and "xor"
+    index: torch.Tensor | None = None  # int64, for "set", "xor" and "ranked"
 
 
 def bits_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -120,9 +129,11 @@ def _gaps(index: np.ndarray, name: str) -> np.ndarray:
     return gaps.astype(np.uint32)
 
 
-def _delta_frame(name: str, flips: np.ndarray, new_bits: np.ndarray, op: Op,
+def _delta_frame(name: str, old_bits: np.ndarray, flips: np.ndarray, new_bits: np.ndarray, op: Op,
                  compressor: zstandard.ZstdCompressor) -> tuple[int, bytes]:
     """The changed-element count and the frame of one delta op (``flips``: old XOR new bits)."""
+    if op == "grouped":
+        return grouped_frame(old_bits, new_bits, compressor)
     if op == "xor":
         return int(np.count_nonzero(flips)), compressor.compress(flips.tobytes())
     if op == "xor-planes":
@@ -147,9 +158,13 @@ def encode_tensor(name: str, new: torch.Tensor, old: torch.Tensor | None, encodi
     if old.shape != new.shape or old.dtype != new.dtype:
         raise DeltaError(f"{name}: {tuple(old.shape)} {old.dtype} before, {tuple(new.shape)} {new.dtype} now")
     new_np = new_bits.numpy()
-    flips = np.bitwise_xor(bits_of(old.cpu()).numpy(), new_np)
+    old_np = bits_of(old.cpu()).numpy()
+    flips = np.bitwise_xor(old_np, new_np)
     ops: tuple[Op, ...] = ("set-planes", "xor-planes") if encoding == "smallest" else (encoding,)
-    best = min((_delta_frame(name, flips, new_np, op, compressor) + (op,) for op in ops), key=lambda f: len(f[1]))
+    if encoding == "grouped" and not supports(old_np.itemsize):
+        ops = ("set-planes",)  # no exponent byte to order by
+    best = min((_delta_frame(name, old_np, flips, new_np, op, compressor) + (op,) for op in ops),
+               key=lambda f: len(f[1]))
     return entry(best[2], best[0], best[1])
 
 
@@ -175,28 +190,46 @@ def decode_frame(entry: TensorEntry, frame: bytes) -> Change:
             return Change("full", bits)
         index = torch.nonzero(bits).reshape(-1)
         return Change("xor", bits[index], index)
-    if entry.op not in ("set", "set-planes"):
+    if entry.op not in ("set", "set-planes", "grouped"):
         raise DeltaError(f"{entry.name}: unknown frame op {entry.op!r} (this reader knows {OPS_OF_FORMAT[FORMAT]})")
     count = entry.changed
     if len(raw) != count * (4 + itemsize):
         raise DeltaError(f"{entry.name}: {len(raw)} bytes decoded for {count} changed elements")
-    planes = entry.op == "set-planes"
+    planes = entry.op in ("set-planes", "grouped")
     gaps = from_byte_planes(raw, np.uint32, count) if planes else np.frombuffer(raw, dtype=np.uint32, count=count)
     index = torch.from_numpy(np.cumsum(gaps.astype(np.int64)) - 1)
     if count and (int(index[-1]) >= numel):
         raise DeltaError(f"{entry.name}: index {int(index[-1])} beyond its {numel} elements")
     values = memoryview(raw)[count * 4:]
+    if entry.op == "grouped":
+        return Change("ranked", torch.from_numpy(from_byte_planes(values, np_type, count)), index)
     if planes:
         return Change("xor", torch.from_numpy(from_byte_planes(values, np_type, count)), index)
     bits = torch.frombuffer(bytearray(values), dtype=int_type) if count else torch.empty(0, dtype=int_type)
     return Change("set", bits, index)
 
 
+def resolve_change(tensor: torch.Tensor, change: Change) -> Change:
+    """``change`` with a ``ranked`` one made a ``set`` one against ``tensor`` (the old tensor it
+    was encoded against; CPU, contiguous); any other as it is."""
+    if change.op != "ranked":
+        return change
+    assert change.index is not None
+    try:
+        index, new = resolve_ranked(bits_of(tensor).numpy(), change.index.numpy(), change.bits.numpy())
+    except OrderError as exc:
+        raise DeltaError(str(exc)) from None
+    return Change("set", torch.from_numpy(new), torch.from_numpy(index))
+
+
 def apply_change(tensor: torch.Tensor, change: Change) -> Change:
-    """Write ``change`` into ``tensor`` (contiguous, in place); returns the undo of what it overwrote."""
+    """Write ``change`` into ``tensor`` (contiguous, in place); returns the undo of what it overwrote.
+    A ``ranked`` change is resolved against ``tensor`` first (``resolve_change``)."""
     flat = bits_of(tensor)
     if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
         raise DeltaError("apply_change needs a contiguous tensor")
+    if change.op == "ranked":
+        change = resolve_change(tensor, change)
     if change.op == "full":
         if change.bits.numel() != flat.numel():
             raise DeltaError(f"a full frame of {change.bits.numel()} elements for a tensor of {flat.numel()}")
@@ -218,7 +251,7 @@ def undo_change(tensor: torch.Tensor, undo: Change) -> None:
 
 
 def encode_version(tensors: dict[str, torch.Tensor], previous: dict[str, torch.Tensor] | None,
-                   encoding: Encoding = "set-planes", level: int = ZSTD_LEVEL) -> tuple[list[TensorEntry], bytes]:
+                   encoding: Encoding = "grouped", level: int = ZSTD_LEVEL) -> tuple[list[TensorEntry], bytes]:
     """Every tensor of a version against ``previous`` (None: a full version): entries and payload.
     A tensor with no counterpart in ``previous`` is written full."""
     compressor = zstandard.ZstdCompressor(level=level)

@@ -98,7 +98,7 @@ class ChainWriter:
     it published, or full (see the invariants). Holds a CPU copy of the last published tensors."""
 
     def __init__(self, store: ObjectStore, run_id: str, *, full_every: int = FULL_EVERY,
-                 max_fraction: float = MAX_FRACTION, encoding: Encoding = "set-planes"):
+                 max_fraction: float = MAX_FRACTION, encoding: Encoding = "grouped"):
         if full_every < 1 or not 0 < max_fraction <= 1:
             raise ValueError(f"full_every {full_every} must be >= 1 and max_fraction {max_fraction} in (0, 1]")
         self.store, self.run_id = store, run_id

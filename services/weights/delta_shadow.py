@@ -17,6 +17,9 @@ Invariants:
   ``DeltaChecksumMismatch`` naming the tensors.
 - A plan that starts with a delta applies only to a shadow of the same chain at that delta's
   base; one that starts with a full version applies to any shadow.
+- ``resolve`` changes nothing: it returns a plan of one delta on the held version with its
+  ``ranked`` changes (``grouped`` frames) resolved against the shadow into ``set`` ones, so
+  the worker can do that before the pause; ``apply`` resolves any left while it applies.
 - A worker whose weights were loaded another way (a reload from disk, a broadcast) holds no
   shadow (``clear``): its next delta sync starts from a full version.
 """
@@ -29,7 +32,16 @@ from typing import Any
 
 import torch
 
-from services.weights.delta import Change, DeltaError, apply_change, decode_frame, frame_of, tensor_checksum, undo_change
+from services.weights.delta import (
+    Change,
+    DeltaError,
+    apply_change,
+    decode_frame,
+    frame_of,
+    resolve_change,
+    tensor_checksum,
+    undo_change,
+)
 from services.weights.delta_chain import ChainVersion
 
 
@@ -67,6 +79,20 @@ class DeltaShadow:
 
     def clear(self) -> None:
         self.tensors, self.version, self.chain = {}, None, None
+
+    def resolve(self, steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``steps`` with their ``ranked`` changes resolved against the shadow when they are one delta
+        on the version it holds; otherwise as they are (see the invariants)."""
+        if len(steps) != 1 or steps[0]["kind"] == "full" or (steps[0]["base"], steps[0]["chain"]) != (
+                self.version, self.chain):
+            return steps
+        tensors = []
+        for t in steps[0]["tensors"]:
+            if t["op"] == "ranked" and t["name"] in self.tensors:
+                change = resolve_change(self.tensors[t["name"]], Change("ranked", t["bits"], t["index"]))
+                t = {**t, "op": change.op, "bits": change.bits, "index": change.index}
+            tensors.append(t)
+        return [{**steps[0], "tensors": tensors}]
 
     def apply(self, steps: list[dict[str, Any]]) -> dict[str, float]:
         """Apply decoded steps (oldest first); see the invariants. Returns seconds and counts."""

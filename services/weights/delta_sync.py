@@ -5,6 +5,9 @@ and decode while it serves, pause only to apply.
     -> plan (``delta_chain.ChainReader.plan``: from what it holds, or newest full + deltas)
     -> fetch each step's payload (checked against its manifest) and decode it to a step file
        (``delta_shadow.write_step``), all while the replica serves
+    -> ask each replica's workers to read the step files and resolve them against their shadow
+       (``conveyor_prepare_delta``: a ``grouped`` frame's positions need the old tensor), still
+       serving, and wait until they have (``conveyor_delta_prepared``)
     -> sync_weights: pause(keep) -> conveyor_apply_delta(step files) -> reset prefix cache
        -> [resume -> probe] -> label -> on_served -> resume
 
@@ -17,6 +20,8 @@ Invariants (besides ``sync_weights``'):
 - A replica whose worker's shadow already holds the target (its follower died after the apply,
   before the label: a shadow names a version only once it is checked and loaded, a failed load clears it) is
   not applied to again; it is labelled and probed like the others.
+- A prepare only moves work out of the pause: one that fails or does not finish in time is
+  logged, and the apply reads and resolves the step files itself.
 - The probe is the one in the target version's manifest (the trainer's logprobs of it); the
   label and ``on_served`` come only after every replica applied and passed it.
 """
@@ -41,7 +46,10 @@ log = logging.getLogger(__name__)
 
 APPLY_DELTA = "conveyor_apply_delta"
 DELTA_VERSION = "conveyor_delta_version"
+PREPARE_DELTA = "conveyor_prepare_delta"
+DELTA_PREPARED = "conveyor_delta_prepared"
 APPLY_TIMEOUT_S = 600.0
+PREPARE_TIMEOUT_S = 300.0
 
 
 def worker_calls(http: httpx.Client, url: str, method: str, kwargs: dict[str, Any], timeout_s: float) -> list[Any]:
@@ -58,6 +66,35 @@ def held_version(http: httpx.Client, url: str, chain: str) -> int | None:
         return None
     [(held_chain, version)] = held
     return int(version) if held_chain == chain and version is not None else None
+
+
+def prepare_on_workers(http: httpx.Client, files: dict[str, list[Path]], timeout_s: float = PREPARE_TIMEOUT_S) -> float:
+    """Ask each replica (url: its step files) to prepare them while it serves, and wait until every
+    one has or ``timeout_s`` passed; returns the seconds waited (see the invariants)."""
+    t0 = time.perf_counter()
+    started = []
+    for url, paths in files.items():
+        try:
+            worker_calls(http, url, PREPARE_DELTA, {"paths": [str(p) for p in paths]}, 30.0)
+            started.append(url)
+        except (ws.AdminCallError, httpx.HTTPError) as exc:
+            log.warning("replica %s did not start preparing its delta step files (%s): the apply reads them itself",
+                        url, exc)
+    deadline = time.monotonic() + timeout_s
+    for url in started:
+        while True:
+            try:
+                if all(r.get("done") for r in worker_calls(http, url, DELTA_PREPARED, {}, 30.0)):
+                    break
+            except (ws.AdminCallError, httpx.HTTPError) as exc:
+                log.warning("replica %s: cannot tell whether its delta prepare is done (%s)", url, exc)
+                break
+            if time.monotonic() > deadline:
+                log.warning("replica %s is still preparing its delta step files after %.0fs: the apply waits for it",
+                            url, timeout_s)
+                break
+            time.sleep(0.05)
+    return time.perf_counter() - t0
 
 
 @dataclass
@@ -161,10 +198,12 @@ def sync_delta(urls: list[str], catch_up: DeltaCatchUp, version: int, *, http: h
         ws.reset_prefix_cache(http, url)
 
     fetched = time.perf_counter() - t0
+    worker_prepare_s = prepare_on_workers(http, {u: prepared[held[u]].files for u in urls if prepared[held[u]].files})
     report = ws.sync_weights(urls, None, version, load_all=lambda _http, targets: ws.on_all(targets, apply_one),
                              source=f"delta chain version {version}", probe=probe, on_served=on_served, client=http)
     extra = report.extra
     extra["prepare_s"] = fetched
+    extra["worker_prepare_s"] = worker_prepare_s
     extra["download_s"] = sum(p.download_s for p in prepared.values())
     extra["decode_s"] = sum(p.decode_s for p in prepared.values())
     extra["download_bytes"] = sum(p.bytes for p in prepared.values())

@@ -48,9 +48,10 @@ class DeltaWeightSync(Section):
     full_every: Int = Field(20, gt=0)
     delta_max_fraction: Float = Field(0.25, gt=0, le=1)
     # services.weights.delta: index+value, XOR of the bits, either in byte planes, or per tensor the
-    # smaller of the two byte-plane frames (all zstd); set-planes is the smallest measured
-    # (docs/performance/training.md), and smallest only costs encode time over it
-    encoding: Literal["set", "xor", "set-planes", "xor-planes", "smallest"] = "set-planes"
+    # smaller of the two byte-plane frames, or grouped (the changed elements in the old tensor's
+    # exponent order, which replicas' workers resolve against their shadow before the pause; all
+    # zstd); grouped is the smallest measured (docs/performance/training.md)
+    encoding: Literal["set", "xor", "set-planes", "xor-planes", "grouped", "smallest"] = "grouped"
 
 
 # the mode names the variant: a field of the other mode is an error naming it
