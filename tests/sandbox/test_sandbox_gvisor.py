@@ -84,7 +84,7 @@ def test_under_runsc_processes_that_stop_their_shell_or_pass_the_limit_keep_the_
         seen = []
         async with await Sandbox.provision(make_spec(), provider=gvisor) as sandbox:
             for _ in range(2):
-                stopped = await sandbox.exec(_TAMPER.format(n=40), timeout_s=1)
+                stopped = await sandbox.exec(_TAMPER.format(n=30), timeout_s=1)
                 seen.append(f"{stopped.timed_out} {stopped.exit_code}")
                 seen.append((await sandbox.exec("ps -o comm | grep -c sleep")).output.strip())
         async with await Sandbox.provision(make_spec(limits=Limits(pids=32)), provider=gvisor) as sandbox:
