@@ -13,7 +13,9 @@ start ("Devices cgroup isn't mounted").
 
 Certificates (a CA, the daemon's for its address, the worker's) are made per session with
 openssl. ``remote_docker_host()`` yields a ``RemoteHost``: the settings of a ``docker`` provider
-for it, and ``lose()``, which kills the daemon as a lost host would vanish. On exit the daemon is
+for it, ``lose()``, which kills the daemon as a lost host would vanish, ``come_back()``, which
+starts it again as after a reboot (same data root, empty exec root), and ``silence()`` and
+``answer()`` (SIGSTOP, SIGCONT: a host that stays silent, then answers). On exit the daemon is
 stopped (its containers with it) and the namespace, link and directories are removed.
 """
 
@@ -46,6 +48,9 @@ _hosts = itertools.count()
 class RemoteHost:
     settings: DockerProviderSettings
     lose: Callable[[], None]  # SIGKILL the daemon: the host is gone
+    come_back: Callable[[], None]  # start the lost daemon again (same data root), once it answers
+    silence: Callable[[], None]  # SIGSTOP the daemon: the host stays silent (connections hang)
+    answer: Callable[[], None]  # SIGCONT: it answers again
 
 
 def _run(*argv: str) -> None:
@@ -104,19 +109,33 @@ def remote_docker_host(runtime: str = "runc") -> Iterator[RemoteHost]:
         runtimes = {"runsc": {"path": RUNSC, "runtimeArgs": ["--network=none"]}} if os.access(RUNSC, os.X_OK) else {}
         (root / "daemon.json").write_text(json.dumps({"runtimes": runtimes}))
         log = open(root / "dockerd.log", "wb")
-        daemon = subprocess.Popen(
-            ["nsenter", f"--net=/var/run/netns/{netns}", "dockerd", "--config-file", f"{root}/daemon.json",
+        argv = (["nsenter", f"--net=/var/run/netns/{netns}", "dockerd", "--config-file", f"{root}/daemon.json",
              "--data-root", f"{root}/data", "--exec-root", f"{root}/exec", "--pidfile", f"{root}/docker.pid", "-H", f"unix://{root}/docker.sock",
              "-H", f"tcp://{daemon_ip}:{PORT}", "--tlsverify", "--tlscacert", f"{certs}/ca.pem",
              "--tlscert", f"{certs}/server.pem", "--tlskey", f"{certs}/server-key.pem", "--bridge=none",
-             "--iptables=false", "--ip6tables=false", "--ip-masq=false", f"--cgroup-parent={tag}"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+             "--iptables=false", "--ip6tables=false", "--ip-masq=false", f"--cgroup-parent={tag}"])
+        daemons = [subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)]
+        daemon = daemons[0]
         settings = DockerProviderSettings(host=f"tcp://{daemon_ip}:{PORT}", tls=tls, runtime=runtime)
         _wait_until_up(root / "docker.sock", daemon, root / "dockerd.log")
-        yield RemoteHost(settings, lambda: _kill(daemon))
+
+        def come_back() -> None:  # as after a reboot: the old containerd and sandboxes are gone
+            _kill(daemons[-1])
+            deadline = time.monotonic() + 10
+            while _kill_leftovers(root) and time.monotonic() < deadline:  # until none is left
+                time.sleep(0.05)
+            _unmount_under(root / "exec")  # the exec root is run state, empty after a reboot
+            shutil.rmtree(root / "exec", ignore_errors=True)
+            daemons.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            _wait_until_up(root / "docker.sock", daemons[-1], root / "dockerd.log")
+
+        yield RemoteHost(settings, lose=lambda: _kill(daemons[-1]), come_back=come_back,
+                         silence=lambda: daemons[-1].send_signal(signal.SIGSTOP),
+                         answer=lambda: daemons[-1].send_signal(signal.SIGCONT))
     finally:
         if daemon is not None:
-            _stop(daemon)
+            daemons[-1].send_signal(signal.SIGCONT)
+            _stop(daemons[-1])
         _kill_leftovers(root)  # a killed daemon leaves its containers' shims running
         subprocess.run(["ip", "link", "del", host_if], capture_output=True)
         subprocess.run(["ip", "netns", "del", netns], capture_output=True)
@@ -152,14 +171,15 @@ def _stop(daemon: subprocess.Popen) -> None:
         daemon.wait(10)
 
 
-def _kill_leftovers(root: Path) -> None:
-    """SIGKILL the containerd shims of this daemon (their command line names its exec root) and
-    the sandbox processes under them."""
+def _kill_leftovers(root: Path) -> int:
+    """SIGKILL the containerd and shims of this daemon (their command line names its exec root) and
+    the sandbox processes under them; returns how many were still there."""
     shims = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p).find(str(root)) >= 0]
     children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) in shims]
     for pid in children + shims:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    return len(children + shims)
 
 
 def _cmdline(proc: Path) -> str:

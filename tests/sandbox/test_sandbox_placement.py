@@ -14,6 +14,7 @@ from remote_docker_support import remote_docker_host
 
 from services.rollout_worker.sandbox import Sandbox, SandboxInfraError, provision_with_retry, reap
 from services.rollout_worker.sandbox import providers
+from services.rollout_worker.sandbox.docker_provider import HEALTH_TIMEOUT_S
 from services.rollout_worker.sandbox.images import image_exists, ship_image
 from services.rollout_worker.sandbox.placement import HostPlacement
 from shared.settings import SettingsError, load_settings
@@ -35,14 +36,33 @@ def test_hosts_settings_round_trip_through_the_union():
     assert isinstance(settings, DockerHostsSettings) and settings.max_sandboxes_per_host == 4
 
 
-def two_hosts(remote, room: int = 32, *, image: str | None = None) -> HostPlacement:
+def two_hosts(remote, room: int = 32, *, image: str | None = None, recheck_s: float = 60) -> HostPlacement:
     """A fresh placement (its own counts) over the local daemon, then the namespaced one (given
     ``image`` first, when named)."""
     local = providers.docker_provider(DockerProviderSettings())
     if image is not None:
         ship_image(image, source=local.client, target=providers.docker_provider(remote.settings).client)
     return HostPlacement([local, providers.docker_provider(remote.settings)], max_sandboxes_per_host=room,
-                         recheck_s=60)
+                         recheck_s=recheck_s)
+
+
+def wait_until(condition, timeout_s: float = 15) -> float:
+    """Seconds until ``condition()`` holds (polled, as placements would ask)."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout_s, "the condition never held"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+async def _burst_hosts(placement: HostPlacement, make_spec, count: int) -> list[str]:
+    """The host ("local" or "far") of each of ``count`` sandboxes provisioned at once."""
+    local, _far = placement.hosts
+    sandboxes = await asyncio.gather(*(Sandbox.provision(make_spec(), provider=placement) for _ in range(count)))
+    try:
+        return ["local" if s.provider is local else "far" for s in sandboxes]
+    finally:
+        await _teardown(list(sandboxes))
 
 
 def test_docker_hosts_settings_make_one_placement_whose_hosts_the_janitor_sweeps(remote):
@@ -180,9 +200,28 @@ def test_a_lost_host_gets_no_sandbox_until_a_background_ping_finds_it_answering(
     assert asyncio.run(provision()) == "back\n" and host.load == 0
 
 
+def test_a_host_that_stays_silent_is_skipped_until_it_answers_again(remote, make_spec, busybox_image):
+    """The namespaced daemon stopped (SIGSTOP): connections to it hang. The background ping of a
+    host in use finds it silent (``HEALTH_TIMEOUT_S``), and placement stops choosing it; once it
+    answers again (SIGCONT), the next ping puts it back."""
+    placement = two_hosts(remote, image=busybox_image, recheck_s=0.3)
+    _local, far = placement.hosts
+    assert sorted(asyncio.run(_burst_hosts(placement, make_spec, 2))) == ["far", "local"]
+    remote.silence()
+    try:
+        silent_for = wait_until(lambda: not far.usable(time.monotonic()))
+        assert asyncio.run(_burst_hosts(placement, make_spec, 3)) == ["local"] * 3
+    finally:
+        remote.answer()
+    back_after = wait_until(lambda: far.usable(time.monotonic()))
+    assert sorted(asyncio.run(_burst_hosts(placement, make_spec, 2))) == ["far", "local"]
+    assert silent_for < 0.3 + HEALTH_TIMEOUT_S + 1 and back_after < 0.3 + 1, (silent_for, back_after)
+
+
 def test_episodes_on_a_host_lost_mid_burst_are_retried_and_finish_on_the_other(remote, make_spec, busybox_image):
-    """Last in the module: it kills the namespaced daemon."""
-    placement = two_hosts(remote, image=busybox_image)
+    """Last in the module: it kills the namespaced daemon mid-burst, then starts it again, and
+    placement uses it again once its ping answers."""
+    placement = two_hosts(remote, image=busybox_image, recheck_s=0.3)
     local, far = placement.hosts
     killed = asyncio.Event()
     runs: list[tuple[str, str]] = []  # (episode, host) of each provisioned sandbox
@@ -220,6 +259,10 @@ def test_episodes_on_a_host_lost_mid_burst_are_retried_and_finish_on_the_other(r
     rerun = {name for name, host in runs if host == "far"}
     assert len(rerun) >= 2 and all((name, "local") in runs for name in rerun)  # each finished on the local host
     assert local.load == 0
+    assert not far.usable(time.monotonic())  # pinged every recheck_s since: still refused
+    remote.come_back()
+    wait_until(lambda: far.usable(time.monotonic()))
+    assert sorted(asyncio.run(_burst_hosts(placement, make_spec, 2))) == ["far", "local"]
 
 
 async def _teardown(sandboxes: list[Sandbox]) -> None:

@@ -79,10 +79,34 @@ def _tmpfs_options(size: int, user: str | None, *, shared: bool) -> str:
     return f"{opts},mode=1777"
 
 
+# Under gVisor the container's host pids cgroup holds the Sentry's threads and its ptrace stubs (the
+# stub process of each sandbox process, with a stub thread per Sentry thread that ran it): measured,
+# 10 host pids per idle sandbox process and 20 per process of a fork bomb, never given back while the
+# sandbox lives. A clone the host refuses crashes the whole Sentry (Go panic, exit status 2, no
+# output), where runc only fails the agent's fork. So under runsc the sandbox's process limit is
+# gVisor's own RLIMIT_NPROC (enforced by the Sentry per uid of that sandbox alone: its uids are its
+# own), a fork past it fails with EAGAIN as under runc, and the host limit is a backstop sized for
+# the Sentry. Under runc RLIMIT_NPROC would count every process of the host's uid 65534: not used.
+GVISOR_HOST_PIDS_PER_PROCESS = 32
+
+
+def is_gvisor(runtime: str) -> bool:
+    return runtime.startswith("runsc")
+
+
+def pid_limits(pids: int, runtime: str) -> tuple[int, list[Ulimit]]:
+    """(the host pids cgroup limit, the rlimits) that keep the sandbox to ``pids`` processes."""
+    if is_gvisor(runtime):
+        return pids * GVISOR_HOST_PIDS_PER_PROCESS, [Ulimit(name="nproc", soft=pids, hard=pids)]
+    return pids, []
+
+
 def create_kwargs(api: APIClient, spec: SandboxSpec, *, name: str, now: float, runtime: str = "runc") -> dict:
     """Arguments for ``APIClient.create_container``: the whole isolation policy in one place
-    (``runtime``: the daemon's OCI runtime, runc or runsc; the policy is the same under each)."""
+    (``runtime``: the daemon's OCI runtime, runc or runsc; the policy is the same under each, but
+    for how the process limit is enforced: ``pid_limits``)."""
     limits = spec.limits
+    host_pids, pid_rlimits = pid_limits(limits.pids, runtime)
     host_config = api.create_host_config(
         runtime=runtime,
         network_mode="none",
@@ -90,7 +114,7 @@ def create_kwargs(api: APIClient, spec: SandboxSpec, *, name: str, now: float, r
         cap_add=list(SESSION_CAPS),
         security_opt=["no-new-privileges", security_opt()],
         privileged=False,
-        pids_limit=limits.pids,
+        pids_limit=host_pids,
         mem_limit=int(limits.memory),
         memswap_limit=int(limits.memory),
         nano_cpus=int(limits.cpus * 1e9),
@@ -101,7 +125,7 @@ def create_kwargs(api: APIClient, spec: SandboxSpec, *, name: str, now: float, r
             CONTROL_DIR: "rw,noexec,nosuid,nodev,size=64m,uid=0,gid=0,mode=0711",
             BIN_DIR: "rw,exec,nosuid,nodev,size=16m,uid=0,gid=0,mode=0711",
         },
-        ulimits=[Ulimit(name="core", soft=0, hard=0)],
+        ulimits=[Ulimit(name="core", soft=0, hard=0), *pid_rlimits],
         # Output is read from the attached socket; a log file would only grow with every flood.
         log_config=LogConfig(type=LogConfig.types.NONE),
         ipc_mode="private",

@@ -25,6 +25,9 @@ from .spec import SandboxSpec
 from .workspace import copy_in
 
 
+HEALTH_TIMEOUT_S = 2.0
+
+
 class DockerProvider:
     kind = "docker"
     # a daemon gone mid-episode raises requests' ConnectionError, which the SDK does not wrap
@@ -83,7 +86,10 @@ class DockerProvider:
         remove_container(self.client.api, sandbox_id)
 
     def health(self) -> None:
-        self.client.ping()
+        """The daemon answers ``/_ping`` within ``HEALTH_TIMEOUT_S``: a host that stays silent (a
+        stopped daemon, a lost route) fails it in seconds, not the client's ``TIMEOUT_S``."""
+        api = self.client.api
+        api.get(f"{api.base_url}/_ping", timeout=HEALTH_TIMEOUT_S).raise_for_status()
 
 
 def _started(handle: SandboxHandle) -> StartedContainer:

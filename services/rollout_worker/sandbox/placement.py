@@ -18,9 +18,11 @@ Invariants:
   What a host holds is remembered, and forgotten when a create there misses its image (pruned
   since): that attempt fails as an infra error, and the next placement looks again. With every host full, the least loaded
   host with the image takes it: placement never waits (the rate limits do).
-- A host is lost when a call to it fails as ``daemon_unreachable`` or its health check fails;
-  a lost host gets no new sandbox for ``recheck_s``, then is pinged in the background (never
-  by a placement that waits for it) and used again once it answers. With every host lost,
+- A host is lost when a call to it fails as ``daemon_unreachable`` or its health check fails
+  (no answer within ``docker_provider.HEALTH_TIMEOUT_S``: a host that stays silent is lost too);
+  a host in use is pinged every ``recheck_s``, in the background (never by a placement that
+  waits for it). A lost host gets no new sandbox for ``recheck_s``, then is pinged the same way
+  and used again once it answers. With every host lost,
   ``place`` raises ``SandboxInfraError`` (``daemon_unreachable``): retried as any infra error,
   which is how sandboxes that failed on a lost host go to another (``retry``).
 - Each host keeps its own provider, settings and rate limit on creation (``providers``); the
@@ -56,6 +58,7 @@ class PlacedHost:
         self.placed = 0  # sandboxes placed here in this process (for benchmarks and tests)
         self.peak_load = 0
         self.lost_at: float | None = None
+        self.checked_at = time.monotonic()  # when the host last answered a ping (or was added)
         self._probing = False
         self.images: set[str] = set()  # image ids known to be there (forgotten when a create misses one)
 
@@ -78,23 +81,22 @@ class PlacedHost:
             self._creating -= 1
 
     def usable(self, now: float) -> bool:
-        """Answers, as far as this worker knows; a lost one past ``recheck_s`` is pinged in the
-        background, and usable again once the ping answers."""
+        """Answers, as far as this worker knows. Every ``recheck_s`` the host is pinged in the
+        background: one that answered is lost if the ping fails, a lost one usable again once
+        it answers."""
         with self._lock:
-            if self.lost_at is None:
-                return True
-            if self._probing or now - self.lost_at < self.recheck_s:
-                return False
-            self._probing = True
-        submit(self._probe)
-        return False
+            answering = self.lost_at is None
+            due = now - (self.checked_at if answering else self.lost_at or 0.0) >= self.recheck_s
+            if due and not self._probing:
+                self._probing = True
+                submit(self._probe)
+        return answering
 
     def _probe(self) -> None:
         try:
-            self.provider.health()
-            self.lost_at = None
+            self.health()
         except Exception:
-            self.lost_at = time.monotonic()
+            pass
         finally:
             self._probing = False
 
@@ -149,7 +151,7 @@ class PlacedHost:
         except Exception:
             self.lost_at = time.monotonic()
             raise
-        self.lost_at = None
+        self.lost_at, self.checked_at = None, time.monotonic()
 
 
 class HostPlacement:
