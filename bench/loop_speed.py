@@ -169,6 +169,7 @@ def sync_vs_trl(out: Path, steps: int, threads: int, layout: str, weight_syncs: 
           f"workers: CONVEYOR_TRAINER__TORCH_THREADS and OMP_NUM_THREADS; vLLM its own)", flush=True)
     conveyor = {mode: conveyor_sync_run(out, steps, threads, layout, mode) for mode in weight_syncs}
     between = load()
+    (out / "vs-trl").mkdir(parents=True, exist_ok=True)
     trl = run_trl(out / "vs-trl", steps, layout, threads)
     after = load()
     trl_med = statistics.median([s["step_wall_s"] for s in trl][1:])
