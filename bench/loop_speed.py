@@ -13,6 +13,10 @@
    trajectory to be scored: admission, the rollout hop (Celery: dispatch to episode start), the
    episode, the upload (an S3 object), the scoring hop (Celery: uploaded to scorer start), scoring,
    scored to group assembled, the trainer's pickup, then forward/backward, checkpoint, weight sync.
+   ``--weight-sync s3,gloo`` runs Conveyor once per weight path before TRL runs once: ``s3`` (the
+   checkpoint, then the follower's download and reload) and ``gloo`` (``inference.weight_sync:
+   {mode: nccl, backend: gloo}``: the trainer broadcasts from its memory to the co-located
+   replica, and the checkpoint is written in the background; its publish is broken down instead).
 2. **Async against sync on agentic episodes.** The same task, every environment step (one per
    episode: a single-turn task) waiting a tool latency drawn from a seeded lognormal (median
    ``--tool-p50`` 1 s, p99 ``--tool-p99`` 20 s: ``EnvConfig.step_latency_p99_s``), so wall time
@@ -29,7 +33,7 @@ Every figure is printed with the 1-minute load average around it. ``--out`` keep
 step logs and ``loop_speed.json``.
 
     .venv/bin/python bench/loop_speed.py [--steps 12] [--agentic-steps 10] [--ks 1,2,4] [--threads 1]
-        [--worker-slots 8] [--stale-at-use N] [--skip-trl] [--skip-agentic] [--out DIR]
+        [--worker-slots 8] [--stale-at-use N] [--weight-sync s3,gloo] [--skip-trl] [--skip-agentic] [--out DIR]
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.training import TRL_MATCHED, TRL_VERSION, conveyor_breakdown, run_trl  # noqa: E402
 from services.cli.learning_demo import run_learning  # noqa: E402
-from services.cli.local_stack import LocalStack  # noqa: E402
+from services.cli.local_stack import LocalStack, free_port  # noqa: E402
 from shared.schemas import ScoredTrajectory, Trajectory  # noqa: E402
 from shared.settings import load_settings  # noqa: E402
 from shared.storage import get_model, get_models_under, open_store  # noqa: E402
@@ -94,13 +98,15 @@ def hop_breakdown(steps: list[dict], groups: list[dict], trajectories: list[dict
             continue
         last = max(members, key=lambda t: t["scored"])
         started = cur["time"] - cur["step_time_s"] - cur.get("checkpoint_s", 0.0)
-        sync = {key: cur.get(f"weight_sync_{key}", float("nan")) for key in ("s", "download_s", "reload_s", "probe_s")}
+        broadcast = "broadcast_sync_s" in cur  # the trainer served the version itself, before logging the step
+        sync = {key: float("nan") if broadcast else cur.get(f"weight_sync_{key}", float("nan"))
+                for key in ("s", "download_s", "reload_s", "probe_s")}
         admission = last["dispatched"] - prev["time"]
         add("weight sync (follower), before the dispatch", sync["s"])
         add("  download of the checkpoint", sync["download_s"])
         add("  replica reload", sync["reload_s"])
         add("  probe", sync["probe_s"])
-        add("admission after the sync (intake's poll, dispatch)", admission - (sync["s"] if sync["s"] == sync["s"] else 0.0))
+        add("admission after the sync (intake's wake-up, dispatch)", admission - (sync["s"] if sync["s"] == sync["s"] else 0.0))
         add("rollout hop: dispatch to episode start (Celery)", last["start"] - last["dispatched"])
         add("episode: inference + environment", last["episode_s"])
         add("trajectory upload (S3 object)", last["upload_s"])
@@ -109,7 +115,12 @@ def hop_breakdown(steps: list[dict], groups: list[dict], trajectories: list[dict
         add("scored to group assembled (stream, S3 bundle)", done[last["group_id"]]["time"] - last["scored"])
         add("last group assembled to step start (pickup)", started - max(g["time"] for g in done.values()))
         add("forward/backward + optimizer", cur["step_time_s"])
-        add("checkpoint (S3 objects, announce)", cur.get("checkpoint_s", 0.0))
+        if broadcast:  # checkpoint_s is the publish: snapshot, then the sync; the S3 checkpoint is written behind
+            add("publish: CPU snapshot + logprob probe (trainer)", cur["snapshot_s"])
+            add("publish: broadcast sync (pause, send, probe, label)", cur["broadcast_sync_s"])
+            add("  the tensors' broadcast", cur["broadcast_s"])
+        else:
+            add("checkpoint (S3 objects, announce)", cur.get("checkpoint_s", 0.0))
     return parts
 
 
@@ -120,31 +131,54 @@ def print_parts(parts: dict[str, list[float]], wall: float) -> None:
         print(f"    {name:52s} {med:6.3f}  {statistics.fmean(values):6.3f}   {med / wall:6.1%}")
 
 
-def sync_vs_trl(out: Path, steps: int, threads: int, layout: str) -> dict:
-    print(f"## sync step: Conveyor (k=0) against TRL {TRL_VERSION} GRPOTrainer, layout {layout}, {steps} steps, "
-          f"torch threads {threads} on both sides (Conveyor's trainer and workers: CONVEYOR_TRAINER__TORCH_THREADS and "
-          f"OMP_NUM_THREADS; vLLM its own)", flush=True)
+def weight_sync_env(mode: str) -> dict[str, str]:
+    """``s3``: the checkpoint, then the follower's download and reload (the default). ``gloo``: the
+    trainer broadcasts from its memory to the co-located replica and writes the checkpoint behind;
+    ``gloo:N``: and only every N-th version's (``checkpoint_every``)."""
+    if mode == "s3":
+        return {}
+    backend, _, every = mode.partition(":")
+    return {"CONVEYOR_INFERENCE__WEIGHT_SYNC__MODE": "nccl", "CONVEYOR_INFERENCE__WEIGHT_SYNC__BACKEND": backend,
+            "CONVEYOR_INFERENCE__WEIGHT_SYNC__PORT": str(free_port()),
+            "CONVEYOR_INFERENCE__WEIGHT_SYNC__CHECKPOINT_EVERY": every or "1"}
+
+
+def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_sync: str) -> dict:
+    """One Conveyor run at k = 0: its median step, and the step's hops (critical path)."""
     trajectories: list[dict] = []
-    overrides = {**TRL_MATCHED, "CONVEYOR_TRAINER__TORCH_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
+    overrides = {**TRL_MATCHED, "CONVEYOR_TRAINER__TORCH_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
+                 **weight_sync_env(weight_sync)}
     before = load()
-    run = run_learning(out / "vs-trl", steps, 0, overrides=overrides, layout=layout,
+    run = run_learning(out / f"vs-trl-{weight_sync.replace(':', '-')}", steps, 0, overrides=overrides, layout=layout,
                        inspect=lambda stack: trajectories.extend(read_trajectories(stack)))
-    between = load()
-    trl = run_trl(out / "vs-trl", steps, layout, threads)
-    after = load()
     (run.workdir / "trajectories.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trajectories))
     groups = [json.loads(line) for line in (run.workdir / "stack" / "metrics.jsonl").read_text().splitlines() if line]
-    conveyor_s = conveyor_breakdown(run.steps, groups)["wall"]
-    trl_s = [s["step_wall_s"] for s in trl][1:]
-    conv_med, trl_med = statistics.median(conveyor_s), statistics.median(trl_s)
-    print(f"  machine: before Conveyor {before}; between {between}; after TRL {after}")
-    print(f"  median s/step, steps 2..N: Conveyor {conv_med:.3f}, TRL {trl_med:.3f}; "
-          f"ratio Conveyor / TRL {conv_med / trl_med:.2f}x (target <= 3x)")
+    median = statistics.median(conveyor_breakdown(run.steps, groups)["wall"])
     parts = hop_breakdown(run.steps, groups, trajectories)
-    print(f"  Conveyor's step, critical path through the step's last trajectory scored ({len(trajectories)} trajectories):")
-    print_parts(parts, conv_med)
-    return {"conveyor_s_per_step": conv_med, "trl_s_per_step": trl_med, "ratio": conv_med / trl_med, "threads": threads,
-            "load": [before, between, after], "parts_median": {k: statistics.median(v) for k, v in parts.items()}}
+    print(f"  Conveyor, weight sync {weight_sync}: median {median:.3f} s/step ({before} before, {load()} after); "
+          f"critical path through the step's last trajectory scored ({len(trajectories)} trajectories):", flush=True)
+    print_parts(parts, median)
+    return {"s_per_step": median, "load_before": before, "trajectories": len(trajectories),
+            "parts_median": {k: statistics.median(v) for k, v in parts.items()},
+            "parts_mean": {k: statistics.fmean(v) for k, v in parts.items()}}
+
+
+def sync_vs_trl(out: Path, steps: int, threads: int, layout: str, weight_syncs: list[str]) -> dict:
+    print(f"## sync step: Conveyor (k=0; weight sync {', '.join(weight_syncs)}) against TRL {TRL_VERSION} "
+          f"GRPOTrainer, layout {layout}, {steps} steps, torch threads {threads} on both sides (Conveyor's trainer and "
+          f"workers: CONVEYOR_TRAINER__TORCH_THREADS and OMP_NUM_THREADS; vLLM its own)", flush=True)
+    conveyor = {mode: conveyor_sync_run(out, steps, threads, layout, mode) for mode in weight_syncs}
+    between = load()
+    (out / "vs-trl").mkdir(parents=True, exist_ok=True)
+    trl = run_trl(out / "vs-trl", steps, layout, threads)
+    after = load()
+    trl_med = statistics.median([s["step_wall_s"] for s in trl][1:])
+    print(f"  machine: before TRL {between}; after TRL {after}")
+    for mode, run in conveyor.items():
+        run["ratio"] = run["s_per_step"] / trl_med
+        print(f"  median s/step, steps 2..N: Conveyor ({mode}) {run['s_per_step']:.3f}, TRL {trl_med:.3f}; "
+              f"ratio Conveyor / TRL {run['ratio']:.2f}x (target <= 3x)")
+    return {"conveyor": conveyor, "trl_s_per_step": trl_med, "threads": threads, "load_trl": [between, after]}
 
 
 def stale_share(steps: list[dict]) -> float:
@@ -198,6 +232,8 @@ def main() -> None:
                         help="the rollout worker's episodes at once in the agentic runs (tool waits cost no CPU)")
     parser.add_argument("--stale-at-use", type=int, default=None,
                         help="trainer.max_staleness_at_use of the async agentic runs (>= each k); default: k")
+    parser.add_argument("--weight-sync", default="s3", help="comma list of the sync-vs-TRL runs' weight paths: "
+                        "s3 (checkpoint, then the follower) and/or gloo (broadcast from the trainer's memory)")
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--skip-agentic", action="store_true")
     parser.add_argument("--out", type=Path, help="default: a temp dir")
@@ -207,7 +243,7 @@ def main() -> None:
     print(f"# loop speed: {os.cpu_count()} CPUs, {load()}; out {out}", flush=True)
     results: dict = {}
     if not args.skip_trl:
-        results["sync_vs_trl"] = sync_vs_trl(out, args.steps, args.threads, args.layout)
+        results["sync_vs_trl"] = sync_vs_trl(out, args.steps, args.threads, args.layout, args.weight_sync.split(","))
         (out / "loop_speed.json").write_text(json.dumps(results, indent=1))
     if not args.skip_agentic:
         results["agentic"] = agentic(out, args.agentic_steps, [int(k) for k in args.ks.split(",")],

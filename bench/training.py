@@ -90,7 +90,8 @@ def conveyor_breakdown(steps: list[dict], groups: list[dict], k: int = 0) -> dic
     for prev, cur in zip(steps, steps[1:]):
         wall = cur["time"] - prev["time"]
         fb, ckpt, sync = cur["step_time_s"], cur.get("checkpoint_s", 0.0), cur.get("weight_sync_s", 0.0)
-        sync = sync if sync == sync else 0.0  # nan before the first sync
+        # nan before the first sync; by broadcast the sync is in the trainer's publish (checkpoint_s)
+        sync = 0.0 if sync is None or sync != sync or "broadcast_sync_s" in cur else sync
         values = [wall, fb, ckpt, sync, wall - fb - ckpt - sync]
         done = [g for g in groups if g["status"] == "accepted" and prev["time"] < g["time"] <= cur["time"]]
         if done and k == 0:  # with k > 0 the next step's rollouts start before this one ends

@@ -86,8 +86,9 @@ def run_learning(
         "CONVEYOR_TRAINER__REWARD_CURVE_PATH": str(workdir / "reward_curve.png"),
     })
     model_dir = generate_tiny_model(workdir / "tiny", end_of_turn_bias=4.0, layout=layout)
-    inference = InferenceSettings(**{name.removeprefix("CONVEYOR_INFERENCE__").lower(): value
-                                     for name, value in settings.items() if name.startswith("CONVEYOR_INFERENCE__")})
+    prefix = "CONVEYOR_INFERENCE__"  # vLLM's launch settings; a nested name (WEIGHT_SYNC__MODE) is the services'
+    inference = InferenceSettings(**{name[len(prefix):].lower(): value for name, value in settings.items()
+                                     if name.startswith(prefix) and "__" not in name[len(prefix):]})
     vllm = VllmServer(model_dir, "tiny", port=free_port(), log_path=workdir / "vllm.log", worker_extension=worker_extension,
                       lora_rank=lora_rank, gpu=vllm_gpu, dtype=inference.dtype,
                       gpu_memory_utilization=inference.gpu_memory_utilization, eager=inference.eager)

@@ -20,7 +20,8 @@ Invariants (besides those of ``sync_weights``: resume in a ``finally``, the vers
   caller writes (asynchronously) after the sync; a replica restarted from it is re-synced by
   the weight follower as before.
 - Without CUDA, ``backend="nccl"`` is refused before any replica is touched
-  (``services.weights.process_group.check_backend``); ``gloo`` runs the same path on CPU.
+  (``services.weights.process_group.check_backend``); ``gloo`` runs the same path on CPU
+  (``inference.weight_sync: {mode: nccl, backend: gloo}``).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class WeightBroadcaster:
             raise ValueError(f"inference.weight_sync is {sync.mode!r}: the broadcast path is not chosen")
         served = served_dtype(inference.dtype)
         kwargs.setdefault("wire_dtype", served if served in (torch.bfloat16, torch.float16) else None)
-        return cls(inference.replica_urls or [inference.base_url], backend="nccl", host=sync.host,
+        return cls(inference.replica_urls or [inference.base_url], backend=sync.backend, host=sync.host,
                    port=sync.port, workers_per_replica=inference.tensor_parallel_size, **kwargs)
 
     @property

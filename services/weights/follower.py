@@ -30,8 +30,9 @@ Invariants:
   follower owns its replicas: one it finds paused at start with nothing newer to apply was
   left paused by a follower killed between advancing the version and resuming, and is resumed
   (a newer version's sync resumes it anyway).
-  Replicas whose ``/weight_info`` is not the served version (e.g. a replica restarted on
-  its launch checkpoint) are re-synced to it.
+  Replicas whose ``/weight_info`` is below the served version or not a version (e.g. a replica
+  restarted on its launch checkpoint) are re-synced to it; one labelled above it is mid-sync
+  (``lags``).
 - A run starts from its base weights on every replica: while the run's served version is 0,
   ``run()`` first makes every replica serve ``inference.model_path`` under the run's base label
   and probes each (``ensure_base``, ``services.weights.base``); a replica that cannot
@@ -117,6 +118,14 @@ def parse_announcement(entry_id: Any, fields: dict[Any, Any]) -> Announcement:
     data = {_text(k): _text(v) for k, v in fields.items()}
     ann = parse_message(CheckpointAnnouncement, data, f"checkpoint announcement {_text(entry_id)}")
     return Announcement(ann.version, ann.prefix, _text(entry_id))
+
+
+def lags(label: str, served: int) -> bool:
+    """Whether a replica labelled ``label`` must be re-synced to the served version. A label above
+    it is a sync in flight, not a lag: a sync labels the replicas before the served version moves
+    (``services.weights.sync``), and the trainer's broadcast (``inference.weight_sync: nccl``) runs
+    beside this follower. Re-syncing such a replica would put older weights under the new label."""
+    return not (label.isdigit() and int(label) >= served)
 
 
 class WeightFollower:
@@ -282,7 +291,7 @@ class WeightFollower:
             except weight_sync.AdminCallError as exc:
                 log.warning("cannot read the weight version of %s: %s", url, exc)
                 continue
-            if label != str(served):
+            if lags(label, served):
                 lagging.append(url)
         return lagging
 

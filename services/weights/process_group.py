@@ -37,7 +37,7 @@ def check_backend(backend: str) -> None:
         raise WeightProcessGroupError(f"weight-sync process group backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     if backend == "nccl" and not torch.cuda.is_available():
         raise WeightProcessGroupError("the nccl weight-sync path needs CUDA, and torch sees no GPU in this process "
-                               "(set inference.weight_sync: s3 on hosts without GPUs)")
+                               "(set inference.weight_sync: s3, or its backend: gloo, on hosts without GPUs)")
 
 
 class WeightProcessGroup:

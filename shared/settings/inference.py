@@ -22,12 +22,14 @@ class S3WeightSync(Section):
 
 
 class NcclWeightSync(Section):
-    """The trainer broadcasts each version GPU to GPU through a process group the replicas join
-    (``services.weights.broadcast``), and writes the S3 checkpoint in the background as the
-    durable record. Needs CUDA on the trainer and the replicas: the trainer refuses to start
-    without it."""
+    """The trainer broadcasts each version from its memory through a process group the replicas
+    join (``services.weights.broadcast``), and writes the S3 checkpoint in the background as the
+    durable record. ``backend: nccl`` (GPU to GPU) needs CUDA on the trainer and the replicas:
+    the trainer refuses to start without it. ``backend: gloo`` sends CPU tensors over TCP, for
+    replicas on CPU hosts, or co-located with the trainer, that can reach its ``host:port``."""
 
     mode: Literal["nccl"] = "nccl"
+    backend: Literal["nccl", "gloo"] = "nccl"
     host: str = "127.0.0.1"  # the trainer's address as the replicas reach it (its group's store)
     port: Int = Field(29531, gt=0, lt=65536)
     # every how many versions the trainer writes the S3 checkpoint (the durable record a restart
@@ -87,7 +89,7 @@ class InferenceSettings(Section):
     # version does not move. None: 1e-4 for float32, 5e-2 for lower precisions.
     sync_probe: bool = True
     sync_probe_tolerance: Float | None = Field(None, gt=0)
-    # How new weights reach the replicas: {mode: s3}, {mode: nccl, host, port, checkpoint_every}
+    # How new weights reach the replicas: {mode: s3}, {mode: nccl, backend, host, port, checkpoint_every}
     # or {mode: delta, full_every, delta_max_fraction, encoding} (S3WeightSync, NcclWeightSync,
     # DeltaWeightSync). The mode alone may be written as a string (weight_sync: nccl),
     # and the nccl fields by their older flat names (weight_sync_host, weight_sync_port,

@@ -62,6 +62,25 @@ def test_nccl_without_cuda_is_refused_before_any_replica_is_touched():
         WeightProcessGroup("nccl", "127.0.0.1", free_port(), 0, 2)
 
 
+def test_gloo_backend_broadcasts_from_the_trainers_memory_on_a_host_without_cuda(monkeypatch):
+    """``backend: gloo``: the broadcast path (and its background checkpoint) for CPU replicas."""
+    monkeypatch.setenv("CONVEYOR_INFERENCE__WEIGHT_SYNC__MODE", "nccl")
+    monkeypatch.setenv("CONVEYOR_INFERENCE__WEIGHT_SYNC__BACKEND", "gloo")
+    settings = load_settings(inference={"base_url": "http://127.0.0.1:9"})
+    assert settings.inference.weight_sync == NcclWeightSync(backend="gloo")
+    with WeightBroadcaster.from_settings(settings) as sender:  # no replica is touched before a sync
+        assert (sender.backend, sender.urls, sender.group) == ("gloo", ["http://127.0.0.1:9"], None)
+    with pytest.raises(SettingsError, match="backend"):
+        load_settings(inference={"weight_sync": {"mode": "nccl", "backend": "mpi"}})
+
+
+def test_a_replica_labelled_above_the_served_version_is_mid_sync_not_lagging():
+    from services.weights.follower import lags
+
+    assert not lags("4", 4) and not lags("5", 4)  # a broadcast labels before the version moves
+    assert lags("3", 4) and lags("learn-k0@0", 4) and lags("", 4)
+
+
 def test_from_settings_needs_the_nccl_choice():
     with pytest.raises(ValueError, match="inference.weight_sync is 's3'"):
         WeightBroadcaster.from_settings(load_settings())
