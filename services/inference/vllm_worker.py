@@ -41,8 +41,9 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import threading
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -66,12 +67,21 @@ def _modules_sharing_parameters(model: torch.nn.Module) -> list[tuple[str, torch
     return sorted(shared.items())
 
 
+class _Prepared(NamedTuple):
+    """A ``conveyor_prepare_delta`` under way or done: for which step files, on which shadow."""
+
+    paths: tuple[str, ...]
+    base: tuple[str | None, int | None]  # the shadow's (chain, version) it resolves against
+    thread: threading.Thread
+    result: dict  # "steps", or "error"; and "prepare_s"
+
+
 class ConveyorWorkerExtension:
     """Mixed into vLLM's worker class (``--worker-extension-cls``); methods run on every worker."""
 
     _conveyor_weight_group: WeightProcessGroup | None  # set while this worker is in the trainer's weight group
     _conveyor_shadow: DeltaShadow | None  # the delta path's tensors of the served version
-    _conveyor_prepared: tuple | None  # (paths, (chain, version) held, thread, result) of a prepare
+    _conveyor_prepared: _Prepared | None
 
     def _conveyor_drop_shadow(self) -> None:
         self._conveyor_take_prepared(None)
@@ -102,7 +112,6 @@ class ConveyorWorkerExtension:
     def conveyor_prepare_delta(self, paths: list[str]) -> dict:
         """Start reading and resolving the step files ``paths`` against the shadow in a background
         thread (the replica keeps serving); ``conveyor_delta_prepared`` says when it is done."""
-        import threading
         import time
 
         from services.weights.delta_shadow import read_step
@@ -121,13 +130,13 @@ class ConveyorWorkerExtension:
 
         thread = threading.Thread(target=work, name="conveyor-delta-prepare", daemon=True)
         thread.start()
-        self._conveyor_prepared = (tuple(paths), (shadow.chain, shadow.version), thread, result)
+        self._conveyor_prepared = _Prepared(tuple(paths), (shadow.chain, shadow.version), thread, result)
         return {"started": True}
 
     def conveyor_delta_prepared(self) -> dict:
         """``{"done"}``: whether the last ``conveyor_prepare_delta`` finished (True when there is none)."""
         prepared = getattr(self, "_conveyor_prepared", None)
-        return {"done": prepared is None or not prepared[2].is_alive()}
+        return {"done": prepared is None or not prepared.thread.is_alive()}
 
     def _conveyor_take_prepared(self, paths: list[str] | None) -> tuple[list | None, dict]:
         """The prepared steps for ``paths`` on the shadow as it is now (None: none), waiting for them;
@@ -136,11 +145,12 @@ class ConveyorWorkerExtension:
         self._conveyor_prepared = None
         if prepared is None:
             return None, {}
-        held_paths, held, thread, result = prepared
-        thread.join()
+        prepared.thread.join()
         shadow = getattr(self, "_conveyor_shadow", None)
-        if paths is None or held_paths != tuple(paths) or shadow is None or held != (shadow.chain, shadow.version):
+        if (paths is None or prepared.paths != tuple(paths) or shadow is None
+                or prepared.base != (shadow.chain, shadow.version)):
             return None, {}
+        result = prepared.result
         return result.get("steps"), {"prepare_s": result.get("prepare_s", 0.0), "prepare_error": result.get("error")}
 
     def conveyor_apply_delta(self, paths: list[str]) -> dict:
