@@ -17,6 +17,9 @@ Invariants:
   period. SIGTERM alone is not enough: a child may be somewhere it cannot act on it (vLLM
   between its API server and its engine starting), and grandchildren (vLLM's engine, Celery's
   pool) get no signal from the kernel at all.
+- ``run_reporting`` runs a long command in the foreground without leaving its caller silent:
+  its latest output line goes to ``report`` at most every ``every_s`` seconds, and a failure
+  raises with the command's last lines.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+from collections import deque
 from types import FrameType
 from typing import IO, Any, Callable, cast
 
@@ -120,3 +125,38 @@ def start_group_leader(argv: list[str], **popen_kwargs: Any) -> subprocess.Popen
 def release_group(pgid: int) -> None:
     """This process ended the group itself: the guard forgets it."""
     _tell_guard(f"-{pgid}")
+
+
+def run_reporting(argv: list[str], report: Callable[[str], None], every_s: float = 10.0,
+                  timeout_s: float | None = None) -> None:
+    """Run ``argv`` to its end (stdout and stderr merged), passing its latest line to ``report``
+    at most every ``every_s`` seconds; raise ``subprocess.CalledProcessError`` (its ``output``: the
+    last 20 lines) on a non-zero exit, ``subprocess.TimeoutExpired`` after ``timeout_s``."""
+    last = time.monotonic()
+    tail: deque[str] = deque(maxlen=20)
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace") as proc:
+        timed_out = threading.Event()
+
+        def expire() -> None:
+            timed_out.set()
+            proc.kill()
+
+        watchdog = threading.Timer(timeout_s, expire) if timeout_s is not None else None
+        if watchdog is not None:
+            watchdog.start()
+        try:
+            for raw in cast(IO[str], proc.stdout):
+                if not (line := " ".join(raw.split())):
+                    continue
+                tail.append(line)
+                if time.monotonic() - last >= every_s:
+                    last = time.monotonic()
+                    report(line)
+            returncode = proc.wait()
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+    if timed_out.is_set():
+        raise subprocess.TimeoutExpired(argv, cast(float, timeout_s), output="\n".join(tail))
+    if returncode != 0:
+        raise subprocess.CalledProcessError(returncode, argv, output="\n".join(tail))

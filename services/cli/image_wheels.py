@@ -31,10 +31,9 @@ import contextlib
 import functools
 import importlib.metadata as metadata
 import os
-import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import cast
@@ -42,6 +41,8 @@ from typing import cast
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+
+from shared.processes import run_reporting
 
 IMAGE_PYTHON = "3.11.2"  # Debian bookworm's python3, which the service image runs
 IMAGE_EXCLUDED = frozenset({"torchvision", "torchaudio", "torchcodec", "triton", "moto"})
@@ -115,9 +116,11 @@ def worker_requirements() -> list[str]:
     return sorted(lines)
 
 
-def ensure_dependency_wheels(requirements: list[str], wheelhouse: Path) -> Path:
+def ensure_dependency_wheels(requirements: list[str], wheelhouse: Path,
+                             report: Callable[[str], None] = lambda _line: None) -> Path:
     """A wheel for every requirement in ``wheelhouse/deps`` with ``requirements.txt`` beside them,
-    fetched (or built from an sdist) once with the host's pip and its configured indexes."""
+    fetched (or built from an sdist) once with the host's pip and its configured indexes;
+    ``report`` hears that a fetch starts and then pip's latest line every 10 s."""
     deps = wheelhouse / "deps"
     deps.mkdir(parents=True, exist_ok=True)
     text = "\n".join(requirements) + "\n"
@@ -125,8 +128,9 @@ def ensure_dependency_wheels(requirements: list[str], wheelhouse: Path) -> Path:
     if not marker.is_file() or marker.read_text() != text:
         staged = deps / "requirements.staged.txt"
         staged.write_text(text)
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "--find-links", str(deps),
-                        "-w", str(deps), "-r", str(staged)], check=True)
+        report(f"fetching {len(requirements)} dependency wheels into {deps} (once per dependency change)")
+        run_reporting([sys.executable, "-m", "pip", "wheel", "--no-deps", "--find-links", str(deps),
+                       "-w", str(deps), "-r", str(staged)], report)
         staged.rename(marker)
     return deps
 

@@ -27,7 +27,8 @@ Invariants:
   ``conveyor.stack`` label: another checkout's or another stack's images are never removed
   (nor are images built before the label; ``docker image prune`` and ``docker rmi`` are for those).
 - A build is never silent: each Dockerfile step is printed as it starts, and within a long step
-  its latest output line every ``BUILD_REPORT_EVERY_S`` seconds; a failed build raises
+  its latest output line every ``BUILD_REPORT_EVERY_S`` seconds; the base's debootstrap and the
+  wheelhouse's ``pip wheel`` say that they start, then their latest line every 10 s (``reporter``); a failed build raises
   ``docker.errors.BuildError`` with the daemon's error and the build's last lines.
 - ``write_env(path)`` writes the tags as ``CONVEYOR_*_IMAGE`` lines, which the compose file
   reads (``docker-compose --env-file``).
@@ -44,7 +45,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import docker
 
@@ -106,6 +107,17 @@ def _build(client: docker.DockerClient, tag: str, context: Path, base: str, name
     print(f"[images] {tag} built in {time.monotonic() - started:.0f}s", flush=True)
 
 
+def reporter(name: str) -> Callable[[str], None]:
+    """Prints a long step's lines as ``[images] <name> <seconds since the first line>s: <line>``."""
+    started: list[float] = []
+
+    def report(line: str) -> None:
+        started[:] = started or [time.monotonic()]
+        print(f"[images] {name} {time.monotonic() - started[0]:4.0f}s: {line[:160]}", flush=True)
+
+    return report
+
+
 def show_build_progress(stream: Iterable[dict], name: str, started: float) -> None:
     """Follow a build's output: each Dockerfile step as it starts, and within a long step its
     latest line at most every ``BUILD_REPORT_EVERY_S`` seconds; a failed build raises with its
@@ -158,7 +170,7 @@ def build_python_image(client: docker.DockerClient, name: str, base: str, stack_
     if missing:
         raise RuntimeError(f"conveyor/{name} needs {sorted(missing)}, outside the service image's closure")
     _warn_if_disk_is_short(client)
-    ensure_dependency_wheels(runtime_requirements(), WHEELHOUSE)
+    ensure_dependency_wheels(runtime_requirements(), WHEELHOUSE, report=reporter("wheels"))
     with tempfile.TemporaryDirectory(prefix=f"conveyor-{name}-image-", dir=WHEELHOUSE) as tmp:
         context = Path(tmp)
         shutil.copy(RECIPES / name / "Dockerfile", context / "Dockerfile")
@@ -211,7 +223,8 @@ def build_stack_images(client: docker.DockerClient | None = None, ca_bundle: str
     client = client or default_client()
     ca_bundle = ca_bundle or default_ca_bundle()
     stack_id = stack_id or current_stack_id()
-    base = build_python_base_image(client, include=BASE_PACKAGES, ca_bundle=ca_bundle, stack_id=stack_id)
+    base = build_python_base_image(client, include=BASE_PACKAGES, ca_bundle=ca_bundle, stack_id=stack_id,
+                                   report=reporter("python-base"))
     return StackImages(base=base, service=build_service_image(client, base, stack_id),
                        worker=build_worker_image(client, base, stack_id),
                        redis=build_simple_image(client, "redis", base, stack_id),

@@ -23,11 +23,12 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import IO, cast
+from typing import IO, Callable, cast
 
 import docker
 import docker.errors
 
+from shared.processes import run_reporting
 from shared.stack_id import LABEL_STACK, current_stack_id
 
 from .client import default_client
@@ -85,7 +86,10 @@ def build_python_base_image(client: docker.DockerClient | None = None, *, suite:
                             include: tuple[str, ...] = ("python3", "ca-certificates"),
                             mirror: str = "http://deb.debian.org/debian", ca_bundle: Path | str | None = None,
                             repository: str = "conveyor/python-base", timeout_s: float = 900,
-                            stack_id: str | None = None) -> str:
+                            stack_id: str | None = None, report: Callable[[str], None] = lambda _line: None) -> str:
+    """The tag of a minimal Debian image with ``include`` installed, built with debootstrap if
+    it is not there yet. ``report`` hears that a build starts and then debootstrap's latest line
+    every 10 s (a first build takes a minute or more)."""
     client = client or default_client()
     ca = Path(ca_bundle).read_bytes() if ca_bundle else b""
     recipe = f"v1 minbase {suite} {','.join(include)} {mirror}".encode()
@@ -96,8 +100,9 @@ def build_python_base_image(client: docker.DockerClient | None = None, *, suite:
         raise RuntimeError("building python-base needs root and debootstrap (apt-get install -y debootstrap)")
     with tempfile.TemporaryDirectory(prefix="conveyor-python-base-") as tmp:
         root = Path(tmp, "root")
-        subprocess.run(["debootstrap", "--variant=minbase", f"--include={','.join(include)}", suite, str(root), mirror],
-                       check=True, capture_output=True, timeout=timeout_s)
+        report(f"building {tag} with debootstrap ({suite} minbase from {mirror})")
+        run_reporting(["debootstrap", "--variant=minbase", f"--include={','.join(include)}", suite, str(root), mirror],
+                      report, timeout_s=timeout_s)
         _finish_rootfs(root, ca)
         tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
         tar_stdout = cast(IO[bytes], tar.stdout)  # stdout=PIPE: never None
