@@ -34,7 +34,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import typer
 
@@ -42,9 +41,6 @@ from services.cli import errors
 from services.cli.local_stack import LocalStack, ManagedProcess, log_tail
 from services.cli.run_logs import run_logs_dir
 from shared.settings import Settings, load_settings
-
-if TYPE_CHECKING:
-    from shared.state.ledger import LedgerReads
 
 PROGRESS_EVERY_S = 10.0
 # a submitted run's share of the rollout queue, in groups, unless its config sets intake.max_queued_groups
@@ -162,18 +158,13 @@ def _watch(stack: LocalStack, settings: Settings) -> int:
         if not trainer.alive() and not intake.alive():
             stop = stop_of(client, run_id)
             outcome = "done" if stop is None else stop.describe()
-            print(f"run {run_id} {outcome}: {_counts(ledger, run_id)}", flush=True)
+            print(f"run {run_id} {outcome}: {ledger.describe_counts(run_id)}", flush=True)
             return 0
         if time.monotonic() - said_at >= PROGRESS_EVERY_S:
             waiting = "; ".join(f"{p.name} {UNTIL[p.name]}" for p in (intake, trainer) if p.alive())
-            print(f"run {run_id}: {_counts(ledger, run_id)}; waiting for {waiting}", flush=True)
+            print(f"run {run_id}: {ledger.describe_counts(run_id)}; waiting for {waiting}", flush=True)
             said_at = time.monotonic()
         time.sleep(WATCH_POLL_S)
-
-
-def _counts(ledger: "LedgerReads", run_id: str) -> str:
-    counts = ledger.counts(run_id)
-    return "trajectories " + (", ".join(f"{n} {state}" for state, n in counts.items() if n) or "none yet")
 
 
 def _failure(run_id: str, process: ManagedProcess) -> str:

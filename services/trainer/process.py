@@ -12,13 +12,18 @@ Invariants:
   first (``TrainerConsumer.end_if_stopped``; ``consumer.stopped`` says so); once the training
   loop is done (``trainer.max_steps``); with ``stop_when_idle``, once a read found nothing and
   every trajectory of the run is terminal with intake done.
+- It never waits silently: after ``WAIT_REPORT_EVERY_S`` with no group decided and no step
+  trained, it logs what it waits for and where the run's trajectories are (``WaitReport``), and
+  again every ``WAIT_REPORT_EVERY_S`` until something moves.
 - A run whose data Redis lost (``RedisDataLost``) and a logprob alarm (``LogprobAlarm``)
   propagate; ``close`` ends the training loop's background work either way.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -35,6 +40,9 @@ if TYPE_CHECKING:
     from services.trainer.evaluation import Evaluator
     from services.trainer.loop import TrainingLoop
 
+log = logging.getLogger(__name__)
+
+WAIT_REPORT_EVERY_S = 15.0
 EvaluatorFactory = Callable[[redis.Redis, ObjectStore], "Evaluator | None"]
 
 
@@ -43,6 +51,7 @@ class TrainerProcess:
     consumer: TrainerConsumer
     learner: "TrainingLoop | None" = None  # None: trainer.mode assemble, nothing trains
     stop: threading.Event = field(default_factory=threading.Event)  # set on SIGTERM by the caller
+    wait_report_every_s: float = WAIT_REPORT_EVERY_S
 
     @classmethod
     def from_settings(cls, settings: Settings, ranks: "TrainerRanks | None" = None,
@@ -72,21 +81,54 @@ class TrainerProcess:
     def run(self, stop_when_idle: bool = False) -> None:
         consumer, learner = self.consumer, self.learner
         consumer.recover()
+        waiting = WaitReport(self.waiting_for, self.wait_report_every_s)
         while not self.stop.is_set():
             if not consumer.keep_reading():
                 return
             handled = consumer.poll()
+            trained = False
             if learner is not None:
                 learner.check_alarms()
                 while not learner.done() and learner.ready():
                     if consumer.end_if_stopped():  # between two steps too: a backlog of ready steps is not trained
                         return
                     learner.train_once()
+                    trained = True
                 if learner.done():
                     return
             if stop_when_idle and not handled and consumer.finished():
                 return
+            if handled or trained:
+                waiting.moved()
+            else:
+                waiting.idle()
+
+    def waiting_for(self) -> str:
+        run_id, ledger = self.consumer.run_id, self.consumer.ledger
+        what = (f"step {self.learner.version + 1} waits for its {self.learner.groups_per_step} groups"
+                if self.learner is not None else "waiting for scored trajectories")
+        counts = ledger.counts(run_id)
+        hint = "" if counts["running"] or counts["uploaded"] or counts["scored"] else \
+            " (none running: the rollout workers may wait for inference, or intake for the staleness bound; their logs say which)"
+        return f"run {run_id}: {what}; {ledger.describe_counts(run_id)}{hint}"
 
     def close(self) -> None:
         if self.learner is not None:
             self.learner.close()
+
+
+class WaitReport:
+    """Logs ``describe()`` once ``every_s`` has passed with nothing moving, then every ``every_s``."""
+
+    def __init__(self, describe: Callable[[], str], every_s: float = WAIT_REPORT_EVERY_S):
+        self.describe, self.every_s = describe, every_s
+        self.since = self.said = time.monotonic()
+
+    def moved(self) -> None:
+        self.since = self.said = time.monotonic()
+
+    def idle(self) -> None:
+        now = time.monotonic()
+        if now - self.said >= self.every_s:
+            self.said = now
+            log.info("%s (%.0fs with no new group or step)", self.describe(), now - self.since)

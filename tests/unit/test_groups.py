@@ -641,3 +641,24 @@ def test_a_bound_at_use_above_admission_without_a_correction_is_warned_of(settin
     with caplog.at_level("WARNING", logger="services.trainer.consumer"):
         TrainerConsumer(settings.model_copy(update={"trainer": Settings(trainer=trainer).trainer}), redis_client, store)
     assert ("max_staleness_at_use 3" in caplog.text) is warned
+
+
+def test_a_trainer_with_nothing_to_do_says_what_it_waits_for_and_where_the_runs_trajectories_are(
+        settings, redis_client, store, run_id, caplog):
+    """No silent wait: with groups queued and no rollout running, the trainer logs what it waits
+    for, the run's counts, and where to look, every ``wait_report_every_s``."""
+    import threading
+
+    register_groups(settings, redis_client, 2)
+    process = TrainerProcess(TrainerConsumer(settings, redis_client, store), wait_report_every_s=0.2)
+    with caplog.at_level("INFO", logger="services.trainer.process"):
+        runner = threading.Thread(target=process.run)
+        runner.start()
+        time.sleep(1.0)
+        process.stop.set()
+        runner.join(timeout=10)
+    assert not runner.is_alive()
+    reports = [r.getMessage() for r in caplog.records if r.name == "services.trainer.process"]
+    assert reports, "an idle trainer logged nothing in 1 s with a 0.2 s report interval"
+    assert reports[0].startswith(f"run {run_id}: waiting for scored trajectories; trajectories {2 * GROUP_SIZE} queued")
+    assert "none running: the rollout workers may wait for inference" in reports[0]

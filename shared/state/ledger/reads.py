@@ -111,6 +111,11 @@ class LedgerReads:
         raw = self.redis.hgetall(RedisKeys.counts(run_id))
         return {state: int(raw.get(state, 0)) for state in STATES}
 
+    def describe_counts(self, run_id: str) -> str:
+        """``trajectories 8 queued, 24 running`` (states with none left out), for progress lines."""
+        counts = self.counts(run_id)
+        return "trajectories " + (", ".join(f"{n} {state}" for state, n in counts.items() if n) or "none yet")
+
     def runs(self) -> list[str]:
         return sorted(cast(set[str], self.redis.smembers(RedisKeys.runs)))
 
