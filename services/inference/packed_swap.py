@@ -36,6 +36,7 @@ Invariants:
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -86,12 +87,17 @@ class PreparedSwap:
     checksums: dict[str, str]  # the trainer's, by checkpoint name
     build_s: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
+    # what ``swap`` replaced: freeing the old packed weights takes time, so the caller drops them
+    # outside the pause (``drop_in_background``)
+    retired: list[tuple] = field(default_factory=list)
 
     def swap(self, shadow: dict[str, torch.Tensor]) -> dict[str, float]:
         """Assign the prepared layers and copy the plain parameters from ``shadow`` (the new version),
         then check the copies (see the invariants). Returns seconds."""
         t0 = time.perf_counter()
         for layer, cpu_linear, bias, weight in self.layers:
+            self.retired.append((layer.module.cpu_linear, layer.module.bias.data if bias is not None else None,
+                                 layer.module.weight.data if weight is not None else None))
             layer.module.cpu_linear = cpu_linear
             if bias is not None:
                 layer.module.bias.data = bias
@@ -109,6 +115,14 @@ class PreparedSwap:
                                         f"the copy: {', '.join(wrong[:5])}")
         return {"swap_s": swapped - t0, "plain_copy_s": copied - swapped, "plain_verify_s": time.perf_counter() - copied,
                 "swapped_layers": float(len(self.layers)), "copied_parameters": float(len(self.plain))}
+
+
+def drop_in_background(objects: list) -> None:
+    """Drop the references in ``objects`` (emptied here) in a background thread, so that freeing
+    what they held (the replaced layers' oneDNN handles, an undo) is not paid in the pause."""
+    held = list(objects)
+    objects.clear()
+    threading.Thread(target=held.clear, name="conveyor-drop", daemon=True).start()
 
 
 def swap_plan(model: torch.nn.Module, checkpoint: dict[str, torch.Tensor]) -> SwapPlan:

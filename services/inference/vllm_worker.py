@@ -224,6 +224,7 @@ class ConveyorWorkerExtension:
     def conveyor_apply_delta(self, paths: list[str]) -> dict:
         """Apply the step files ``paths`` (oldest first): swap in the layers prebuilt for them, or
         apply them to the shadow, check it, and load it into vLLM."""
+        from services.inference.packed_swap import drop_in_background
         from services.weights.delta_shadow import DeltaChecksumMismatch, read_step
 
         t0 = time.perf_counter()
@@ -239,6 +240,10 @@ class ConveyorWorkerExtension:
             except BaseException:
                 shadow.clear()  # vLLM may hold part of the new version: the shadow no longer says what it serves
                 raise
+            finally:
+                retired = [swap.retired, staged.undo]
+                swap.retired, staged.undo = [], []
+                drop_in_background(retired)
             shadow.commit(staged)
             return {**timings, **prepared, "path": "prebuilt", "prepared": True, "version": shadow.version}
         timings = shadow.apply(steps if steps is not None else [read_step(path) for path in paths])
