@@ -15,9 +15,15 @@ by how much, follows the same magnitudes as a real fp32-master step. The delta i
 (encoded against version 1), and served the same way. Figures: the changed fraction, bytes,
 encode, publish-to-served (publish start to ``sync_delta`` returned), and the pause split as
 ``sync_weights`` reports it (pause, apply on the worker, label, resume) with the worker's own
-split (apply to the shadow, verify, vLLM's in-memory load).
+split. ``--paths`` serves one delta version per entry, in order, on the same server: ``prebuilt``
+(the worker stages the delta on its shadow and packs the changed layers before the pause, and
+only swaps them in while paused: ``worker_swap_s``, ``worker_plain_copy_s``,
+``worker_plain_verify_s``; before it ``worker_stage_apply_s``, ``worker_build_s``, and
+``worker_build_rss_gb``, the worker's resident memory added by the packed layers) and ``reload``
+(the shadow's apply, verify and vLLM's in-memory load, all paused: ``worker_apply_s``,
+``worker_verify_s``, ``worker_load_s``), so the two compare as ratios within one run.
 
-    .venv/bin/python -m bench.weight_delta_pause --size 1.5B [--lr 1e-6]
+    .venv/bin/python -m bench.weight_delta_pause --size 1.5B [--lr 1e-6] [--paths prebuilt reload]
 """
 
 from __future__ import annotations
@@ -88,7 +94,11 @@ class SteppedLazily:
             yield name, stepped
 
 
-def measure(size: str, lr: float, root: Path) -> dict:
+def loadavg() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+def measure(size: str, lr: float, root: Path, paths: list[str]) -> list[dict]:
     weights = root / "weights"
     t = time.perf_counter()
     tensors = write_model(size, weights)
@@ -102,6 +112,7 @@ def measure(size: str, lr: float, root: Path) -> dict:
                         eager=True,
                         log_path=root / "vllm.log", startup_timeout=1800)
     server.start()
+    rows = []
     try:
         ready_s = server.wait_ready(timeout=1800)
         print(f"{size}: vLLM ready in {ready_s:.0f}s", flush=True)
@@ -109,39 +120,55 @@ def measure(size: str, lr: float, root: Path) -> dict:
         with ws.admin_client() as http:
             first = sync_delta([server.base_url], catch_up, 1, http=http, probe_model=None, probe_tolerance=0.0)
             print(f"{size}: full version served, paused {first.reload_s:.2f}s", flush=True)
-            assert writer.last is not None
-            t0 = time.perf_counter()
-            after = SteppedLazily(writer.last, lr)
-            delta = writer.publish(2, after)  # type: ignore[arg-type]  # publish reads items() once
-            published = time.perf_counter()
-            step_s = after.seconds  # the synthetic step itself, inside the publish: not a publish cost
-            changed = sum(e.changed for e in delta.version.tensors)
-            elements = sum(t.numel() for t in writer.last.values())
-            report = sync_delta([server.base_url], catch_up, 2, http=http, probe_model=None, probe_tolerance=0.0)
-            served_s = time.perf_counter() - t0
+            for version, path in enumerate(paths, start=2):
+                assert writer.last is not None
+                load_before = loadavg()
+                t0 = time.perf_counter()
+                after = SteppedLazily(writer.last, lr)
+                delta = writer.publish(version, after)  # type: ignore[arg-type]  # publish reads items() once
+                published = time.perf_counter()
+                step_s = after.seconds  # the synthetic step itself, inside the publish: not a publish cost
+                changed = sum(e.changed for e in delta.version.tensors)
+                elements = sum(t.numel() for t in writer.last.values())
+                report = sync_delta([server.base_url], catch_up, version, http=http, probe_model=None,
+                                    probe_tolerance=0.0, prebuild=path == "prebuilt")
+                served_s = time.perf_counter() - t0
+                [worker] = report.extra["worker"][server.base_url]
+                row = {"size": size, "lr": lr, "version": version, "path": worker.get("path"),
+                       "asked": path, "vllm_start_s": ready_s,
+                       "full_pause_s": first.pause_s + first.reload_s + first.version_s + first.resume_s,
+                       "changed_fraction": changed / elements, "full_bytes": delta.full_size,
+                       "delta_bytes": delta.version.payload_size, "encode_s": delta.encode_s, "write_s": delta.upload_s,
+                       "publish_s": published - t0 - step_s, "publish_to_served_s": served_s - step_s,
+                       "fetch_decode_s": report.extra["prepare_s"], "worker_prepare_s": report.extra["worker_prepare_s"],
+                       "pause_s": report.pause_s, "apply_rpc_s": report.reload_s, "label_s": report.version_s,
+                       "resume_s": report.resume_s,
+                       "paused_total_s": report.pause_s + report.reload_s + report.version_s + report.resume_s,
+                       "synthetic_step_s": step_s, "load_1min_before": load_before, "load_1min_after": loadavg(),
+                       **{f"worker_{k}": v for k, v in worker.items() if isinstance(v, (int, float))}}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
     finally:
         server.stop()
-    [worker] = report.extra["worker"][server.base_url]
-    row = {"size": size, "lr": lr, "vllm_start_s": ready_s, "full_pause_s": first.pause_s + first.reload_s + first.version_s
-           + first.resume_s, "changed_fraction": changed / elements, "full_bytes": delta.full_size,
-           "delta_bytes": delta.version.payload_size, "encode_s": delta.encode_s, "write_s": delta.upload_s,
-           "publish_s": published - t0 - step_s, "publish_to_served_s": served_s - step_s, "fetch_decode_s": report.extra["prepare_s"],
-           "worker_prepare_s": report.extra["worker_prepare_s"], "pause_s": report.pause_s, "apply_rpc_s": report.reload_s,
-           "label_s": report.version_s, "resume_s": report.resume_s,
-           "paused_total_s": report.pause_s + report.reload_s + report.version_s + report.resume_s,
-           "synthetic_step_s": step_s, **{f"worker_{k}": v for k, v in worker.items() if isinstance(v, (int, float))}}
-    print(json.dumps(row), flush=True)
-    return row
+    if len(rows) > 1:
+        base = rows[-1]["paused_total_s"]
+        for row in rows:
+            print(f"{size}: {row['asked']} (served by {row['path']}): paused {row['paused_total_s']:.3f}s "
+                  f"({row['paused_total_s'] / base:.3f}x the {rows[-1]['asked']} path's), publish to served "
+                  f"{row['publish_to_served_s']:.1f}s", flush=True)
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", choices=sorted(CONFIGS), default="1.5B")
     parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--paths", nargs="+", choices=("prebuilt", "reload"), default=["prebuilt", "reload"],
+                        help="one delta version per entry, in order, each served by that worker path")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="conveyor-bench-delta-pause-"))
     try:
-        measure(args.size, args.lr, root)
+        measure(args.size, args.lr, root, args.paths)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -251,19 +251,25 @@ def test_a_shadow_refuses_a_wrong_base_and_is_left_as_it_was_by_a_checksum_misma
     assert shadow.version == 2 and all(torch.equal(bits(shadow.tensors[k]), bits(v)) for k, v in versions[2].items())
 
 
+def _grouped_step(versions: list[dict[str, torch.Tensor]], version: int, base: int | None, tmp_path) -> dict:
+    """``versions[version]`` as a read step file of chain "r", ``grouped`` against ``base`` (None: full)."""
+    from services.weights.delta_chain import ChainVersion
+    from services.weights.delta_shadow import read_step, write_step
+
+    entries, payload = encode_version(versions[version], None if base is None else versions[base], "grouped")
+    step = ChainVersion(version, "full" if base is None else "delta", base, "grouped", len(payload), "", tuple(entries))
+    return read_step(write_step(step, payload, tmp_path / f"{version}.pt", "r"))
+
+
 def test_a_shadow_resolves_grouped_frames_before_the_apply_only_on_its_own_base(tmp_path) -> None:
     """``DeltaShadow.resolve`` (what a worker does before the pause) turns one delta on the held
     version into flat ``set`` changes; any other plan is left for the apply to resolve."""
-    from services.weights.delta_chain import ChainVersion
-    from services.weights.delta_shadow import DeltaShadow, read_step, write_step
+    from services.weights.delta_shadow import DeltaShadow
 
     versions = _versions(1e-4, 2, torch.bfloat16)
 
     def step_file(version: int, base: int | None) -> dict:
-        entries, payload = encode_version(versions[version], None if base is None else versions[base], "grouped")
-        step = ChainVersion(version, "full" if base is None else "delta", base, "grouped", len(payload), "",
-                            tuple(entries))
-        return read_step(write_step(step, payload, tmp_path / f"{version}.pt", "r"))
+        return _grouped_step(versions, version, base, tmp_path)
 
     shadow = DeltaShadow()
     shadow.apply([step_file(0, None)])
@@ -277,3 +283,37 @@ def test_a_shadow_resolves_grouped_frames_before_the_apply_only_on_its_own_base(
     assert shadow.resolve([two[0]])[0]["tensors"][0]["op"] == "ranked"  # no longer its base
     shadow.apply([two[1]])  # resolved while applying
     assert shadow.version == 2 and all(torch.equal(bits(shadow.tensors[k]), bits(v)) for k, v in versions[2].items())
+
+
+def test_a_staged_shadow_holds_the_new_version_checked_until_commit_or_rollback(tmp_path) -> None:
+    """``DeltaShadow.stage`` (the worker's prebuilt path, before the pause) applies and checks a
+    delta without moving the version; ``rollback`` puts the old tensors back, ``commit`` moves the
+    version. A tensor assembled from a staged shadow for packing is checked slice by slice against
+    the trainer's checksums (``packed_swap``), so a corrupted one is refused."""
+    from services.inference.packed_swap import assemble
+    from services.weights.delta_shadow import DeltaChecksumMismatch, DeltaShadow
+
+    versions = _versions(1e-4, 1, torch.bfloat16)
+
+    def step_file(version: int, base: int | None) -> dict:
+        return _grouped_step(versions, version, base, tmp_path)
+
+    shadow = DeltaShadow()
+    shadow.apply([step_file(0, None)])
+    delta = shadow.resolve([step_file(1, 0)])
+    staged = shadow.stage(delta)
+    assert shadow.version == 0 and staged.version == 1 and staged.changed
+    assert all(torch.equal(bits(shadow.tensors[k]), bits(v)) for k, v in versions[1].items())
+    shadow.rollback(staged)
+    assert shadow.version == 0 and all(torch.equal(bits(shadow.tensors[k]), bits(v)) for k, v in versions[0].items())
+    staged = shadow.stage(delta)
+    names = sorted(n for n in staged.changed if shadow.tensors[n].ndim == 2)[:2]
+    fused = assemble("fused", shadow.tensors, names, staged.checksums, None)
+    assert torch.equal(bits(fused), bits(torch.cat([versions[1][n] for n in names])))
+    flipped = shadow.tensors[names[1]].view(-1).view(torch.int16)
+    flipped[0] ^= 1  # one bit, corrupted after the stage's check
+    with pytest.raises(DeltaChecksumMismatch, match=names[1]):
+        assemble("fused", shadow.tensors, names, staged.checksums, None)
+    flipped[0] ^= 1
+    shadow.commit(staged)
+    assert shadow.version == 1 and all(torch.equal(bits(shadow.tensors[k]), bits(v)) for k, v in versions[1].items())

@@ -251,3 +251,56 @@ def test_a_follower_killed_mid_apply_is_restarted_onto_the_right_version(
             assert answer["checksums"] == {e.name: e.checksum for e in ChainReader(store, run_id).manifest(version).tensors}
             verify_replica(http, url, SyncProbe(trainer.probes[version], "tiny", FP32_TOLERANCE))
             served = version
+
+
+@pytest.mark.slow
+def test_the_prebuilt_swap_serves_a_fresh_load_exactly_and_refuses_a_corrupted_prepare(
+        served_model: Any, s3_endpoint: str, run_id: str, tmp_path: Path) -> None:
+    """The worker's prebuilt path (``services.inference.packed_swap``: the delta staged on the
+    shadow and the changed layers packed before the pause, swapped in while paused) serves the
+    same greedy tokens and logprobs as a fresh load of that version; a prepared delta whose
+    changes are corrupted (its step file altered after the decode) is refused, and the sync falls
+    back, loudly, to the newest full version."""
+    from services.weights.delta_shadow import read_step
+
+    url = served_model.base_url
+    store = S3Store(S3StorageSettings(endpoint=s3_endpoint, access_key="testing", secret_key="testing", bucket=run_id))
+    store.ensure_bucket()
+    trainer = Trainer(served_model.model_dir, store, run_id, seed=7, full_every=10)
+    assert [trainer.step_and_publish() for _ in range(2)] == ["full", "delta"]
+    fresh_dir = tmp_path / "fresh2"
+    trainer.model.save_pretrained(fresh_dir)
+    catch_up = DeltaCatchUp(ChainReader(store, run_id), tmp_path / "a")
+    with ws.admin_client() as http:
+        def sync(version: int) -> ws.SyncReport:
+            return sync_delta([url], catch_up, version, http=http, probe_model="tiny", probe_tolerance=FP32_TOLERANCE)
+
+        assert sync(1).extra["plans"] == {"None": [1]}
+        swapped = sync(2)
+        [applied] = swapped.extra["worker"][url]
+        assert swapped.extra["plans"] == {"1": [2]} and applied["path"] == "prebuilt", applied
+        assert applied["swapped_layers"] > 0 and applied["prebuild_skipped"] is None and applied["refused"] is None
+        [answer] = worker_calls(http, url, DELTA_VERSION, {"checksums": True}, 30.0)
+        assert answer["version"] == 2
+        assert answer["checksums"] == {e.name: e.checksum for e in ChainReader(store, run_id).manifest(2).tensors}
+        via_swap = _greedy(url, http)
+        ws.sync_weights([url], fresh_dir, 2, client=http)
+        assert _greedy(url, http) == via_swap  # tokens and logprobs, exactly
+
+        # back on the chain (a reload from disk dropped the shadow): version 2 from the full one
+        assert sync(2).extra["plans"] == {"None": [1, 2]}
+        trainer.step_and_publish()  # 3: a delta on 2
+        prepared = catch_up.prepare(3, 2)  # the follower's decode, kept as the step file the sync reuses
+        [step_file] = prepared.files
+        step = read_step(step_file)
+        [entry] = [t for t in step["tensors"] if t["name"].endswith("layers.0.self_attn.k_proj.weight")]
+        assert entry["bits"].numel() > 0
+        entry["bits"][0] ^= 1  # one bit of one changed element of a fused (q/k/v) layer
+        torch.save(step, step_file)
+        report = sync(3)
+        assert "refused while preparing" in report.extra["fallbacks"][0], report.extra["fallbacks"]
+        assert report.extra["plans"] == {"2": [3], "None": [1, 2, 3]}
+        assert ws.weight_version(http, url) == "3" and held_version(http, url, run_id) == 3
+        [answer] = worker_calls(http, url, DELTA_VERSION, {"checksums": True}, 30.0)
+        assert answer["checksums"] == {e.name: e.checksum for e in ChainReader(store, run_id).manifest(3).tensors}
+        verify_replica(http, url, SyncProbe(trainer.probes[3], "tiny", FP32_TOLERANCE))

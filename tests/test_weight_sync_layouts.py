@@ -132,3 +132,33 @@ def test_the_extension_reload_then_serves_the_new_model(server, models, hf, clie
     ws.sync_weights([server.base_url], models["C"], 2, restore_dir=models["B"], probe=sync_probe(hf["C"], 2))
     assert ws.weight_version(client, server.base_url) == "2"
     assert max_probe_diff(client, server, hf["C"]) < FP32_TOLERANCE
+
+
+def test_a_delta_swapped_in_prebuilt_serves_the_tied_head_and_biases_exactly(server, models, hf, client,
+                                                                            tmp_path) -> None:
+    """The delta path's prebuilt swap (``services.inference.packed_swap``) on this layout: the
+    tied head (packed from the embedding) and the fused q/k/v biases come out as a fresh load's.
+    B is served full from the chain, then C as a delta on it, swapped in."""
+    from services.weights.delta_chain import ChainReader, ChainWriter
+    from services.weights.delta_sync import DeltaCatchUp, sync_delta
+    from shared.storage import LocalStore
+
+    store = LocalStore(tmp_path / "objects")
+    writer = ChainWriter(store, "layouts", full_every=10, max_fraction=1.0)
+    for version, name in ((3, "B"), (4, "C")):
+        writer.publish(version, load_file(str(models[name] / "model.safetensors")),
+                       logprob_probe(hf[name], version).to_json().decode())
+    catch_up = DeltaCatchUp(ChainReader(store, "layouts"), tmp_path / "follower")
+    for version in (3, 4):
+        report = sync_delta([server.base_url], catch_up, version, http=client, probe_model=SERVED,
+                            probe_tolerance=FP32_TOLERANCE)
+    [applied] = report.extra["worker"][server.base_url]
+    assert report.extra["plans"] == {"3": [4]} and applied["path"] == "prebuilt", applied
+    assert ws.weight_version(client, server.base_url) == "4"
+    prompt = [5, 77, 200, 301, 42, 9]
+    swapped = greedy(client, server, prompt)
+    want_tokens, want_logprobs = hf_greedy(hf["C"], prompt)
+    assert swapped[0] == want_tokens
+    assert max(abs(a - b) for a, b in zip(swapped[1], want_logprobs)) < FP32_TOLERANCE
+    ws.sync_weights([server.base_url], models["C"], 4, restore_dir=models["B"])
+    assert greedy(client, server, prompt) == swapped  # a fresh load of C: the same tokens and logprobs, exactly

@@ -32,16 +32,26 @@ Invariants:
   (``services.weights.delta_shadow``), checks every tensor's checksum there, and only then loads
   the shadow's tensors into vLLM; a mismatch raises before vLLM's weights are touched. Any other
   load (``conveyor_reload_weights``, ``conveyor_receive_weights``) drops the shadow first.
-  ``conveyor_prepare_delta(paths)``, called while the replica serves, reads the same step files
-  and resolves them against the shadow (``DeltaShadow.resolve``) in a background thread; the
+  ``conveyor_prepare_delta(paths, prebuild)``, called while the replica serves, reads the same step
+  files and resolves them against the shadow (``DeltaShadow.resolve``) in a background thread; the
   apply of the same paths on the same shadow version takes that result (waiting for it), any
   other apply reads its files itself. A prepare changes nothing the worker serves.
+- With ``prebuild`` and one delta on the held version, the prepare also stages it on the shadow
+  (``DeltaShadow.stage``: applied and every tensor checked, the version not moved) and packs the
+  new version's changed linear layers aside (``services.inference.packed_swap``); the apply then
+  only swaps them in, copies the changed plain parameters and checks those, and commits the
+  shadow. A prepare that is not applied (other paths, another prepare, a reload) rolls the
+  shadow back. A checksum mismatch found while preparing makes the apply raise
+  (``DeltaChecksumMismatch``) before anything served changes; a failure during the swap clears
+  the shadow and raises, so the follower loads a full version. A model the swap cannot map
+  (``SwapUnavailable``) is loaded through vLLM's reload, as without ``prebuild``.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -65,6 +75,16 @@ def _modules_sharing_parameters(model: torch.nn.Module) -> list[tuple[str, torch
         if len(modules) > 1:
             shared.update(modules)
     return sorted(shared.items())
+
+
+def _resident_gb() -> float:
+    """This process's resident memory (GB), from ``/proc/self/status``."""
+    with open("/proc/self/status") as status:
+        lines = status.read().splitlines()
+    for line in lines:
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1e6
+    return 0.0
 
 
 class _Prepared(NamedTuple):
@@ -109,11 +129,11 @@ class ConveyorWorkerExtension:
         assert self._conveyor_shadow is not None
         return self._conveyor_shadow
 
-    def conveyor_prepare_delta(self, paths: list[str]) -> dict:
+    def conveyor_prepare_delta(self, paths: list[str], prebuild: bool = False) -> dict:
         """Start reading and resolving the step files ``paths`` against the shadow in a background
-        thread (the replica keeps serving); ``conveyor_delta_prepared`` says when it is done."""
-        import time
-
+        thread (the replica keeps serving); with ``prebuild``, a single delta on the held version is
+        also applied to the shadow, checked, and its changed layers packed for the swap
+        (``services.inference.packed_swap``). ``conveyor_delta_prepared`` says when it is done."""
         from services.weights.delta_shadow import read_step
 
         self._conveyor_take_prepared(None)
@@ -123,7 +143,11 @@ class ConveyorWorkerExtension:
         def work() -> None:
             t0 = time.perf_counter()
             try:
-                result["steps"] = shadow.resolve([read_step(path) for path in paths])
+                steps = shadow.resolve([read_step(path) for path in paths])
+                result["steps"] = steps
+                result["resolve_s"] = time.perf_counter() - t0
+                if prebuild:
+                    self._conveyor_prebuild(shadow, steps, result)
             except Exception as exc:  # the apply reads the files itself and raises what is wrong
                 result["error"] = repr(exc)
             result["prepare_s"] = time.perf_counter() - t0
@@ -133,36 +157,95 @@ class ConveyorWorkerExtension:
         self._conveyor_prepared = _Prepared(tuple(paths), (shadow.chain, shadow.version), thread, result)
         return {"started": True}
 
+    def _conveyor_prebuild(self, shadow: DeltaShadow, steps: list[dict], result: dict) -> None:
+        """Stage ``steps`` on the shadow and pack their layers into ``result["prebuilt"]``; a refusal
+        (a checksum) is ``result["refused"]``, a model the swap cannot map ``result["prebuild_skipped"]``."""
+        from services.inference.packed_swap import SwapUnavailable, build, swap_plan
+        from services.weights.delta_shadow import DeltaChecksumMismatch
+
+        if len(steps) != 1 or steps[0]["kind"] == "full":
+            result["prebuild_skipped"] = "not a single delta on the held version"
+            return
+        try:
+            plan = swap_plan(self.model_runner.get_model(), shadow.tensors)  # type: ignore[attr-defined]  # vLLM's worker's
+        except SwapUnavailable as exc:
+            log.warning("conveyor delta: the prebuilt swap cannot map this model (%s); vLLM's reload loads it", exc)
+            result["prebuild_skipped"] = str(exc)
+            return
+        rss_before = _resident_gb()
+        t0 = time.perf_counter()
+        try:
+            staged = shadow.stage(steps)
+        except DeltaChecksumMismatch as exc:
+            result["refused"] = str(exc)
+            return
+        t1 = time.perf_counter()
+        try:
+            swap = build(plan, staged.work, staged.checksums, staged.changed)
+        except BaseException as exc:
+            shadow.rollback(staged)
+            if not isinstance(exc, DeltaChecksumMismatch):
+                raise
+            result["refused"] = str(exc)
+            return
+        result["prebuilt"] = (staged, swap)
+        result["steps"] = None  # staged: the resolved changes are not needed again
+        result.update({f"stage_{k}": v for k, v in staged.timings.items()})
+        result.update({"stage_s": t1 - t0, "build_s": swap.build_s, **swap.timings,
+                       "build_rss_gb": _resident_gb() - rss_before})
+
     def conveyor_delta_prepared(self) -> dict:
         """``{"done"}``: whether the last ``conveyor_prepare_delta`` finished (True when there is none)."""
         prepared = getattr(self, "_conveyor_prepared", None)
         return {"done": prepared is None or not prepared.thread.is_alive()}
 
-    def _conveyor_take_prepared(self, paths: list[str] | None) -> tuple[list | None, dict]:
-        """The prepared steps for ``paths`` on the shadow as it is now (None: none), waiting for them;
-        forgets any prepare."""
+    def _conveyor_take_prepared(self, paths: list[str] | None) -> tuple[list | None, dict, tuple | None]:
+        """The prepared steps for ``paths`` on the shadow as it is now (None: none), waiting for them,
+        what preparing cost, and the prebuilt ``(staged, swap)`` (None: none); forgets any prepare, and
+        rolls back a staged one it does not hand out."""
         prepared = getattr(self, "_conveyor_prepared", None)
         self._conveyor_prepared = None
         if prepared is None:
-            return None, {}
+            return None, {}, None
         prepared.thread.join()
+        result = prepared.result
+        prebuilt = result.pop("prebuilt", None)
         shadow = getattr(self, "_conveyor_shadow", None)
         if (paths is None or prepared.paths != tuple(paths) or shadow is None
                 or prepared.base != (shadow.chain, shadow.version)):
-            return None, {}
-        result = prepared.result
-        return result.get("steps"), {"prepare_s": result.get("prepare_s", 0.0), "prepare_error": result.get("error")}
+            if prebuilt is not None and shadow is not None:
+                shadow.rollback(prebuilt[0])
+            return None, {}, None
+        timings = {k: v for k, v in result.items() if isinstance(v, float)}
+        return result.get("steps"), {**timings, "prepare_error": result.get("error"),
+                                     "prebuild_skipped": result.get("prebuild_skipped"),
+                                     "refused": result.get("refused")}, prebuilt
 
     def conveyor_apply_delta(self, paths: list[str]) -> dict:
-        """Apply the step files ``paths`` (oldest first) to the shadow, check it, load it into vLLM."""
-        import time
-
-        from services.weights.delta_shadow import read_step
+        """Apply the step files ``paths`` (oldest first): swap in the layers prebuilt for them, or
+        apply them to the shadow, check it, and load it into vLLM."""
+        from services.inference.packed_swap import drop_in_background
+        from services.weights.delta_shadow import DeltaChecksumMismatch, read_step
 
         t0 = time.perf_counter()
-        steps, prepared = self._conveyor_take_prepared(paths)
+        steps, prepared, prebuilt = self._conveyor_take_prepared(paths)
         prepared["prepared_wait_s"] = time.perf_counter() - t0
+        if prepared.get("refused"):
+            raise DeltaChecksumMismatch(f"refused while preparing: {prepared['refused']}")
         shadow = self._conveyor_the_shadow()
+        if prebuilt is not None:
+            staged, swap = prebuilt
+            try:
+                timings = swap.swap(staged.work)
+            except BaseException:
+                shadow.clear()  # vLLM may hold part of the new version: the shadow no longer says what it serves
+                raise
+            finally:
+                retired = [swap.retired, staged.undo]
+                swap.retired, staged.undo = [], []
+                drop_in_background(retired)
+            shadow.commit(staged)
+            return {**timings, **prepared, "path": "prebuilt", "prepared": True, "version": shadow.version}
         timings = shadow.apply(steps if steps is not None else [read_step(path) for path in paths])
         t0 = time.perf_counter()
         try:
@@ -171,8 +254,8 @@ class ConveyorWorkerExtension:
         except BaseException:
             shadow.clear()  # vLLM may hold part of the new version: the shadow no longer says what it serves
             raise
-        return {**timings, **prepared, "prepared": steps is not None, "load_s": time.perf_counter() - t0,
-                "version": shadow.version, "reprocessed": reprocessed}
+        return {**timings, **prepared, "path": "reload", "prepared": steps is not None,
+                "load_s": time.perf_counter() - t0, "version": shadow.version, "reprocessed": reprocessed}
 
     def conveyor_reload_weights(self, weights_path: str) -> list[str]:
         """Reload ``weights_path`` in place, then reprocess layers with shared (tied) parameters.

@@ -17,6 +17,9 @@ Invariants:
   ``DeltaChecksumMismatch`` naming the tensors.
 - A plan that starts with a delta applies only to a shadow of the same chain at that delta's
   base; one that starts with a full version applies to any shadow.
+- ``stage`` is ``apply`` without moving ``version``: the tensors hold the new version, checked,
+  until ``commit`` (then ``version`` moves) or ``rollback`` (a delta's changes undone); nothing
+  else may change the shadow in between.
 - ``resolve`` changes nothing: it returns a plan of one delta on the held version with its
   ``ranked`` changes (``grouped`` frames) resolved against the shadow into ``set`` ones, so
   the worker can do that before the pause; ``apply`` resolves any left while it applies.
@@ -27,6 +30,7 @@ Invariants:
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +73,19 @@ def read_step(path: str | Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+@dataclass
+class Staged:
+    """A version applied to the shadow's tensors (``work``) and checked, not yet committed."""
+
+    work: dict[str, torch.Tensor]
+    undo: list[tuple[str, Change]]  # what the writes into the shadow's own tensors overwrote
+    version: int
+    chain: str
+    checksums: dict[str, str]  # the trainer's, by name
+    changed: set[str]  # the tensors with any element written
+    timings: dict[str, float]
+
+
 class DeltaShadow:
     """The served version's tensors by checkpoint name, that version (None: none held) and its chain."""
 
@@ -96,6 +113,15 @@ class DeltaShadow:
 
     def apply(self, steps: list[dict[str, Any]]) -> dict[str, float]:
         """Apply decoded steps (oldest first); see the invariants. Returns seconds and counts."""
+        staged = self.stage(steps)
+        self.commit(staged)
+        return staged.timings
+
+    def stage(self, steps: list[dict[str, Any]]) -> Staged:
+        """Apply decoded steps (oldest first) and check every tensor, without moving ``version``: the
+        shadow's tensors are the new version's until ``commit`` or ``rollback`` (a delta's changes
+        are written in place; a full version is built aside). Raises as ``apply`` does, leaving the
+        shadow as it was."""
         if not steps:
             raise DeltaError("no steps to apply")
         first = steps[0]
@@ -108,6 +134,7 @@ class DeltaShadow:
         work = {} if first["kind"] == "full" else self.tensors
         undo: list[tuple[str, Change]] = []
         changed = 0
+        touched: set[str] = set()
         try:
             for step in steps:
                 for t in step["tensors"]:
@@ -120,12 +147,15 @@ class DeltaShadow:
                     if work is self.tensors:
                         undo.append((t["name"], undone))
                     changed += change.bits.numel()
+                    if change.bits.numel():
+                        touched.add(t["name"])
             applied = time.perf_counter()
             last = steps[-1]["tensors"]
             if set(work) != {t["name"] for t in last}:
                 raise DeltaChecksumMismatch(f"version {steps[-1]['version']} names {len(last)} tensors, this worker "
                                             f"holds {len(work)}")
-            wrong = [t["name"] for t in last if tensor_checksum(work[t["name"]]) != t["checksum"]]
+            checksums = {t["name"]: t["checksum"] for t in last}
+            wrong = [name for name, checksum in checksums.items() if tensor_checksum(work[name]) != checksum]
             if wrong:
                 raise DeltaChecksumMismatch(f"version {steps[-1]['version']}: {len(wrong)} tensor(s) differ from the "
                                             f"trainer's checksums: {', '.join(wrong[:5])}")
@@ -133,5 +163,15 @@ class DeltaShadow:
             for name, undone in reversed(undo):
                 undo_change(work[name], undone)
             raise
-        self.tensors, self.version, self.chain = work, int(steps[-1]["version"]), str(steps[-1]["chain"])
-        return {"apply_s": applied - t0, "verify_s": time.perf_counter() - applied, "changed": float(changed)}
+        timings = {"apply_s": applied - t0, "verify_s": time.perf_counter() - applied, "changed": float(changed)}
+        return Staged(work, undo, int(steps[-1]["version"]), str(steps[-1]["chain"]), checksums, touched, timings)
+
+    def commit(self, staged: Staged) -> None:
+        """The shadow holds ``staged``'s version (its tensors checked by ``stage``)."""
+        self.tensors, self.version, self.chain = staged.work, staged.version, staged.chain
+
+    def rollback(self, staged: Staged) -> None:
+        """The shadow as it was before ``stage`` (a delta's changes undone)."""
+        if staged.work is self.tensors:
+            for name, undone in reversed(staged.undo):
+                undo_change(self.tensors[name], undone)

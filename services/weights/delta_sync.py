@@ -6,15 +6,19 @@ and decode while it serves, pause only to apply.
     -> fetch each step's payload (checked against its manifest) and decode it to a step file
        (``delta_shadow.write_step``), all while the replica serves
     -> ask each replica's workers to read the step files and resolve them against their shadow
-       (``conveyor_prepare_delta``: a ``grouped`` frame's positions need the old tensor), still
-       serving, and wait until they have (``conveyor_delta_prepared``)
-    -> sync_weights: pause(keep) -> conveyor_apply_delta(step files) -> reset prefix cache
+       (``conveyor_prepare_delta``: a ``grouped`` frame's positions need the old tensor), and,
+       for one delta on the held version, apply them to the shadow, check it and pack the new
+       version's linear layers (``services.inference.packed_swap``), still serving, and wait until
+       they have (``conveyor_delta_prepared``)
+    -> sync_weights: pause(keep) -> conveyor_apply_delta(step files: swap the packed layers in, or
+       apply and reload) -> reset prefix cache
        -> [resume -> probe] -> label -> on_served -> resume
 
 Invariants (besides ``sync_weights``'):
 - A plan from the held version that cannot be fetched (a missing or corrupted object) or
   that the worker refuses (a checksum mismatch: the worker left its weights and shadow as they
-  were) falls back, with an ERROR log, to a plan from the newest full version. If that fails
+  were) falls back, with an ERROR log, to a plan from the newest full version, its step files
+  decoded again from the store (a refused plan's are removed first). If that fails
   too, the sync fails (``WeightSyncError``) and the version does not move: the replica goes on
   serving the version its label names.
 - A replica whose worker's shadow already holds the target (its follower died after the apply,
@@ -68,14 +72,16 @@ def held_version(http: httpx.Client, url: str, chain: str) -> int | None:
     return int(version) if held_chain == chain and version is not None else None
 
 
-def prepare_on_workers(http: httpx.Client, files: dict[str, list[Path]], timeout_s: float = PREPARE_TIMEOUT_S) -> float:
-    """Ask each replica (url: its step files) to prepare them while it serves, and wait until every
-    one has or ``timeout_s`` passed; returns the seconds waited (see the invariants)."""
+def prepare_on_workers(http: httpx.Client, files: dict[str, list[Path]], timeout_s: float = PREPARE_TIMEOUT_S,
+                       prebuild: bool = True) -> float:
+    """Ask each replica (url: its step files) to prepare them while it serves (``prebuild``: and to
+    pack the new version's layers for the swap), and wait until every one has or ``timeout_s``
+    passed; returns the seconds waited (see the invariants)."""
     t0 = time.perf_counter()
     started = []
     for url, paths in files.items():
         try:
-            worker_calls(http, url, PREPARE_DELTA, {"paths": [str(p) for p in paths]}, 30.0)
+            worker_calls(http, url, PREPARE_DELTA, {"paths": [str(p) for p in paths], "prebuild": prebuild}, 30.0)
             started.append(url)
         except (ws.AdminCallError, httpx.HTTPError) as exc:
             log.warning("replica %s did not start preparing its delta step files (%s): the apply reads them itself",
@@ -157,8 +163,10 @@ class DeltaCatchUp:
 
 def sync_delta(urls: list[str], catch_up: DeltaCatchUp, version: int, *, http: httpx.Client,
                probe_model: str | None, probe_tolerance: float, on_served: Callable[[], None] | None = None,
-               apply_timeout_s: float = APPLY_TIMEOUT_S) -> ws.SyncReport:
-    """Serve chain version ``version`` on every replica; see the module invariants."""
+               apply_timeout_s: float = APPLY_TIMEOUT_S, prebuild: bool = True) -> ws.SyncReport:
+    """Serve chain version ``version`` on every replica; see the module invariants. ``prebuild``: the
+    workers pack the new version's layers before the pause and only swap them in while paused
+    (``services.inference.packed_swap``); otherwise they load through vLLM's in-memory reload."""
     t0 = time.perf_counter()
     held = {url: held_version(http, url, catch_up.reader.run_id) for url in urls}
     prepared: dict[int | None, Prepared] = {}
@@ -191,6 +199,8 @@ def sync_delta(urls: list[str], catch_up: DeltaCatchUp, version: int, *, http: h
                 raise
             log.error("replica %s refused delta version %d (%s); falling back to the newest full version", url,
                       version, exc.detail[:300])
+            for refused in plan.files:  # decoded again from the store, not trusted as they are
+                refused.unlink(missing_ok=True)
             full = catch_up.prepare(version, None)
             full.notes.append(f"fallback on {url}: {exc.detail[:300]}")
             prepared[None] = full
@@ -198,7 +208,8 @@ def sync_delta(urls: list[str], catch_up: DeltaCatchUp, version: int, *, http: h
         ws.reset_prefix_cache(http, url)
 
     fetched = time.perf_counter() - t0
-    worker_prepare_s = prepare_on_workers(http, {u: prepared[held[u]].files for u in urls if prepared[held[u]].files})
+    worker_prepare_s = prepare_on_workers(http, {u: prepared[held[u]].files for u in urls if prepared[held[u]].files},
+                                          prebuild=prebuild)
     report = ws.sync_weights(urls, None, version, load_all=lambda _http, targets: ws.on_all(targets, apply_one),
                              source=f"delta chain version {version}", probe=probe, on_served=on_served, client=http)
     extra = report.extra
