@@ -26,14 +26,18 @@
    (zero-variance groups kept, no extra groups), and the share of finished groups discarded as
    stale (``filtered_stale``). ``--stale-at-use N`` sets ``trainer.max_staleness_at_use`` on the
    async runs (k > 0; sync runs as before): admission stays bounded by k, and a group up to N
-   steps behind is trained instead of discarded. vLLM runs eager there (it starts in a third of the time; decoding
+   steps behind is trained instead of discarded. ``--corrections tis,icepop`` runs each async k once
+   per ``trainer.loss.correction``; every agentic run prints its mean reward per step and the time
+   from the first dispatch to the first step whose mean reward reaches ``--reward-threshold``, so
+   learning per second is compared, not only steps per second. vLLM runs eager there (it starts in a third of the time; decoding
    speed hardly matters when tools take the time).
 
 Every figure is printed with the 1-minute load average around it. ``--out`` keeps every run's
 step logs and ``loop_speed.json``.
 
     .venv/bin/python bench/loop_speed.py [--steps 12] [--agentic-steps 10] [--ks 1,2,4] [--threads 1]
-        [--worker-slots 8] [--stale-at-use N] [--weight-sync s3,gloo] [--skip-trl] [--skip-agentic] [--out DIR]
+        [--worker-slots 8] [--stale-at-use N] [--corrections none,tis,icepop] [--reward-threshold 0.5]
+        [--weight-sync s3,gloo] [--skip-trl] [--skip-agentic] [--out DIR]
 """
 
 from __future__ import annotations
@@ -188,35 +192,63 @@ def stale_share(steps: list[dict]) -> float:
     return stale / (stale + trained) if stale + trained else 0.0
 
 
+def first_step_reaching(steps: list[dict], threshold: float) -> dict | None:
+    """The first step whose mean reward is at least ``threshold``; None when none is."""
+    return next((s for s in steps if s["reward_mean"] >= threshold), None)
+
+
 def agentic(out: Path, steps: int, ks: list[int], p50: float, p99: float, worker_slots: int,
-            stale_at_use: int | None = None) -> dict:
+            stale_at_use: int | None = None, corrections: tuple[str, ...] = ("none",),
+            reward_threshold: float = 0.5) -> dict:
+    """Sync (k = 0), then each k of ``ks`` once per loss correction of ``corrections``
+    (``trainer.loss.correction``; sync keeps the default, none: its tokens are on-policy). Keyed
+    ``"0"``, ``"<k>"`` (correction none) or ``"<k>-<correction>"``."""
     at_use = "" if stale_at_use is None else f"; async runs train groups up to {stale_at_use} steps behind"
     print(f"## async against sync on agentic episodes: {steps} steps of 4 groups x 8, every environment step waits a "
           f"lognormal tool latency (p50 {p50} s, p99 {p99} s, seeded per trajectory); one rollout worker with "
-          f"{worker_slots} slots{at_use}", flush=True)
+          f"{worker_slots} slots{at_use}; async loss corrections {', '.join(corrections)}; reward threshold "
+          f"{reward_threshold}", flush=True)
     runs = {}
-    for k in [0, *ks]:
+    for k, correction in [(0, "none"), *[(k, c) for k in ks for c in corrections]]:
+        key = str(k) if correction == "none" else f"{k}-{correction}"
         before = load()
-        overrides = dict(AGENTIC)
+        overrides = {**AGENTIC, "CONVEYOR_TRAINER__LOSS__CORRECTION": correction}
         if k > 0 and stale_at_use is not None:
             overrides["CONVEYOR_TRAINER__MAX_STALENESS_AT_USE"] = str(stale_at_use)
-        run = run_learning(out / f"agentic-k{k}", steps, k, overrides=overrides,
+        run = run_learning(out / f"agentic-k{key}", steps, k, overrides=overrides,
                            task_config={"step_latency_s": p50, "step_latency_p99_s": p99}, worker_slots=worker_slots)
         groups = [json.loads(line) for line in (run.workdir / "stack" / "metrics.jsonl").read_text().splitlines() if line]
         first_dispatch = min(g["time"] - g["group_latency_s"] for g in groups)
-        runs[k] = {"wall_s": run.wall_s, "from_first_dispatch_s": run.steps[-1]["time"] - first_dispatch,
-                   "steps": len(run.steps), "stale_share": stale_share(run.steps), "load": [before, load()],
-                   "max_staleness_at_use": overrides.get("CONVEYOR_TRAINER__MAX_STALENESS_AT_USE")}
-        print(f"  k={k}: {runs[k]['from_first_dispatch_s']:.1f} s from the first dispatch to step {len(run.steps)} "
-              f"({run.wall_s:.1f} s from intake's start), stale {runs[k]['stale_share']:.1%} "
-              f"({before} before, {runs[k]['load'][1]} after)", flush=True)
-    for k in ks:
-        speedup = runs[0]["from_first_dispatch_s"] / runs[k]["from_first_dispatch_s"]
-        runs[k]["speedup"] = speedup
-        print(f"  async k={k} over sync: {speedup:.2f}x from the first dispatch "
-              f"({runs[0]['wall_s'] / runs[k]['wall_s']:.2f}x from intake's start; target >= 3x), "
-              f"groups discarded as stale {runs[k]['stale_share']:.1%} (target <= 5%)")
-    return {str(k): v for k, v in runs.items()}
+        reached = first_step_reaching(run.steps, reward_threshold)
+        runs[key] = {"k": k, "correction": correction, "wall_s": run.wall_s,
+                     "from_first_dispatch_s": run.steps[-1]["time"] - first_dispatch,
+                     "steps": len(run.steps), "stale_share": stale_share(run.steps), "load": [before, load()],
+                     "max_staleness_at_use": overrides.get("CONVEYOR_TRAINER__MAX_STALENESS_AT_USE"),
+                     "rewards": [round(r, 4) for r in run.rewards],
+                     "threshold_step": reached and int(reached["step"]),
+                     "to_threshold_s": reached and reached["time"] - first_dispatch}
+        to_threshold = (f"reward >= {reward_threshold} first at step {runs[key]['threshold_step']}, "
+                        f"{runs[key]['to_threshold_s']:.1f} s from the first dispatch" if reached
+                        else f"reward never reached {reward_threshold}")
+        print(f"  k={k} correction {correction}: {runs[key]['from_first_dispatch_s']:.1f} s from the first dispatch to "
+              f"step {len(run.steps)} ({run.wall_s:.1f} s from intake's start), stale {runs[key]['stale_share']:.1%}; "
+              f"{to_threshold}; reward per step {runs[key]['rewards']} ({before} before, {runs[key]['load'][1]} after)",
+              flush=True)
+    sync = runs["0"]
+    for key, run in runs.items():
+        if key == "0":
+            continue
+        run["speedup"] = sync["from_first_dispatch_s"] / run["from_first_dispatch_s"]
+        if run["to_threshold_s"] and sync["to_threshold_s"]:
+            run["threshold_speedup"] = sync["to_threshold_s"] / run["to_threshold_s"]
+        to_threshold = (f"{run['threshold_speedup']:.2f}x to reward {reward_threshold}" if "threshold_speedup" in run
+                        else f"no time-to-threshold ratio (sync step {sync['threshold_step']}, "
+                             f"async step {run['threshold_step']})")
+        print(f"  async k={run['k']} ({run['correction']}) over sync: {run['speedup']:.2f}x from the first dispatch "
+              f"({sync['wall_s'] / run['wall_s']:.2f}x from intake's start; target >= 3x), groups discarded as stale "
+              f"{run['stale_share']:.1%} (target <= 5%); {to_threshold}; reward at step {run['steps']} "
+              f"{run['rewards'][-1]:.3f} against sync's {sync['rewards'][-1]:.3f}")
+    return runs
 
 
 def main() -> None:
@@ -232,6 +264,10 @@ def main() -> None:
                         help="the rollout worker's episodes at once in the agentic runs (tool waits cost no CPU)")
     parser.add_argument("--stale-at-use", type=int, default=None,
                         help="trainer.max_staleness_at_use of the async agentic runs (>= each k); default: k")
+    parser.add_argument("--corrections", default="none", help="comma list of trainer.loss.correction values, "
+                        "each run once per async k (none, tis, icepop, seq_mask); sync keeps none")
+    parser.add_argument("--reward-threshold", type=float, default=0.5,
+                        help="the agentic runs' time to the first step whose mean reward reaches this")
     parser.add_argument("--weight-sync", default="s3", help="comma list of the sync-vs-TRL runs' weight paths: "
                         "s3 (checkpoint, then the follower) and/or gloo (broadcast from the trainer's memory)")
     parser.add_argument("--skip-trl", action="store_true")
@@ -247,7 +283,8 @@ def main() -> None:
         (out / "loop_speed.json").write_text(json.dumps(results, indent=1))
     if not args.skip_agentic:
         results["agentic"] = agentic(out, args.agentic_steps, [int(k) for k in args.ks.split(",")],
-                                     args.tool_p50, args.tool_p99, args.worker_slots, args.stale_at_use)
+                                     args.tool_p50, args.tool_p99, args.worker_slots, args.stale_at_use,
+                                     tuple(args.corrections.split(",")), args.reward_threshold)
         (out / "loop_speed.json").write_text(json.dumps(results, indent=1))
     print(f"figures: {out / 'loop_speed.json'}")
 

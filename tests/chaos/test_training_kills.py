@@ -4,7 +4,7 @@ model, Celery rollout and scoring workers, the training trainer, the weight foll
 ``conveyor inference --attach``, intake; 100 trajectories each, trained on in steps of 4 groups
 with a staleness bound of one step, so intake waits for the trainer and for every weight sync).
 
-Each victim is killed twice, each time in a delicate window, found without timing luck:
+Each victim is killed in a delicate window, found without timing luck (on the S3 path twice):
 - the trainer after it recorded a step's selection of groups and before that step's checkpoint
   was announced (it is training or saving); then, restarted, while it holds trainer-stream
   entries of groups not complete yet (delivered, not acknowledged);
@@ -12,6 +12,9 @@ Each victim is killed twice, each time in a delicate window, found without timin
   then in the state it leaves when it dies after advancing the served version and before
   resuming vLLM (that window is a couple of milliseconds, so it is reproduced: the follower
   is killed while idle and vLLM paused as that follower would have left it).
+- on the broadcast path (``inference.weight_sync: {mode: nccl, backend: gloo}``: the trainer
+  pauses vLLM and sends it each version itself), the trainer once, while vLLM is paused for
+  one of its broadcasts.
 
 What a user relies on, and each case asserts: the run finishes with no one stepping in; every
 trajectory consumed, or failed with a reason that is not the fault; each reached the trainer
@@ -37,7 +40,7 @@ import pytest
 from pipeline_support import REWARD_WEIGHTS, back_as_it_was, poll, run_stack, store_of, stream_events
 
 from services.cli.demo import write_demo_dataset
-from services.cli.local_stack import LocalStack, ManagedProcess
+from services.cli.local_stack import LocalStack, ManagedProcess, free_port
 from services.weights import sync as ws
 from services.trainer.metrics import read_steps
 from shared.state.group_registry import GroupRegistry
@@ -63,7 +66,7 @@ def vllm_back_as_it_was(served_model):
         yield
 
 
-def _training_stack(base: LocalStack, root: Path, run_id: str) -> LocalStack:
+def _training_stack(base: LocalStack, root: Path, run_id: str, **settings: str) -> LocalStack:
     return run_stack(
         base, root, run_id,
         CONVEYOR_ROLLOUT__GROUP_SIZE=str(GROUP_SIZE), CONVEYOR_REWARDS__WEIGHTS=json.dumps(REWARD_WEIGHTS),
@@ -73,6 +76,7 @@ def _training_stack(base: LocalStack, root: Path, run_id: str) -> LocalStack:
         CONVEYOR_TRAINER__STEP_METRICS_PATH=str(root / "train_steps.jsonl"),
         CONVEYOR_TRAINER__REWARD_CURVE_PATH=str(root / "reward_curve.png"),
         CONVEYOR_LEDGER__LEASE_TTL_S="4", CONVEYOR_LEDGER__HEARTBEAT_S="1", CONVEYOR_LEDGER__REAPER_INTERVAL_S="1",
+        **settings,
     )
 
 
@@ -231,3 +235,37 @@ def test_weight_follower_killed_mid_sync_and_restarted_serves_the_newest_version
             "version moved", counts, _assert_once(stack, tmp_path, run_id, counts),
             f"version {announced_at_kill} served and vLLM resumed {recovered_s:.1f}s after the first kill, vLLM resumed "
             f"{resumed_s:.1f}s after the second (restart included)", done_s)
+
+
+def test_trainer_killed_mid_broadcast_on_gloo_and_restarted_trains_no_group_twice(base, tmp_path, served_model,
+                                                                                   vllm_back_as_it_was):
+    """``inference.weight_sync: {mode: nccl, backend: gloo}``: the trainer itself pauses the replica
+    and broadcasts each version into it from its memory (the follower only watches), and writes
+    the S3 checkpoint behind. Killed while the replica is paused for one of its broadcasts
+    (between the trainer's pause and resume: sending, probing or labelling; the window is about
+    0.1 s, found by polling ``/is_paused``), and restarted at once: the replica serves again,
+    resumed, a version past the one served at the kill (the restarted trainer re-trains the
+    step on its recorded selection and broadcasts it into a new weight group, after replaying
+    without serving any version served past its newest checkpoint), and the run finishes with
+    every group trained once."""
+    run_id = "trainerkillgloo"
+    stack = _training_stack(base, tmp_path, run_id, CONVEYOR_INFERENCE__WEIGHT_SYNC__MODE="nccl",
+                            CONVEYOR_INFERENCE__WEIGHT_SYNC__BACKEND="gloo",
+                            CONVEYOR_INFERENCE__WEIGHT_SYNC__PORT=str(free_port()))
+    with stack, httpx.Client(timeout=5) as http:
+        intake = _start(stack, tmp_path)
+        served = PolicyVersion(stack.redis_client(), run_id)
+        trainer = next(p for p in stack.processes if p.name == "trainer")
+        poll(f"version {KILL_AT_VERSION} was never served", 600, lambda: served.get() >= KILL_AT_VERSION)
+        paused = lambda: http.get(f"{served_model.base_url}/is_paused").json()["is_paused"]  # noqa: E731
+        poll("the trainer never paused vLLM for a broadcast", 300, paused, every_s=0.01)
+        serving_at_kill = served.get()
+        restart = lambda: stack.start_trainer(exit_when_done=True)  # noqa: E731
+        trainer, killed_at, recovered_s = _kill_and_restart(stack, trainer, restart, (
+            f"vLLM serves no version past {serving_at_kill}, resumed, after the trainer's restart",
+            lambda: served.get() > serving_at_kill and not paused()))
+        counts = _watch(stack, run_id, trainer, intake, timeout_s=900)
+        done_s = time.time() - killed_at
+    _report(f"trainer kill -9 on gloo with vLLM paused for its broadcast (serving {serving_at_kill})", counts,
+            _assert_once(stack, tmp_path, run_id, counts),
+            f"a newer version served and vLLM resumed {recovered_s:.1f}s after the kill (restart included)", done_s)
