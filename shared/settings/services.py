@@ -73,6 +73,9 @@ class LedgerSettings(Section):
     # message sent again (it was lost; a copy of one only waiting is a no-op at the claim); the wait
     # doubles after each re-send, up to 32x (shared.state.ledger)
     dispatch_ttl_s: Float = Field(120.0, gt=0)
+    # a finished trajectory whose JSON is at most this many bytes is carried inline in the
+    # ledger's Redis instead of an object (shared.inline_trajectories); 0: every one is an object
+    inline_max_bytes: Int = Field(16384, ge=0)
 
 
 class OutageSettings(Section):
