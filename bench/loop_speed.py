@@ -17,6 +17,10 @@
    checkpoint, then the follower's download and reload) and ``gloo`` (``inference.weight_sync:
    {mode: nccl, backend: gloo}``: the trainer broadcasts from its memory to the co-located
    replica, and the checkpoint is written in the background; its publish is broken down instead).
+   ``--trajectories objects,inline`` runs Conveyor once per trajectory path (with each weight
+   path): ``objects`` (an S3 object each, ``ledger.inline_max_bytes: 0``) and ``inline`` (the small
+   ones carried in the ledger's Redis, ``shared.inline_trajectories``); with ``--skip-trl`` only
+   these runs, and their ratio to the first.
 2. **Async against sync on agentic episodes.** The same task, every environment step (one per
    episode: a single-turn task) waiting a tool latency drawn from a seeded lognormal (median
    ``--tool-p50`` 1 s, p99 ``--tool-p99`` 20 s: ``EnvConfig.step_latency_p99_s``), so wall time
@@ -37,7 +41,7 @@ step logs and ``loop_speed.json``.
 
     .venv/bin/python bench/loop_speed.py [--steps 12] [--agentic-steps 10] [--ks 1,2,4] [--threads 1]
         [--worker-slots 8] [--stale-at-use N] [--corrections none,tis,icepop] [--reward-threshold 0.5]
-        [--weight-sync s3,gloo] [--skip-trl] [--skip-agentic] [--out DIR]
+        [--weight-sync s3,gloo] [--trajectories objects,inline] [--skip-trl] [--skip-agentic] [--out DIR]
 """
 
 from __future__ import annotations
@@ -57,9 +61,10 @@ sys.path.insert(0, str(ROOT))
 from bench.training import TRL_MATCHED, TRL_VERSION, conveyor_breakdown, run_trl  # noqa: E402
 from services.cli.learning_demo import run_learning  # noqa: E402
 from services.cli.local_stack import LocalStack, free_port  # noqa: E402
-from shared.schemas import ScoredTrajectory, Trajectory  # noqa: E402
+from shared.inline_trajectories import is_inline_ref, read_trajectories  # noqa: E402
+from shared.schemas import ScoredTrajectory  # noqa: E402
 from shared.settings import load_settings  # noqa: E402
-from shared.storage import get_model, get_models_under, open_store  # noqa: E402
+from shared.storage import get_models_under, open_store  # noqa: E402
 
 AGENTIC = {"CONVEYOR_TRAINER__ZERO_VARIANCE_GROUPS": "keep", "CONVEYOR_TRAINER__MAX_EXTRA_GROUPS_PER_STEP": "0",
            "CONVEYOR_INFERENCE__EAGER": "true"}
@@ -70,17 +75,19 @@ def load() -> str:
     return f"load {one:.2f} (5-min {five:.2f})"
 
 
-def read_trajectories(stack: LocalStack) -> list[dict]:
+def trajectory_hops(stack: LocalStack) -> list[dict]:
     """Each scored trajectory of the run as absolute timestamps of its hops (the stack is up)."""
     with mock.patch.dict(os.environ, stack.env):
         settings = load_settings()
     store = open_store(settings.storage)
     rows = []
-    for scored in get_models_under(store, f"scored/{settings.run_id}/", ScoredTrajectory):
-        request, t = get_model(store, scored.trajectory_key, Trajectory).request, scored.timings
+    every = get_models_under(store, f"scored/{settings.run_id}/", ScoredTrajectory)
+    for scored, trajectory in zip(every, read_trajectories(store, stack.redis_client(), [s.trajectory_key for s in every])):
+        request, t = trajectory.request, scored.timings
         start = request.dispatched_at + t["queue_wait"]
         uploaded = start + t["episode"] + t["upload"]
-        rows.append({"group_id": scored.group_id, "dispatched": request.dispatched_at, "start": start,
+        rows.append({"group_id": scored.group_id, "json_bytes": len(trajectory.model_dump_json().encode()),
+                     "inline": is_inline_ref(scored.trajectory_key), "dispatched": request.dispatched_at, "start": start,
                      "episode_s": t["episode"], "upload_s": t["upload"], "uploaded": uploaded,
                      "scoring_s": t["scoring"], "scoring_start": scored.scored_at - t["scoring"], "scored": scored.scored_at})
     return rows
@@ -113,10 +120,11 @@ def hop_breakdown(steps: list[dict], groups: list[dict], trajectories: list[dict
         add("admission after the sync (intake's wake-up, dispatch)", admission - (sync["s"] if sync["s"] == sync["s"] else 0.0))
         add("rollout hop: dispatch to episode start (Celery)", last["start"] - last["dispatched"])
         add("episode: inference + environment", last["episode_s"])
-        add("trajectory upload (S3 object)", last["upload_s"])
+        add("trajectory upload (S3 object; none when inline)", last["upload_s"])
         add("scoring hop: uploaded to scorer start (Celery)", last["scoring_start"] - last["uploaded"])
         add("scoring: trajectory read + reward", last["scoring_s"])
         add("scored to group assembled (stream, S3 bundle)", done[last["group_id"]]["time"] - last["scored"])
+        add("  the trainer's assembly (reads, batch, record, spill)", done[last["group_id"]].get("assembly_s", float("nan")))
         add("last group assembled to step start (pickup)", started - max(g["time"] for g in done.values()))
         add("forward/backward + optimizer", cur["step_time_s"])
         if broadcast:  # checkpoint_s is the publish: snapshot, then the sync; the S3 checkpoint is written behind
@@ -147,32 +155,62 @@ def weight_sync_env(mode: str) -> dict[str, str]:
             "CONVEYOR_INFERENCE__WEIGHT_SYNC__CHECKPOINT_EVERY": every or "1"}
 
 
-def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_sync: str) -> dict:
+def trajectories_env(mode: str) -> dict[str, str]:
+    """``default``: as configured (``ledger.inline_max_bytes``'s default). ``objects``: every
+    trajectory an S3 object (inline off). ``inline``: the small ones inline (at most
+    16 KiB; the setting is opt-in, default 0); ``inline:N``: at most N bytes."""
+    if mode == "default":
+        return {}
+    if mode == "objects":
+        return {"CONVEYOR_LEDGER__INLINE_MAX_BYTES": "0"}
+    kind, _, limit = mode.partition(":")
+    if kind != "inline":
+        raise SystemExit(f"--trajectories: {mode!r} is not default, objects, inline or inline:N")
+    return {"CONVEYOR_LEDGER__INLINE_MAX_BYTES": limit or "16384"}
+
+
+def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_sync: str,
+                      trajectories_mode: str = "default") -> dict:
     """One Conveyor run at k = 0: its median step, and the step's hops (critical path)."""
     trajectories: list[dict] = []
     overrides = {**TRL_MATCHED, "CONVEYOR_TRAINER__TORCH_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
-                 **weight_sync_env(weight_sync)}
+                 **weight_sync_env(weight_sync), **trajectories_env(trajectories_mode)}
     before = load()
-    run = run_learning(out / f"vs-trl-{weight_sync.replace(':', '-')}", steps, 0, overrides=overrides, layout=layout,
-                       inspect=lambda stack: trajectories.extend(read_trajectories(stack)))
+    name = weight_sync.replace(":", "-") + ("" if trajectories_mode == "default" else f"-{trajectories_mode.replace(':', '-')}")
+    run = run_learning(out / f"vs-trl-{name}", steps, 0, overrides=overrides, layout=layout,
+                       inspect=lambda stack: trajectories.extend(trajectory_hops(stack)))
     (run.workdir / "trajectories.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trajectories))
     groups = [json.loads(line) for line in (run.workdir / "stack" / "metrics.jsonl").read_text().splitlines() if line]
     median = statistics.median(conveyor_breakdown(run.steps, groups)["wall"])
     parts = hop_breakdown(run.steps, groups, trajectories)
-    print(f"  Conveyor, weight sync {weight_sync}: median {median:.3f} s/step ({before} before, {load()} after); "
+    print(f"  Conveyor, weight sync {weight_sync}, trajectories {trajectories_mode}: median {median:.3f} s/step ({before} before, {load()} after); "
           f"critical path through the step's last trajectory scored ({len(trajectories)} trajectories):", flush=True)
     print_parts(parts, median)
-    return {"s_per_step": median, "load_before": before, "trajectories": len(trajectories),
+    sizes = sorted(t["json_bytes"] for t in trajectories)
+    inline = sum(t["inline"] for t in trajectories)
+    print(f"    trajectories' JSON: median {sizes[len(sizes) // 2]} B, max {sizes[-1]} B; {inline} of {len(sizes)} carried inline")
+    return {"s_per_step": median, "load_before": before, "trajectories": len(trajectories), "inline": inline,
+            "json_bytes_median": sizes[len(sizes) // 2], "json_bytes_max": sizes[-1],
             "parts_median": {k: statistics.median(v) for k, v in parts.items()},
             "parts_mean": {k: statistics.fmean(v) for k, v in parts.items()}}
 
 
-def sync_vs_trl(out: Path, steps: int, threads: int, layout: str, weight_syncs: list[str]) -> dict:
-    print(f"## sync step: Conveyor (k=0; weight sync {', '.join(weight_syncs)}) against TRL {TRL_VERSION} "
+def sync_vs_trl(out: Path, steps: int, threads: int, layout: str, weight_syncs: list[str],
+                trajectories_modes: tuple[str, ...] = ("default",), skip_trl: bool = False) -> dict:
+    print(f"## sync step: Conveyor (k=0; weight sync {', '.join(weight_syncs)}; trajectories "
+          f"{', '.join(trajectories_modes)}) against TRL {TRL_VERSION} "
           f"GRPOTrainer, layout {layout}, {steps} steps, torch threads {threads} on both sides (Conveyor's trainer and "
           f"workers: CONVEYOR_TRAINER__TORCH_THREADS and OMP_NUM_THREADS; vLLM its own)", flush=True)
-    conveyor = {mode: conveyor_sync_run(out, steps, threads, layout, mode) for mode in weight_syncs}
+    conveyor = {mode if kept == "default" else f"{mode}/{kept}": conveyor_sync_run(out, steps, threads, layout, mode, kept)
+                for mode in weight_syncs for kept in trajectories_modes}
     between = load()
+    if len(conveyor) > 1:
+        first, *others = conveyor
+        for other in others:
+            print(f"  median s/step, steps 2..N: {other} {conveyor[other]['s_per_step']:.3f} against {first} "
+                  f"{conveyor[first]['s_per_step']:.3f}: ratio {conveyor[other]['s_per_step'] / conveyor[first]['s_per_step']:.3f}")
+    if skip_trl:
+        return {"conveyor": conveyor, "threads": threads}
     (out / "vs-trl").mkdir(parents=True, exist_ok=True)
     trl = run_trl(out / "vs-trl", steps, layout, threads)
     after = load()
@@ -270,7 +308,11 @@ def main() -> None:
                         help="the agentic runs' time to the first step whose mean reward reaches this")
     parser.add_argument("--weight-sync", default="s3", help="comma list of the sync-vs-TRL runs' weight paths: "
                         "s3 (checkpoint, then the follower) and/or gloo (broadcast from the trainer's memory)")
-    parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--trajectories", default="default", help="comma list of the sync-vs-TRL runs' trajectory "
+                        "paths, each run with each weight path: objects (an S3 object each), inline (the small ones in "
+                        "the ledger's Redis; inline:N at most N bytes), default (as configured)")
+    parser.add_argument("--skip-trl", action="store_true",
+                        help="no TRL run; the sync runs (several --weight-sync or --trajectories) still run when given")
     parser.add_argument("--skip-agentic", action="store_true")
     parser.add_argument("--out", type=Path, help="default: a temp dir")
     args = parser.parse_args()
@@ -278,8 +320,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     print(f"# loop speed: {os.cpu_count()} CPUs, {load()}; out {out}", flush=True)
     results: dict = {}
-    if not args.skip_trl:
-        results["sync_vs_trl"] = sync_vs_trl(out, args.steps, args.threads, args.layout, args.weight_sync.split(","))
+    modes = args.trajectories.split(",")
+    if not args.skip_trl or len(modes) > 1 or "," in args.weight_sync:
+        results["sync_vs_trl"] = sync_vs_trl(out, args.steps, args.threads, args.layout, args.weight_sync.split(","),
+                                             tuple(modes), args.skip_trl)
         (out / "loop_speed.json").write_text(json.dumps(results, indent=1))
     if not args.skip_agentic:
         results["agentic"] = agentic(out, args.agentic_steps, [int(k) for k in args.ks.split(",")],

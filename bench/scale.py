@@ -66,8 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.local_runs import BenchRun, episode_settings, inference_stack  # noqa: E402
 from services.cli.local_stack import LocalStack  # noqa: E402
 from shared.names import ROLLOUT_QUEUE, RedisKeys  # noqa: E402
-from shared.schemas import Trajectory  # noqa: E402
-from shared.storage import get_model  # noqa: E402
+from shared.inline_trajectories import read_trajectories  # noqa: E402
 
 TARGETS = {2: 1.8, 4: 3.2}  # issue 9: throughput at N workers / throughput at 1
 
@@ -120,7 +119,7 @@ def measure_level(base: LocalStack, root: Path, workers: int, rounds: int, args:
     wall = end[0] - start[0]
     done_at = {line["group_id"]: line["time"] for line in lines}
     inside = [s for s in scored if start[0] < done_at[s.group_id] <= end[0]]
-    trajectories = [get_model(run.store, s.trajectory_key, Trajectory) for s in inside]
+    trajectories = read_trajectories(run.store, run.client, [s.trajectory_key for s in inside])
     episodes_per_worker = Counter(t.worker for t in trajectories)
     queued_in_window = [n for t, n in queue_samples if start[0] <= t <= end[0]]
     mean = {k: statistics.fmean(s.timings[k] for s in inside) for k in ("episode", "env", "inference")}

@@ -10,6 +10,9 @@ Object key layout (one bucket):
   ``trajectories/{run}/{group_id:06d}/{trajectory_id}.a{attempt}-{lease token[:8]}.bundle.json.gz``
   (a rollout task's uploads) and ``scored/{run}/{group_id:06d}/{trajectory_id}.s{n}.bundle.json.gz``
   (a scoring batch's, of one run); a member's ref is ``{bundle key}#{index}``
+- ``trajectories/{run}/{group_id:06d}/inline-{group_id:06d}.bundle.json.gz`` — the trajectories of a
+  consumed group that were carried inline in Redis (``shared.inline_trajectories``), written by
+  the trainer before it consumes them
 - ``batches/{run}/{group_id:06d}.json.gz`` — a training batch (one GRPO group)
 - ``groups/{run}/{group_id:06d}.json.gz`` — the GroupRecord the trainer decided
 - ``checkpoints/{run}/{version:06d}/`` — a policy checkpoint: safetensors, config and
@@ -46,6 +49,11 @@ def scored_key(run_id: str, group_id: int, trajectory_id: str, attempt: int = 1)
 def trajectory_bundle_key(run_id: str, group_id: int, first_trajectory_id: str, attempt: int, lease_token: str) -> str:
     """A rollout task's uploads, named after its first member's attempt and lease token."""
     return f"trajectories/{run_id}/{group_id:06d}/{first_trajectory_id}.a{attempt}-{lease_token[:8]}{BUNDLE_SUFFIX}"
+
+
+def inline_spill_key(run_id: str, group_id: int) -> str:
+    """The consumed group's trajectories that were carried inline, as one bundle (``shared.inline_trajectories``)."""
+    return f"trajectories/{run_id}/{group_id:06d}/inline-{group_id:06d}{BUNDLE_SUFFIX}"
 
 
 def scored_bundle_key(run_id: str, group_id: int, first_trajectory_id: str, scoring_attempt: int) -> str:
@@ -176,6 +184,10 @@ class RedisKeys:
         return f"{_P}:{{{run_id}}}:scoring_tasks"
 
     @staticmethod
+    def inline_trajectories(run_id: str) -> str:  # hash trajectory_id -> Trajectory JSON carried inline, while in flight
+        return f"{_P}:{{{run_id}}}:inline_trajectories"
+
+    @staticmethod
     def requests(run_id: str) -> str:  # hash trajectory_id -> RolloutRequest JSON (re-dispatch)
         return f"{_P}:{{{run_id}}}:requests"
 
@@ -265,7 +277,7 @@ _LEDGER = "shared.state.ledger"
 REDIS_KEY_OWNERS: dict[str, str] = {
     **dict.fromkeys(("runs", "leases", "scoring_leases", "states", "counts", "failures", "owners", "attempts",
                      "resends", "scoring_resends", "scoring_owners", "scoring_attempts", "scoring_tasks",
-                     "requests"), _LEDGER),
+                     "requests", "inline_trajectories"), _LEDGER),
     "dead_letters": "shared.state.dead_letters",
     "replica_holders": "shared.state.replica_holders",
     "run_marker": "shared.state.run_marker",

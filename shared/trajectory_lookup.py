@@ -13,6 +13,10 @@ Invariants:
 - A trajectory uploaded or scored in a bundle (``shared.object_bundles``) is not under its own
   prefix: with Redis, the ledger's scoring task names its upload and the trainer stream its
   score; without Redis only objects of its own are found.
+- A trajectory carried inline (``shared.inline_trajectories``) has no object while in flight:
+  the ledger's scoring task names its inline ref, read from Redis, or once consumed from its
+  group's spill, which is found without Redis too. Every Trajectory is read by
+  ``shared.inline_trajectories.read_trajectory``, whatever its ref.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from typing import Any
 from shared.ids import parse_trajectory_id
 from shared.names import scored_key, trajectory_key
 from shared.schemas import ScoredEvent, ScoredTrajectory, StopReason, Trajectory
+from shared.inline_trajectories import inline_ref, is_inline_ref, read_trajectory, spilled_trajectory
 from shared.object_bundles import is_bundle_key, split_ref
-from shared.storage import ObjectStore, get_model
+from shared.storage import ObjectStore, StorageError, get_model
 from shared.state.ledger import Ledger
 from shared.state.trainer_stream import stream_entries
 
@@ -81,8 +86,10 @@ def find_trajectory(store: ObjectStore, trajectory_id: str, redis: Any = None) -
     if redis is not None:
         state, failure, task = Ledger(redis).record(trajectory_id)
         given = json.loads(task)["trajectory_key"] if task else None
-    if given is not None and split_ref(given) is not None:  # uploaded in a bundle: the ledger names its member
+    if given is not None and (split_ref(given) is not None or is_inline_ref(given)):  # the ledger names its member or inline ref
         uploads.append(given)
+    if not uploads and redis is None and (spilled := spilled_trajectory(store, trajectory_id)) is not None:
+        uploads.append(inline_ref(spilled))  # carried inline, then consumed: its group's spill holds it
     if not uploads:
         where = f"; the ledger says {state}" + (f" ({failure})" if failure else "") if state else ""
         raise TrajectoryNotFound(f"no uploaded trajectory {trajectory_id} under {plain.rsplit('/', 1)[0]}/{where}")
@@ -97,14 +104,21 @@ def find_trajectory(store: ObjectStore, trajectory_id: str, redis: Any = None) -
         if candidate.trajectory_key == key:
             scored = candidate
             break
-    return FoundTrajectory(key, get_model(store, key, Trajectory), scored, state, failure)
+    try:
+        trajectory = read_trajectory(store, redis, key)
+    except StorageError as exc:
+        if not is_inline_ref(key):
+            raise
+        raise TrajectoryNotFound(f"{exc}; the ledger says {state}" + (f" ({failure})" if failure else "")) from None
+    return FoundTrajectory(key, trajectory, scored, state, failure)
 
 
-def trajectory_of_event(store: ObjectStore, event: ScoredEvent) -> Trajectory:
+def trajectory_of_event(store: ObjectStore, event: ScoredEvent, redis: Any = None) -> Trajectory:
     """The Trajectory a scored event names: one read, or two for an event written before schema
-    1.1 (it names only the ScoredTrajectory, which names the Trajectory)."""
+    1.1 (it names only the ScoredTrajectory, which names the Trajectory). ``redis``: the ledger's,
+    for one carried inline (without it, only a consumed one's spill is found)."""
     key = event.trajectory_key or get_model(store, event.scored_key, ScoredTrajectory).trajectory_key
-    return get_model(store, key, Trajectory)
+    return read_trajectory(store, redis, key)
 
 
 def stop_reason_of_event(store: ObjectStore, event: ScoredEvent) -> StopReason:

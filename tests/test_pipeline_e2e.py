@@ -23,7 +23,8 @@ from services.rollout_worker.episode.loop import turn_seed
 from services.trainer.advantages import group_advantages
 from shared.state.ledger import Ledger
 from shared.names import RedisKeys, group_record_key
-from shared.schemas import GroupRecord, ScoredTrajectory, TrainingBatch, Trajectory
+from shared.inline_trajectories import read_trajectory
+from shared.schemas import GroupRecord, ScoredTrajectory, TrainingBatch
 from shared.storage import get_model, get_models_under
 
 pytestmark = pytest.mark.slow
@@ -98,7 +99,7 @@ def test_pipeline_end_to_end(base, tmp_path):
         assert record.status == "accepted"
         batch = get_model(store, record.batch_key, TrainingBatch)
         for sample in batch.samples:
-            trajectory = get_model(store, scored[sample.trajectory_id].trajectory_key, Trajectory)
+            trajectory = read_trajectory(store, stack.redis_client(), scored[sample.trajectory_id].trajectory_key)
             sampled = [tok for turn in trajectory.turns for tok in turn.sampled_token_ids]
             # the loss mask covers exactly the sampled tokens
             assert [tok for tok, m in zip(sample.token_ids, sample.loss_mask) if m == 1] == sampled

@@ -158,7 +158,8 @@ def _summary(stack: LocalStack, run_id: str) -> None:
 
 
 def _show_groups_and_an_episode(stack: LocalStack, run_id: str) -> None:
-    from shared.schemas import GroupRecord, ScoredTrajectory, Trajectory
+    from shared.inline_trajectories import read_trajectory
+    from shared.schemas import GroupRecord, ScoredTrajectory
     from shared.settings import load_settings
     from shared.storage import get_model, get_models_under, open_store
 
@@ -182,7 +183,7 @@ def _show_groups_and_an_episode(stack: LocalStack, run_id: str) -> None:
         return
     first = records[0].members[0]
     scored = next(s for s in get_models_under(store, f"scored/{run_id}/", ScoredTrajectory) if s.trajectory_id == first.trajectory_id)
-    trajectory = get_model(store, scored.trajectory_key, Trajectory)
+    trajectory = read_trajectory(store, stack.redis_client(), scored.trajectory_key)
     console.print(f"episode {trajectory.trajectory_id}: {len(trajectory.turns)} turns, stop reason {trajectory.stop_reason.value}")
     for turn in trajectory.turns:
         said = turn.completion_text.replace("\n", " ")[:60]

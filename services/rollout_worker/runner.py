@@ -9,7 +9,10 @@ Invariants, per trajectory:
   ledger round trip), under a key that carries its first member's attempt and lease token, so
   no other attempt (one presumed dead, or one from before a ``conveyor retry``) can ever
   overwrite the attempt that won. Until then it stays ``running`` under this worker's lease:
-  a crash re-runs it, never loses it. Its scoring task names its member (``key#index``).
+  a crash re-runs it, never loses it. Its scoring task names its member (``key#index``). A
+  small one (``ledger.inline_max_bytes``) is instead written by that move itself, into the
+  ledger's Redis, only if the move is this attempt's (``shared.inline_trajectories``); its
+  scoring task names its inline ref.
 - Only the lease owner moves it on, storing its scoring task in the same ledger call; the task
   is then sent in a batch with the others of the process (``scoring_outbox``), and the scoring
   reaper sends it should this process die first.
@@ -62,6 +65,7 @@ from services.rollout_worker.sandbox.errors import SandboxInfraError
 from services.rollout_worker.scoring_outbox import ScoringOutbox
 from services.rollout_worker.upload_outbox import UploadOutbox
 from shared.environments import EnvironmentConfigError, EnvironmentUnavailable, registry_for
+from shared.inline_trajectories import inline_json, inline_ref
 from shared.state.leases import LeaseKeeper
 from shared.state.ledger import Ledger, TransitionResult
 from shared.names import trajectory_bundle_key
@@ -202,25 +206,38 @@ async def agent_proxy_of(ctx: RolloutContext) -> AgentProxy:
 
 def upload_bundle(ctx: RolloutContext, finished: list[FinishedEpisode]) -> list[HandedOn]:
     """Write finished trajectories as one object per run (a bundle; artifacts keep objects of
-    their own, which the episode drivers wrote), then move each to ``uploaded`` with its scoring
-    task stored, in one pipelined round trip; each one's task comes back to be sent (batched)
-    when the move was its attempt's."""
+    their own, which the episode drivers wrote), except the small ones carried inline
+    (``shared.inline_trajectories``), then move each to ``uploaded`` with its scoring task (and
+    an inline one with itself) stored, in one pipelined round trip; each one's task comes back to
+    be sent (batched) when the move was its attempt's."""
     by_run: dict[str, list[FinishedEpisode]] = {}
     for trajectory, token in finished:
         by_run.setdefault(trajectory.request.run_id, []).append((trajectory, token))
     handed_on: dict[str, HandedOn] = {}
     for members in by_run.values():
-        first, first_token = members[0]
-        key = trajectory_bundle_key(first.request.run_id, first.request.group_id, first.trajectory_id, first.attempt, first_token)
+        inline = {t.trajectory_id: text for t, _ in members
+                  if (text := inline_json(t, ctx.settings.ledger.inline_max_bytes)) is not None}
         t0 = time.perf_counter()
-        refs = put_bundle(ctx.store, key, [trajectory for trajectory, _ in members])  # artifacts: their drivers wrote them
+        refs = {t.trajectory_id: inline_ref(t) for t, _ in members if t.trajectory_id in inline}
+        refs |= _put_objects(ctx.store, [(t, token) for t, token in members if t.trajectory_id not in inline])
         upload_s = time.perf_counter() - t0
-        scorings = [ScoringTask(trajectory_id=t.trajectory_id, trajectory_key=ref, upload_s=upload_s) for (t, _), ref in zip(members, refs)]
+        scorings = [ScoringTask(trajectory_id=t.trajectory_id, trajectory_key=refs[t.trajectory_id], upload_s=upload_s) for t, _ in members]
         moves = ctx.ledger.mark_uploaded_many([(s.trajectory_id, token, s.model_dump_json()) for s, (_, token) in zip(scorings, members)],
-                                              send_within_s=ctx.settings.ledger.lease_ttl_s + ctx.settings.rollout.scoring_linger_s)
+                                              send_within_s=ctx.settings.ledger.lease_ttl_s + ctx.settings.rollout.scoring_linger_s,
+                                              inline=inline)
         for (trajectory, _), scoring, moved in zip(members, scorings, moves):
             handed_on[trajectory.trajectory_id] = _after_upload(ctx, trajectory, scoring, moved)
     return [handed_on[trajectory.trajectory_id] for trajectory, _ in finished]
+
+
+def _put_objects(store: ObjectStore, members: list[FinishedEpisode]) -> dict[str, str]:
+    """One run's trajectories as one bundle named after its first member's attempt; trajectory id -> its ref."""
+    if not members:
+        return {}
+    first, first_token = members[0]
+    key = trajectory_bundle_key(first.request.run_id, first.request.group_id, first.trajectory_id, first.attempt, first_token)
+    refs = put_bundle(store, key, [trajectory for trajectory, _ in members])  # artifacts: their drivers wrote them
+    return {trajectory.trajectory_id: ref for (trajectory, _), ref in zip(members, refs)}
 
 
 def _after_upload(ctx: RolloutContext, trajectory: Trajectory, scoring: ScoringTask, moved: TransitionResult) -> HandedOn:

@@ -20,6 +20,7 @@ Invariants:
 - An outage of Redis or of the S3 server is waited out (``shared.outage``), never a failure.
 - A scoring message that is not a ``ScoringTask`` is dead-lettered and, when it names a
   trajectory waiting for scoring that no scorer holds, fails it (``reject``).
+- The trajectory is read by its ref, an object's or an inline one's (``shared.inline_trajectories``).
 - A reward function that fails, or a trajectory object that cannot be read, fails the
   trajectory with the reason; the worker goes on. Anything else (a storage outage on write, a
   bug) raises: the lease runs out and the reaper retries, up to ``max_attempts``.
@@ -38,8 +39,9 @@ from shared.state.leases import LeaseKeeper
 from shared.state.ledger import SCORING
 from shared.names import scored_bundle_key
 from shared.prometheus import SCORING_SECONDS
-from shared.schemas import BadMessage, ScoredEvent, ScoredTrajectory, ScoringTask, Trajectory
-from shared.storage import ObjectStore, StorageError, get_model, put_bundle
+from shared.schemas import BadMessage, ScoredEvent, ScoredTrajectory, ScoringTask
+from shared.inline_trajectories import read_trajectory
+from shared.storage import ObjectStore, StorageError, put_bundle
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +119,7 @@ class Scorer:
         started = time.perf_counter()
         trajectory_id, key = task.trajectory_id, task.trajectory_key
         try:
-            trajectory = get_model(self.store, key, Trajectory)
+            trajectory = read_trajectory(self.store, self.leases.ledger, key)
             reward, components = self.combiner.score(trajectory)
         except (StorageError, RewardError, ValueError) as exc:
             moved = self.leases.ledger.fail(trajectory_id, f"scoring_error: {exc}", token=token)

@@ -4,7 +4,9 @@ queue, the ledger, counters and metrics.
 
 Invariants:
 - Stream entries are acknowledged only after their group was fully handled: batch and group
-  record written, members moved scored -> consumed, group marked done. A trainer that dies
+  record written, the members carried inline written to the group's spill
+  (``shared.inline_trajectories.spill_group``: consuming them deletes them from Redis), members
+  moved scored -> consumed, group marked done. A trainer that dies
   at any point re-reads its pending entries on restart and finishes the same groups; every
   write on that path is idempotent (fixed keys, guarded ledger moves, set membership).
   So a restart loses no group and trains no group twice.
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, cast
@@ -78,6 +81,7 @@ from shared.schemas import (
 from shared.settings import Settings
 from shared.state.staleness import budget_of
 from shared.storage import ObjectStore, put_model
+from shared.inline_trajectories import is_inline_ref, spill_group
 from shared.trajectory_lookup import trajectory_of_event
 from shared.state.trainer_reads import TRAINER_CONSUMER_GROUP
 from shared.state.train_queue import TrainQueue
@@ -121,6 +125,7 @@ class TrainerConsumer:
         self.marker = RunMarker(self.client, self.run_id, self.store)
         self.marker.check(_STOPS, look_in_store=True)  # before anything of the run is created again
         self._recoveries = outage.recoveries(self.client)
+        self._spiller: ThreadPoolExecutor | None = None  # writes groups' inline members to their spill (_spill)
         try:
             self.client.xgroup_create(self.stream, STREAM_READERS, id="0", mkstream=True)
         except redis.ResponseError as exc:
@@ -220,14 +225,17 @@ class TrainerConsumer:
         started = time.perf_counter()
         registration = self._registration(group.group_id)
         decision = decide_group(group, self.run_id, self.settings.trainer, self.group_filters,
-                                lambda event: trajectory_of_event(self.store, event),
+                                lambda event: trajectory_of_event(self.store, event, self.client),
                                 None if self.budget is None else self._is_stale)
+        spill = self._spill(group)  # beside the batch and the record: off the group's critical path
         batch_object = None
         if decision.batch is not None:
             batch_object = batch_key(self.run_id, group.group_id)
             put_model(self.store, batch_object, decision.batch)
         record = decision.record(self.run_id, registration.expected_size, batch_object, completed_at=time.time())
         put_model(self.store, group_record_key(self.run_id, group.group_id), record)
+        if spill is not None:
+            spill.result()  # written before consuming the members deletes their inline copies
         self.ledger.mark_consumed_many([e.trajectory_id for e in group.scored])
         superseded = self._supersede(registration, group)
         self._log_metrics(record, registration, group.entry_ids[-1], assembly_s=time.perf_counter() - started)
@@ -247,6 +255,16 @@ class TrainerConsumer:
             tx.xack(self.stream, STREAM_READERS, *group.entry_ids)
 
         self._commit(group.group_id, fill)
+
+    def _spill(self, group: PendingGroup) -> Future[str | None] | None:
+        """The group's members carried inline, being written to its spill in a thread
+        (``shared.inline_trajectories.spill_group``); None when it has none."""
+        refs = [e.trajectory_key or "" for e in group.scored]
+        if not any(map(is_inline_ref, refs)):
+            return None
+        if self._spiller is None:
+            self._spiller = ThreadPoolExecutor(1, thread_name_prefix="inline-spill")
+        return self._spiller.submit(spill_group, self.store, self.client, self.run_id, group.group_id, refs)
 
     def _is_stale(self, oldest_policy_version: int) -> bool:
         budget = self.budget

@@ -65,7 +65,7 @@ def export_records(client: redis.Redis, store: ObjectStore, run_id: str, form: F
             continue
         if (min_reward is not None and event.reward < min_reward) or (max_reward is not None and event.reward > max_reward):
             continue
-        trajectory = trajectory_of_event(store, event)
+        trajectory = trajectory_of_event(store, event, client)
         record: dict[str, Any] = {
             "trajectory_id": event.trajectory_id, "group_id": event.group_id, "task_id": trajectory.request.task.task_id,
             "env_name": trajectory.request.task.env_name, "dataset_version": trajectory.request.task.dataset_version,

@@ -73,6 +73,11 @@ class LedgerSettings(Section):
     # message sent again (it was lost; a copy of one only waiting is a no-op at the claim); the wait
     # doubles after each re-send, up to 32x (shared.state.ledger)
     dispatch_ttl_s: Float = Field(120.0, gt=0)
+    # a finished trajectory whose JSON is at most this many bytes is carried inline in the
+    # ledger's Redis instead of an object (shared.inline_trajectories); 0 (the default): every one
+    # is an object. Opt-in: its step-level gain is not yet shown (docs/performance/loop_speed.md,
+    # lever 4); 16384 suits short trajectories such as the toy task's (1.5-2 KiB)
+    inline_max_bytes: Int = Field(0, ge=0)
 
 
 class OutageSettings(Section):

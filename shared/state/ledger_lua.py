@@ -85,23 +85,28 @@ return lost
 # that stage's dispatch deadline (a send-by entry with no owner in the stage's lease zset) and
 # may store its payload: if no holder claims it by then (the message was never sent, or lost),
 # the stage's reaper sends the payload itself.
-# KEYS: states, counts, failures, stream, next stage's payloads, next stage's leases,
-#       then (owners, leases) per lease stage
+# A trajectory carried inline (``shared.inline_trajectories``) is stored by the move that makes
+# it ``uploaded`` (ARGV[9]), so a Redis that holds the state holds the trajectory; a move into
+# ``consumed`` or ``failed`` deletes it (the trainer spilled a consumed one to the object store
+# first), so Redis holds inline trajectories only while they are in flight.
+# KEYS: states, counts, failures, stream, next stage's payloads, next stage's leases, inline
+#       trajectories, then (owners, leases) per lease stage
 # ARGV: tid, to_state, token ('' = no owner check), failure_reason, event_json ('' = none),
 #       allowed from-states (comma-separated), next stage's payload ('' = keep), its dispatch
-#       deadline (0 = none), then (held state, claim-from state) per lease stage
+#       deadline (0 = none), the inline trajectory's JSON ('' = none), then (held state,
+#       claim-from state) per lease stage
 # -> {"ok", from_state} | {"skip", state or "not_owner"}
 TRANSITION = _SET_STATE + """
-local states, counts, failures, stream, next_payloads, next_leases = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local tid, to_state, token, failure_reason, event_json, allowed_from, next_payload, send_by = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8]
+local states, counts, failures, stream, next_payloads, next_leases, inline = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local tid, to_state, token, failure_reason, event_json, allowed_from, next_payload, send_by, inline_json = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]
 local state = redis.call('HGET', states, tid)
 if not state then return {'skip', 'unknown'} end
 if not string.find(',' .. allowed_from .. ',', ',' .. state .. ',', 1, true) then return {'skip', state} end
 local owners, leases, waiting = nil, nil, nil
-for i = 9, #ARGV, 2 do
-  local stage = (i - 9) / 2
-  if ARGV[i] == state then owners, leases = KEYS[7 + 2 * stage], KEYS[8 + 2 * stage]
-  elseif ARGV[i + 1] == state then waiting = KEYS[8 + 2 * stage] end
+for i = 10, #ARGV, 2 do
+  local stage = (i - 10) / 2
+  if ARGV[i] == state then owners, leases = KEYS[8 + 2 * stage], KEYS[9 + 2 * stage]
+  elseif ARGV[i + 1] == state then waiting = KEYS[9 + 2 * stage] end
 end
 if token ~= '' and (not owners or redis.call('HGET', owners, tid) ~= token) then
   return {'skip', 'not_owner'}
@@ -113,6 +118,8 @@ if failure_reason ~= '' then redis.call('HSET', failures, tid, failure_reason) e
 if event_json ~= '' then redis.call('XADD', stream, '*', 'event', event_json) end
 if next_payload ~= '' then redis.call('HSET', next_payloads, tid, next_payload) end
 if tonumber(send_by) > 0 then redis.call('ZADD', next_leases, send_by, tid) end
+if inline_json ~= '' then redis.call('HSET', inline, tid, inline_json) end
+if to_state == 'consumed' or to_state == 'failed' then redis.call('HDEL', inline, tid) end
 return {'ok', state}
 """
 
@@ -147,12 +154,14 @@ return moved
 #   waits in a long queue (the pipeline stalled by an outage of Redis, a backlog) is not copied.
 # - A lease last renewed before Redis itself restarted (deadline < ARGV[9]) was lost in a crash
 #   of Redis, not by anything the trajectory did: its attempt does not count ('requeued').
-# KEYS: states, counts, owners, leases, attempts, failures, stream, resends (all of one run)
+# - Failing a trajectory deletes its inline copy (``TRANSITION`` says why).
+# KEYS: states, counts, owners, leases, attempts, failures, stream, resends, inline
+#       trajectories (all of one run)
 # ARGV: tid, now, max_attempts, failed_event_json, held, claim_from, expired_reason, dispatch TTL (s),
 #       forgive deadlines before (0: none), queue busy ('1': the stage's broker queue holds messages)
 # -> "requeued" | "resent" | "waiting" | "failed" | "skip"
 EXPIRE = _SET_STATE + """
-local states, counts, owners, leases, attempts_hash, failures, stream, resends_hash = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local states, counts, owners, leases, attempts_hash, failures, stream, resends_hash, inline = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local tid, now, max_attempts, failed_event, held, claim_from, expired_reason, dispatch_ttl, forgive_before, queue_busy = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10]
 local deadline = redis.call('ZSCORE', leases, tid)
 if not deadline or tonumber(deadline) > tonumber(now) then return 'skip' end
@@ -184,6 +193,7 @@ if attempts >= tonumber(max_attempts) then
   redis.call('ZREM', leases, tid)
   redis.call('HSET', failures, tid, expired_reason .. ' after ' .. attempts .. ' attempts')
   redis.call('XADD', stream, '*', 'event', failed_event)
+  redis.call('HDEL', inline, tid)
 else
   redis.call('ZADD', leases, tonumber(now) + tonumber(dispatch_ttl), tid)
 end

@@ -72,7 +72,9 @@ def test_every_member_of_a_bundle_that_could_not_be_written_gets_the_error():
 
 @pytest.fixture
 def harness(ledger, store, chat, run_id):  # noqa: F811
-    return Harness(ledger, store, chat, run_id)
+    harness = Harness(ledger, store, chat, run_id)  # every trajectory an object (inline: test_inline_trajectories)
+    harness.settings = harness.settings.model_copy(update={"ledger": harness.settings.ledger.model_copy(update={"inline_max_bytes": 0})})
+    return harness
 
 
 def test_a_worker_dead_with_its_bundle_unwritten_leaves_its_trajectories_to_run_again_once(harness, ledger, store, run_id):

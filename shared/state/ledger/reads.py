@@ -70,6 +70,17 @@ class LedgerReads:
     def request(self, trajectory_id: str) -> RolloutRequest:
         return RolloutRequest.model_validate_json(self.payload(trajectory_id, ROLLOUT))
 
+    def inline_trajectories(self, trajectory_ids: list[str]) -> list[str | None]:
+        """The Trajectory JSON of each one carried inline (``shared.inline_trajectories``), None
+        for one Redis does not hold (never inline, or consumed or failed since); one HMGET per run."""
+        by_run: dict[str, list[str]] = {}
+        for tid in trajectory_ids:
+            by_run.setdefault(parse_trajectory_id(tid).run_id, []).append(tid)
+        found: dict[str, str | None] = {}
+        for run, tids in by_run.items():
+            found |= dict(zip(tids, cast(list[str | None], self.redis.hmget(RedisKeys.inline_trajectories(run), tids))))
+        return [found[tid] for tid in trajectory_ids]
+
     def state(self, trajectory_id: str) -> str | None:
         return cast(str | None, self.redis.hget(RedisKeys.states(parse_trajectory_id(trajectory_id).run_id), trajectory_id))
 

@@ -16,7 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Mapping
 
 import redis
 
@@ -148,7 +148,7 @@ class Ledger(LedgerReads):
         )
         k, run = RedisKeys, ids.run_id
         keys = [k.states(run), k.counts(run), stage.owners(run), stage.leases(run), stage.attempts(run), k.failures(run),
-                stream_key(run), stage.resends(run)]
+                stream_key(run), stage.resends(run), k.inline_trajectories(run)]
         busy = self.queue_busy(stage) if queue_busy is None else queue_busy
         args: list[str | float] = [trajectory_id, now, max_attempts, event.model_dump_json(), stage.held.value, stage.claim_from.value,
                 stage.expired_reason, self.dispatch_ttl_s, repr(forgive_before), "1" if busy else "0"]
@@ -163,15 +163,20 @@ class Ledger(LedgerReads):
         clears the entry) is sent by the scoring reaper from the stored payload."""
         return self.mark_uploaded_many([(trajectory_id, token, scoring_payload)], send_within_s)[0]
 
-    def mark_uploaded_many(self, moves: list[tuple[str, str, str]], send_within_s: float = 0.0) -> list[TransitionResult]:
+    def mark_uploaded_many(self, moves: list[tuple[str, str, str]], send_within_s: float = 0.0,
+                           inline: Mapping[str, str] | None = None) -> list[TransitionResult]:
         """``mark_uploaded`` for each (trajectory id, token, scoring payload), pipelined: one round
-        trip for a bundle's members; each move is its own atomic call, by its own lease token."""
+        trip for a bundle's members; each move is its own atomic call, by its own lease token.
+        ``inline``: trajectory id -> the Trajectory's JSON, for those carried inline
+        (``shared.inline_trajectories``): stored by the same call that moves it, only if it moves."""
         send_by = time.time() + send_within_s
+        inline = inline or {}
         for _, token, _ in moves:
             _require_token(token)
         return self._run_moves([
             self._move_call(trajectory_id, TrajectoryState.uploaded, [TrajectoryState.running], token=token,
-                            next_payload=scoring_payload, send_by=send_by if scoring_payload else 0.0)
+                            next_payload=scoring_payload, send_by=send_by if scoring_payload else 0.0,
+                            inline=inline.get(trajectory_id, ""))
             for trajectory_id, token, scoring_payload in moves
         ])
 
@@ -270,16 +275,18 @@ class Ledger(LedgerReads):
         reason: str = "",
         next_payload: str = "",
         send_by: float = 0.0,
+        inline: str = "",
     ) -> ScriptCall:
         """The guarded transition's script call, to be run alone or pipelined with others."""
         run = parse_trajectory_id(trajectory_id).run_id
         k = RedisKeys
         following = next((stage for stage in LEASE_STAGES if stage.claim_from is to), ROLLOUT)
-        keys = [k.states(run), k.counts(run), k.failures(run), stream_key(run), following.payloads(run), following.leases(run)]
+        keys = [k.states(run), k.counts(run), k.failures(run), stream_key(run), following.payloads(run), following.leases(run),
+                k.inline_trajectories(run)]
         for stage in LEASE_STAGES:
             keys += [stage.owners(run), stage.leases(run)]
         args = [trajectory_id, to.value, token or "", reason, event.model_dump_json() if event else ""]
-        args += [",".join(s.value for s in allowed_from), next_payload, repr(send_by)]
+        args += [",".join(s.value for s in allowed_from), next_payload, repr(send_by), inline]
         for stage in LEASE_STAGES:
             args += [stage.held.value, stage.claim_from.value]
         return ScriptCall(self._transition, keys, args)
