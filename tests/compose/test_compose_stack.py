@@ -26,6 +26,7 @@ import pytest
 from services.cli.demo import write_demo_dataset
 from services.cli.local_stack import free_port
 from services.cli.stack_images import StackImages
+from shared.state.replica_holders import ReplicaHolders
 from compose_support import (GUESS_RUN, HEAD_ADDRESS, ROOT, SECRETS, Stack, compose_command, doc_commands, run_as_written,
                              stack_env, write_env)
 
@@ -99,15 +100,16 @@ def test_your_own_dataset_runs_as_written_in_the_docs_while_the_demo_run_trains(
 
 
 def test_your_own_model_goes_into_the_models_volume_as_written_in_the_docs(stack: Stack, tmp_path: Path) -> None:
-    """docs/compose.md's line that copies a model folder (`./my-model`, here the tiny model
+    """docs/compose.md's lines that make a model folder readable and copy it (`./my-model`, here the tiny model
     generated on the host) into the `models` volume, run by the shell as written; a container of
     the stack then loads its config and tokenizer from `/models/my-model`, and every file arrived whole."""
     from services.inference.tiny_model import generate_tiny_model
 
     model = generate_tiny_model(tmp_path / "my-model")
     files = {f.name: f.stat().st_size for f in model.iterdir() if f.is_file()}
-    [copy] = doc_commands("/models/my-model")
+    readable, copy = doc_commands("/models/my-model")
     started = time.monotonic()
+    run_as_written(stack, readable, tmp_path)
     run_as_written(stack, copy, tmp_path)
     check = ("import json, os, sys; from transformers import AutoConfig, AutoTokenizer; d = '/models/my-model'; "
              "AutoConfig.from_pretrained(d); AutoTokenizer.from_pretrained(d); "
@@ -332,9 +334,13 @@ def test_a_submitted_run_beside_the_stacks_own_is_refused_the_stacks_vllm_as_wri
     config = runs / "second.yaml"
     config.write_text(f"run_id: second\nintake:\n  dataset: {dataset}\n  mode: traversal\n"
                       "inference:\n  model_path: /models/tiny\nrollout:\n  group_size: 4\n"
-                      "trainer:\n  metrics_path: /data/second-groups.jsonl\n  step_metrics_path: /data/second-steps.jsonl\n")
+                      "trainer:\n  mode: train\n  max_off_policy_steps: 1\n  metrics_path: /data/second-groups.jsonl\n  step_metrics_path: /data/second-steps.jsonl\n")
     for path in (dataset, config):
         path.chmod(0o644)
+    holders, deadline = ReplicaHolders(stack.ledger().redis), time.time() + 1200
+    while "demo" not in {h.run_id for h in holders.holders("http://inference:8000")}:  # once vLLM serves
+        assert time.time() < deadline, "the stack's follower never held its vLLM"
+        time.sleep(2)
     submit, logs = doc_commands("scripts/stack.sh submit")
     started = time.monotonic()
     container = re.search(r"in container (\w+)", run_as_written(stack, submit, tmp_path)).group(1)
