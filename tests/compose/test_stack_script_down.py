@@ -53,7 +53,9 @@ def project_of(call: str) -> str:
 
 def test_down_stops_the_worker_hosts_this_checkout_started_then_the_head(checkout: Path) -> None:
     head = {"CONVEYOR_HEAD": "10.0.0.5"}
-    stack_sh(checkout, "worker-host", **head)
+    init, up = stack_sh(checkout, "worker-host", "--scale", "rollout-worker=4", **head)  # docs/compose.md's line
+    assert "-f compose/worker-host.yml" in init and init.endswith(" run --rm model-init"), init
+    assert up.endswith(" up -d --no-deps --scale rollout-worker=4 rollout-worker"), up
     stack_sh(checkout, "worker-host", PROJECT="conveyor-workers-b", **head)
     assert (checkout / "compose" / ".worker-hosts").read_text().split() == ["conveyor-workers", "conveyor-workers-b"]
     stack_ids = {line for line in (checkout / "compose" / ".stack.env").read_text().splitlines()

@@ -1,9 +1,10 @@
-"""``scripts/stack.sh submit CONFIG`` and ``logs RUN``: a second run beside the stack's own, as
-``conveyor run submit`` in a detached container of the trainer's image. Compose is replaced by a
-recorder (nothing starts: the live submit is ``tests/test_run_submit_e2e.py``), so the tests
-check what the script asks compose to run, and which settings reach ``conveyor run submit``
-inside the container: the stack's endpoints, never the stack's own run's settings, which would
-beat CONFIG's values."""
+"""``scripts/stack.sh submit CONFIG``, ``logs RUN``, ``stop RUN`` and ``list``: a second run beside
+the stack's own, as ``conveyor run submit`` in a detached container of the trainer's image; and
+``ENV_DIR``, a stack's own settings folder. Compose is replaced by a recorder (nothing starts: the
+live submit is ``tests/test_run_submit_e2e.py``, and ``tests/compose/test_compose_stack.py`` runs
+docs/compose.md's lines on a live compose stack), so the tests check what the script asks compose
+to run, and which settings reach ``conveyor run submit`` inside the container: the stack's
+endpoints, never the stack's own run's settings, which would beat CONFIG's values."""
 
 from __future__ import annotations
 
@@ -34,6 +35,21 @@ def test_logs_and_stop_run_in_a_container_of_the_stack(checkout: Path) -> None:
     assert logs.endswith(" run --rm --no-deps -T trainer run logs mine --process trainer --follow"), logs
     [stop] = stack_sh(checkout, "stop", "mine", "--reason", "done")
     assert stop.endswith(" run --rm --no-deps -T trainer run stop mine --reason done"), stop
+    [listing] = stack_sh(checkout, "list")
+    assert listing.endswith(" run --rm --no-deps -T trainer run list"), listing
+
+
+def test_env_dir_gives_a_second_stack_its_own_settings(checkout: Path, tmp_path) -> None:
+    """``ENV_DIR``: the stack's settings come from ``ENV_DIR/.env``, and what the script derives
+    from them is written beside it, not into compose/."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / ".env").write_text("REDIS_PASSWORD=other-secret\n")
+    (other / "images.env").write_text("CONVEYOR_SERVICE_IMAGE=other:test\n")
+    [call] = stack_sh(checkout, "list", ENV_DIR=str(other), PROJECT="other")
+    assert f"-p other --env-file {other}/.stack.env " in call, call
+    assert (other / ".stack.env").read_text().startswith("REDIS_PASSWORD=other-secret\nCONVEYOR_SERVICE_IMAGE=other:test\n")
+    assert not (checkout / "compose" / ".stack.env").exists()
 
 
 def test_inside_the_container_only_the_stacks_endpoints_reach_run_submit(checkout: Path, tmp_path) -> None:

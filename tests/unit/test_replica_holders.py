@@ -95,3 +95,19 @@ def test_a_followers_exit_releases_its_replicas(redis_client: Any, holders: Repl
     line = str(refused.value)
     assert "\n" not in line and R1 in line and "run C" in line and "inference.base_url" in line \
         and "conveyor run stop C" in line, line
+
+
+def test_a_server_reached_on_loopback_is_held_under_the_name_the_stack_knows_it_by(
+        redis_client: Any, holders: ReplicaHolders, tmp_path: Path) -> None:
+    """``conveyor inference`` follows its own vLLM at 127.0.0.1, which the stack's other processes
+    reach as ``inference.base_url`` (compose: ``http://inference:8000``): the hold is under that
+    name, so a submitted run's follower pointed at it is refused, not let in beside a run that trains."""
+    local = "http://127.0.0.1:8000"
+    with WeightFollower(redis_client, LocalStore(tmp_path / "objects"), "A", [local], tmp_path / "weights",
+                        initial_weights_dir=tmp_path / "no-model", trains=True, hold_names=[R1 + "/"]) as follower:
+        with pytest.raises(BaseWeightsError):  # held, then the base checkpoint is missing
+            follower.ensure_base()
+        assert [h.run_id for h in holders.holders(R1)] == ["A"] and holders.holders(local) == []
+        refusal = holders.claim([R1], "B", trains=True, model=MODEL)
+        assert refusal is not None and refusal.holder.run_id == "A"
+    assert holders.holders(R1) == []

@@ -4,7 +4,7 @@ loads the policy's tokenizer (``tokenizer_loading``), which is still the tokeniz
 
 Each check runs in a fresh interpreter, so that nothing this test process imported counts.
 
-The rollout worker's image (compose/images/worker) holds no torch, peft or vLLM
+The rollout worker's image (conveyor/worker, compose/images/conveyor) holds no torch, peft or vLLM
 (``image_wheels.worker_requirements``). The last two tests: no module of
 ``services.rollout_worker`` or ``shared`` imports a package the service image has and the worker
 image lacks, even inside a function; and the worker's entry points run in an interpreter where
