@@ -74,6 +74,6 @@ class RewardSettings(Section):
     @classmethod
     def _import_paths_import(cls, weights: dict[str, float]) -> dict[str, float]:
         for name in weights:
-            if ":" in name:  # the built-ins' names are checked by the scorer (services.scorer.rewards)
+            if ":" in name:  # the built-ins' names are checked by the scorer (shared.scoring.rewards)
                 import_callable(name, "reward function")
         return weights

@@ -31,7 +31,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from services.scorer.rewards import RewardCombiner, RewardError
+from shared.scoring.rewards import RewardCombiner, RewardError
 from shared.state.dead_letters import DeadLetters
 from shared.ids import parse_trajectory_id
 from shared.state.leases import LeaseKeeper
