@@ -17,6 +17,10 @@
    checkpoint, then the follower's download and reload) and ``gloo`` (``inference.weight_sync:
    {mode: nccl, backend: gloo}``: the trainer broadcasts from its memory to the co-located
    replica, and the checkpoint is written in the background; its publish is broken down instead).
+   ``--scoring scorer,worker`` runs Conveyor once per place of scoring (for each weight path):
+   ``scorer`` (the scorer service, over its Celery hop: ``rewards.in_worker: never``) and
+   ``worker`` (the rollout worker scores what it uploaded: ``rewards.in_worker: auto``; the
+   digit task's one reward, ``verifier``, is declared cheap).
 2. **Async against sync on agentic episodes.** The same task, every environment step (one per
    episode: a single-turn task) waiting a tool latency drawn from a seeded lognormal (median
    ``--tool-p50`` 1 s, p99 ``--tool-p99`` 20 s: ``EnvConfig.step_latency_p99_s``), so wall time
@@ -33,7 +37,8 @@ Every figure is printed with the 1-minute load average around it. ``--out`` keep
 step logs and ``loop_speed.json``.
 
     .venv/bin/python bench/loop_speed.py [--steps 12] [--agentic-steps 10] [--ks 1,2,4] [--threads 1]
-        [--worker-slots 8] [--stale-at-use N] [--weight-sync s3,gloo] [--skip-trl] [--skip-agentic] [--out DIR]
+        [--worker-slots 8] [--stale-at-use N] [--weight-sync s3,gloo] [--scoring scorer,worker] [--conveyor-only] [--skip-trl]
+        [--skip-agentic] [--out DIR]
 """
 
 from __future__ import annotations
@@ -110,7 +115,7 @@ def hop_breakdown(steps: list[dict], groups: list[dict], trajectories: list[dict
         add("rollout hop: dispatch to episode start (Celery)", last["start"] - last["dispatched"])
         add("episode: inference + environment", last["episode_s"])
         add("trajectory upload (S3 object)", last["upload_s"])
-        add("scoring hop: uploaded to scorer start (Celery)", last["scoring_start"] - last["uploaded"])
+        add("scoring hop: uploaded to scoring start (Celery)", last["scoring_start"] - last["uploaded"])
         add("scoring: trajectory read + reward", last["scoring_s"])
         add("scored to group assembled (stream, S3 bundle)", done[last["group_id"]]["time"] - last["scored"])
         add("last group assembled to step start (pickup)", started - max(g["time"] for g in done.values()))
@@ -143,31 +148,56 @@ def weight_sync_env(mode: str) -> dict[str, str]:
             "CONVEYOR_INFERENCE__WEIGHT_SYNC__CHECKPOINT_EVERY": every or "1"}
 
 
-def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_sync: str) -> dict:
+def count_lines(log: Path, needle: str) -> int:
+    """Lines of a service's log that hold ``needle`` (0 without the log)."""
+    return sum(needle in line for line in log.read_text(errors="replace").splitlines()) if log.exists() else 0
+
+
+SCORING_IN_WORKER = {"scorer": "never", "worker": "auto"}  # --scoring -> rewards.in_worker
+
+
+def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_sync: str, scoring: str = "scorer") -> dict:
     """One Conveyor run at k = 0: its median step, and the step's hops (critical path)."""
     trajectories: list[dict] = []
     overrides = {**TRL_MATCHED, "CONVEYOR_TRAINER__TORCH_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
-                 **weight_sync_env(weight_sync)}
+                 **weight_sync_env(weight_sync), "CONVEYOR_REWARDS__IN_WORKER": SCORING_IN_WORKER[scoring]}
     before = load()
-    run = run_learning(out / f"vs-trl-{weight_sync.replace(':', '-')}", steps, 0, overrides=overrides, layout=layout,
-                       inspect=lambda stack: trajectories.extend(read_trajectories(stack)))
+    run = run_learning(out / f"vs-trl-{weight_sync.replace(':', '-')}-{scoring}", steps, 0, overrides=overrides,
+                       layout=layout, inspect=lambda stack: trajectories.extend(read_trajectories(stack)))
     (run.workdir / "trajectories.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trajectories))
     groups = [json.loads(line) for line in (run.workdir / "stack" / "metrics.jsonl").read_text().splitlines() if line]
     median = statistics.median(conveyor_breakdown(run.steps, groups)["wall"])
     parts = hop_breakdown(run.steps, groups, trajectories)
-    print(f"  Conveyor, weight sync {weight_sync}: median {median:.3f} s/step ({before} before, {load()} after); "
+    print(f"  Conveyor, weight sync {weight_sync}, scoring on the {scoring}: median {median:.3f} s/step ({before} before, {load()} after); "
           f"critical path through the step's last trajectory scored ({len(trajectories)} trajectories):", flush=True)
     print_parts(parts, median)
-    return {"s_per_step": median, "load_before": before, "trajectories": len(trajectories),
+    logs = run.workdir / "stack" / "logs"
+    where = {"in the worker": count_lines(logs / "worker-rollout.log", " in the worker: scored"),
+             "on the scorer": count_lines(logs / "worker-scoring.log", ": scored")}
+    print(f"    trajectories scored {where['in the worker']} in the rollout worker, {where['on the scorer']} on the scorer",
+          flush=True)
+    return {"s_per_step": median, "load_before": before, "trajectories": len(trajectories), "scored": where,
             "parts_median": {k: statistics.median(v) for k, v in parts.items()},
             "parts_mean": {k: statistics.fmean(v) for k, v in parts.items()}}
 
 
-def sync_vs_trl(out: Path, steps: int, threads: int, layout: str, weight_syncs: list[str]) -> dict:
-    print(f"## sync step: Conveyor (k=0; weight sync {', '.join(weight_syncs)}) against TRL {TRL_VERSION} "
-          f"GRPOTrainer, layout {layout}, {steps} steps, torch threads {threads} on both sides (Conveyor's trainer and "
+def sync_vs_trl(out: Path, steps: int, threads: int, layout: str, weight_syncs: list[str], scorings: list[str],
+                with_trl: bool = True) -> dict:
+    against = f"against TRL {TRL_VERSION} GRPOTrainer" if with_trl else "(no TRL run: --conveyor-only)"
+    print(f"## sync step: Conveyor (k=0; weight sync {', '.join(weight_syncs)}; scoring on the {', '.join(scorings)}) "
+          f"{against}, layout {layout}, {steps} steps, torch threads {threads} on both sides (Conveyor's trainer and "
           f"workers: CONVEYOR_TRAINER__TORCH_THREADS and OMP_NUM_THREADS; vLLM its own)", flush=True)
-    conveyor = {mode: conveyor_sync_run(out, steps, threads, layout, mode) for mode in weight_syncs}
+    conveyor = {f"{mode}/{scoring}": conveyor_sync_run(out, steps, threads, layout, mode, scoring)
+                for mode in weight_syncs for scoring in scorings}
+    for mode in weight_syncs:  # each place of scoring against the scorer's, same weight path, this run
+        base = conveyor.get(f"{mode}/scorer")
+        for scoring in (other for other in scorings if other != "scorer" and base):
+            run = conveyor[f"{mode}/{scoring}"]
+            run["vs_scorer"] = run["s_per_step"] / base["s_per_step"]
+            print(f"  weight sync {mode}: median s/step scoring on the {scoring} {run['s_per_step']:.3f}, on the scorer "
+                  f"{base['s_per_step']:.3f}: ratio {run['vs_scorer']:.3f}")
+    if not with_trl:
+        return {"conveyor": conveyor, "threads": threads}
     between = load()
     (out / "vs-trl").mkdir(parents=True, exist_ok=True)
     trl = run_trl(out / "vs-trl", steps, layout, threads)
@@ -234,7 +264,11 @@ def main() -> None:
                         help="trainer.max_staleness_at_use of the async agentic runs (>= each k); default: k")
     parser.add_argument("--weight-sync", default="s3", help="comma list of the sync-vs-TRL runs' weight paths: "
                         "s3 (checkpoint, then the follower) and/or gloo (broadcast from the trainer's memory)")
-    parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--scoring", default="scorer", help="comma list of the sync-vs-TRL runs' places of scoring: "
+                        "scorer (the scorer service, its Celery hop) and/or worker (in the rollout worker: rewards.in_worker auto)")
+    parser.add_argument("--conveyor-only", action="store_true",
+                        help="the sync step's Conveyor runs (--weight-sync x --scoring) without the TRL run")
+    parser.add_argument("--skip-trl", action="store_true", help="no sync step at all (neither Conveyor's nor TRL's)")
     parser.add_argument("--skip-agentic", action="store_true")
     parser.add_argument("--out", type=Path, help="default: a temp dir")
     args = parser.parse_args()
@@ -243,7 +277,11 @@ def main() -> None:
     print(f"# loop speed: {os.cpu_count()} CPUs, {load()}; out {out}", flush=True)
     results: dict = {}
     if not args.skip_trl:
-        results["sync_vs_trl"] = sync_vs_trl(out, args.steps, args.threads, args.layout, args.weight_sync.split(","))
+        scorings = args.scoring.split(",")
+        if unknown := set(scorings) - set(SCORING_IN_WORKER):
+            parser.error(f"--scoring: {sorted(unknown)} not among {sorted(SCORING_IN_WORKER)}")
+        results["sync_vs_trl"] = sync_vs_trl(out, args.steps, args.threads, args.layout, args.weight_sync.split(","), scorings,
+                                             with_trl=not args.conveyor_only)
         (out / "loop_speed.json").write_text(json.dumps(results, indent=1))
     if not args.skip_agentic:
         results["agentic"] = agentic(out, args.agentic_steps, [int(k) for k in args.ks.split(",")],
