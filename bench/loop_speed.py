@@ -21,6 +21,10 @@
    path): ``objects`` (an S3 object each, ``ledger.inline_max_bytes: 0``) and ``inline`` (the small
    ones carried in the ledger's Redis, ``shared.inline_trajectories``); with ``--skip-trl`` only
    these runs, and their ratio to the first.
+   ``--scoring scorer,worker`` runs Conveyor once per place of scoring (for each weight path):
+   ``scorer`` (the scorer service, over its Celery hop: ``rewards.in_worker: never``) and
+   ``worker`` (the rollout worker scores what it uploaded: ``rewards.in_worker: auto``; the
+   digit task's one reward, ``verifier``, is declared cheap).
 2. **Async against sync on agentic episodes.** The same task, every environment step (one per
    episode: a single-turn task) waiting a tool latency drawn from a seeded lognormal (median
    ``--tool-p50`` 1 s, p99 ``--tool-p99`` 20 s: ``EnvConfig.step_latency_p99_s``), so wall time
@@ -41,7 +45,8 @@ step logs and ``loop_speed.json``.
 
     .venv/bin/python bench/loop_speed.py [--steps 12] [--agentic-steps 10] [--ks 1,2,4] [--threads 1]
         [--worker-slots 8] [--stale-at-use N] [--corrections none,tis,icepop] [--reward-threshold 0.5]
-        [--weight-sync s3,gloo] [--trajectories objects,inline] [--skip-trl] [--skip-agentic] [--out DIR]
+        [--weight-sync s3,gloo] [--trajectories objects,inline] [--scoring scorer,worker] [--conveyor-only]
+        [--skip-trl] [--skip-agentic] [--out DIR]
 """
 
 from __future__ import annotations
@@ -121,7 +126,7 @@ def hop_breakdown(steps: list[dict], groups: list[dict], trajectories: list[dict
         add("rollout hop: dispatch to episode start (Celery)", last["start"] - last["dispatched"])
         add("episode: inference + environment", last["episode_s"])
         add("trajectory upload (S3 object; none when inline)", last["upload_s"])
-        add("scoring hop: uploaded to scorer start (Celery)", last["scoring_start"] - last["uploaded"])
+        add("scoring hop: uploaded to scoring start (Celery; none when scored in the worker)", last["scoring_start"] - last["uploaded"])
         add("scoring: trajectory read + reward", last["scoring_s"])
         add("scored to group assembled (stream, S3 bundle)", done[last["group_id"]]["time"] - last["scored"])
         add("  the trainer's assembly (reads, batch, record, spill)", done[last["group_id"]].get("assembly_s", float("nan")))
@@ -169,40 +174,59 @@ def trajectories_env(mode: str) -> dict[str, str]:
     return {"CONVEYOR_LEDGER__INLINE_MAX_BYTES": limit or "16384"}
 
 
+def count_lines(log: Path, needle: str) -> int:
+    """Lines of a service's log that hold ``needle`` (0 without the log)."""
+    return sum(needle in line for line in log.read_text(errors="replace").splitlines()) if log.exists() else 0
+
+
+SCORING_IN_WORKER = {"scorer": "never", "worker": "auto"}  # --scoring -> rewards.in_worker
+
+
 def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_sync: str,
-                      trajectories_mode: str = "default") -> dict:
+                      trajectories_mode: str = "default", scoring: str = "scorer") -> dict:
     """One Conveyor run at k = 0: its median step, and the step's hops (critical path)."""
     trajectories: list[dict] = []
     overrides = {**TRL_MATCHED, "CONVEYOR_TRAINER__TORCH_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
-                 **weight_sync_env(weight_sync), **trajectories_env(trajectories_mode)}
+                 **weight_sync_env(weight_sync), **trajectories_env(trajectories_mode),
+                 "CONVEYOR_REWARDS__IN_WORKER": SCORING_IN_WORKER[scoring]}
     before = load()
-    name = weight_sync.replace(":", "-") + ("" if trajectories_mode == "default" else f"-{trajectories_mode.replace(':', '-')}")
+    name = "-".join([weight_sync.replace(":", "-"), *([] if trajectories_mode == "default" else [trajectories_mode.replace(":", "-")]),
+                     scoring])
     run = run_learning(out / f"vs-trl-{name}", steps, 0, overrides=overrides, layout=layout,
                        inspect=lambda stack: trajectories.extend(trajectory_hops(stack)))
     (run.workdir / "trajectories.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trajectories))
     groups = [json.loads(line) for line in (run.workdir / "stack" / "metrics.jsonl").read_text().splitlines() if line]
     median = statistics.median(conveyor_breakdown(run.steps, groups)["wall"])
     parts = hop_breakdown(run.steps, groups, trajectories)
-    print(f"  Conveyor, weight sync {weight_sync}, trajectories {trajectories_mode}: median {median:.3f} s/step ({before} before, {load()} after); "
+    print(f"  Conveyor, weight sync {weight_sync}, trajectories {trajectories_mode}, scoring on the {scoring}: median "
+          f"{median:.3f} s/step ({before} before, {load()} after); "
           f"critical path through the step's last trajectory scored ({len(trajectories)} trajectories):", flush=True)
     print_parts(parts, median)
     sizes = sorted(t["json_bytes"] for t in trajectories)
     inline = sum(t["inline"] for t in trajectories)
     print(f"    trajectories' JSON: median {sizes[len(sizes) // 2]} B, max {sizes[-1]} B; {inline} of {len(sizes)} carried inline")
+    logs = run.workdir / "stack" / "logs"
+    where = {"in the worker": count_lines(logs / "worker-rollout.log", " in the worker: scored"),
+             "on the scorer": count_lines(logs / "worker-scoring.log", ": scored")}
+    print(f"    trajectories scored {where['in the worker']} in the rollout worker, {where['on the scorer']} on the scorer",
+          flush=True)
     return {"s_per_step": median, "load_before": before, "trajectories": len(trajectories), "inline": inline,
-            "json_bytes_median": sizes[len(sizes) // 2], "json_bytes_max": sizes[-1],
+            "json_bytes_median": sizes[len(sizes) // 2], "json_bytes_max": sizes[-1], "scored": where,
             "parts_median": {k: statistics.median(v) for k, v in parts.items()},
             "parts_mean": {k: statistics.fmean(v) for k, v in parts.items()}}
 
 
 def sync_vs_trl(out: Path, steps: int, threads: int, layout: str, weight_syncs: list[str],
-                trajectories_modes: tuple[str, ...] = ("default",), skip_trl: bool = False) -> dict:
+                trajectories_modes: tuple[str, ...] = ("default",), scorings: tuple[str, ...] = ("scorer",),
+                skip_trl: bool = False) -> dict:
+    against = "(no TRL run)" if skip_trl else f"against TRL {TRL_VERSION} GRPOTrainer"
     print(f"## sync step: Conveyor (k=0; weight sync {', '.join(weight_syncs)}; trajectories "
-          f"{', '.join(trajectories_modes)}) against TRL {TRL_VERSION} "
-          f"GRPOTrainer, layout {layout}, {steps} steps, torch threads {threads} on both sides (Conveyor's trainer and "
+          f"{', '.join(trajectories_modes)}; scoring on the {', '.join(scorings)}) {against}, "
+          f"layout {layout}, {steps} steps, torch threads {threads} on both sides (Conveyor's trainer and "
           f"workers: CONVEYOR_TRAINER__TORCH_THREADS and OMP_NUM_THREADS; vLLM its own)", flush=True)
-    conveyor = {mode if kept == "default" else f"{mode}/{kept}": conveyor_sync_run(out, steps, threads, layout, mode, kept)
-                for mode in weight_syncs for kept in trajectories_modes}
+    conveyor = {"/".join([mode, *([] if kept == "default" else [kept]), *([] if scoring == "scorer" else [scoring])]):
+                conveyor_sync_run(out, steps, threads, layout, mode, kept, scoring)
+                for mode in weight_syncs for kept in trajectories_modes for scoring in scorings}
     between = load()
     if len(conveyor) > 1:
         first, *others = conveyor
@@ -311,8 +335,12 @@ def main() -> None:
     parser.add_argument("--trajectories", default="default", help="comma list of the sync-vs-TRL runs' trajectory "
                         "paths, each run with each weight path: objects (an S3 object each), inline (the small ones in "
                         "the ledger's Redis; inline:N at most N bytes), default (as configured)")
+    parser.add_argument("--scoring", default="scorer", help="comma list of the sync-vs-TRL runs' places of scoring: "
+                        "scorer (the scorer service, its Celery hop) and/or worker (in the rollout worker: rewards.in_worker auto)")
+    parser.add_argument("--conveyor-only", action="store_true",
+                        help="the sync step's Conveyor runs (--weight-sync x --trajectories x --scoring) without the TRL run")
     parser.add_argument("--skip-trl", action="store_true",
-                        help="no TRL run; the sync runs (several --weight-sync or --trajectories) still run when given")
+                        help="no TRL run; the sync step's Conveyor runs still run when more than one is asked for")
     parser.add_argument("--skip-agentic", action="store_true")
     parser.add_argument("--out", type=Path, help="default: a temp dir")
     args = parser.parse_args()
@@ -320,10 +348,13 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     print(f"# loop speed: {os.cpu_count()} CPUs, {load()}; out {out}", flush=True)
     results: dict = {}
-    modes = args.trajectories.split(",")
-    if not args.skip_trl or len(modes) > 1 or "," in args.weight_sync:
+    modes, scorings = args.trajectories.split(","), args.scoring.split(",")
+    if unknown := set(scorings) - set(SCORING_IN_WORKER):
+        parser.error(f"--scoring: {sorted(unknown)} not among {sorted(SCORING_IN_WORKER)}")
+    variants = len(modes) * len(scorings) * len(args.weight_sync.split(","))
+    if args.conveyor_only or not args.skip_trl or variants > 1:
         results["sync_vs_trl"] = sync_vs_trl(out, args.steps, args.threads, args.layout, args.weight_sync.split(","),
-                                             tuple(modes), args.skip_trl)
+                                             tuple(modes), tuple(scorings), args.skip_trl or args.conveyor_only)
         (out / "loop_speed.json").write_text(json.dumps(results, indent=1))
     if not args.skip_agentic:
         results["agentic"] = agentic(out, args.agentic_steps, [int(k) for k in args.ks.split(",")],

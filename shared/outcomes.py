@@ -19,7 +19,7 @@ from dataclasses import dataclass
 class RolloutOutcome(str, enum.Enum):
     """What a rollout worker did with one request of a task."""
 
-    uploaded = "uploaded"  # the trajectory is in storage and a scoring task is published
+    uploaded = "uploaded"  # the trajectory is in storage, and scored in the worker or its scoring task published
     requeued = "requeued"  # a known infra error with attempts left: queued again after a backoff
     handed_back = "handed_back"  # the worker is shutting down: queued again, no attempt spent
     failed = "failed"  # the ledger holds it as failed, with a reason

@@ -17,7 +17,7 @@ import kombu.exceptions
 import redis.exceptions
 
 from services.intake.datasets import DatasetError
-from services.scorer.rewards import RewardError
+from shared.scoring.rewards import RewardError
 from shared.environments import EnvironmentConfigError, EnvironmentUnavailable
 from shared.model_source import ModelSourceError
 from shared.outage import OutageTooLong, redact_url, say_back_now

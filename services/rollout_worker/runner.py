@@ -15,7 +15,9 @@ Invariants, per trajectory:
   scoring task names its inline ref.
 - Only the lease owner moves it on, storing its scoring task in the same ledger call; the task
   is then sent in a batch with the others of the process (``scoring_outbox``), and the scoring
-  reaper sends it should this process die first.
+  reaper sends it should this process die first. Where the reward functions may run in the
+  worker (``worker_scoring``), the bundle's trajectories are scored here right after that move,
+  through the scorer's own steps, and only what could not be scored here is sent.
 - An outage of Redis or of the S3 server is waited out by the ledger and the store
   (``shared.outage``); an outage of inference by the inference client (``inference_gate``).
   Neither is an ``infra_error`` nor costs an attempt. Inference unreachable for longer than
@@ -64,6 +66,7 @@ from services.rollout_worker.inference_client import InferenceClient, InferenceO
 from services.rollout_worker.sandbox.errors import SandboxInfraError
 from services.rollout_worker.scoring_outbox import ScoringOutbox
 from services.rollout_worker.upload_outbox import UploadOutbox
+from services.rollout_worker.worker_scoring import WorkerScoring
 from shared.environments import EnvironmentConfigError, EnvironmentUnavailable, registry_for
 from shared.inline_trajectories import inline_json, inline_ref
 from shared.state.leases import LeaseKeeper
@@ -110,13 +113,14 @@ class RolloutContext:
     agent_proxy: AgentProxy | None = None  # started on the first agent-driven episode (agent_proxy_of)
     _agent_proxy_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     served_versions: dict[str, ServedVersion] = field(default_factory=dict)  # run id -> its version, read shared
+    worker_scoring: WorkerScoring | None = None  # scores uploads here, no scoring hop (rewards.in_worker)
 
 
 async def run_requests(ctx: RolloutContext, requests: list[RolloutRequest]) -> dict[str, RolloutResult]:
     """Returns trajectory id -> what happened to it."""
     claims = await asyncio.to_thread(ctx.leases.claim_many, [(r.trajectory_id, "") for r in requests])  # one round trip
     rollout = ctx.settings.rollout
-    uploads: Uploads = UploadOutbox(lambda finished: upload_bundle(ctx, finished),
+    uploads: Uploads = UploadOutbox(lambda finished: upload_and_score(ctx, finished),
                                     [r.trajectory_id for r, (token, _) in zip(requests, claims) if token is not None],
                                     rollout.upload_linger_s, rollout.upload_bundle_max)
     stops = await asyncio.to_thread(lambda: {run: stop_of(ctx.redis, run) for run in {r.run_id for r in requests}})
@@ -238,6 +242,16 @@ def _put_objects(store: ObjectStore, members: list[FinishedEpisode]) -> dict[str
     key = trajectory_bundle_key(first.request.run_id, first.request.group_id, first.trajectory_id, first.attempt, first_token)
     refs = put_bundle(store, key, [trajectory for trajectory, _ in members])  # artifacts: their drivers wrote them
     return {trajectory.trajectory_id: ref for (trajectory, _), ref in zip(members, refs)}
+
+
+def upload_and_score(ctx: RolloutContext, finished: list[FinishedEpisode]) -> list[HandedOn]:
+    """``upload_bundle``, then, with ``ctx.worker_scoring``, the scoring of what it moved: each
+    trajectory scored here hands on no scoring task."""
+    handed_on = upload_bundle(ctx, finished)
+    if ctx.worker_scoring is None:
+        return handed_on
+    to_send = ctx.worker_scoring.score_uploaded([(trajectory, task) for (trajectory, _), (_, task) in zip(finished, handed_on)])
+    return [(result, task) for (result, _), task in zip(handed_on, to_send)]
 
 
 def _after_upload(ctx: RolloutContext, trajectory: Trajectory, scoring: ScoringTask, moved: TransitionResult) -> HandedOn:

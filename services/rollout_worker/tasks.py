@@ -17,6 +17,9 @@ Invariants:
 - On SIGTERM (a warm shutdown) the worker takes nothing more; running episodes get
   ``rollout.shutdown_grace_s`` to finish, then are cancelled and handed back through the
   ledger (``in_flight``), so the process exits soon after the grace period with nothing lost.
+- Where every reward function is declared cheap and ``rewards.in_worker`` is ``auto``, the
+  process scores its own uploads (``worker_scoring``) under a scoring lease of its own, renewed
+  by a second heartbeat; the scorer service's reaper finishes what it leaves should it die.
 - The process never imports torch: it only tokenizes, and ``tokenizer_loading`` builds
   ``AutoTokenizer``'s tokenizer without it (``tests/unit/test_rollout_worker_imports.py``).
 """
@@ -39,6 +42,7 @@ from services.rollout_worker.runner import RolloutContext, run_requests
 from services.rollout_worker.sandbox.providers import configure as configure_sandbox_providers
 from services.rollout_worker.sandbox.worker_janitor import SandboxJanitor
 from services.rollout_worker.scoring_outbox import ScoringOutbox
+from services.rollout_worker.worker_scoring import worker_scoring_for
 from shared.celery_app import make_celery, publish_rollouts, publish_rollouts_by_group, publish_scoring
 from shared.state.leases import LeaseKeeper, LeaseReaper, settle_s
 from shared.redis_clients import broker_client
@@ -73,11 +77,12 @@ def _context() -> RolloutContext:
 
             leases = LeaseKeeper(ledger, settings.ledger.lease_ttl_s, settings.ledger.heartbeat_s, on_lost=cancel_lost)
             leases.start()
+            store = open_store(settings.storage, settings.outage)
             _ctx = RolloutContext(
                 in_flight=in_flight,
                 settings=settings,
                 ledger=ledger,
-                store=open_store(settings.storage, settings.outage),
+                store=store,
                 leases=leases,
                 chat=load_chat_tokens(resolve_model_source(settings.inference.model_path).value,
                                       settings.rollout.agent_proxy.prompt_cache_bytes),
@@ -87,6 +92,7 @@ def _context() -> RolloutContext:
                 worker_name=f"{socket.gethostname()}:{os.getpid()}",
                 inference=background_loop().run(_make_inference_client()),
                 redis=client,
+                worker_scoring=worker_scoring_for(settings, ledger, store),
             )
         return _ctx
 
@@ -185,3 +191,5 @@ def _stop_background(**_: object) -> None:
         _janitor.stop()
     if _ctx:
         _ctx.leases.stop()
+        if _ctx.worker_scoring:
+            _ctx.worker_scoring.scorer.leases.stop()

@@ -1,6 +1,6 @@
 """Celery entry point of the scorer: ``celery -A services.scorer.tasks worker -Q scoring``.
 
-Each task scores one trajectory (``services.scorer.scorer``) under a scoring lease. Every
+Each task scores one trajectory (``shared.scoring.scorer``) under a scoring lease. Every
 scoring worker process renews the leases it holds and runs a scoring reaper: from its start
 (a sweep for leases left by scorers that died while none was running), then every
 ``ledger.reaper_interval_s``. A scorer killed mid-task therefore delays its trajectories by at
@@ -21,8 +21,8 @@ import logging
 
 from celery.signals import worker_ready, worker_shutdown
 
-from services.scorer.rewards import RewardCombiner
-from services.scorer.scorer import Scorer
+from shared.scoring.rewards import RewardCombiner
+from shared.scoring.scorer import Scorer
 from shared.celery_app import make_celery, publish_scoring, scoring_tasks_of
 from shared.state.dead_letters import DeadLetters
 from shared.state.leases import LeaseKeeper, LeaseReaper, one_by_one, settle_s

@@ -69,11 +69,16 @@ class IntakeSettings(Section):
 class RewardSettings(Section):
     # reward function name -> weight; names are built-ins or "module:function"
     weights: dict[str, Float] = Field(default_factory=lambda: {"verifier": 1.0, "format": 0.1})
+    # where trajectories are scored: "auto", in the rollout worker that uploaded them, with no
+    # scoring hop, when every function of ``weights`` is declared cheap (shared.scoring.rewards:
+    # in_worker), else on the scorer; "never", always on the scorer. Either way the scorer
+    # service runs: its reaper finishes what a worker that died mid-scoring left.
+    in_worker: Literal["auto", "never"] = "never"
 
     @field_validator("weights")
     @classmethod
     def _import_paths_import(cls, weights: dict[str, float]) -> dict[str, float]:
         for name in weights:
-            if ":" in name:  # the built-ins' names are checked by the scorer (services.scorer.rewards)
+            if ":" in name:  # the built-ins' names are checked by the scorer (shared.scoring.rewards)
                 import_callable(name, "reward function")
         return weights

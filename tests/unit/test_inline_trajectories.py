@@ -15,8 +15,8 @@ from test_groups import GROUP_SIZE, clean_env, drain, register_groups, settings,
 from test_runner_failures import Harness, chat  # noqa: F401 (chat: the tokenizer fixture)
 
 from services.rollout_worker.runner import upload_bundle
-from services.scorer.rewards import RewardCombiner
-from services.scorer.scorer import Scorer
+from shared.scoring.rewards import RewardCombiner
+from shared.scoring.scorer import Scorer
 from services.trainer.consumer import TrainerConsumer
 from services.trainer.export import export_records
 from services.viewer.data import ViewerData

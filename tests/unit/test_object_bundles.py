@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from test_ledger import requests_for
 
-from services.scorer.rewards import RewardCombiner
-from services.scorer.scorer import Scorer
+from shared.scoring.rewards import RewardCombiner
+from shared.scoring.scorer import Scorer
 from shared.state.dead_letters import DeadLetters
 from shared.state.leases import LeaseKeeper
 from shared.state.ledger import SCORING, Ledger

@@ -10,8 +10,8 @@ import time
 import pytest
 from test_ledger import requests_for, stream_events
 
-from services.scorer.rewards import RewardCombiner
-from services.scorer.scorer import Scorer
+from shared.scoring.rewards import RewardCombiner
+from shared.scoring.scorer import Scorer
 from shared.celery_app import scoring_tasks_of
 from shared.state.dead_letters import DeadLetters
 from shared.state.leases import LeaseKeeper, LeaseReaper, one_by_one

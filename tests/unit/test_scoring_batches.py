@@ -12,8 +12,8 @@ from test_ledger import requests_for
 from test_scorer_leases import upload
 
 from services.rollout_worker.scoring_outbox import ScoringOutbox
-from services.scorer.rewards import RewardCombiner
-from services.scorer.scorer import Scorer
+from shared.scoring.rewards import RewardCombiner
+from shared.scoring.scorer import Scorer
 from shared.state.dead_letters import DeadLetters
 from shared.state.leases import LeaseKeeper, LeaseReaper, one_by_one
 from shared.state.ledger import SCORING, Ledger

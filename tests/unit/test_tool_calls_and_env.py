@@ -14,7 +14,7 @@ from shared.environments import AgentAction
 from services.rollout_worker.environments.guess_number import GuessNumberEnv
 from services.rollout_worker.environments.qa import QuestionAnswerEnv
 from services.rollout_worker.tool_calls import parse_tool_calls
-from services.scorer.rewards import RewardCombiner, RewardError, resolve
+from shared.scoring.rewards import RewardCombiner, RewardError, resolve
 from shared.schemas import RolloutRequest, StopReason, TaskProfile, ToolCall, Trajectory, Turn
 
 # --- parse_tool_calls ---------------------------------------------------------------------

@@ -24,6 +24,10 @@ Invariants:
 - A reward function that fails, or a trajectory object that cannot be read, fails the
   trajectory with the reason; the worker goes on. Anything else (a storage outage on write, a
   bug) raises: the lease runs out and the reaper retries, up to ``max_attempts``.
+- Scoring is the same wherever it runs: a caller that still holds a trajectory in memory (the
+  rollout worker that uploaded it, ``services.rollout_worker.worker_scoring``) passes it to
+  ``score_batch`` instead of the object being read back; the claim, the ScoredTrajectory, its
+  bundle and the ledger's moves are this module's, one code path.
 """
 
 from __future__ import annotations
@@ -31,15 +35,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Mapping
 
-from services.scorer.rewards import RewardCombiner, RewardError
+from shared.scoring.rewards import RewardCombiner, RewardError
 from shared.state.dead_letters import DeadLetters
 from shared.ids import parse_trajectory_id
 from shared.state.leases import LeaseKeeper
 from shared.state.ledger import SCORING
 from shared.names import scored_bundle_key
 from shared.prometheus import SCORING_SECONDS
-from shared.schemas import BadMessage, ScoredEvent, ScoredTrajectory, ScoringTask
+from shared.schemas import BadMessage, ScoredEvent, ScoredTrajectory, ScoringTask, Trajectory
 from shared.inline_trajectories import read_trajectory
 from shared.storage import ObjectStore, StorageError, put_bundle
 
@@ -57,10 +62,13 @@ class Scorer:
         """Returns "scored", "failed" or "skipped:<blocking state>"."""
         return self.score_batch([task])[0]
 
-    def score_batch(self, tasks: list[ScoringTask]) -> list[str]:
+    def score_batch(self, tasks: list[ScoringTask], in_memory: Mapping[str, Trajectory] | None = None) -> list[str]:
         """Claims every task of a message first (one round trip), then scores them, then hands
         them all on (one round trip). A scorer that dies mid-batch leaves a lease on each one it
-        has not handed on, and the reaper re-dispatches each, as it would a message of one."""
+        has not handed on, and the reaper re-dispatches each, as it would a message of one.
+        ``in_memory``: trajectory id -> the uploaded Trajectory its caller still holds (the
+        object under the task's key), scored without reading it back."""
+        in_memory = in_memory or {}
         outcomes: list[str] = [""] * len(tasks)
         held: list[tuple[int, str, int]] = []  # (index, token, attempt)
         claims = self.leases.claim_many([(task.trajectory_id, task.model_dump_json()) for task in tasks])
@@ -76,7 +84,7 @@ class Scorer:
             scorings: list[tuple[int, str, int, ScoredTrajectory]] = []  # (index, token, attempt, scored)
             for index, token, attempt in held:
                 with SCORING_SECONDS.time():
-                    scored = self._score(tasks[index], token)
+                    scored = self._score(tasks[index], token, in_memory.get(tasks[index].trajectory_id))
                 if isinstance(scored, str):
                     outcomes[index] = scored
                 else:
@@ -114,12 +122,13 @@ class Scorer:
                 moves.append((index, (scored.trajectory_id, event, token)))
         return moves
 
-    def _score(self, task: ScoringTask, token: str) -> ScoredTrajectory | str:
-        """Reward the trajectory; its ScoredTrajectory, or the outcome when the trajectory failed here."""
+    def _score(self, task: ScoringTask, token: str, known: Trajectory | None = None) -> ScoredTrajectory | str:
+        """Reward the trajectory (``known``, or the object under the task's key); its
+        ScoredTrajectory, or the outcome when the trajectory failed here."""
         started = time.perf_counter()
         trajectory_id, key = task.trajectory_id, task.trajectory_key
         try:
-            trajectory = read_trajectory(self.store, self.leases.ledger, key)
+            trajectory = known if known is not None else read_trajectory(self.store, self.leases.ledger, key)
             reward, components = self.combiner.score(trajectory)
         except (StorageError, RewardError, ValueError) as exc:
             moved = self.leases.ledger.fail(trajectory_id, f"scoring_error: {exc}", token=token)
