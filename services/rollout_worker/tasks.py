@@ -92,7 +92,7 @@ def _context() -> RolloutContext:
                 worker_name=f"{socket.gethostname()}:{os.getpid()}",
                 inference=background_loop().run(_make_inference_client()),
                 redis=client,
-                worker_scoring=worker_scoring_for(settings, ledger, store),
+                worker_scoring=worker_scoring_for(settings, ledger, store, client),
             )
         return _ctx
 

@@ -30,6 +30,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import redis
+
 from shared.schemas import ScoringTask, Trajectory
 from shared.scoring.rewards import RewardCombiner
 from shared.scoring.scorer import Scorer
@@ -65,10 +67,11 @@ class WorkerScoring:
         return [None] * len(uploaded)
 
 
-def worker_scoring_for(settings: Settings, ledger: Ledger, store: ObjectStore) -> WorkerScoring | None:
+def worker_scoring_for(settings: Settings, ledger: Ledger, store: ObjectStore, client: redis.Redis) -> WorkerScoring | None:
     """This process's in-worker scoring, its scoring lease heartbeat started, when the settings
     allow it (``rewards.in_worker: auto``) and every reward function is declared cheap; else None
-    (the scorer scores everything). A bad reward configuration fails here, at start."""
+    (the scorer scores everything); ``client``: the ledger's Redis, for the dead letters. A bad
+    reward configuration fails here, at start."""
     if settings.rewards.in_worker == "never":
         return None
     combiner = RewardCombiner(settings.rewards.weights, settings.rollout.max_episode_tokens)
@@ -79,4 +82,4 @@ def worker_scoring_for(settings: Settings, ledger: Ledger, store: ObjectStore) -
     leases = LeaseKeeper(ledger, settings.ledger.lease_ttl_s, settings.ledger.heartbeat_s, SCORING)
     leases.start()
     log.info("trajectories are scored in this worker (rewards.in_worker: auto; %s)", sorted(combiner.functions))
-    return WorkerScoring(Scorer(store, combiner, leases, DeadLetters(ledger.redis)))
+    return WorkerScoring(Scorer(store, combiner, leases, DeadLetters(client)))

@@ -98,7 +98,7 @@ def test_the_worker_scores_a_trajectory_as_the_scorer_service_would(harness, led
     in_the_worker, on_the_scorer = (r.trajectory_id for r in requests)
     tokens = claimed(ledger, requests)
     settings = load_settings(run_id=run_id, rewards={"in_worker": "auto"})  # the default weights: verifier, format
-    worker_scoring = worker_scoring_for(settings, ledger, store)
+    worker_scoring = worker_scoring_for(settings, ledger, store, ledger.redis)
     assert worker_scoring is not None
     try:
         handed_on = upload_and_score(context(harness, settings, worker_scoring), [finished(requests[0], tokens[0])])
@@ -132,7 +132,7 @@ def test_a_reward_that_raises_fails_the_trajectory_in_the_worker_as_on_the_score
     tokens = claimed(ledger, requests)
     settings = load_settings(run_id=run_id, rewards={"in_worker": "auto", "weights": {
         "verifier": 1.0, f"{__name__}:declared_but_raises": 1.0}})
-    worker_scoring = worker_scoring_for(settings, ledger, store)
+    worker_scoring = worker_scoring_for(settings, ledger, store, ledger.redis)
     assert worker_scoring is not None
     try:
         assert [task for _, task in upload_and_score(context(harness, settings, worker_scoring),
@@ -152,13 +152,13 @@ def test_a_reward_not_declared_cheap_or_in_worker_never_leaves_every_score_to_th
     with_a_judge = load_settings(run_id=run_id, rewards={"in_worker": "auto", "weights": {"verifier": 1.0, undeclared: 0.5}})
     assert RewardCombiner(with_a_judge.rewards.weights).not_in_worker == [undeclared]
     assert RewardCombiner({"verifier": 1.0, "format": 0.1, "brevity": 0.1}).not_in_worker == []  # the built-ins qualify
-    assert worker_scoring_for(with_a_judge, ledger, store) is None
-    assert worker_scoring_for(load_settings(run_id=run_id, rewards={"in_worker": "never"}), ledger, store) is None
+    assert worker_scoring_for(with_a_judge, ledger, store, ledger.redis) is None
+    assert worker_scoring_for(load_settings(run_id=run_id, rewards={"in_worker": "never"}), ledger, store, ledger.redis) is None
     assert load_settings().rewards.in_worker == "never"  # the default: the scorer scores
 
     [request] = requests_for(run_id, size=1)
     [token] = claimed(ledger, [request])
-    [(result, task)] = upload_and_score(context(harness, with_a_judge, worker_scoring_for(with_a_judge, ledger, store)),
+    [(result, task)] = upload_and_score(context(harness, with_a_judge, worker_scoring_for(with_a_judge, ledger, store, ledger.redis)),
                                         [finished(request, token)])
     assert str(result) == "uploaded" and task is not None  # sent to the scorer (the scoring outbox)
     assert ledger.state(request.trajectory_id) == "uploaded" and ledger.attempts(request.trajectory_id, SCORING) == 0
@@ -209,7 +209,7 @@ def test_a_worker_killed_between_upload_and_score_loses_and_duplicates_nothing(t
         dead_token = ledger.lease_owner(holding_lease, SCORING)
         assert dead_token and ledger.state(holding_lease) == "uploaded" and ledger.attempts(holding_lease, SCORING) == 1
 
-        live = worker_scoring_for(settings, ledger, store)
+        live = worker_scoring_for(settings, ledger, store, ledger.redis)
         assert live is not None
         try:
             [(_, task)] = upload_and_score(context(harness, settings, live), [finished(requests[2], tokens[2])])
