@@ -62,10 +62,12 @@ def test_each_stacks_janitor_removes_only_its_own_expired_sandboxes(make_spec, d
         assert containers_of_stack(stacks[1]) == set()
         assert docker_client.api.inspect_container(legacy)["Id"] == legacy
 
-    # a sandbox as an older Conveyor labelled it: run and trajectory, no stack; expired long ago
+    # a sandbox as an older Conveyor labelled it: run and trajectory, no stack; expired long ago.
+    # The busybox image carries its builder's conveyor.stack, and a container inherits its image's
+    # labels; it can only blank that one (LABEL_STACK ""), which counts as no stack
     legacy = docker_client.api.create_container(busybox_image, command=["sleep", "60"], labels={
         LABEL_RUN_ID: sandbox_run_id, LABEL_TRAJECTORY_ID: f"{sandbox_run_id}_legacy", LABEL_CREATED_AT: "1.0",
-        LABEL_TTL: "1"})["Id"]
+        LABEL_TTL: "1", LABEL_STACK: ""})["Id"]
     try:
         asyncio.run(scenario())
     finally:

@@ -5,8 +5,9 @@ Invariants:
 - It only ever touches containers of its own stack: those carrying ``conveyor.trajectory_id``
   and ``conveyor.stack=<its stack id>`` (``shared.stack_id``). Another stack's sandboxes on the
   same daemon are never listed, so never removed, expired or not.
-- Sandboxes with no ``conveyor.stack`` label (made before the label existed) belong to no stack
-  it can vouch for: they are left alone. ``legacy_sandboxes`` lists them so that the caller can
+- Sandboxes with no ``conveyor.stack`` label, or an empty one (made before the label existed;
+  a container can only blank a label its image gives it, not drop it), belong to no stack it
+  can vouch for: they are left alone. ``legacy_sandboxes`` lists them so that the caller can
   say once how to remove them by hand.
 - Of its own stack's, it removes one when it is past ``conveyor.created_at + conveyor.ttl``,
   when ``is_terminal(trajectory_id)`` says its trajectory is over, or when its time labels are
@@ -59,9 +60,10 @@ def reap(where: SandboxProvider | docker.DockerClient, *, stack_id: str, is_term
 
 
 def legacy_sandboxes(where: SandboxProvider | docker.DockerClient) -> list[str]:
-    """Ids of sandbox containers without a ``conveyor.stack`` label, which no janitor removes."""
+    """Ids of sandbox containers without a ``conveyor.stack`` label (or with an empty one), which
+    no janitor removes."""
     return [listed.id for listed in _as_provider(where).list_sandboxes([LABEL_TRAJECTORY_ID])
-            if LABEL_STACK not in listed.labels]
+            if not listed.labels.get(LABEL_STACK)]
 
 
 def _as_provider(where: SandboxProvider | docker.DockerClient) -> SandboxProvider:
