@@ -19,7 +19,7 @@ Invariants:
 - Redis holds an inline trajectory only while it is in flight: the ledger's move into
   ``consumed`` or ``failed`` (and a lease expiring for the last time) deletes it in the same
   call. So its memory is at most ``inline_max_bytes`` per trajectory uploaded or scored and
-  not yet consumed (16,384 in flight at the default 16 KiB: at most 256 MiB).
+  not yet consumed (16,384 in flight at 16 KiB: at most 256 MiB).
 - Before the trainer consumes a group it writes the group's inline members as one bundle
   (``spill_group``; ``shared.names.inline_spill_key``), so a consumed trajectory is read from
   there, by the same ref. A trajectory failed after its upload keeps no copy (the ledger keeps
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from shared.ids import parse_trajectory_id
 from shared.names import inline_spill_key
@@ -115,15 +115,20 @@ def spilled_trajectory(store: ObjectStore, trajectory_id: str, attempt: int | No
     return None
 
 
-def spill_group(store: ObjectStore, redis: Any, run_id: str, group_id: int, refs: Sequence[str]) -> str | None:
+def spill_group(store: ObjectStore, redis: Any, run_id: str, group_id: int, refs: Sequence[str],
+                known: Mapping[str, Trajectory] | None = None) -> str | None:
     """Before a decided group's members are consumed (which deletes their inline copies): its
-    inline members, read wherever they are, written as one bundle; its key, or None when it has
-    none. Written again on a replay, it holds the same trajectories."""
+    inline members written as one bundle; its key, or None when it has none. ``known``: ref ->
+    Trajectory already read (the group's decision read them), so only the others are read
+    again. Written again on a replay, it holds the same trajectories."""
     inline = [ref for ref in refs if is_inline_ref(ref)]
     if not inline:
         return None
+    known = known or {}
+    missing = [ref for ref in inline if ref not in known]
+    read = dict(zip(missing, read_trajectories(store, redis, missing))) if missing else {}
     key = inline_spill_key(run_id, group_id)
-    put_bundle(store, key, read_trajectories(store, redis, inline))
+    put_bundle(store, key, [known[ref] if ref in known else read[ref] for ref in inline])
     return key
 
 

@@ -75,7 +75,9 @@ from shared.schemas import (
     BadMessage,
     GroupRecord,
     GroupRegistration,
+    ScoredEvent,
     TrainerEvent,
+    Trajectory,
     parse_message,
 )
 from shared.settings import Settings
@@ -224,10 +226,17 @@ class TrainerConsumer:
         """Apply the group's decision (``services.trainer.group_decision``)."""
         started = time.perf_counter()
         registration = self._registration(group.group_id)
-        decision = decide_group(group, self.run_id, self.settings.trainer, self.group_filters,
-                                lambda event: trajectory_of_event(self.store, event, self.client),
+        read: dict[str, Trajectory] = {}  # ref -> the member the decision read: the spill reuses it
+
+        def read_member(event: ScoredEvent) -> Trajectory:
+            trajectory = trajectory_of_event(self.store, event, self.client)
+            if event.trajectory_key:
+                read[event.trajectory_key] = trajectory
+            return trajectory
+
+        decision = decide_group(group, self.run_id, self.settings.trainer, self.group_filters, read_member,
                                 None if self.budget is None else self._is_stale)
-        spill = self._spill(group)  # beside the batch and the record: off the group's critical path
+        spill = self._spill(group, read)  # beside the batch and the record: off the group's critical path
         batch_object = None
         if decision.batch is not None:
             batch_object = batch_key(self.run_id, group.group_id)
@@ -256,15 +265,16 @@ class TrainerConsumer:
 
         self._commit(group.group_id, fill)
 
-    def _spill(self, group: PendingGroup) -> Future[str | None] | None:
+    def _spill(self, group: PendingGroup, read: dict[str, Trajectory]) -> Future[str | None] | None:
         """The group's members carried inline, being written to its spill in a thread
-        (``shared.inline_trajectories.spill_group``); None when it has none."""
+        (``shared.inline_trajectories.spill_group``; ``read``: those the decision already read);
+        None when it has none."""
         refs = [e.trajectory_key or "" for e in group.scored]
         if not any(map(is_inline_ref, refs)):
             return None
         if self._spiller is None:
             self._spiller = ThreadPoolExecutor(1, thread_name_prefix="inline-spill")
-        return self._spiller.submit(spill_group, self.store, self.client, self.run_id, group.group_id, refs)
+        return self._spiller.submit(spill_group, self.store, self.client, self.run_id, group.group_id, refs, read)
 
     def _is_stale(self, oldest_policy_version: int) -> bool:
         budget = self.budget
