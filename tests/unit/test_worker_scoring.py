@@ -190,6 +190,9 @@ def test_a_worker_killed_between_upload_and_score_loses_and_duplicates_nothing(t
         scoring_worker = stack.start_scoring_worker()
         # ready first: a lease taken within a second of Redis' start would be forgiven its attempt
         wait_for(lambda: " ready." in scoring_worker.log_path.read_text(), scoring_worker)
+        # ...and past the reaper's forgiveness: a lease whose deadline falls within 1 s (plus the
+        # whole-second uptime's rounding) of Redis' start does not count its attempt (leases._forgive_before)
+        wait_for(lambda: ledger.server_uptime_s() >= 3, scoring_worker)
         harness = Harness(ledger, store, chat, run_id)
         requests = requests_for(run_id, size=3)
         before_claim, holding_lease, scored_here = (r.trajectory_id for r in requests)
