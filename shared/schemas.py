@@ -42,7 +42,7 @@ from pydantic import (
     model_validator,
 )
 
-SCHEMA_VERSION = "1.2"
+SCHEMA_VERSION = "1.3"  # 1.3: RolloutRequest.inference (a run's own inference server)
 
 
 class Message(BaseModel):
@@ -95,6 +95,19 @@ class TaskProfile(Message):
     dataset_version: str = ""  # label@content-hash of the dataset intake read it from
 
 
+class InferenceTarget(BaseModel):
+    """A run's own inference server, which its rollouts call instead of the rollout workers'
+    configured one (``inference.own_server``; ``conveyor run submit --own-inference`` starts one)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    base_url: str  # as the rollout workers reach it
+    model: str  # the served name
+    model_path: str  # the tokenizer's (the run's policy's) directory or Hugging Face name
+    max_model_len: int = Field(gt=0)
+    lora_adapters: bool = False  # the server serves one LoRA adapter per policy version
+
+
 class RolloutRequest(Message):
     """One trajectory to roll out. Carried by rollout tasks, stored in the ledger for re-dispatch."""
 
@@ -109,6 +122,7 @@ class RolloutRequest(Message):
     task: TaskProfile
     policy_version: int = 0  # the policy version when intake dispatched the group
     dispatched_at: float  # unix time; queue wait is measured from here
+    inference: InferenceTarget | None = None  # the run's own server; None: the rollout workers' inference settings
 
     @property
     def task_seed(self) -> int:

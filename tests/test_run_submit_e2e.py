@@ -6,7 +6,9 @@ What a user relies on: a run submitted with ``--detach`` is ended by ``conveyor 
 supervisor and weight follower with it, while the stack stays up; a second run submitted in the
 foreground meanwhile goes to its end on the same workers with exact ledger counts and the command
 exits 0; ``conveyor run logs`` then shows each of its processes. (One test: the two runs overlap,
-which keeps it short.)
+which keeps it short.) And two runs that train at once: one on the stack's vLLM, which its
+follower then holds, and one submitted with ``--own-inference``, whose rollouts the same workers
+send to the vLLM that run launched; both end with exact ledgers, each on its own policy.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from services.cli.demo import write_demo_dataset
 from services.cli.local_stack import LocalStack
 from shared.state.group_registry import GroupRegistry
 from shared.state.ledger import Ledger
+from shared.state.policy_version import PolicyVersion
+from shared.state.replica_holders import ReplicaHolders
 
 pytestmark = pytest.mark.slow
 
@@ -41,15 +45,19 @@ def workers(tmp_path_factory, served_model):
         yield stack
 
 
-def _config(tmp_path: Path, run_id: str, groups: int) -> Path:
+def _config(tmp_path: Path, run_id: str, groups: int, trains: bool = False) -> Path:
+    """``trains``: the run trains a step per group (else it only assembles groups)."""
     config = tmp_path / f"{run_id}.yaml"
+    # zero-variance groups kept: the tiny model often scores a group all 0, and each run must train its steps
+    training = (f"  mode: train\n  max_off_policy_steps: 1\n  groups_per_step: 1\n  zero_variance_groups: keep\n"
+                f"  step_metrics_path: {tmp_path / run_id}-steps.jsonl\n") if trains else ""
     config.write_text(
         f"run_id: {run_id}\nruns_dir: {tmp_path / 'runs'}\n"
         f"intake:\n  dataset: {write_demo_dataset(tmp_path / f'{run_id}.jsonl', groups)}\n"
         f"rollout:\n  group_size: {GROUP_SIZE}\n  max_turns: 2\n  max_tokens_per_turn: 16\n"
         f"rewards:\n  weights: {json.dumps(REWARD_WEIGHTS)}\n"
-        f"trainer:\n  metrics_path: {tmp_path / run_id}-groups.jsonl\n"
-        f"inference:\n  weights_dir: {tmp_path / 'weights'}\n")
+        f"trainer:\n  metrics_path: {tmp_path / run_id}-groups.jsonl\n{training}"
+        f"inference:\n  weights_dir: {tmp_path / 'weights' / run_id}\n  eager: true\n")
     return config
 
 
@@ -102,3 +110,35 @@ def test_a_submitted_run_ends_with_exact_counts_beside_a_detached_run_that_run_s
     assert any(line.startswith("trainer submitted: ") for line in by_process["trainer"])
     only = _conveyor(workers, "run", "logs", "submitted", "--config", str(config), "--process", "intake", "--lines", "1")
     assert only.stdout.splitlines() == [by_process["intake"][-1]], only.stdout
+
+
+def test_two_training_runs_at_once_one_on_the_stacks_vllm_and_one_on_its_own(workers, tmp_path):
+    shared_run = _config(tmp_path, "onshared", 2, trains=True)
+    first = _conveyor(workers, "run", "submit", str(shared_run), "--detach")
+    assert first.returncode == 0, first.stderr
+    supervisor = int(re.search(r"its supervisor is pid (\d+)", first.stdout).group(1))
+    poll("run onshared's follower holds the stack's vLLM", 120,
+         lambda: [h.run_id for h in ReplicaHolders(workers.redis_client()).holders(workers.env["CONVEYOR_INFERENCE__BASE_URL"])]
+         == ["onshared"],
+         every_s=0.2)
+
+    own_run = _config(tmp_path, "onown", 2, trains=True)
+    done = _conveyor(workers, "run", "submit", str(own_run), "--own-inference", timeout_s=900)
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    url = re.search(r"^run onown: its inference server (http://\S+) is up after", done.stdout, re.M).group(1)
+    assert url != workers.env["CONVEYOR_INFERENCE__BASE_URL"]
+    assert done.stdout.splitlines()[-1] == f"run onown done: trajectories {2 * GROUP_SIZE} consumed", done.stdout
+    poll("run onshared's supervisor exited", 600, lambda: not process_running(supervisor))
+    shared_log = (tmp_path / "runs" / "onshared" / "logs" / "supervisor.log").read_text()
+    assert f"run onshared done: trajectories {2 * GROUP_SIZE} consumed" in shared_log, shared_log
+
+    ledger = Ledger(workers.redis_client())
+    for run_id, server in (("onshared", None), ("onown", url)):
+        assert ledger.counts(run_id)["consumed"] == 2 * GROUP_SIZE
+        requests = [ledger.request(tid) for tid in ledger.states(run_id)]
+        assert {r.inference.base_url if r.inference else None for r in requests} == {server}
+        steps = [json.loads(line) for line in (tmp_path / f"{run_id}-steps.jsonl").read_text().splitlines()]
+        assert [s["step"] for s in steps] == [1, 2], steps  # each run trained its own two steps
+        assert PolicyVersion(workers.redis_client(), run_id).get() == 2  # and its server serves version 2
+    assert f"run onown's episodes call its own inference server {url}" in workers.logs("worker-rollout", 100_000)
+    assert all(p.alive() for p in workers.processes), "the shared stack stays up"

@@ -19,6 +19,9 @@ Invariants:
   which so ends the supervisor too). The follower is then stopped and the supervisor exits 0. A
   process that exits non-zero, or a follower that exits before the trainer, ends the others, and
   the supervisor exits 1 naming it with the tail of its log.
+- With ``--own-inference`` the run's follower is a vLLM server of the run's own with its weight
+  follower (``own_inference``: every process of the run names it, and intake starts once it is
+  up); without, the follower attaches to the servers at ``inference.base_url``.
 - Runs submitted beside each other share the rollout workers fairly: each run's intake keeps at
   most ``intake.max_queued_groups`` groups waiting in the rollout queue (``SUBMITTED_RUN_QUEUED_GROUPS``
   unless the config sets it; ``services.intake.queue_share``).
@@ -34,11 +37,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import typer
 
 from services.cli import errors
 from services.cli.local_stack import LocalStack, ManagedProcess, log_tail
+from services.cli.own_inference import OwnInference, ServerNotUp, wait_ready
 from services.cli.run_logs import run_logs_dir
 from shared.settings import Settings, load_settings
 
@@ -56,6 +61,12 @@ def submit_command(
     resume: bool = typer.Option(False, "--resume", help="continue a run id that is already in Redis (without it, a run "
                                 "id in use is an error)"),
     detach: bool = typer.Option(False, "--detach", help="supervise the run in the background; print where its logs are"),
+    own_inference: bool = typer.Option(False, "--own-inference", help="launch a vLLM server of the run's own (its "
+                                       "inference settings) instead of sharing the stack's: for a run beside one that "
+                                       "trains on the stack's server"),
+    inference_host: Optional[str] = typer.Option(None, "--inference-host", help="with --own-inference: the address the "
+                                                 "rollout workers reach this host by (default: this host's address "
+                                                 "towards Redis)"),
 ) -> None:
     """Start a run on the running stack: check it, then run its trainer, weight follower and intake
     until it is done (Ctrl-C or SIGTERM stops the run's processes, not the stack)."""
@@ -63,10 +74,15 @@ def submit_command(
     settings = load_settings(config)
     errors.state.settings = settings
     check_submission(settings, resume)
+    if inference_host is not None and not own_inference:
+        raise errors.CommandError("--inference-host names the run's own inference server: give --own-inference too")
+    flags = [*(["--resume"] if resume else []), *(["--own-inference"] if own_inference else []),
+             *(["--inference-host", inference_host] if inference_host else [])]
     if detach:
-        _detach(config, settings, resume)
+        _detach(config, settings, flags)
         return
-    sys.exit(supervise(config, settings, resume))
+    own = OwnInference.for_settings(settings, inference_host) if own_inference else None
+    sys.exit(supervise(config, settings, resume, own))
 
 
 def check_submission(settings: Settings, resume: bool) -> None:
@@ -113,21 +129,33 @@ def queue_share_env(settings: Settings) -> dict[str, str]:
     return {"CONVEYOR_INTAKE__MAX_QUEUED_GROUPS": str(SUBMITTED_RUN_QUEUED_GROUPS)}
 
 
-def supervise(config: Path, settings: Settings, resume: bool) -> int:
-    """Start the run's processes, watch them to the end; the exit code of ``run submit``."""
+def supervise(config: Path, settings: Settings, resume: bool, own: OwnInference | None = None) -> int:
+    """Start the run's processes, watch them to the end; the exit code of ``run submit``. With
+    ``own``, the follower is a vLLM server of the run's own with its follower (``own_inference``)."""
     from shared.processes import Terminated
 
     run_id = settings.run_id
     # the configured paths, not LocalStack's defaults under the run's folder
     env = {"CONVEYOR_CONFIG": str(config), "CONVEYOR_TRAINER__METRICS_PATH": str(settings.trainer.metrics_path),
-           "CONVEYOR_INFERENCE__WEIGHTS_DIR": str(settings.inference.weights_dir)}
+           "CONVEYOR_INFERENCE__WEIGHTS_DIR": str(settings.inference.weights_dir), **(own.env() if own else {})}
     stack = LocalStack(run_logs_dir(settings, run_id).parent, run_id=run_id, env=env)
+
+    def started(process: ManagedProcess) -> None:
+        print(f"run {run_id}: started {process.name} (pid {process.proc.pid}), log {process.log_path}", flush=True)
+
     try:
-        stack.start_trainer(exit_when_done=True)
-        stack.start_weight_follower(name="follower")
-        stack.conveyor("intake", "intake", *(["--resume"] if resume else []), extra_env=queue_share_env(settings))
-        for process in stack.processes:
-            print(f"run {run_id}: started {process.name} (pid {process.proc.pid}), log {process.log_path}", flush=True)
+        started(stack.start_trainer(exit_when_done=True))
+        if own is None:
+            started(stack.start_weight_follower(name="follower"))
+        else:
+            server = stack.conveyor("follower", "inference")
+            started(server)
+            try:
+                wait_ready(server, own, settings, lambda line: print(line, flush=True))
+            except ServerNotUp as exc:
+                print(f"{exc}\nstopping the run's other processes", file=sys.stderr, flush=True)
+                return 1
+        started(stack.conveyor("intake", "intake", *(["--resume"] if resume else []), extra_env=queue_share_env(settings)))
         return _watch(stack, settings)
     except KeyboardInterrupt:
         print(f"run {run_id}: interrupted; stopping its processes (the stack stays up)", flush=True)
@@ -173,12 +201,12 @@ def _failure(run_id: str, process: ManagedProcess) -> str:
             f"{process.log_path}:\n{log_tail(process.log_path, FAILED_LOG_LINES)}")
 
 
-def _detach(config: Path, settings: Settings, resume: bool) -> None:
+def _detach(config: Path, settings: Settings, flags: list[str]) -> None:
     """The supervisor as a background process of its own session (it outlives this command and
     the terminal), its output in the run's ``supervisor.log``."""
     folder = run_logs_dir(settings, settings.run_id)
     folder.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "services.cli.app", "run", "submit", str(config), *(["--resume"] if resume else [])]
+    argv = [sys.executable, "-m", "services.cli.app", "run", "submit", str(config), *flags]
     with (folder / "supervisor.log").open("ab") as log:
         supervisor = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                       start_new_session=True, cwd=os.getcwd())

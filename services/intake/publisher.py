@@ -39,6 +39,9 @@ Invariants:
 - A stopped run (``shared.state.run_stop``) gets no group after the stop: intake checks it before
   each group (after any wait on the staleness bound, which a stop ends) and stops publishing
   with one line. The command refuses to resume a stopped run.
+- With ``inference.own_server`` every request names the run's own inference server
+  (``RolloutRequest.inference``, from the run's inference settings); without it, none, and the
+  rollout workers call the server their own settings name.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ from shared.state.policy_version import PolicyVersion
 from shared.state.run_marker import RunMarker
 from shared.state.run_records import RunRecords
 from shared.state.run_stop import stop_of
-from shared.schemas import GroupRegistration, RejectedRow, RolloutRequest, TaskProfile
+from shared.schemas import GroupRegistration, InferenceTarget, RejectedRow, RolloutRequest, TaskProfile
 from shared.settings import Settings, SplitSettings
 from shared.state.staleness import budget_of
 from shared.storage import ObjectStore
@@ -108,6 +111,7 @@ def run_history(client: redis.Redis, run_id: str) -> RunHistory:
 def build_group(settings: Settings, group_id: int, task: TaskProfile, policy_version: int = 0) -> list[RolloutRequest]:
     now = time.time()
     dispatched = settings.rollout.group_size + settings.rollout.redundancy  # kept: rollout.group_size
+    inference = inference_target(settings)
     requests = []
     for index in range(dispatched):
         seed = ids.episode_seed(settings.intake.base_seed, group_id, index)
@@ -115,10 +119,20 @@ def build_group(settings: Settings, group_id: int, task: TaskProfile, policy_ver
             RolloutRequest(
                 run_id=settings.run_id, group_id=group_id, episode_index=index, episode_seed=seed,
                 trajectory_id=ids.trajectory_id(settings.run_id, group_id, index, seed), members_dispatched=dispatched,
-                task=task, policy_version=policy_version, dispatched_at=now,
+                task=task, policy_version=policy_version, dispatched_at=now, inference=inference,
             )
         )
     return requests
+
+
+def inference_target(settings: Settings) -> InferenceTarget | None:
+    """The run's own inference server, as its requests name it (``inference.own_server``), or None."""
+    inference = settings.inference
+    if not inference.own_server:
+        return None
+    return InferenceTarget(base_url=inference.base_url, model=inference.model, model_path=str(inference.model_path),
+                           max_model_len=inference.max_model_len,
+                           lora_adapters=settings.trainer.lora.served_rank is not None)
 
 
 def queue_share_of(client: redis.Redis, settings: Settings) -> QueueShare | None:

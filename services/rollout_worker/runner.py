@@ -20,6 +20,8 @@ Invariants, per trajectory:
   through the scorer's own steps, and only what could not be scored here is sent.
 - An outage of Redis or of the S3 server is waited out by the ledger and the store
   (``shared.outage``); an outage of inference by the inference client (``inference_gate``).
+  An episode calls the server its request names (a run's own: ``inference_targets``), else the
+  worker's own.
   Neither is an ``infra_error`` nor costs an attempt. Inference unreachable for longer than
   ``outage.limit_s`` fails the trajectory at once: ``inference_outage``, naming the outage.
 - A request whose run Redis lost (``shared.state.run_marker``) is refused, with one error line per
@@ -33,7 +35,8 @@ Invariants, per trajectory:
     fails it as ``infra_error``;
   - the environment raising (``env_error``), inference refusing the request
     (``inference_rejected``), or a task this worker cannot run, an environment it does not
-    have or an ``env_config`` its ``Config`` refuses (``config_error``), fails it at once;
+    have or an ``env_config`` its ``Config`` refuses, or a run's own inference server it cannot
+    serve (``inference_targets``) (``config_error``), fails it at once;
   - any other exception is a bug: it fails the trajectory at once, never retried, with the
     traceback in the failure reason.
   Nothing is dropped silently.
@@ -63,6 +66,7 @@ from services.rollout_worker.episode.loop import EpisodeLimits
 from services.rollout_worker.episode.drivers import AgentDriver, TokenLoopDriver, driver_for
 from services.rollout_worker.in_flight import HandBack, InFlight, LeaseLost
 from services.rollout_worker.inference_client import InferenceClient, InferenceOutage, InferenceRejected, InferenceUnavailable
+from services.rollout_worker.inference_targets import InferenceTargetError, RunServers, Served, refuse_agent_driven
 from services.rollout_worker.sandbox.errors import SandboxInfraError
 from services.rollout_worker.scoring_outbox import ScoringOutbox
 from services.rollout_worker.upload_outbox import UploadOutbox
@@ -114,6 +118,8 @@ class RolloutContext:
     _agent_proxy_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     served_versions: dict[str, ServedVersion] = field(default_factory=dict)  # run id -> its version, read shared
     worker_scoring: WorkerScoring | None = None  # scores uploads here, no scoring hop (rewards.in_worker)
+    # the runs' own inference servers (RolloutRequest.inference), made on the first request naming one
+    run_servers: RunServers | None = None
 
 
 async def run_requests(ctx: RolloutContext, requests: list[RolloutRequest]) -> dict[str, RolloutResult]:
@@ -174,7 +180,7 @@ async def _roll_out(ctx: RolloutContext, uploads: Uploads, request: RolloutReque
     except InferenceRejected as exc:
         log.error("%s failed: %s", tid, exc)
         return await asyncio.to_thread(_fail, ctx, tid, token, FailureKind.inference_rejected, str(exc))
-    except (EnvironmentUnavailable, EnvironmentConfigError) as exc:  # this deployment cannot run the task
+    except (EnvironmentUnavailable, EnvironmentConfigError, InferenceTargetError) as exc:  # this deployment cannot run the task
         log.error("%s failed: %s", tid, exc)
         return await asyncio.to_thread(_fail, ctx, tid, token, FailureKind.config_error, str(exc))
     except INFRA_ERRORS as exc:
@@ -187,11 +193,17 @@ async def _roll_out(ctx: RolloutContext, uploads: Uploads, request: RolloutReque
 
 async def _episode(ctx: RolloutContext, request: RolloutRequest, attempt: int) -> Trajectory:
     env = registry_for(ctx.settings.environments).make(request.task.env_name, request.task.env_config)
-    limits = EpisodeLimits.from_settings(ctx.settings.rollout, ctx.settings.inference.max_model_len, env.config)
     served = ctx.served_versions.get(request.run_id)
     if served is None:  # one per run for the process: its episodes' turns share the reads
         served = ctx.served_versions[request.run_id] = ServedVersion(PolicyVersion(ctx.redis, request.run_id).get)
-    driver = driver_for(env, TokenLoopDriver(ctx.inference, ctx.chat, ctx.store), AgentDriver(lambda: agent_proxy_of(ctx), ctx.store))
+    if ctx.run_servers is None:
+        ctx.run_servers = RunServers.from_settings(ctx.settings)
+    own = Served(ctx.inference, ctx.chat, ctx.settings.inference.max_model_len)
+    server = await ctx.run_servers.for_request(request, own)
+    limits = EpisodeLimits.from_settings(ctx.settings.rollout, server.max_model_len, env.config)
+    driver = driver_for(env, TokenLoopDriver(server.client, server.chat, ctx.store), AgentDriver(lambda: agent_proxy_of(ctx), ctx.store))
+    if isinstance(driver, AgentDriver):
+        refuse_agent_driven(request)
     return await driver.run(request, env, limits, policy_version=served, attempt=attempt, worker=ctx.worker_name)
 
 

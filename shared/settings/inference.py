@@ -67,6 +67,11 @@ class InferenceSettings(Section):
     replica_urls: list[str] = Field(default_factory=list)  # every replica to keep in sync; [] = [base_url]
     weights_dir: Path = Path(".conveyor/weights")  # where the weight follower puts downloaded checkpoints
     model: str = "tiny"  # served model name
+    # The run has an inference server of its own at base_url (serving model, model_path): intake
+    # names it in every rollout request (shared.schemas.InferenceTarget), so the shared rollout
+    # workers call it for this run instead of their own inference settings. `conveyor run submit
+    # --own-inference` launches the server and sets this; off, the workers' settings decide
+    own_server: bool = False
     # a checkpoint directory or a Hugging Face model name (org/name); the tokenizer comes from
     # it too. Which one is decided where it is used (shared.model_source)
     model_path: PathOrName = ".conveyor/models/tiny"
