@@ -3,7 +3,7 @@
 # seconds when nothing changed), starts the stack with the CPU profile, and follows the
 # trainer's log until the demo run's last step; then prints the ledger.
 #   scripts/stack.sh up | down | images | status | scale N | env | worker-host [up args]
-#   scripts/stack.sh submit CONFIG [--resume] [--own-inference] | logs RUN [--follow] | stop RUN | list: a run beside the first
+#   scripts/stack.sh submit CONFIG [--resume] [--inference auto|shared|own] | logs RUN [--follow] | stop RUN | list: a run beside the first
 # `worker-host` starts only rollout workers, pointed at the head host CONVEYOR_HEAD through its
 # published ports (compose/worker-host.yml); PROJECT defaults to conveyor-workers there. It
 # records the project in compose/.worker-hosts, and `down` stops every worker-host project
@@ -130,7 +130,7 @@ case "${1:-up}" in
     # a run beside the stack's own (docs/compose.md): `conveyor run submit CONFIG` in a detached
     # container of the trainer's image; CONFIG's folder is mounted read-only at the same path, so
     # the paths in CONFIG (its dataset) work as they are
-    config=$(cd "$CALLED_FROM" && realpath -e "${2:?usage: $0 submit CONFIG [--resume] [--own-inference]}") || exit 2
+    config=$(cd "$CALLED_FROM" && realpath -e "${2:?usage: $0 submit CONFIG [--resume] [--inference auto|shared|own]}") || exit 2
     env_file
     folder=$(dirname "$config")
     container=$(dc run -d --rm --no-deps -v "$folder:$folder:ro" --entrypoint sh trainer -c "$SUBMIT_IN_CONTAINER" \

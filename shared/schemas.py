@@ -97,7 +97,7 @@ class TaskProfile(Message):
 
 class InferenceTarget(BaseModel):
     """A run's own inference server, which its rollouts call instead of the rollout workers'
-    configured one (``inference.own_server``; ``conveyor run submit --own-inference`` starts one)."""
+    configured one (``inference.own_server``; ``conveyor run submit`` starts one with ``--inference own``, or ``auto`` when the shared one is held)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -7,8 +7,9 @@ supervisor and weight follower with it, while the stack stays up; a second run s
 foreground meanwhile goes to its end on the same workers with exact ledger counts and the command
 exits 0; ``conveyor run logs`` then shows each of its processes. (One test: the two runs overlap,
 which keeps it short.) And two runs that train at once: one on the stack's vLLM, which its
-follower then holds, and one submitted with ``--own-inference``, whose rollouts the same workers
-send to the vLLM that run launched; both end with exact ledgers, each on its own policy.
+follower then holds, and one submitted after it, which sees the shared vLLM held (``--inference
+auto``) and launches one of its own, where the same workers send its rollouts; both end with
+exact ledgers, each on its own policy.
 """
 
 from __future__ import annotations
@@ -123,10 +124,12 @@ def test_two_training_runs_at_once_one_on_the_stacks_vllm_and_one_on_its_own(wor
          every_s=0.2)
 
     own_run = _config(tmp_path, "onown", 2, trains=True)
-    done = _conveyor(workers, "run", "submit", str(own_run), "--own-inference", timeout_s=900)
+    done = _conveyor(workers, "run", "submit", str(own_run), timeout_s=900)
     assert done.returncode == 0, (done.stdout, done.stderr)
     url = re.search(r"^run onown: its inference server (http://\S+) is up after", done.stdout, re.M).group(1)
     assert url != workers.env["CONVEYOR_INFERENCE__BASE_URL"]
+    assert re.search(r"^run onown: .+ is held: run onshared trains on it .+; launching an inference server of the run's own",
+                     done.stdout, re.M), done.stdout
     assert done.stdout.splitlines()[-1] == f"run onown done: trajectories {2 * GROUP_SIZE} consumed", done.stdout
     poll("run onshared's supervisor exited", 600, lambda: not process_running(supervisor))
     shared_log = (tmp_path / "runs" / "onshared" / "logs" / "supervisor.log").read_text()

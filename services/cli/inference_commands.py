@@ -3,6 +3,9 @@
 Invariants:
 - ``inference --attach`` launches nothing: it follows weight updates for the servers at
   ``inference.base_url`` (or the ``--replica`` URLs).
+- ``inference`` (launching) holds its server for the run (``shared.state.replica_holders``) before
+  it starts it, under ``inference.base_url``: a run's follower attached to the same URL while the
+  server loads is refused, and a refused launch starts nothing.
 - ``tiny-model`` is a pure function of its options; nothing is downloaded.
 """
 
@@ -47,7 +50,7 @@ def inference(
     settings = command_settings(config)
     import threading
 
-    from services.weights.base import BaseWeightsError
+    from services.weights.base import BaseWeightsError, hold_replicas
     from services.weights.follower import WeightFollower
     from services.inference.server import VllmServer, check_inference
     from shared.required import required
@@ -78,30 +81,35 @@ def inference(
         generate_tiny_model(Path(settings.inference.model_path))
     require_model(settings)
     server = VllmServer.from_settings(settings.inference, lora_rank=settings.trainer.lora.served_rank)
-    server.start()
-    try:
-        server.wait_ready(settings.inference.startup_timeout_s, report_every_s=15)
-        console.print(f"vLLM ready: {json.dumps(server.health())}")
-        failed: list[BaseWeightsError] = []
+    failed: list[BaseWeightsError] = []
 
-        def follow() -> None:
-            try:
-                follower.run(stop)
-            except BaseWeightsError as exc:  # the run must not start on weights it did not check
-                failed.append(exc)
-                server.stop()
+    def follow() -> None:
+        try:
+            follower.run(stop)
+        except BaseWeightsError as exc:  # the run must not start on weights it did not check
+            failed.append(exc)
+            server.stop()
 
-        # held under inference.base_url, the name the rest of the stack (a submitted run's follower
-        # too) knows this server by, not under the loopback URL this process reaches it on
-        with WeightFollower.from_settings(settings, base_urls=[server.base_url],
-                                          hold_names=[settings.inference.base_url]) as follower:
+    # held under inference.base_url, the name the rest of the stack (a submitted run's follower
+    # too) knows this server by, not under the loopback URL this process reaches it on; and held
+    # before the server starts, so that no other run's follower takes it while it loads
+    with WeightFollower.from_settings(settings, base_urls=[server.base_url],
+                                      hold_names=[settings.inference.base_url]) as follower:
+        try:
+            hold_replicas(follower.hold)
+        except BaseWeightsError as exc:
+            raise errors.CommandError(str(exc)) from None
+        server.start()
+        try:
+            server.wait_ready(settings.inference.startup_timeout_s, report_every_s=15)
+            console.print(f"vLLM ready: {json.dumps(server.health())}")
             # server.stop() (the follower's failure) clears it
             process = required(server.process, "the vLLM server's process (start sets it)")
             thread = threading.Thread(target=follow, name="weight-follower", daemon=True)
             thread.start()
             process.wait()
-        if failed:
-            raise errors.CommandError(str(failed[0]))
-    finally:
-        stop.set()
-        server.stop()
+            if failed:
+                raise errors.CommandError(str(failed[0]))
+        finally:
+            stop.set()
+            server.stop()

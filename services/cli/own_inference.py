@@ -1,4 +1,4 @@
-"""A submitted run's own inference server (``conveyor run submit --own-inference``): a vLLM of the
+"""A submitted run's own inference server (``conveyor run submit --inference own``, or ``auto``): a vLLM of the
 run's model, launched with its weight follower (``conveyor inference``) as one of the run's
 processes, for a run beside another that holds the stack's server while it trains.
 
@@ -64,7 +64,7 @@ def address_towards(redis_url: str) -> str:
             probe.connect((host, port))
             return probe.getsockname()[0]
     except OSError as exc:
-        raise errors.CommandError(f"--own-inference: cannot find this host's address towards Redis at {host}:{port} "
+        raise errors.CommandError(f"a server of the run's own: cannot find this host's address towards Redis at {host}:{port} "
                                   f"({exc}); name it with --inference-host") from None
 
 

@@ -19,9 +19,10 @@ Invariants:
   which so ends the supervisor too). The follower is then stopped and the supervisor exits 0. A
   process that exits non-zero, or a follower that exits before the trainer, ends the others, and
   the supervisor exits 1 naming it with the tail of its log.
-- With ``--own-inference`` the run's follower is a vLLM server of the run's own with its weight
-  follower (``own_inference``: every process of the run names it, and intake starts once it is
-  up); without, the follower attaches to the servers at ``inference.base_url``.
+- With a server of its own (``--inference own``, or ``auto`` when a dry claim on the shared
+  servers is refused: ``needs_own_server``) the run's follower is a vLLM of the run's own with its
+  weight follower (``own_inference``: every process of the run names it, and intake starts once
+  it is up); else the follower attaches to the servers at ``inference.base_url``.
 - Runs submitted beside each other share the rollout workers fairly: each run's intake keeps at
   most ``intake.max_queued_groups`` groups waiting in the rollout queue (``SUBMITTED_RUN_QUEUED_GROUPS``
   unless the config sets it; ``services.intake.queue_share``).
@@ -31,6 +32,7 @@ Invariants:
 
 from __future__ import annotations
 
+import enum
 import os
 import signal
 import subprocess
@@ -56,17 +58,24 @@ UNTIL = {"intake": "to publish every group",
          "trainer": "to see intake done and every trajectory consumed or failed (or the run stopped)"}
 
 
+class InferenceChoice(str, enum.Enum):
+    auto = "auto"
+    shared = "shared"
+    own = "own"
+
+
 def submit_command(
     config: Path = typer.Argument(..., help="the run's YAML settings file (the --config format of every command)"),
     resume: bool = typer.Option(False, "--resume", help="continue a run id that is already in Redis (without it, a run "
                                 "id in use is an error)"),
     detach: bool = typer.Option(False, "--detach", help="supervise the run in the background; print where its logs are"),
-    own_inference: bool = typer.Option(False, "--own-inference", help="launch a vLLM server of the run's own (its "
-                                       "inference settings) instead of sharing the stack's: for a run beside one that "
-                                       "trains on the stack's server"),
-    inference_host: Optional[str] = typer.Option(None, "--inference-host", help="with --own-inference: the address the "
-                                                 "rollout workers reach this host by (default: this host's address "
-                                                 "towards Redis)"),
+    inference: InferenceChoice = typer.Option(InferenceChoice.auto, "--inference", help="the run's vLLM: shared (attach "
+                                              "to the servers at inference.base_url), own (launch one of the run's own) "
+                                              "or auto: own when a run holds the shared one in a way that would refuse "
+                                              "this run (it trains there, or this run trains), else shared"),
+    inference_host: Optional[str] = typer.Option(None, "--inference-host", help="for a server of the run's own: the "
+                                                 "address the rollout workers reach this host by (default: this host's "
+                                                 "address towards Redis)"),
 ) -> None:
     """Start a run on the running stack: check it, then run its trainer, weight follower and intake
     until it is done (Ctrl-C or SIGTERM stops the run's processes, not the stack)."""
@@ -74,15 +83,35 @@ def submit_command(
     settings = load_settings(config)
     errors.state.settings = settings
     check_submission(settings, resume)
-    if inference_host is not None and not own_inference:
-        raise errors.CommandError("--inference-host names the run's own inference server: give --own-inference too")
-    flags = [*(["--resume"] if resume else []), *(["--own-inference"] if own_inference else []),
+    if inference_host is not None and inference is InferenceChoice.shared:
+        raise errors.CommandError("--inference-host names the run's own inference server: not with --inference shared")
+    flags = [*(["--resume"] if resume else []), "--inference", inference.value,
              *(["--inference-host", inference_host] if inference_host else [])]
-    if detach:
+    if detach:  # the supervisor chooses
         _detach(config, settings, flags)
         return
-    own = OwnInference.for_settings(settings, inference_host) if own_inference else None
+    own = OwnInference.for_settings(settings, inference_host) if needs_own_server(settings, inference) else None
     sys.exit(supervise(config, settings, resume, own))
+
+
+def needs_own_server(settings: Settings, choice: InferenceChoice) -> bool:
+    """Whether the run launches a vLLM of its own: asked, or (auto) the shared servers are held
+    by a run whose claim would refuse this run's follower (a dry claim: the same rule, nothing held)."""
+    from shared.state.ledger import redis_for
+    from shared.state.replica_holders import ReplicaHolders
+
+    if choice is not InferenceChoice.auto:
+        return choice is InferenceChoice.own
+    inference = settings.inference
+    replicas = [url.rstrip("/") for url in inference.replica_urls or [inference.base_url]]
+    refusal = ReplicaHolders(redis_for(settings.redis.url, settings.outage)).claim(
+        replicas, settings.run_id, settings.trainer.mode == "train", str(inference.model_path), dry=True)
+    if refusal is None:
+        print(f"run {settings.run_id}: on the shared inference server(s) {', '.join(replicas)}", flush=True)
+        return False
+    print(f"run {settings.run_id}: {refusal.replica} is held: {refusal.why()}; launching an inference server of the "
+          f"run's own (--inference shared refuses instead)", flush=True)
+    return True
 
 
 def check_submission(settings: Settings, resume: bool) -> None:

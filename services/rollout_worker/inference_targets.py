@@ -1,6 +1,6 @@
 """The inference servers a rollout worker process calls: the one its own settings name
 (``inference``), and for a run with a server of its own (``inference.own_server``, which
-``conveyor run submit --own-inference`` starts) that run's, as its requests name it
+``conveyor run submit --inference own`` starts) that run's, as its requests name it
 (``RolloutRequest.inference``).
 
 Invariants:
@@ -101,4 +101,4 @@ def refuse_agent_driven(request: RolloutRequest) -> None:
         raise InferenceTargetError(
             f"run {request.run_id} has its own inference server ({request.inference.base_url}), and agent-driven "
             f"environments ({request.task.env_name}) call the rollout workers' own server through their recording "
-            f"proxy: run this environment on the stack's inference server (without --own-inference)")
+            f"proxy: run this environment on the stack's inference server (conveyor run submit --inference shared)")

@@ -70,7 +70,8 @@ class InferenceSettings(Section):
     # The run has an inference server of its own at base_url (serving model, model_path): intake
     # names it in every rollout request (shared.schemas.InferenceTarget), so the shared rollout
     # workers call it for this run instead of their own inference settings. `conveyor run submit
-    # --own-inference` launches the server and sets this; off, the workers' settings decide
+    # --inference own` (or auto, when the shared server is held) launches the server and sets
+    # this; off, the workers' settings decide
     own_server: bool = False
     # a checkpoint directory or a Hugging Face model name (org/name); the tokenizer comes from
     # it too. Which one is decided where it is used (shared.model_source)

@@ -16,6 +16,8 @@ Invariants:
   a holder past it holds nothing (its follower died). ``ReplicaHold`` renews it every
   ``ttl_s / 3`` from a heartbeat thread (``shared.state.leases.loop_thread``); a renewal that is
   refused (the lease ran out and another run took a replica) marks the hold ``lost``.
+- A ``dry`` claim applies the same rule and writes nothing: what a claim made now would get
+  (``conveyor run submit`` asks it to choose a run's inference server; the follower's claim decides).
 - ``release`` (the follower's clean exit, refused or not) removes only its own run's claim, so a
   stopped or finished run blocks no other run once its follower exits, or ``ttl_s`` after it died.
 """
@@ -36,13 +38,14 @@ log = logging.getLogger(__name__)
 
 HOLD_TTL_S = 30.0
 
-# KEYS: the holders hash ; ARGV: run id, trains ("1"/"0"), base model, now, until, then the replica URLs
-# -> {} once every replica is held by the run, else {replica, holder run id, its JSON} of the first refusal
+# KEYS: the holders hash ; ARGV: run id, trains ("1"/"0"), base model, now, until, dry ("1": write
+# nothing), then the replica URLs -> {} once every replica is held by the run (or would be, dry),
+# else {replica, holder run id, its JSON} of the first refusal
 _CLAIM = """
 local holders_key = KEYS[1]
-local run_id, trains, model, now, until_s = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local run_id, trains, model, now, until_s, dry = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local claimed = {}
-for i = 6, #ARGV do
+for i = 7, #ARGV do
   local replica = ARGV[i]
   local raw = redis.call('HGET', holders_key, replica)
   local holders = raw and cjson.decode(raw) or {}
@@ -58,6 +61,7 @@ for i = 6, #ARGV do
   live[run_id] = {trains = (trains == '1'), model = model, ['until'] = tonumber(until_s)}
   claimed[replica] = cjson.encode(live)
 end
+if dry == '1' then return {} end
 for replica, encoded in pairs(claimed) do redis.call('HSET', holders_key, replica, encoded) end
 return {}
 """
@@ -117,11 +121,13 @@ class ReplicaHolders:
         self._claim = client.register_script(_CLAIM)
         self._release = client.register_script(_RELEASE)
 
-    def claim(self, replicas: list[str], run_id: str, trains: bool, model: str, ttl_s: float = HOLD_TTL_S) -> Refusal | None:
-        """Hold every replica for ``run_id`` until ``ttl_s`` from now, or none new; the refusal if refused."""
+    def claim(self, replicas: list[str], run_id: str, trains: bool, model: str, ttl_s: float = HOLD_TTL_S,
+              dry: bool = False) -> Refusal | None:
+        """Hold every replica for ``run_id`` until ``ttl_s`` from now, or none new; the refusal if
+        refused. ``dry``: only the answer, nothing held (a claim made now would be refused, or not)."""
         now = time.time()
         claimant = Holder(run_id, trains, model, now + ttl_s)
-        found = self._claim(keys=[self.key], args=[run_id, int(trains), model, now, now + ttl_s, *replicas])
+        found = self._claim(keys=[self.key], args=[run_id, int(trains), model, now, now + ttl_s, int(dry), *replicas])
         if not found:
             return None
         replica, holder_id, held = found

@@ -321,10 +321,9 @@ def test_a_run_is_stopped_and_listed_as_written_in_the_docs(stack: Stack, tmp_pa
 
 def test_a_submitted_run_trains_to_its_end_on_its_own_vllm_beside_the_stacks_own_as_written_in_the_docs(
         stack: Stack, tmp_path: Path) -> None:
-    """docs/compose.md's second-run lines, run by the shell as written: `submit ... --own-inference`
-    starts run `second` (its config in a folder mounted into the submit container, its dataset
+    """docs/compose.md's second-run lines, run by the shell as written: `submit` starts run `second` (its config in a folder mounted into the submit container, its dataset
     beside it) while the stack's own run holds the stack's vLLM (a run that trains is alone on a
-    replica). The run launches a vLLM of its own in the submit container, the stack's workers
+    replica). Seeing its vLLM held, the run launches a vLLM of its own in the submit container, the stack's workers
     send its rollouts there, and it trains to its end: the container exits 0, its ledger is
     exact, it trained its steps, and `logs` shows its processes."""
     runs = tmp_path / "runs"
@@ -344,7 +343,6 @@ def test_a_submitted_run_trains_to_its_end_on_its_own_vllm_beside_the_stacks_own
         assert time.time() < deadline, "the stack's follower never held its vLLM"
         time.sleep(2)
     submit, logs = doc_commands("scripts/stack.sh submit")
-    assert "--own-inference" in submit
     started = time.monotonic()
     container = re.search(r"in container (\w+)", run_as_written(stack, submit, tmp_path)).group(1)
     waiting = subprocess.Popen(["docker", "wait", container], stdout=subprocess.PIPE, text=True)
@@ -352,6 +350,7 @@ def test_a_submitted_run_trains_to_its_end_on_its_own_vllm_beside_the_stacks_own
                             text=True, timeout=1200).stdout  # the container is removed once it exits (--rm)
     exit_code = waiting.communicate(timeout=60)[0].strip()
     assert exit_code == "0" and "run second done: trajectories 8 consumed" in output, (exit_code, output[-3000:])
+    assert "http://inference:8000 is held: run demo trains on it" in output, output[-3000:]
     url = re.search(r"its inference server (http://\S+) is up after", output).group(1)
     assert url != "http://inference:8000" and ["demo"] == [h.run_id for h in holders.holders("http://inference:8000")]
     assert stack.ledger().counts("second") == ended_consumed(8)

@@ -4,12 +4,18 @@ holder that stopped renewing, or whose follower exited, blocks nobody."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from services.cli.local_stack import free_port
+from services.inference.tiny_model import generate_tiny_model
 from services.weights.base import BaseWeightsError
 from services.weights.follower import WeightFollower
 from shared.state.replica_holders import ReplicaHold, ReplicaHolders
@@ -54,6 +60,16 @@ def test_assemble_runs_of_different_models_are_refused(holders: ReplicaHolders) 
     assert holders.claim([R1], "A", trains=False, model=MODEL) is None
     refusal = holders.claim([R1], "B", trains=False, model=OTHER)
     assert refusal is not None and MODEL in refusal.why() and OTHER in refusal.why()
+
+
+def test_a_dry_claim_answers_as_a_claim_would_and_holds_nothing(holders: ReplicaHolders) -> None:
+    assert holders.claim([R1], "A", trains=False, model=MODEL, dry=True) is None
+    assert holders.holders(R1) == []
+    assert holders.claim([R1], "A", trains=False, model=MODEL) is None
+    assert holders.claim([R1], "B", trains=False, model=MODEL, dry=True) is None  # would share
+    refusal = holders.claim([R1], "C", trains=True, model=MODEL, dry=True)
+    assert refusal is not None and refusal.holder.run_id == "A" and "C trains" in refusal.why()
+    assert [h.run_id for h in holders.holders(R1)] == ["A"]  # neither B nor C holds it
 
 
 def test_a_holder_that_stopped_renewing_blocks_nobody_after_its_ttl(holders: ReplicaHolders) -> None:
@@ -111,3 +127,23 @@ def test_a_server_reached_on_loopback_is_held_under_the_name_the_stack_knows_it_
         refusal = holders.claim([R1], "B", trains=True, model=MODEL)
         assert refusal is not None and refusal.holder.run_id == "A"
     assert holders.holders(R1) == []
+
+
+def test_a_launching_inference_holds_its_server_before_it_starts_it(
+        redis_url: str, holders: ReplicaHolders, tmp_path: Path) -> None:
+    """``conveyor inference`` claims its server under ``inference.base_url`` before it launches
+    vLLM, so a run that attached to that URL first (here, run B training on it) refuses the launch
+    at once, with the refusal in one line, and no vLLM is started."""
+    assert holders.claim([R1], "B", trains=True, model=MODEL) is None
+    port = free_port()
+    env = {**os.environ, "CONVEYOR_REDIS__URL": redis_url, "CONVEYOR_RUN_ID": "A", "CONVEYOR_INFERENCE__BASE_URL": R1,
+           "CONVEYOR_INFERENCE__MODEL_PATH": str(generate_tiny_model(tmp_path / "tiny")),
+           "CONVEYOR_INFERENCE__WEIGHTS_DIR": str(tmp_path / "weights"), "CONVEYOR_STORAGE__BACKEND": "local",
+           "CONVEYOR_STORAGE__LOCAL_ROOT": str(tmp_path / "objects"), "CONVEYOR_INFERENCE__PORT": str(port)}
+    started = time.monotonic()
+    refused = subprocess.run([sys.executable, "-m", "services.cli.app", "inference"], env=env, capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode != 0 and f"run A cannot use replica {R1}: it is held by run B" in refused.stderr, refused
+    assert not (Path(tempfile.gettempdir()) / f"vllm-{port}.log").exists()  # VllmServer.start writes it first
+    assert [h.run_id for h in holders.holders(R1)] == ["B"]
+    print(f"refused in {time.monotonic() - started:.1f}s")
