@@ -103,16 +103,19 @@ def doc_commands(containing: str, doc: Path = ROOT / "docs" / "compose.md") -> l
     return [line.strip() for line in blocks[0].splitlines() if line.strip() and not line.strip().startswith("#")]
 
 
-HOST_COMMANDS = {"chmod"}  # what a doc line may run on the host, outside compose and the script
+HOST_COMMANDS = {"chmod", "cp"}  # what a doc line may run on the host, outside compose and the script
 
 
-def run_as_written(stack: Stack, line: str, cwd: Path, timeout: float = 600) -> str:
+def run_as_written(stack: Stack | None, line: str, cwd: Path, timeout: float = 600, env: dict[str, str] | None = None) -> str:
     """A command line of the docs, by the shell in ``cwd``; returns its stdout. ``docker-compose ...``
     stands for the stack's compose command. ``scripts/stack.sh`` is the checkout's (``cwd/scripts``
     links to it), driving this stack: its project, compose command, stack id and settings
-    (``PROJECT``, ``COMPOSE``, ``CONVEYOR_STACK_ID``, ``ENV_DIR`` holding its env file as ``.env``)."""
-    env = dict(os.environ)
-    if line.startswith("docker-compose ... "):
+    (``PROJECT``, ``COMPOSE``, ``CONVEYOR_STACK_ID``, ``ENV_DIR`` holding its env file as ``.env``).
+    ``stack`` None: a host line alone. ``env``: the host's environment (default: this process's)."""
+    env = dict(os.environ if env is None else env)
+    if stack is None:
+        assert line.split()[0] in HOST_COMMANDS, line
+    elif line.startswith("docker-compose ... "):
         line = shlex.join(stack.command()) + line[len("docker-compose ..."):]
     elif not line.startswith("scripts/stack.sh "):
         assert line.split()[0] in HOST_COMMANDS, line
