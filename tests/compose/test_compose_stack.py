@@ -1,6 +1,6 @@
 """The compose stack, as users run it: images built offline, `docker-compose up` with the CPU
-profile, the demo experiment end to end, a second run beside it from docs/compose.md's
-own-dataset recipe run as written, Flower, durable Redis and S3, and sandboxes that a
+profile, the demo experiment end to end, two more runs beside it as docs/compose.md says (a
+submitted run that trains on a vLLM of its own, and the own-dataset recipe), Flower, durable Redis and S3, and sandboxes that a
 compose-run worker (in its own torch-free image) starts cut off from every service of the stack.
 docs/compose.md's `scripts/stack.sh` lines for scaling, stopping and listing runs and submitting
 a second run are run as written on this stack (``compose_support.run_as_written``).
@@ -73,18 +73,54 @@ def ended_consumed(trajectories: int) -> dict[str, int]:
 DEMO_TRAJECTORIES = 48  # the fixture's demo: 6 groups of 8
 
 
-def test_your_own_dataset_runs_as_written_in_the_docs_while_the_demo_run_trains(stack: Stack, tmp_path: Path) -> None:
-    """docs/compose.md's own-dataset recipe, its three lines run by the shell as written, while
-    the stack's own demo run trains (run A): a second run (B, two guess-the-number rows, each
-    once: 2 groups of 8) with its own trainer on the same workers and inference. Both runs end
-    with every trajectory consumed."""
+def _second_run_config(tmp_path: Path) -> None:
+    """Run `second`'s config, `runs/second.yaml` (the doc's name), beside a two-row dataset: a run
+    that trains, two groups of 4, a step per group."""
+    runs = tmp_path / "runs"
+    runs.mkdir(mode=0o755)
+    runs.chmod(0o755)  # the submit container's user reads it
+    dataset = write_demo_dataset(runs / "second.jsonl", 2)
+    config = runs / "second.yaml"
+    config.write_text(f"run_id: second\nintake:\n  dataset: {dataset}\n  mode: traversal\n"
+                      "inference:\n  model_path: /models/tiny\n  eager: true\n  weights_dir: /data/weights/second\n"
+                      "rollout:\n  group_size: 4\n"
+                      "trainer:\n  mode: train\n  max_off_policy_steps: 1\n  groups_per_step: 1\n  zero_variance_groups: keep\n"
+                      "  metrics_path: /data/second-groups.jsonl\n  step_metrics_path: /data/second-steps.jsonl\n")
+    for path in (dataset, config):
+        path.chmod(0o644)
+
+
+def test_a_submitted_run_and_your_own_dataset_run_beside_the_training_demo_as_written_in_the_docs(
+        stack: Stack, tmp_path: Path) -> None:
+    """Three runs at once on the stack's workers, each from docs/compose.md's lines run by the
+    shell as written, while the stack's own demo run (A) trains on the stack's vLLM, which its
+    follower holds (a run that trains is alone on a replica):
+    - run `second` (B), submitted with `scripts/stack.sh submit` (its config in a folder mounted
+      into the submit container, its dataset beside it), trains too: seeing the stack's vLLM held,
+      it launches a vLLM of its own in the submit container, the stack's workers send its
+      rollouts there, and it trains its two steps; the container exits 0 and `logs` shows its
+      processes;
+    - run `mine`, the own-dataset recipe (two guess-the-number rows, each once: 2 groups of 8),
+      with its own trainer, assembling groups of the stack's vLLM.
+    Every run ends with every trajectory consumed."""
     ledger, deadline = stack.ledger(), time.time() + 1200  # A trains once vLLM serves
     while sum((demo := ledger.counts("demo")).values()) - demo["queued"] == 0 and time.time() < deadline:
         time.sleep(1)
     assert demo["consumed"] < DEMO_TRAJECTORIES and container_state(stack, "trainer")["Status"] == "running", \
         f"the demo run is not training: {demo}"
-    write_demo_dataset(tmp_path / "mine.jsonl", 2)
+    holders = ReplicaHolders(ledger.redis)
+    assert [h.run_id for h in holders.holders("http://inference:8000")] == ["demo"]
+
+    _second_run_config(tmp_path)
+    submit, logs = doc_commands("scripts/stack.sh submit")
     started = time.monotonic()
+    container = re.search(r"in container (\w+)", run_as_written(stack, submit, tmp_path)).group(1)
+    waiting = subprocess.Popen(["docker", "wait", container], stdout=subprocess.PIPE, text=True)
+    # the container is removed once it exits (--rm): its output is followed from the start
+    following = subprocess.Popen(["docker", "logs", "-f", container], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True)
+
+    write_demo_dataset(tmp_path / "mine.jsonl", 2)
     copy, start_trainer, publish = doc_commands("CONVEYOR_RUN_ID=mine")
     run_as_written(stack, copy, tmp_path)
     trainer = run_as_written(stack, start_trainer, tmp_path).strip().splitlines()[-1]
@@ -94,7 +130,21 @@ def test_your_own_dataset_runs_as_written_in_the_docs_while_the_demo_run_trains(
                                  text=True).stdout
     assert exit_code == "0" and ledger.counts("mine") == ended_consumed(16), (exit_code, trainer_log[-3000:])
     assert "trainer mine: " in trainer_log, trainer_log[-3000:]  # its counters, as it exits
-    print(f"run mine: {time.monotonic() - started:.0f}s from the recipe's first line to its trainer's exit; demo {demo}")
+    print(f"run mine: {time.monotonic() - started:.0f}s from the submit of run second to its trainer's exit; demo {demo}")
+
+    output = following.communicate(timeout=1200)[0]
+    exit_code = waiting.communicate(timeout=60)[0].strip()
+    assert exit_code == "0" and "run second done: trajectories 8 consumed" in output, (exit_code, output[-3000:])
+    assert "http://inference:8000 is held: run demo trains on it" in output, output[-3000:]
+    url = re.search(r"its inference server (http://\S+) is up after", output).group(1)
+    assert url != "http://inference:8000"
+    assert ledger.counts("second") == ended_consumed(8)
+    steps = stack.dc("exec", "-T", "scorer", "cat", "/data/second-steps.jsonl").stdout
+    assert [json.loads(line)["step"] for line in steps.splitlines()] == [1, 2], steps
+    shown = run_as_written(stack, logs, tmp_path)
+    assert "[intake]" in shown and "[trainer]" in shown and "[follower]" in shown, shown[-3000:]
+    print(f"run second: {time.monotonic() - started:.0f}s from the submit to its end, on its own vLLM at {url}")
+
     assert wait_for_exit(stack, "trainer", 1500) == 0, stack.logs("trainer")
     assert ledger.counts("demo") == ended_consumed(DEMO_TRAJECTORIES)
 
@@ -317,48 +367,6 @@ def test_a_run_is_stopped_and_listed_as_written_in_the_docs(stack: Stack, tmp_pa
     [summary] = json.loads(stack.conveyor("run", "list", "--json", "--run", "long"))["runs"]
     assert summary["stopped"].endswith(": diverged at step 40") and summary["trajectories"] == counts, summary
     print(f"run long: {time.monotonic() - started:.0f}s from the stop to its listing; {counts}")
-
-
-def test_a_submitted_run_trains_to_its_end_on_its_own_vllm_beside_the_stacks_own_as_written_in_the_docs(
-        stack: Stack, tmp_path: Path) -> None:
-    """docs/compose.md's second-run lines, run by the shell as written: `submit` starts run `second` (its config in a folder mounted into the submit container, its dataset
-    beside it) while the stack's own run holds the stack's vLLM (a run that trains is alone on a
-    replica). Seeing its vLLM held, the run launches a vLLM of its own in the submit container, the stack's workers
-    send its rollouts there, and it trains to its end: the container exits 0, its ledger is
-    exact, it trained its steps, and `logs` shows its processes."""
-    runs = tmp_path / "runs"
-    runs.mkdir(mode=0o755)
-    runs.chmod(0o755)  # the submit container's user reads it
-    dataset = write_demo_dataset(runs / "second.jsonl", 2)
-    config = runs / "second.yaml"
-    config.write_text(f"run_id: second\nintake:\n  dataset: {dataset}\n  mode: traversal\n"
-                      "inference:\n  model_path: /models/tiny\n  eager: true\n  weights_dir: /data/weights/second\n"
-                      "rollout:\n  group_size: 4\n"
-                      "trainer:\n  mode: train\n  max_off_policy_steps: 1\n  groups_per_step: 1\n  zero_variance_groups: keep\n"
-                      "  metrics_path: /data/second-groups.jsonl\n  step_metrics_path: /data/second-steps.jsonl\n")
-    for path in (dataset, config):
-        path.chmod(0o644)
-    holders, deadline = ReplicaHolders(stack.ledger().redis), time.time() + 1200
-    while "demo" not in {h.run_id for h in holders.holders("http://inference:8000")}:  # once vLLM serves
-        assert time.time() < deadline, "the stack's follower never held its vLLM"
-        time.sleep(2)
-    submit, logs = doc_commands("scripts/stack.sh submit")
-    started = time.monotonic()
-    container = re.search(r"in container (\w+)", run_as_written(stack, submit, tmp_path)).group(1)
-    waiting = subprocess.Popen(["docker", "wait", container], stdout=subprocess.PIPE, text=True)
-    output = subprocess.run(["docker", "logs", "-f", container], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, timeout=1200).stdout  # the container is removed once it exits (--rm)
-    exit_code = waiting.communicate(timeout=60)[0].strip()
-    assert exit_code == "0" and "run second done: trajectories 8 consumed" in output, (exit_code, output[-3000:])
-    assert "http://inference:8000 is held: run demo trains on it" in output, output[-3000:]
-    url = re.search(r"its inference server (http://\S+) is up after", output).group(1)
-    assert url != "http://inference:8000" and ["demo"] == [h.run_id for h in holders.holders("http://inference:8000")]
-    assert stack.ledger().counts("second") == ended_consumed(8)
-    steps = stack.dc("exec", "-T", "scorer", "cat", "/data/second-steps.jsonl").stdout
-    assert [json.loads(line)["step"] for line in steps.splitlines()] == [1, 2], steps
-    shown = run_as_written(stack, logs, tmp_path)
-    assert "[intake]" in shown and "[trainer]" in shown and "[follower]" in shown, shown[-3000:]
-    print(f"run second: {time.monotonic() - started:.0f}s from the submit to its end, on its own vLLM at {url}")
 
 
 def test_a_worker_on_another_host_joins_through_published_ports(stack: Stack, tmp_path: Path) -> None:
