@@ -12,7 +12,9 @@ its bf16 value plus a uniform draw within half its bf16 step, moved by ``lr`` in
 direction, as AdamW's first step moves every element by ``lr`` (its update is ``lr *
 sign(grad)`` then); the served tensor is that rounded to bf16, so which elements change, and
 by how much, follows the same magnitudes as a real fp32-master step. The delta is published
-(encoded against version 1), and served the same way. Figures: the changed fraction, bytes,
+(encoded against version 1), and served the same way. Between the publish and the sync the
+benchmark moves its writer's copy of the version to a mapped file (``spill_last``: a bench-only
+step, left out of the figures) so that 1.5B fits beside vLLM in this machine's memory. Figures: the changed fraction, bytes,
 encode, publish-to-served (publish start to ``sync_delta`` returned), and the pause split as
 ``sync_weights`` reports it (pause, apply on the worker, label, resume) with the worker's own
 split. ``--paths`` serves one delta version per entry, in order, on the same server: ``prebuilt``
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -94,6 +97,21 @@ class SteppedLazily:
             yield name, stepped
 
 
+def spill_last(writer: ChainWriter, root: Path) -> float:
+    """Move the writer's copy of the last version out of anonymous memory: saved to ``root`` and
+    mapped back (``torch.load(mmap=True)``), so its pages are the page cache's, which the kernel
+    reclaims, while the replica's worker prepares and swaps (at 1.5B the trainer's 3 GB copy
+    beside vLLM, its shadow and the packed layers does not fit in this machine's memory with
+    room left for the other sessions). A bench-only step, timed and left out of the figures."""
+    t0 = time.perf_counter()
+    assert writer.last is not None and writer.last_version is not None
+    path = root / f"last-{writer.last_version}.pt"
+    torch.save(writer.last, path)
+    writer.last = torch.load(path, mmap=True)
+    path.unlink()  # the mapping keeps the pages until the next version's copy replaces it
+    return time.perf_counter() - t0
+
+
 def loadavg() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
@@ -107,6 +125,7 @@ def measure(size: str, lr: float, root: Path, paths: list[str]) -> list[dict]:
     writer = ChainWriter(store, RUN, full_every=1000, max_fraction=1.0)
     full = writer.publish(1, tensors)
     del tensors
+    spill_last(writer, root)
     print(f"{size}: full version {full.version.payload_size / 1e9:.2f} GB, encode {full.encode_s:.0f}s", flush=True)
     server = VllmServer(weights, "bench", port=free_port(), dtype="bfloat16", max_model_len=512, kv_cache_gib=1,
                         eager=True,
@@ -130,9 +149,11 @@ def measure(size: str, lr: float, root: Path, paths: list[str]) -> list[dict]:
                 step_s = after.seconds  # the synthetic step itself, inside the publish: not a publish cost
                 changed = sum(e.changed for e in delta.version.tensors)
                 elements = sum(t.numel() for t in writer.last.values())
+                spill_s = spill_last(writer, root)
+                t_sync = time.perf_counter()
                 report = sync_delta([server.base_url], catch_up, version, http=http, probe_model=None,
                                     probe_tolerance=0.0, prebuild=path == "prebuilt")
-                served_s = time.perf_counter() - t0
+                served_s = (published - t0) + (time.perf_counter() - t_sync)  # the spill left out
                 [worker] = report.extra["worker"][server.base_url]
                 row = {"size": size, "lr": lr, "version": version, "path": worker.get("path"),
                        "asked": path, "vllm_start_s": ready_s,
@@ -144,12 +165,13 @@ def measure(size: str, lr: float, root: Path, paths: list[str]) -> list[dict]:
                        "pause_s": report.pause_s, "apply_rpc_s": report.reload_s, "label_s": report.version_s,
                        "resume_s": report.resume_s,
                        "paused_total_s": report.pause_s + report.reload_s + report.version_s + report.resume_s,
-                       "synthetic_step_s": step_s, "load_1min_before": load_before, "load_1min_after": loadavg(),
+                       "synthetic_step_s": step_s, "bench_spill_s": spill_s, "load_1min_before": load_before, "load_1min_after": loadavg(),
                        **{f"worker_{k}": v for k, v in worker.items() if isinstance(v, (int, float))}}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     finally:
         server.stop()
+    summarize(size, rows)
     if len(rows) > 1:
         base = rows[-1]["paused_total_s"]
         for row in rows:
@@ -157,6 +179,23 @@ def measure(size: str, lr: float, root: Path, paths: list[str]) -> list[dict]:
                   f"({row['paused_total_s'] / base:.3f}x the {rows[-1]['asked']} path's), publish to served "
                   f"{row['publish_to_served_s']:.1f}s", flush=True)
     return rows
+
+
+def summarize(size: str, rows: list[dict]) -> None:
+    """Per path asked: median and max of the pause and of publish-to-served, and the median pause's
+    ratio to the other path's (one run, so the two are comparable)."""
+    by_path: dict[str, list[dict]] = {}
+    for row in rows:
+        by_path.setdefault(row["asked"], []).append(row)
+    medians = {path: statistics.median(r["paused_total_s"] for r in group) for path, group in by_path.items()}
+    for path, group in by_path.items():
+        paused = [r["paused_total_s"] for r in group]
+        served = [r["publish_to_served_s"] for r in group]
+        others = ", ".join(f"{medians[path] / m:.3f}x the {other} path's median" for other, m in medians.items()
+                           if other != path)
+        print(f"{size}: {path}, {len(group)} versions: paused median {statistics.median(paused):.3f}s max "
+              f"{max(paused):.3f}s; publish to served median {statistics.median(served):.1f}s max {max(served):.1f}s"
+              + (f"; {others}" if others else ""), flush=True)
 
 
 def main() -> None:
