@@ -142,10 +142,13 @@ def test_delta_chain_reaches_the_replica_exactly_and_faults_never_serve_wrong_we
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("prebuild", [True, False])
 def test_the_follower_serves_announced_chain_versions(served_model: Any, s3_endpoint: str, run_id: str,
-                                                      redis_client: Any, tmp_path: Path) -> None:
-    """The trainer's publisher (``inference.weight_sync: delta``) and the weight follower: an
-    announcement in the chain is served, ``policy_version`` moves only once it is."""
+                                                      redis_client: Any, tmp_path: Path, prebuild: bool) -> None:
+    """The trainer's publisher (``inference.weight_sync: delta``) and the weight follower built from
+    the same settings: an announcement in the chain is served, ``policy_version`` moves only once
+    it is; ``weight_sync.prebuild`` decides the worker's path for a delta (the prebuilt swap, or
+    the in-place apply and vLLM's reload)."""
     from services.trainer.delta_publish import DeltaPublisher
     from services.weights.follower import WeightFollower
     from shared.schemas import CheckpointAnnouncement
@@ -157,14 +160,15 @@ def test_the_follower_serves_announced_chain_versions(served_model: Any, s3_endp
     store = S3Store(S3StorageSettings(endpoint=s3_endpoint, access_key="testing", secret_key="testing", bucket=run_id))
     store.ensure_bucket()
     settings = Settings(run_id=run_id, inference={"dtype": "float32", "weight_sync": {
-        "mode": "delta", "delta_max_fraction": 1.0}})
+        "mode": "delta", "delta_max_fraction": 1.0, "prebuild": prebuild}})
     publisher = DeltaPublisher(settings, store, PolicyVersion(redis_client, run_id).get)
     model, _ = load_policy(served_model.model_dir)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
     announcements = CheckpointAnnouncements(redis_client, run_id)
-    with WeightFollower(redis_client, store, run_id, [url], tmp_path / "w", initial_weights_dir=served_model.model_dir,
-                        probe_model="tiny") as follower, ws.admin_client() as http:
+    with WeightFollower.from_settings(settings, base_urls=[url], work_dir=tmp_path / "w", redis_client=redis_client,
+                                      store=store, initial_weights_dir=served_model.model_dir) as follower, \
+            ws.admin_client() as http:
         for version in (1, 2):
             model(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()
@@ -176,6 +180,10 @@ def test_the_follower_serves_announced_chain_versions(served_model: Any, s3_endp
             assert applied is not None and applied.version == version
             # another run's shadow (the module's other test) is no base for this run's chain
             assert applied.sync.extra["plans"] == ({"None": [1]} if version == 1 else {"1": [2]})
+            [worker] = applied.sync.extra["worker"][url]
+            if version == 2:  # a single delta on the held version: the setting alone picks the path
+                assert worker["path"] == ("prebuilt" if prebuild else "reload"), worker
+                assert ("swapped_layers" in worker) == prebuild and ("load_s" in worker) != prebuild, worker
             assert PolicyVersion(redis_client, run_id).get() == version and ws.weight_version(http, url) == str(version)
         verify_replica(http, url, SyncProbe(logprob_probe(model, 2), "tiny", FP32_TOLERANCE))
 

@@ -72,6 +72,7 @@ class CheckpointApplier:
     served_model: str  # the base model's served name: LoRA adapters are named from it
     delta: DeltaCatchUp | None = None  # inference.weight_sync delta: the run's chain, read and decoded
     delta_prefix: str | None = None  # announcements under it are delta-chain versions
+    delta_prebuild: bool = True  # inference.weight_sync.prebuild: sync_delta's prebuild
 
     def local_dir(self, version: int) -> Path:
         return self.work_dir / f"{version:06d}"
@@ -120,7 +121,7 @@ class CheckpointApplier:
 
         try:
             report = sync_delta(urls, catch_up, version, http=self.http, probe_model=self.probe_model,
-                                probe_tolerance=self.probe_tolerance, on_served=advance)
+                                probe_tolerance=self.probe_tolerance, on_served=advance, prebuild=self.delta_prebuild)
         except WeightSyncError as exc:
             self._record_failure(version, exc)
             raise

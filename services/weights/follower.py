@@ -94,6 +94,7 @@ from shared.state.run_marker import RedisDataLost, RunMarker
 from shared.state.policy_version import PolicyVersion
 from shared.state.replica_holders import ReplicaHold, ReplicaHolders
 from shared.schemas import BadMessage, CheckpointAnnouncement, parse_message
+from shared.settings import DeltaWeightSync
 from shared.storage import ObjectStore
 from shared.state.weight_sync_record import WeightSyncRecord
 
@@ -150,10 +151,12 @@ class WeightFollower:
         served_model: str = "tiny",
         trains: bool = True,
         hold_names: list[str] | None = None,
+        delta_prebuild: bool = True,
     ):
         """``hold_names``: the names the replicas are held under (``shared.state.replica_holders``),
         one per base URL; by default the base URLs. A follower that reaches its replica on loopback
-        holds it under the name every other process of the stack reaches it by."""
+        holds it under the name every other process of the stack reaches it by. ``delta_prebuild``:
+        delta-chain versions are packed before the pause (``inference.weight_sync.prebuild``)."""
         self.redis = redis_client
         self.announcements = CheckpointAnnouncements(redis_client, run_id)
         self.store = store
@@ -178,7 +181,7 @@ class WeightFollower:
                                          WeightSyncRecord(redis_client, run_id), dict(sync_options or {}), probe_model,
                                          probe_tolerance, served_model,
                                          delta=DeltaCatchUp(ChainReader(store, run_id), Path(work_dir) / "delta"),
-                                         delta_prefix=weight_chain_of_run(run_id))
+                                         delta_prefix=weight_chain_of_run(run_id), delta_prebuild=delta_prebuild)
         held_as = [u.rstrip("/") for u in hold_names or self.base_urls]
         self.hold = ReplicaHold(ReplicaHolders(redis_client), held_as, run_id, trains, str(initial_weights_dir or ""))
 
@@ -208,6 +211,8 @@ class WeightFollower:
         kwargs.setdefault("probe_tolerance", inference.sync_probe_tolerance or default_tolerance(inference.dtype))
         kwargs.setdefault("served_model", inference.model)
         kwargs.setdefault("trains", settings.trainer.mode == "train")
+        if isinstance(inference.weight_sync, DeltaWeightSync):
+            kwargs.setdefault("delta_prebuild", inference.weight_sync.prebuild)
         return cls(redis_client, store, settings.run_id, replicas,
                    work_dir or Path(inference.weights_dir) / settings.run_id,
                    initial_weights_dir=kwargs.pop("initial_weights_dir", inference.model_path), **kwargs)

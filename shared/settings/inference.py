@@ -54,6 +54,12 @@ class DeltaWeightSync(Section):
     # exponent order, which replicas' workers resolve against their shadow before the pause; all
     # zstd); grouped is the smallest measured (docs/performance/training.md)
     encoding: Literal["set", "xor", "set-planes", "xor-planes", "grouped", "smallest"] = "grouped"
+    # Replicas pack the next version's changed linear layers before the pause and only swap them in
+    # while paused (services.inference.packed_swap): the pause does not grow with the model. The cost
+    # is memory: until the swap each vLLM worker holds a second packed copy of the changed layers
+    # (+1.5 GB at Qwen2.5-0.5B in bf16, docs/performance/training.md). false: the delta is applied
+    # in place while paused and loaded through vLLM's in-memory reload, which repacks every layer.
+    prebuild: bool = True
 
 
 # the mode names the variant: a field of the other mode is an error naming it
@@ -96,7 +102,7 @@ class InferenceSettings(Section):
     sync_probe: bool = True
     sync_probe_tolerance: Float | None = Field(None, gt=0)
     # How new weights reach the replicas: {mode: s3}, {mode: nccl, backend, host, port, checkpoint_every}
-    # or {mode: delta, full_every, delta_max_fraction, encoding} (S3WeightSync, NcclWeightSync,
+    # or {mode: delta, full_every, delta_max_fraction, encoding, prebuild} (S3WeightSync, NcclWeightSync,
     # DeltaWeightSync). The mode alone may be written as a string (weight_sync: nccl),
     # and the nccl fields by their older flat names (weight_sync_host, weight_sync_port,
     # weight_sync_checkpoint_every: FOLDED_NAMES). nccl with trainer.lora is refused (Settings):
