@@ -128,8 +128,10 @@ def hop_breakdown(steps: list[dict], groups: list[dict], trajectories: list[dict
         add("trajectory upload (S3 object; none when inline)", last["upload_s"])
         add("scoring hop: uploaded to scoring start (Celery; none when scored in the worker)", last["scoring_start"] - last["uploaded"])
         add("scoring: trajectory read + reward", last["scoring_s"])
-        add("scored to group assembled (stream, S3 bundle)", done[last["group_id"]]["time"] - last["scored"])
-        add("  the trainer's assembly (reads, batch, record, spill)", done[last["group_id"]].get("assembly_s", float("nan")))
+        group = done[last["group_id"]]
+        add("scored to group assembled (stream, S3 bundle)", group["time"] - last["scored"])
+        for name, value in assembly_hops(last, group).items():
+            add(name, value)
         add("last group assembled to step start (pickup)", started - max(g["time"] for g in done.values()))
         add("forward/backward + optimizer", cur["step_time_s"])
         if broadcast:  # checkpoint_s is the publish: snapshot, then the sync; the S3 checkpoint is written behind
@@ -139,6 +141,19 @@ def hop_breakdown(steps: list[dict], groups: list[dict], trajectories: list[dict
         else:
             add("checkpoint (S3 objects, announce)", cur.get("checkpoint_s", 0.0))
     return parts
+
+
+def assembly_hops(last: dict, group: dict) -> dict[str, float]:
+    """"Scored to group assembled" taken apart (``services.trainer.consumer``'s group line): the
+    scored bundle and the ledger's move (to the stream entry that completed the group: its id is
+    Redis's clock in ms, against the scorer's wall clock), the trainer's wake-up (to the read that
+    returned it), the entries read before it, and the group's assembly (reads, batch, record, spill)."""
+    added = int(group["completed_by"].split("-")[0]) / 1000 if "completed_by" in group else float("nan")
+    read_at, started = group.get("read_at", float("nan")), group.get("assembly_started_at", float("nan"))
+    return {"  scored bundle + ledger move, to the trainer stream": added - last["scored"],
+            "  on the stream to read by the trainer (its wake-up)": read_at - added,
+            "  read to assembly start (entries read before it)": started - read_at,
+            "  the trainer's assembly (reads, batch, record, spill)": group.get("assembly_s", float("nan"))}
 
 
 def print_parts(parts: dict[str, list[float]], wall: float) -> None:
