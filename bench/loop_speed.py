@@ -25,6 +25,11 @@
    ``scorer`` (the scorer service, over its Celery hop: ``rewards.in_worker: never``) and
    ``worker`` (the rollout worker scores what it uploaded: ``rewards.in_worker: auto``; the
    digit task's one reward, ``verifier``, is declared cheap).
+   ``--reward-curve in_step,behind`` runs Conveyor once per ``trainer.reward_curve``: the PNG
+   drawn in the trainer's thread after each step, or in a thread of its own (the default).
+   "Scored to group assembled" is taken apart with the group's metrics line: the scored bundle
+   and ledger move (to the stream entry's Redis time), the trainer's wake-up (to its read), the
+   entries read before it, the assembly.
 2. **Async against sync on agentic episodes.** The same task, every environment step (one per
    episode: a single-turn task) waiting a tool latency drawn from a seeded lognormal (median
    ``--tool-p50`` 1 s, p99 ``--tool-p99`` 20 s: ``EnvConfig.step_latency_p99_s``), so wall time
@@ -45,7 +50,8 @@ step logs and ``loop_speed.json``.
 
     .venv/bin/python bench/loop_speed.py [--steps 12] [--agentic-steps 10] [--ks 1,2,4] [--threads 1]
         [--worker-slots 8] [--stale-at-use N] [--corrections none,tis,icepop] [--reward-threshold 0.5]
-        [--weight-sync s3,gloo] [--trajectories objects,inline] [--scoring scorer,worker] [--conveyor-only]
+        [--weight-sync s3,gloo] [--trajectories objects,inline] [--scoring scorer,worker]
+        [--reward-curve in_step,behind] [--conveyor-only]
         [--skip-trl] [--skip-agentic] [--out DIR]
 """
 
@@ -198,22 +204,23 @@ SCORING_IN_WORKER = {"scorer": "never", "worker": "auto"}  # --scoring -> reward
 
 
 def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_sync: str,
-                      trajectories_mode: str = "default", scoring: str = "scorer") -> dict:
+                      trajectories_mode: str = "default", scoring: str = "scorer", reward_curve: str = "behind") -> dict:
     """One Conveyor run at k = 0: its median step, and the step's hops (critical path)."""
     trajectories: list[dict] = []
     overrides = {**TRL_MATCHED, "CONVEYOR_TRAINER__TORCH_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
                  **weight_sync_env(weight_sync), **trajectories_env(trajectories_mode),
-                 "CONVEYOR_REWARDS__IN_WORKER": SCORING_IN_WORKER[scoring]}
+                 "CONVEYOR_REWARDS__IN_WORKER": SCORING_IN_WORKER[scoring], "CONVEYOR_TRAINER__REWARD_CURVE": reward_curve}
     before = load()
     name = "-".join([weight_sync.replace(":", "-"), *([] if trajectories_mode == "default" else [trajectories_mode.replace(":", "-")]),
-                     scoring])
+                     scoring, *([] if reward_curve == "behind" else [f"curve-{reward_curve}"])])
     run = run_learning(out / f"vs-trl-{name}", steps, 0, overrides=overrides, layout=layout,
                        inspect=lambda stack: trajectories.extend(trajectory_hops(stack)))
     (run.workdir / "trajectories.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trajectories))
     groups = [json.loads(line) for line in (run.workdir / "stack" / "metrics.jsonl").read_text().splitlines() if line]
     median = statistics.median(conveyor_breakdown(run.steps, groups)["wall"])
     parts = hop_breakdown(run.steps, groups, trajectories)
-    print(f"  Conveyor, weight sync {weight_sync}, trajectories {trajectories_mode}, scoring on the {scoring}: median "
+    print(f"  Conveyor, weight sync {weight_sync}, trajectories {trajectories_mode}, scoring on the {scoring}, "
+          f"reward curve drawn {reward_curve}: median "
           f"{median:.3f} s/step ({before} before, {load()} after); "
           f"critical path through the step's last trajectory scored ({len(trajectories)} trajectories):", flush=True)
     print_parts(parts, median)
@@ -233,15 +240,17 @@ def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_s
 
 def sync_vs_trl(out: Path, steps: int, threads: int, layout: str, weight_syncs: list[str],
                 trajectories_modes: tuple[str, ...] = ("default",), scorings: tuple[str, ...] = ("scorer",),
-                skip_trl: bool = False) -> dict:
+                skip_trl: bool = False, reward_curves: tuple[str, ...] = ("behind",)) -> dict:
     against = "(no TRL run)" if skip_trl else f"against TRL {TRL_VERSION} GRPOTrainer"
     print(f"## sync step: Conveyor (k=0; weight sync {', '.join(weight_syncs)}; trajectories "
-          f"{', '.join(trajectories_modes)}; scoring on the {', '.join(scorings)}) {against}, "
+          f"{', '.join(trajectories_modes)}; scoring on the {', '.join(scorings)}; reward curve drawn "
+          f"{', '.join(reward_curves)}) {against}, "
           f"layout {layout}, {steps} steps, torch threads {threads} on both sides (Conveyor's trainer and "
           f"workers: CONVEYOR_TRAINER__TORCH_THREADS and OMP_NUM_THREADS; vLLM its own)", flush=True)
-    conveyor = {"/".join([mode, *([] if kept == "default" else [kept]), *([] if scoring == "scorer" else [scoring])]):
-                conveyor_sync_run(out, steps, threads, layout, mode, kept, scoring)
-                for mode in weight_syncs for kept in trajectories_modes for scoring in scorings}
+    conveyor = {"/".join([mode, *([] if kept == "default" else [kept]), *([] if scoring == "scorer" else [scoring]),
+                          *([] if curve == "behind" else [f"curve {curve}"])]):
+                conveyor_sync_run(out, steps, threads, layout, mode, kept, scoring, curve)
+                for mode in weight_syncs for kept in trajectories_modes for scoring in scorings for curve in reward_curves}
     between = load()
     if len(conveyor) > 1:
         first, *others = conveyor
@@ -352,6 +361,9 @@ def main() -> None:
                         "the ledger's Redis; inline:N at most N bytes), default (as configured)")
     parser.add_argument("--scoring", default="scorer", help="comma list of the sync-vs-TRL runs' places of scoring: "
                         "scorer (the scorer service, its Celery hop) and/or worker (in the rollout worker: rewards.in_worker auto)")
+    parser.add_argument("--reward-curve", default="behind", help="comma list of the sync-vs-TRL runs' "
+                        "trainer.reward_curve: behind (drawn in a thread of its own, the default) and/or in_step "
+                        "(drawn in the trainer's thread before it reads the next groups, as before)")
     parser.add_argument("--conveyor-only", action="store_true",
                         help="the sync step's Conveyor runs (--weight-sync x --trajectories x --scoring) without the TRL run")
     parser.add_argument("--skip-trl", action="store_true",
@@ -366,10 +378,12 @@ def main() -> None:
     modes, scorings = args.trajectories.split(","), args.scoring.split(",")
     if unknown := set(scorings) - set(SCORING_IN_WORKER):
         parser.error(f"--scoring: {sorted(unknown)} not among {sorted(SCORING_IN_WORKER)}")
-    variants = len(modes) * len(scorings) * len(args.weight_sync.split(","))
+    curves = args.reward_curve.split(",")
+    variants = len(modes) * len(scorings) * len(args.weight_sync.split(",")) * len(curves)
     if args.conveyor_only or not args.skip_trl or variants > 1:
         results["sync_vs_trl"] = sync_vs_trl(out, args.steps, args.threads, args.layout, args.weight_sync.split(","),
-                                             tuple(modes), tuple(scorings), args.skip_trl or args.conveyor_only)
+                                             tuple(modes), tuple(scorings), args.skip_trl or args.conveyor_only,
+                                             tuple(curves))
         (out / "loop_speed.json").write_text(json.dumps(results, indent=1))
     if not args.skip_agentic:
         results["agentic"] = agentic(out, args.agentic_steps, [int(k) for k in args.ks.split(",")],
