@@ -58,8 +58,10 @@ step logs and ``loop_speed.json``.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -162,6 +164,28 @@ def assembly_hops(last: dict, group: dict) -> dict[str, float]:
             "  the trainer's assembly (reads, batch, record, spill)": group.get("assembly_s", float("nan"))}
 
 
+def post_step_waits(workdir: Path, steps: list[dict], groups: list[dict]) -> dict[str, float]:
+    """Medians over the steps between the first and the last: the trainer's lines from a step's
+    metrics line to its log line (``services.trainer.loop.train_once``: the step's record and the
+    reward curve, when drawn in its thread), and how long the next step's first group waited on
+    the trainer stream (added, by its entry id, to read)."""
+    logged = {}
+    for line in (workdir / "stack" / "logs" / "trainer.log").read_text(errors="replace").splitlines():
+        if match := re.search(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO services\.trainer\.loop: step (\d+): ", line):
+            at = datetime.datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f")  # the log's local time
+            logged[int(match.group(2))] = at.astimezone().timestamp()
+    post, waits = [], []
+    for step in steps[1:-1]:
+        later = [g for g in groups if g["time"] > step["time"] and "read_at" in g]
+        if int(step["step"]) not in logged or not later:
+            continue
+        first = min(later, key=lambda g: g["time"])
+        post.append(logged[int(step["step"])] - step["time"])
+        waits.append(first["read_at"] - int(first["completed_by"].split("-")[0]) / 1000)
+    return {"post_step_s": statistics.median(post) if post else float("nan"),
+            "first_group_wait_s": statistics.median(waits) if waits else float("nan")}
+
+
 def print_parts(parts: dict[str, list[float]], wall: float) -> None:
     print(f"    {'':52s} median   mean    share of the median step")
     for name, values in parts.items():
@@ -204,7 +228,8 @@ SCORING_IN_WORKER = {"scorer": "never", "worker": "auto"}  # --scoring -> reward
 
 
 def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_sync: str,
-                      trajectories_mode: str = "default", scoring: str = "scorer", reward_curve: str = "behind") -> dict:
+                      trajectories_mode: str = "default", scoring: str = "scorer", reward_curve: str = "behind",
+                      repeat: int = 0) -> dict:
     """One Conveyor run at k = 0: its median step, and the step's hops (critical path)."""
     trajectories: list[dict] = []
     overrides = {**TRL_MATCHED, "CONVEYOR_TRAINER__TORCH_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
@@ -212,7 +237,7 @@ def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_s
                  "CONVEYOR_REWARDS__IN_WORKER": SCORING_IN_WORKER[scoring], "CONVEYOR_TRAINER__REWARD_CURVE": reward_curve}
     before = load()
     name = "-".join([weight_sync.replace(":", "-"), *([] if trajectories_mode == "default" else [trajectories_mode.replace(":", "-")]),
-                     scoring, *([] if reward_curve == "behind" else [f"curve-{reward_curve}"])])
+                     scoring, *([] if reward_curve == "behind" else [f"curve-{reward_curve}"]), *([str(repeat + 1)] if repeat else [])])
     run = run_learning(out / f"vs-trl-{name}", steps, 0, overrides=overrides, layout=layout,
                        inspect=lambda stack: trajectories.extend(trajectory_hops(stack)))
     (run.workdir / "trajectories.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trajectories))
@@ -224,6 +249,9 @@ def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_s
           f"{median:.3f} s/step ({before} before, {load()} after); "
           f"critical path through the step's last trajectory scored ({len(trajectories)} trajectories):", flush=True)
     print_parts(parts, median)
+    waits = post_step_waits(run.workdir, run.steps, groups)
+    print(f"    after each step (median): the trainer's lines from its metrics line to its log line {waits['post_step_s']:.3f} s; "
+          f"the next step's first group on the trainer stream before it was read {waits['first_group_wait_s']:.3f} s")
     sizes = sorted(t["json_bytes"] for t in trajectories)
     inline = sum(t["inline"] for t in trajectories)
     print(f"    trajectories' JSON: median {sizes[len(sizes) // 2]} B, max {sizes[-1]} B; {inline} of {len(sizes)} carried inline")
@@ -233,7 +261,7 @@ def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_s
     print(f"    trajectories scored {where['in the worker']} in the rollout worker, {where['on the scorer']} on the scorer",
           flush=True)
     return {"s_per_step": median, "load_before": before, "trajectories": len(trajectories), "inline": inline,
-            "json_bytes_median": sizes[len(sizes) // 2], "json_bytes_max": sizes[-1], "scored": where,
+            **waits, "json_bytes_median": sizes[len(sizes) // 2], "json_bytes_max": sizes[-1], "scored": where,
             "parts_median": {k: statistics.median(v) for k, v in parts.items()},
             "parts_mean": {k: statistics.fmean(v) for k, v in parts.items()}}
 
@@ -247,10 +275,16 @@ def sync_vs_trl(out: Path, steps: int, threads: int, layout: str, weight_syncs: 
           f"{', '.join(reward_curves)}) {against}, "
           f"layout {layout}, {steps} steps, torch threads {threads} on both sides (Conveyor's trainer and "
           f"workers: CONVEYOR_TRAINER__TORCH_THREADS and OMP_NUM_THREADS; vLLM its own)", flush=True)
-    conveyor = {"/".join([mode, *([] if kept == "default" else [kept]), *([] if scoring == "scorer" else [scoring]),
-                          *([] if curve == "behind" else [f"curve {curve}"])]):
-                conveyor_sync_run(out, steps, threads, layout, mode, kept, scoring, curve)
-                for mode in weight_syncs for kept in trajectories_modes for scoring in scorings for curve in reward_curves}
+    conveyor: dict[str, dict] = {}
+    for mode in weight_syncs:
+        for kept in trajectories_modes:
+            for scoring in scorings:
+                for curve in reward_curves:  # a value given twice runs twice (A, B, A, B: the drift of the load shows)
+                    key = "/".join([mode, *([] if kept == "default" else [kept]), *([] if scoring == "scorer" else [scoring]),
+                                    *([] if curve == "behind" else [f"curve {curve}"])])
+                    repeat = sum(k.split(" #")[0] == key for k in conveyor)
+                    key += f" #{repeat + 1}" if repeat else ""
+                    conveyor[key] = conveyor_sync_run(out, steps, threads, layout, mode, kept, scoring, curve, repeat)
     between = load()
     if len(conveyor) > 1:
         first, *others = conveyor
