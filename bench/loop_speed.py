@@ -166,7 +166,7 @@ def assembly_hops(last: dict, group: dict) -> dict[str, float]:
 
 def post_step_waits(workdir: Path, steps: list[dict], groups: list[dict]) -> dict[str, float]:
     """Medians over the steps between the first and the last: the trainer's lines from a step's
-    metrics line to its log line (``services.trainer.loop.train_once``: the step's record and the
+    metrics line to its log line (``services.trainer.loop.TrainingLoop.train_once``: the step's record and the
     reward curve, when drawn in its thread), and how long the next step's first group waited on
     the trainer stream (added, by its entry id, to read)."""
     logged = {}
