@@ -146,7 +146,10 @@ class RewardCurve:
             self._collect()
         if self._undrawn:
             self._undrawn = False
-            self._draw()
+            try:
+                self._draw()
+            except Exception as exc:  # the loop closes on: its last checkpoint comes after this
+                log.error("reward curve %s not drawn: %s", self.png_path, exc)
         if self._drawer is not None:
             self._drawer.shutdown(wait=True)
 
