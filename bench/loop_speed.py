@@ -25,6 +25,11 @@
    ``scorer`` (the scorer service, over its Celery hop: ``rewards.in_worker: never``) and
    ``worker`` (the rollout worker scores what it uploaded: ``rewards.in_worker: auto``; the
    digit task's one reward, ``verifier``, is declared cheap).
+   ``--reward-curve in_step,behind`` runs Conveyor once per ``trainer.reward_curve``: the PNG
+   drawn in the trainer's thread after each step, or in a thread of its own (the default).
+   "Scored to group assembled" is taken apart with the group's metrics line: the scored bundle
+   and ledger move (to the stream entry's Redis time), the trainer's wake-up (to its read), the
+   entries read before it, the assembly.
 2. **Async against sync on agentic episodes.** The same task, every environment step (one per
    episode: a single-turn task) waiting a tool latency drawn from a seeded lognormal (median
    ``--tool-p50`` 1 s, p99 ``--tool-p99`` 20 s: ``EnvConfig.step_latency_p99_s``), so wall time
@@ -45,15 +50,18 @@ step logs and ``loop_speed.json``.
 
     .venv/bin/python bench/loop_speed.py [--steps 12] [--agentic-steps 10] [--ks 1,2,4] [--threads 1]
         [--worker-slots 8] [--stale-at-use N] [--corrections none,tis,icepop] [--reward-threshold 0.5]
-        [--weight-sync s3,gloo] [--trajectories objects,inline] [--scoring scorer,worker] [--conveyor-only]
+        [--weight-sync s3,gloo] [--trajectories objects,inline] [--scoring scorer,worker]
+        [--reward-curve in_step,behind] [--conveyor-only]
         [--skip-trl] [--skip-agentic] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -128,8 +136,10 @@ def hop_breakdown(steps: list[dict], groups: list[dict], trajectories: list[dict
         add("trajectory upload (S3 object; none when inline)", last["upload_s"])
         add("scoring hop: uploaded to scoring start (Celery; none when scored in the worker)", last["scoring_start"] - last["uploaded"])
         add("scoring: trajectory read + reward", last["scoring_s"])
-        add("scored to group assembled (stream, S3 bundle)", done[last["group_id"]]["time"] - last["scored"])
-        add("  the trainer's assembly (reads, batch, record, spill)", done[last["group_id"]].get("assembly_s", float("nan")))
+        group = done[last["group_id"]]
+        add("scored to group assembled (stream, S3 bundle)", group["time"] - last["scored"])
+        for name, value in assembly_hops(last, group).items():
+            add(name, value)
         add("last group assembled to step start (pickup)", started - max(g["time"] for g in done.values()))
         add("forward/backward + optimizer", cur["step_time_s"])
         if broadcast:  # checkpoint_s is the publish: snapshot, then the sync; the S3 checkpoint is written behind
@@ -139,6 +149,41 @@ def hop_breakdown(steps: list[dict], groups: list[dict], trajectories: list[dict
         else:
             add("checkpoint (S3 objects, announce)", cur.get("checkpoint_s", 0.0))
     return parts
+
+
+def assembly_hops(last: dict, group: dict) -> dict[str, float]:
+    """"Scored to group assembled" taken apart (``services.trainer.consumer``'s group line): the
+    scored bundle and the ledger's move (to the stream entry that completed the group: its id is
+    Redis's clock in ms, against the scorer's wall clock), the trainer's wake-up (to the read that
+    returned it), the entries read before it, and the group's assembly (reads, batch, record, spill)."""
+    added = int(group["completed_by"].split("-")[0]) / 1000 if "completed_by" in group else float("nan")
+    read_at, started = group.get("read_at", float("nan")), group.get("assembly_started_at", float("nan"))
+    return {"  scored bundle + ledger move, to the trainer stream": added - last["scored"],
+            "  on the stream to read by the trainer (its wake-up)": read_at - added,
+            "  read to assembly start (entries read before it)": started - read_at,
+            "  the trainer's assembly (reads, batch, record, spill)": group.get("assembly_s", float("nan"))}
+
+
+def post_step_waits(workdir: Path, steps: list[dict], groups: list[dict]) -> dict[str, float]:
+    """Medians over the steps between the first and the last: the trainer's lines from a step's
+    metrics line to its log line (``services.trainer.loop.TrainingLoop.train_once``: the step's record and the
+    reward curve, when drawn in its thread), and how long the next step's first group waited on
+    the trainer stream (added, by its entry id, to read)."""
+    logged = {}
+    for line in (workdir / "stack" / "logs" / "trainer.log").read_text(errors="replace").splitlines():
+        if match := re.search(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO services\.trainer\.loop: step (\d+): ", line):
+            at = datetime.datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f")  # the log's local time
+            logged[int(match.group(2))] = at.astimezone().timestamp()
+    post, waits = [], []
+    for step in steps[1:-1]:
+        later = [g for g in groups if g["time"] > step["time"] and "read_at" in g]
+        if int(step["step"]) not in logged or not later:
+            continue
+        first = min(later, key=lambda g: g["time"])
+        post.append(logged[int(step["step"])] - step["time"])
+        waits.append(first["read_at"] - int(first["completed_by"].split("-")[0]) / 1000)
+    return {"post_step_s": statistics.median(post) if post else float("nan"),
+            "first_group_wait_s": statistics.median(waits) if waits else float("nan")}
 
 
 def print_parts(parts: dict[str, list[float]], wall: float) -> None:
@@ -183,25 +228,30 @@ SCORING_IN_WORKER = {"scorer": "never", "worker": "auto"}  # --scoring -> reward
 
 
 def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_sync: str,
-                      trajectories_mode: str = "default", scoring: str = "scorer") -> dict:
+                      trajectories_mode: str = "default", scoring: str = "scorer", reward_curve: str = "behind",
+                      repeat: int = 0) -> dict:
     """One Conveyor run at k = 0: its median step, and the step's hops (critical path)."""
     trajectories: list[dict] = []
     overrides = {**TRL_MATCHED, "CONVEYOR_TRAINER__TORCH_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
                  **weight_sync_env(weight_sync), **trajectories_env(trajectories_mode),
-                 "CONVEYOR_REWARDS__IN_WORKER": SCORING_IN_WORKER[scoring]}
+                 "CONVEYOR_REWARDS__IN_WORKER": SCORING_IN_WORKER[scoring], "CONVEYOR_TRAINER__REWARD_CURVE": reward_curve}
     before = load()
     name = "-".join([weight_sync.replace(":", "-"), *([] if trajectories_mode == "default" else [trajectories_mode.replace(":", "-")]),
-                     scoring])
+                     scoring, *([] if reward_curve == "behind" else [f"curve-{reward_curve}"]), *([str(repeat + 1)] if repeat else [])])
     run = run_learning(out / f"vs-trl-{name}", steps, 0, overrides=overrides, layout=layout,
                        inspect=lambda stack: trajectories.extend(trajectory_hops(stack)))
     (run.workdir / "trajectories.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trajectories))
     groups = [json.loads(line) for line in (run.workdir / "stack" / "metrics.jsonl").read_text().splitlines() if line]
     median = statistics.median(conveyor_breakdown(run.steps, groups)["wall"])
     parts = hop_breakdown(run.steps, groups, trajectories)
-    print(f"  Conveyor, weight sync {weight_sync}, trajectories {trajectories_mode}, scoring on the {scoring}: median "
+    print(f"  Conveyor, weight sync {weight_sync}, trajectories {trajectories_mode}, scoring on the {scoring}, "
+          f"reward curve drawn {reward_curve}: median "
           f"{median:.3f} s/step ({before} before, {load()} after); "
           f"critical path through the step's last trajectory scored ({len(trajectories)} trajectories):", flush=True)
     print_parts(parts, median)
+    waits = post_step_waits(run.workdir, run.steps, groups)
+    print(f"    after each step (median): the trainer's lines from its metrics line to its log line {waits['post_step_s']:.3f} s; "
+          f"the next step's first group on the trainer stream before it was read {waits['first_group_wait_s']:.3f} s")
     sizes = sorted(t["json_bytes"] for t in trajectories)
     inline = sum(t["inline"] for t in trajectories)
     print(f"    trajectories' JSON: median {sizes[len(sizes) // 2]} B, max {sizes[-1]} B; {inline} of {len(sizes)} carried inline")
@@ -211,22 +261,30 @@ def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_s
     print(f"    trajectories scored {where['in the worker']} in the rollout worker, {where['on the scorer']} on the scorer",
           flush=True)
     return {"s_per_step": median, "load_before": before, "trajectories": len(trajectories), "inline": inline,
-            "json_bytes_median": sizes[len(sizes) // 2], "json_bytes_max": sizes[-1], "scored": where,
+            **waits, "json_bytes_median": sizes[len(sizes) // 2], "json_bytes_max": sizes[-1], "scored": where,
             "parts_median": {k: statistics.median(v) for k, v in parts.items()},
             "parts_mean": {k: statistics.fmean(v) for k, v in parts.items()}}
 
 
 def sync_vs_trl(out: Path, steps: int, threads: int, layout: str, weight_syncs: list[str],
                 trajectories_modes: tuple[str, ...] = ("default",), scorings: tuple[str, ...] = ("scorer",),
-                skip_trl: bool = False) -> dict:
+                skip_trl: bool = False, reward_curves: tuple[str, ...] = ("behind",)) -> dict:
     against = "(no TRL run)" if skip_trl else f"against TRL {TRL_VERSION} GRPOTrainer"
     print(f"## sync step: Conveyor (k=0; weight sync {', '.join(weight_syncs)}; trajectories "
-          f"{', '.join(trajectories_modes)}; scoring on the {', '.join(scorings)}) {against}, "
+          f"{', '.join(trajectories_modes)}; scoring on the {', '.join(scorings)}; reward curve drawn "
+          f"{', '.join(reward_curves)}) {against}, "
           f"layout {layout}, {steps} steps, torch threads {threads} on both sides (Conveyor's trainer and "
           f"workers: CONVEYOR_TRAINER__TORCH_THREADS and OMP_NUM_THREADS; vLLM its own)", flush=True)
-    conveyor = {"/".join([mode, *([] if kept == "default" else [kept]), *([] if scoring == "scorer" else [scoring])]):
-                conveyor_sync_run(out, steps, threads, layout, mode, kept, scoring)
-                for mode in weight_syncs for kept in trajectories_modes for scoring in scorings}
+    conveyor: dict[str, dict] = {}
+    for mode in weight_syncs:
+        for kept in trajectories_modes:
+            for scoring in scorings:
+                for curve in reward_curves:  # a value given twice runs twice (A, B, A, B: the drift of the load shows)
+                    key = "/".join([mode, *([] if kept == "default" else [kept]), *([] if scoring == "scorer" else [scoring]),
+                                    *([] if curve == "behind" else [f"curve {curve}"])])
+                    repeat = sum(k.split(" #")[0] == key for k in conveyor)
+                    key += f" #{repeat + 1}" if repeat else ""
+                    conveyor[key] = conveyor_sync_run(out, steps, threads, layout, mode, kept, scoring, curve, repeat)
     between = load()
     if len(conveyor) > 1:
         first, *others = conveyor
@@ -337,6 +395,9 @@ def main() -> None:
                         "the ledger's Redis; inline:N at most N bytes), default (as configured)")
     parser.add_argument("--scoring", default="scorer", help="comma list of the sync-vs-TRL runs' places of scoring: "
                         "scorer (the scorer service, its Celery hop) and/or worker (in the rollout worker: rewards.in_worker auto)")
+    parser.add_argument("--reward-curve", default="behind", help="comma list of the sync-vs-TRL runs' "
+                        "trainer.reward_curve: behind (drawn in a thread of its own, the default) and/or in_step "
+                        "(drawn in the trainer's thread before it reads the next groups, as before)")
     parser.add_argument("--conveyor-only", action="store_true",
                         help="the sync step's Conveyor runs (--weight-sync x --trajectories x --scoring) without the TRL run")
     parser.add_argument("--skip-trl", action="store_true",
@@ -351,10 +412,12 @@ def main() -> None:
     modes, scorings = args.trajectories.split(","), args.scoring.split(",")
     if unknown := set(scorings) - set(SCORING_IN_WORKER):
         parser.error(f"--scoring: {sorted(unknown)} not among {sorted(SCORING_IN_WORKER)}")
-    variants = len(modes) * len(scorings) * len(args.weight_sync.split(","))
+    curves = args.reward_curve.split(",")
+    variants = len(modes) * len(scorings) * len(args.weight_sync.split(",")) * len(curves)
     if args.conveyor_only or not args.skip_trl or variants > 1:
         results["sync_vs_trl"] = sync_vs_trl(out, args.steps, args.threads, args.layout, args.weight_sync.split(","),
-                                             tuple(modes), tuple(scorings), args.skip_trl or args.conveyor_only)
+                                             tuple(modes), tuple(scorings), args.skip_trl or args.conveyor_only,
+                                             tuple(curves))
         (out / "loop_speed.json").write_text(json.dumps(results, indent=1))
     if not args.skip_agentic:
         results["agentic"] = agentic(out, args.agentic_steps, [int(k) for k in args.ks.split(",")],

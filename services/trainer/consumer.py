@@ -128,6 +128,7 @@ class TrainerConsumer:
         self.marker.check(_STOPS, look_in_store=True)  # before anything of the run is created again
         self._recoveries = outage.recoveries(self.client)
         self._spiller: ThreadPoolExecutor | None = None  # writes groups' inline members to their spill (_spill)
+        self._read_at = 0.0  # wall time the last read returned: each group's metrics line says when it was read
         try:
             self.client.xgroup_create(self.stream, STREAM_READERS, id="0", mkstream=True)
         except redis.ResponseError as exc:
@@ -146,6 +147,7 @@ class TrainerConsumer:
             entries = batch[0][1] if batch else []
             if not entries:
                 return replayed
+            self._read_at = time.time()
             for entry_id, fields in entries:
                 if entry_id not in held:
                     self._handle(entry_id, fields)
@@ -155,6 +157,7 @@ class TrainerConsumer:
     def poll(self, block_ms: int | None = None) -> int:
         batch = self._read({self.stream: ">"}, count=256, block=self.settings.trainer.block_ms if block_ms is None else block_ms)
         entries = batch[0][1] if batch else []
+        self._read_at = time.time()
         for entry_id, fields in entries:
             self._handle(entry_id, fields)
         return len(entries)
@@ -224,7 +227,7 @@ class TrainerConsumer:
 
     def _complete(self, group: PendingGroup) -> None:
         """Apply the group's decision (``services.trainer.group_decision``)."""
-        started = time.perf_counter()
+        started, started_at = time.perf_counter(), time.time()
         registration = self._registration(group.group_id)
         read: dict[str, Trajectory] = {}  # ref -> the member the decision read: the spill reuses it
 
@@ -247,7 +250,8 @@ class TrainerConsumer:
             spill.result()  # written before consuming the members deletes their inline copies
         self.ledger.mark_consumed_many([e.trajectory_id for e in group.scored])
         superseded = self._supersede(registration, group)
-        self._log_metrics(record, registration, group.entry_ids[-1], assembly_s=time.perf_counter() - started)
+        self._log_metrics(record, registration, group.entry_ids[-1], assembly_s=time.perf_counter() - started,
+                          timeline={"read_at": self._read_at, "assembly_started_at": started_at})
         entry = decision.queue_entry(batch_object, registration.env_name)
 
         def fill(tx: redis.client.Pipeline) -> None:  # done, counted, queued and acked together
@@ -328,14 +332,18 @@ class TrainerConsumer:
     def counters(self) -> dict[str, int]:
         return self.trainer_counters.all()
 
-    def _log_metrics(self, record: GroupRecord, registration: GroupRegistration, completed_by: str, assembly_s: float) -> None:
-        """Idempotent by (group, the entry that completed it): see ``services.trainer.group_metrics``."""
+    def _log_metrics(self, record: GroupRecord, registration: GroupRegistration, completed_by: str, assembly_s: float,
+                     timeline: dict[str, float]) -> None:
+        """Idempotent by (group, the entry that completed it): see ``services.trainer.group_metrics``.
+        ``timeline``: wall times of the group's last hop, for the step's breakdown (``bench/loop_speed.py``):
+        ``read_at`` (the read that returned the completing entry; its id holds the time it was
+        added to the stream) and ``assembly_started_at`` (after the entries read before it)."""
         line = {
             "time": record.completed_at, "run_id": self.run_id, "group_id": record.group_id, "status": record.status,
             "reward_mean": record.reward_mean, "reward_std": record.reward_std,
             "scored": sum(1 for m in record.members if m.reward is not None),
             "failed": sum(1 for m in record.members if m.reward is None),
-            "group_latency_s": record.completed_at - registration.dispatched_at, "assembly_s": assembly_s,
+            "group_latency_s": record.completed_at - registration.dispatched_at, "assembly_s": assembly_s, **timeline,
         }
         self.metrics.write(line, completed_by)
         log.info("group %d %s: reward mean %s std %s", record.group_id, record.status, record.reward_mean, record.reward_std)

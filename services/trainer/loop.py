@@ -55,7 +55,7 @@ from services.trainer.alarm import ServedWeightsAlarm
 from services.trainer.checkpoints import resume, save_checkpoint
 from services.trainer.distributed import StepOrder, TrainerRanks
 from services.trainer.evaluation import Evaluator
-from services.trainer.metrics import MetricsSink, finite_or_none, metric_name, plot_reward_curve
+from services.trainer.metrics import MetricsSink, RewardCurve, finite_or_none, metric_name
 from services.trainer.selection import Selection, select
 from services.trainer.step import train_version, trainer_from_settings
 from services.trainer.broadcast_publish import BroadcastPublisher
@@ -114,6 +114,8 @@ class TrainingLoop:
         self.budget.advance_step(self.version)
         self.train_queue = TrainQueue(self.redis, self.run_id)
         self._last_step_at: float | None = None
+        self.reward_curve = RewardCurve(self.training.reward_curve, self.metrics.jsonl_path, self.training.reward_curve_path,
+                                        f"{self.run_id}: mean reward per step")
         if self.version > 0:
             self._announce(self.version)
         log.info("training loop at version %d (step %d)", self.version, step)
@@ -121,7 +123,9 @@ class TrainingLoop:
 
     def close(self) -> None:
         """Wait for a checkpoint still being written (nccl weight sync), write the last version's
-        unless a step was in hand, and leave the weight group; under torchrun, let the other ranks return."""
+        unless a step was in hand, and leave the weight group; under torchrun, let the other ranks return;
+        finish the reward curve."""
+        self.reward_curve.close()
         if self.publisher is not None:
             self.publisher.close(write_last=not self._in_step)
         if self.ranks is not None:
@@ -201,7 +205,7 @@ class TrainingLoop:
         metrics |= self._rollout_metrics(batches, selection, trained_at=version - 1) | {"checkpoint_s": checkpoint_s}
         self.metrics.log(version, metrics)
         self._record_step(version, metrics)
-        plot_reward_curve(self.metrics.jsonl_path, self.training.reward_curve_path, f"{self.run_id}: mean reward per step")
+        self.reward_curve.step_ended()  # behind the step by default: the consumer reads the next step's groups meanwhile
         now = time.time()
         wall = now - self._last_step_at if self._last_step_at else None  # step 1 has no step before it
         self._last_step_at = now

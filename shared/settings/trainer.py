@@ -232,6 +232,10 @@ class TrainTrainerSettings(TrainerSettings):
     mixing_window: Int = Field(32, ge=0)
     step_metrics_path: Path = Path(".conveyor/train_steps.jsonl")  # one line per optimizer step
     reward_curve_path: Path = Path(".conveyor/reward_curve.png")
+    # when the PNG is redrawn after a step: behind (a thread of its own; the trainer goes back to
+    # reading groups at once), in_step (before the step returns: it held a sync step's next groups
+    # unread 0.3-0.6 s under load, docs/performance/loop_speed.md), off (never)
+    reward_curve: Literal["behind", "in_step", "off"] = "behind"
     wandb_project: str | None = None
 
     @model_validator(mode="after")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 
 from services.cli.local_stack import free_port
-from services.trainer.metrics import MetricsSink, plot_reward_curve, read_steps
+from services.trainer.metrics import MetricsSink, RewardCurve, plot_reward_curve, read_steps
 
 
 def test_step_metrics_go_to_jsonl_and_prometheus_and_the_curve(tmp_path):
@@ -41,3 +41,40 @@ def test_non_finite_metrics_are_written_as_null_and_the_file_stays_strict_json(t
     assert plot_reward_curve(path, tmp_path / "curve.png").exists()  # a null reward is a gap, not a crash
     with pytest.raises(ValueError, match="JSON compliant"):  # what JSON cannot hold fails loudly
         sink.log(3, {"per_layer": [math.nan]})
+
+
+class _Observed(RewardCurve):
+    """Records how many steps each drawing held (the real drawing still runs)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.drawn: list[int] = []
+
+    def _draw(self):
+        self.drawn.append(len(read_steps(self.jsonl_path)))
+        return super()._draw()
+
+
+def test_the_reward_curve_is_drawn_behind_the_step_and_holds_every_step_once_closed(tmp_path):
+    sink = MetricsSink(tmp_path / "steps.jsonl")
+    curve = _Observed("behind", sink.jsonl_path, tmp_path / "curve.png", "t")
+    for step in range(1, 6):  # faster than a drawing: the steps that end during one are drawn by a later one
+        sink.log(step, {"reward_mean": step / 10, "reward_std": 0.1})
+        curve.step_ended()
+    curve.close()
+    assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert curve.drawn[-1] == 5 and len(curve.drawn) < 5  # whole once closed; skipped to the newest meanwhile
+
+
+def test_a_reward_curve_that_cannot_be_drawn_is_logged_and_training_goes_on(tmp_path, caplog):
+    sink = MetricsSink(tmp_path / "steps.jsonl")
+    (tmp_path / "taken").write_text("a file where the curve's folder should be")
+    curve = RewardCurve("behind", sink.jsonl_path, tmp_path / "taken" / "curve.png", "t")
+    sink.log(1, {"reward_mean": 0.5, "reward_std": 0.0})
+    curve.step_ended()
+    curve.close()
+    assert "reward curve" in caplog.text and "not drawn" in caplog.text
+    off = RewardCurve("off", sink.jsonl_path, tmp_path / "off.png", "t")
+    off.step_ended()
+    off.close()
+    assert not (tmp_path / "off.png").exists()
