@@ -118,8 +118,10 @@ def test_sigterm_stops_the_runs_processes_and_says_so(redis_url, tmp_path, run_i
         while len(started) < 3:
             line = supervisor.stdout.readline()
             assert line, supervisor.stderr.read()
-            name, pid = re.match(r"run \S+: started (\w+) \(pid (\d+)\)", line).groups()
-            started[name] = int(pid)
+            if found := re.match(r"run \S+: started (\w+) \(pid (\d+)\)", line):
+                started[found[1]] = int(found[2])
+            else:  # the one line before: which inference server the run takes
+                assert not started and line.startswith(f"run {run_id}: on the shared inference server(s) "), line
         supervisor.send_signal(signal.SIGTERM)
         assert supervisor.wait(60) == 128 + signal.SIGTERM, supervisor.stderr.read()
     rest = supervisor.stdout.read()
