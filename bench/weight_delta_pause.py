@@ -29,10 +29,11 @@ only swaps them in while paused: ``worker_swap_s``, ``worker_plain_copy_s``,
 
     .venv/bin/python -m bench.weight_delta_pause --size 1.5B [--lr 1e-6] [--paths prebuilt reload]
 
-At 1.5B on a 24 GB machine shared with other work (docs/performance/training.md)::
+At 1.5B on a 24 GB machine shared with other work (docs/performance/training.md), with
+``--paths`` naming ``prebuilt`` five times, then ``reload``::
 
     MALLOC_ARENA_MAX=2 MALLOC_MMAP_THRESHOLD_=1048576 .venv/bin/python -m bench.weight_delta_pause --size 1.5B \
-        --publish-first --paths prebuilt prebuilt prebuilt prebuilt prebuilt reload
+        --publish-first --paths $(printf 'prebuilt %.0s' 1 2 3 4 5) reload
 """
 
 from __future__ import annotations
