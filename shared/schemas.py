@@ -38,7 +38,9 @@ from pydantic import (
     Tag,
     TypeAdapter,
     ValidationError,
+    SerializerFunctionWrapHandler,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -123,6 +125,15 @@ class RolloutRequest(Message):
     policy_version: int = 0  # the policy version when intake dispatched the group
     dispatched_at: float  # unix time; queue wait is measured from here
     inference: InferenceTarget | None = None  # the run's own server; None: the rollout workers' inference settings
+
+    @model_serializer(mode="wrap")
+    def _no_server_left_out(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Without a server of the run's own, ``inference`` is left out: the request reads as a
+        1.2 one, so a worker of the build before (whose requests forbid unknown fields) takes it."""
+        data = handler(self)
+        if data.get("inference") is None:
+            data.pop("inference", None)
+        return data
 
     @property
     def task_seed(self) -> int:
