@@ -106,18 +106,28 @@ def doc_commands(containing: str, doc: Path = ROOT / "docs" / "compose.md") -> l
 HOST_COMMANDS = {"chmod", "cp"}  # what a doc line may run on the host, outside compose and the script
 
 
-def run_as_written(stack: Stack | None, line: str, cwd: Path, timeout: float = 600, env: dict[str, str] | None = None) -> str:
+def run_as_written(stack: Stack | None, line: str, cwd: Path, timeout: float = 600, env: dict[str, str] | None = None,
+                   examples: dict[str, str] | None = None) -> str:
     """A command line of the docs, by the shell in ``cwd``; returns its stdout. ``docker-compose ...``
     stands for the stack's compose command. ``scripts/stack.sh`` is the checkout's (``cwd/scripts``
     links to it), driving this stack: its project, compose command, stack id and settings
-    (``PROJECT``, ``COMPOSE``, ``CONVEYOR_STACK_ID``, ``ENV_DIR`` holding its env file as ``.env``).
-    ``stack`` None: a host line alone. ``env``: the host's environment (default: this process's)."""
+    (``PROJECT``, ``COMPOSE``, ``CONVEYOR_STACK_ID``, ``ENV_DIR`` holding its env file as ``.env``);
+    the line may set variables before it (``CONVEYOR_HEAD=... scripts/stack.sh ...``).
+    ``stack`` None: a host line alone. ``env``: the host's environment (default: this process's).
+    ``examples``: an example value the doc writes (an address) -> what stands for it here; each
+    must be in the line."""
     env = dict(os.environ if env is None else env)
+    for example, value in (examples or {}).items():
+        assert example in line, (example, line)
+        line = line.replace(example, value)
+    command = line.split()
+    while command and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", command[0]):
+        command = command[1:]  # VAR=value before the command
     if stack is None:
         assert line.split()[0] in HOST_COMMANDS, line
     elif line.startswith("docker-compose ... "):
         line = shlex.join(stack.command()) + line[len("docker-compose ..."):]
-    elif not line.startswith("scripts/stack.sh "):
+    elif command[:1] != ["scripts/stack.sh"]:
         assert line.split()[0] in HOST_COMMANDS, line
     else:
         if not (cwd / "scripts").exists():

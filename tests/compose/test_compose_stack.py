@@ -370,17 +370,20 @@ def test_a_run_is_stopped_and_listed_as_written_in_the_docs(stack: Stack, tmp_pa
 
 
 def test_a_worker_on_another_host_joins_through_published_ports(stack: Stack, tmp_path: Path) -> None:
-    """A second compose project (its own network: a second host) runs only rollout workers
+    """docs/compose.md's `worker-host` line, run by the shell as written (its example head address
+    standing for the Docker bridge's gateway, which the head publishes on): a second compose
+    project (its own network: a second host) runs only rollout workers, 4 of them
     (compose/worker-host.yml), pointed at the head's published Redis, S3 and inference ports.
-    With the head's own workers stopped, the second host's worker does a whole run."""
+    With the head's own workers stopped, the second host's workers do a whole run."""
     env_file = tmp_path / "worker-host.env"
     env_file.write_text(stack.env_file.read_text() + "".join(
         f"{k}={v}\n" for k, v in {"CONVEYOR_HEAD": HEAD_ADDRESS, "HEAD_REDIS_PORT": stack.ports["redis"],
                                   "HEAD_S3_PORT": stack.ports["s3"], "HEAD_INFERENCE_PORT": stack.ports["inference"]}.items()))
     remote = Stack(f"{stack.project}w", env_file, stack.ports, stack.compose, (ROOT / "compose" / "worker-host.yml",))
     try:
-        remote.dc("run", "--rm", "model-init", timeout=600)
-        remote.dc("up", "-d", "--no-deps", "rollout-worker", timeout=600)
+        [line] = doc_commands("scripts/stack.sh worker-host")
+        run_as_written(remote, line, tmp_path, timeout=900, examples={"10.0.0.5": HEAD_ADDRESS})
+        assert len(remote.dc("ps", "-q", "rollout-worker").stdout.split()) == 4  # the line's --scale
         stack.dc("stop", "rollout-worker", timeout=300)  # the head keeps no worker: the run is the remote's
         worker = remote.container("rollout-worker")
         networks = json.loads(subprocess.run(["docker", "inspect", worker], capture_output=True, text=True,
