@@ -36,9 +36,10 @@ from shared.processes import die_with_parent, release_group, start_group_leader
 from shared.redis_clients import redis_for
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now (``0.0.0.0``: free on every interface)."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 

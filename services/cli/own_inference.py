@@ -24,7 +24,7 @@ from typing import Callable
 from urllib.parse import urlsplit
 
 from services.cli import errors
-from services.cli.local_stack import ManagedProcess, log_tail
+from services.cli.local_stack import ManagedProcess, free_port, log_tail
 from shared.settings import Settings
 
 PROGRESS_EVERY_S = 10.0
@@ -46,7 +46,7 @@ class OwnInference:
 
     @classmethod
     def for_settings(cls, settings: Settings, address: str | None) -> "OwnInference":
-        return cls(address or address_towards(settings.redis.url), _free_port())
+        return cls(address or address_towards(settings.redis.url), free_port("0.0.0.0"))
 
     def env(self) -> dict[str, str]:
         """The run's processes' inference settings (an environment variable beats its config)."""
@@ -66,12 +66,6 @@ def address_towards(redis_url: str) -> str:
     except OSError as exc:
         raise errors.CommandError(f"a server of the run's own: cannot find this host's address towards Redis at {host}:{port} "
                                   f"({exc}); name it with --inference-host") from None
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("0.0.0.0", 0))
-        return sock.getsockname()[1]
 
 
 def wait_ready(server: ManagedProcess, own: OwnInference, settings: Settings, say: Callable[[str], None]) -> None:
