@@ -4,6 +4,7 @@
 # trainer's log until the demo run's last step; then prints the ledger.
 #   scripts/stack.sh up | down | images | status | scale N | env | worker-host [up args]
 #   scripts/stack.sh submit CONFIG [--resume] [--inference auto|shared|own] | logs RUN [--follow] | stop RUN | list: a run beside the first
+#   (RUN_INFERENCE_PUBLISH=ADDRESS:PORT publishes the submitted run's own vLLM to workers on other hosts)
 # `worker-host` starts only rollout workers, pointed at the head host CONVEYOR_HEAD through its
 # published ports (compose/worker-host.yml); PROJECT defaults to conveyor-workers there. It
 # records the project in compose/.worker-hosts, and `down` stops every worker-host project
@@ -133,8 +134,16 @@ case "${1:-up}" in
     config=$(cd "$CALLED_FROM" && realpath -e "${2:?usage: $0 submit CONFIG [--resume] [--inference auto|shared|own]}") || exit 2
     env_file
     folder=$(dirname "$config")
-    container=$(dc run -d --rm --no-deps -v "$folder:$folder:ro" --entrypoint sh trainer -c "$SUBMIT_IN_CONTAINER" \
-      submit "$config" "${@:3}")
+    # RUN_INFERENCE_PUBLISH=ADDRESS:PORT: a vLLM of the run's own listens on PORT, published on the
+    # host's ADDRESS, and is named to the workers by it (for workers on other hosts)
+    publish=() own=()
+    if [ -n "${RUN_INFERENCE_PUBLISH:-}" ]; then
+      [[ $RUN_INFERENCE_PUBLISH =~ ^(.+):([0-9]+)$ ]] || { echo "RUN_INFERENCE_PUBLISH=$RUN_INFERENCE_PUBLISH: expected ADDRESS:PORT" >&2; exit 2; }
+      publish=(-p "$RUN_INFERENCE_PUBLISH:${BASH_REMATCH[2]}")
+      own=(--inference-host "${BASH_REMATCH[1]}" --inference-port "${BASH_REMATCH[2]}")
+    fi
+    container=$(dc run -d --rm --no-deps "${publish[@]}" -v "$folder:$folder:ro" --entrypoint sh trainer -c "$SUBMIT_IN_CONTAINER" \
+      submit "$config" "${@:3}" "${own[@]}")
     echo "[stack] submitted $config in container $container (its supervisor's output: docker logs -f $container)"
     echo "[stack] the run's logs: $0 logs RUN [--follow]; to stop it: $0 stop RUN"
     ;;

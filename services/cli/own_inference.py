@@ -3,7 +3,8 @@ run's model, launched with its weight follower (``conveyor inference``) as one o
 processes, for a run beside another that holds the stack's server while it trains.
 
 Invariants:
-- The server listens on every interface of the supervisor's host, on a port free there, and is
+- The server listens on every interface of the supervisor's host, on the port given (one that
+  a container publishes to other hosts) or else one free there, and is
   named to the rest of the stack as ``http://<address>:<port>``: the address given, or else the
   one this host reaches the ledger's Redis from (on a compose network, the container's address
   there), so the rollout workers, which reach Redis, reach it too.
@@ -45,8 +46,8 @@ class OwnInference:
         return f"http://{self.address}:{self.port}"
 
     @classmethod
-    def for_settings(cls, settings: Settings, address: str | None) -> "OwnInference":
-        return cls(address or address_towards(settings.redis.url), free_port("0.0.0.0"))
+    def for_settings(cls, settings: Settings, address: str | None, port: int | None = None) -> "OwnInference":
+        return cls(address or address_towards(settings.redis.url), port or free_port("0.0.0.0"))
 
     def env(self) -> dict[str, str]:
         """The run's processes' inference settings (an environment variable beats its config)."""

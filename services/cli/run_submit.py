@@ -76,6 +76,9 @@ def submit_command(
     inference_host: Optional[str] = typer.Option(None, "--inference-host", help="for a server of the run's own: the "
                                                  "address the rollout workers reach this host by (default: this host's "
                                                  "address towards Redis)"),
+    inference_port: Optional[int] = typer.Option(None, "--inference-port", min=1, max=65535, help="for a server of "
+                                                 "the run's own: the port it listens on (default: one free on this "
+                                                 "host), for a port published to workers on other hosts"),
 ) -> None:
     """Start a run on the running stack: check it, then run its trainer, weight follower and intake
     until it is done (Ctrl-C or SIGTERM stops the run's processes, not the stack)."""
@@ -83,14 +86,17 @@ def submit_command(
     settings = load_settings(config)
     errors.state.settings = settings
     check_submission(settings, resume)
-    if inference_host is not None and inference is InferenceChoice.shared:
-        raise errors.CommandError("--inference-host names the run's own inference server: not with --inference shared")
+    if (inference_host is not None or inference_port is not None) and inference is InferenceChoice.shared:
+        raise errors.CommandError("--inference-host and --inference-port name the run's own inference server: not with "
+                                  "--inference shared")
     flags = [*(["--resume"] if resume else []), "--inference", inference.value,
-             *(["--inference-host", inference_host] if inference_host else [])]
+             *(["--inference-host", inference_host] if inference_host else []),
+             *(["--inference-port", str(inference_port)] if inference_port else [])]
     if detach:  # the supervisor chooses
         _detach(config, settings, flags)
         return
-    own = OwnInference.for_settings(settings, inference_host) if needs_own_server(settings, inference) else None
+    own = (OwnInference.for_settings(settings, inference_host, inference_port)
+           if needs_own_server(settings, inference) else None)
     sys.exit(supervise(config, settings, resume, own))
 
 

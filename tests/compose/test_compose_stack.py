@@ -70,22 +70,40 @@ def ended_consumed(trajectories: int) -> dict[str, int]:
     return {"queued": 0, "running": 0, "uploaded": 0, "scored": 0, "consumed": trajectories, "failed": 0}
 
 
+class SubmitContainer:
+    """The detached container of a `scripts/stack.sh submit` (its output given), followed from its
+    start: it is removed once it exits (--rm)."""
+
+    def __init__(self, submit_output: str) -> None:
+        container = re.search(r"in container (\w+)", submit_output).group(1)
+        self.waiting = subprocess.Popen(["docker", "wait", container], stdout=subprocess.PIPE, text=True)
+        self.following = subprocess.Popen(["docker", "logs", "-f", container], stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True)
+
+    def ended(self, run_id: str, timeout_s: float = 1200) -> str:
+        """Its output, once it exited 0 with the run's 8 trajectories consumed."""
+        output = self.following.communicate(timeout=timeout_s)[0]
+        exit_code = self.waiting.communicate(timeout=60)[0].strip()
+        assert exit_code == "0" and f"run {run_id} done: trajectories 8 consumed" in output, (exit_code, output[-3000:])
+        return output
+
+
 DEMO_TRAJECTORIES = 48  # the fixture's demo: 6 groups of 8
 
 
-def _second_run_config(tmp_path: Path) -> None:
-    """Run `second`'s config, `runs/second.yaml` (the doc's name), beside a two-row dataset: a run
-    that trains, two groups of 4, a step per group."""
+def _training_run_config(tmp_path: Path, run_id: str) -> None:
+    """Run ``run_id``'s config, `runs/<run_id>.yaml` (the doc's names), beside a two-row dataset: a
+    run that trains, two groups of 4, a step per group."""
     runs = tmp_path / "runs"
     runs.mkdir(mode=0o755)
     runs.chmod(0o755)  # the submit container's user reads it
-    dataset = write_demo_dataset(runs / "second.jsonl", 2)
-    config = runs / "second.yaml"
-    config.write_text(f"run_id: second\nintake:\n  dataset: {dataset}\n  mode: traversal\n"
-                      "inference:\n  model_path: /models/tiny\n  eager: true\n  weights_dir: /data/weights/second\n"
+    dataset = write_demo_dataset(runs / f"{run_id}.jsonl", 2)
+    config = runs / f"{run_id}.yaml"
+    config.write_text(f"run_id: {run_id}\nintake:\n  dataset: {dataset}\n  mode: traversal\n"
+                      f"inference:\n  model_path: /models/tiny\n  eager: true\n  weights_dir: /data/weights/{run_id}\n"
                       "rollout:\n  group_size: 4\n"
                       "trainer:\n  mode: train\n  max_off_policy_steps: 1\n  groups_per_step: 1\n  zero_variance_groups: keep\n"
-                      "  metrics_path: /data/second-groups.jsonl\n  step_metrics_path: /data/second-steps.jsonl\n")
+                      f"  metrics_path: /data/{run_id}-groups.jsonl\n  step_metrics_path: /data/{run_id}-steps.jsonl\n")
     for path in (dataset, config):
         path.chmod(0o644)
 
@@ -111,14 +129,10 @@ def test_a_submitted_run_and_your_own_dataset_run_beside_the_training_demo_as_wr
     holders = ReplicaHolders(ledger.redis)
     assert [h.run_id for h in holders.holders("http://inference:8000")] == ["demo"]
 
-    _second_run_config(tmp_path)
+    _training_run_config(tmp_path, "second")
     submit, logs = doc_commands("scripts/stack.sh submit")
     started = time.monotonic()
-    container = re.search(r"in container (\w+)", run_as_written(stack, submit, tmp_path)).group(1)
-    waiting = subprocess.Popen(["docker", "wait", container], stdout=subprocess.PIPE, text=True)
-    # the container is removed once it exits (--rm): its output is followed from the start
-    following = subprocess.Popen(["docker", "logs", "-f", container], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 text=True)
+    submitted = SubmitContainer(run_as_written(stack, submit, tmp_path))
 
     write_demo_dataset(tmp_path / "mine.jsonl", 2)
     copy, start_trainer, publish = doc_commands("CONVEYOR_RUN_ID=mine")
@@ -132,9 +146,7 @@ def test_a_submitted_run_and_your_own_dataset_run_beside_the_training_demo_as_wr
     assert "trainer mine: " in trainer_log, trainer_log[-3000:]  # its counters, as it exits
     print(f"run mine: {time.monotonic() - started:.0f}s from the submit of run second to its trainer's exit; demo {demo}")
 
-    output = following.communicate(timeout=1200)[0]
-    exit_code = waiting.communicate(timeout=60)[0].strip()
-    assert exit_code == "0" and "run second done: trajectories 8 consumed" in output, (exit_code, output[-3000:])
+    output = submitted.ended("second")
     assert "http://inference:8000 is held: run demo trains on it" in output, output[-3000:]
     url = re.search(r"its inference server (http://\S+) is up after", output).group(1)
     assert url != "http://inference:8000"
@@ -374,7 +386,9 @@ def test_a_worker_on_another_host_joins_through_published_ports(stack: Stack, tm
     standing for the Docker bridge's gateway, which the head publishes on): a second compose
     project (its own network: a second host) runs only rollout workers, 4 of them
     (compose/worker-host.yml), pointed at the head's published Redis, S3 and inference ports.
-    With the head's own workers stopped, the second host's workers do a whole run."""
+    With the head's own workers stopped, the second host's workers do a whole run, and, at the
+    same time, run `far`, submitted with the doc's line that publishes a vLLM of the run's own on
+    the head's address: the second host's workers reach it only through that published port."""
     env_file = tmp_path / "worker-host.env"
     env_file.write_text(stack.env_file.read_text() + "".join(
         f"{k}={v}\n" for k, v in {"CONVEYOR_HEAD": HEAD_ADDRESS, "HEAD_REDIS_PORT": stack.ports["redis"],
@@ -389,6 +403,11 @@ def test_a_worker_on_another_host_joins_through_published_ports(stack: Stack, tm
         networks = json.loads(subprocess.run(["docker", "inspect", worker], capture_output=True, text=True,
                                              check=True).stdout)[0]["NetworkSettings"]["Networks"]
         assert list(networks) == [f"{remote.project}_stack"], networks  # not on the head's network
+        _training_run_config(tmp_path, "far")
+        [submit_far] = doc_commands("RUN_INFERENCE_PUBLISH=")
+        far_port = free_port()
+        far = SubmitContainer(run_as_written(stack, submit_far, tmp_path,
+                                             examples={"10.0.0.5": HEAD_ADDRESS, "8100": str(far_port)}))
         run = ["-e", "CONVEYOR_RUN_ID=remote", "-e", "CONVEYOR_TRAINER__MAX_STEPS=1000",
                "-e", "CONVEYOR_TRAINER__MAX_OFF_POLICY_STEPS=1000", *GUESS_RUN]
         trainer = stack.dc("run", "-d", *run, "trainer", "trainer", "--exit-when-done").stdout.strip().splitlines()[-1]
@@ -397,6 +416,11 @@ def test_a_worker_on_another_host_joins_through_published_ports(stack: Stack, tm
         assert exit_code == "0", (remote.logs("rollout-worker")[-3000:], subprocess.run(
             ["docker", "logs", trainer], capture_output=True, text=True).stdout[-3000:])
         assert stack.ledger().counts("remote") == ended_consumed(16)
+        output = far.ended("far")
+        assert f"its inference server http://{HEAD_ADDRESS}:{far_port} is up after" in output, output[-3000:]
+        assert stack.ledger().counts("far") == ended_consumed(8)
+        called = f"run far's episodes call its own inference server http://{HEAD_ADDRESS}:{far_port}"
+        assert called in remote.logs("rollout-worker"), remote.logs("rollout-worker")[-3000:]
         base, auth = f"http://127.0.0.1:{stack.ports['flower']}", (SECRETS["FLOWER_USER"], SECRETS["FLOWER_PASSWORD"])
         listed = httpx.get(f"{base}/api/workers", auth=auth, params={"refresh": "1"}, timeout=30).json()
         assert f"rollout@{worker[:12]}" in listed, sorted(listed)  # the head's Flower sees the remote worker

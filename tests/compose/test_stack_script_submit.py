@@ -30,6 +30,19 @@ def test_submit_runs_conveyor_run_submit_detached_with_the_configs_folder_mounte
     assert call.endswith(f'exec conveyor run submit "$@" submit {config} --resume'), call
 
 
+def test_submit_publishes_the_runs_own_vllm_for_workers_on_other_hosts(checkout: Path, tmp_path) -> None:
+    """``RUN_INFERENCE_PUBLISH=ADDRESS:PORT``: the submit container publishes PORT on the host's
+    ADDRESS, and the run's own server listens on PORT and is named by ADDRESS."""
+    config = tmp_path / "second.yaml"
+    config.write_text("run_id: second\n")
+    [call] = stack_sh(checkout, "submit", str(config), "--inference", "own", RUN_INFERENCE_PUBLISH="10.0.0.5:8100")
+    assert " run -d --rm --no-deps -p 10.0.0.5:8100:8100 -v " in call, call
+    assert call.endswith(f"submit {config} --inference own --inference-host 10.0.0.5 --inference-port 8100"), call
+    with pytest.raises(subprocess.CalledProcessError) as refused:
+        stack_sh(checkout, "submit", str(config), RUN_INFERENCE_PUBLISH="8100")
+    assert refused.value.returncode == 2 and "expected ADDRESS:PORT" in refused.value.stderr
+
+
 def test_logs_and_stop_run_in_a_container_of_the_stack(checkout: Path) -> None:
     [logs] = stack_sh(checkout, "logs", "mine", "--process", "trainer", "--follow")
     assert logs.endswith(" run --rm --no-deps -T trainer run logs mine --process trainer --follow"), logs
