@@ -14,9 +14,10 @@ Invariants:
 - Only the worker's own server switches its taking of rollout tasks off while it is down
   (``on_outage_change``). A run's own server that is down fails that run's episodes after the
   outage limit (``InferenceOutage``) and never stops the worker from serving the other runs.
-- The recording proxy of agent-driven environments calls the worker's own server only, so an
-  agent-driven episode of a run with a server of its own is refused (``InferenceTargetError``),
-  never rolled out on another run's policy.
+- An agent-driven episode calls the same ``Served`` as a token-loop episode of its request: the
+  recording proxy opens its session on that server (``AgentProxy.open_session(server=...)``), so
+  its turns are sampled by its run's server and tokenized by its run's tokenizer, never another
+  run's policy; the outage rule above holds for it too (``agents.episode``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 class InferenceTargetError(RuntimeError):
-    """A run's own inference server cannot serve this request (its tokenizer, or its driver)."""
+    """A run's own inference server cannot serve this request (its tokenizer cannot be loaded here)."""
 
 
 @dataclass(frozen=True)
@@ -93,12 +94,3 @@ class RunServers:
                          request.run_id, target.base_url, target.model, target.model_path)
         return served
 
-
-def refuse_agent_driven(request: RolloutRequest) -> None:
-    """Agent-driven episodes call the worker's own server through its recording proxy: a run
-    with a server of its own cannot use them (yet), and is told so rather than served another policy."""
-    if request.inference is not None:
-        raise InferenceTargetError(
-            f"run {request.run_id} has its own inference server ({request.inference.base_url}), and agent-driven "
-            f"environments ({request.task.env_name}) call the rollout workers' own server through their recording "
-            f"proxy: run this environment on the stack's inference server (conveyor run submit --inference shared)")

@@ -21,7 +21,7 @@ Invariants, per trajectory:
 - An outage of Redis or of the S3 server is waited out by the ledger and the store
   (``shared.outage``); an outage of inference by the inference client (``inference_gate``).
   An episode calls the server its request names (a run's own: ``inference_targets``), else the
-  worker's own.
+  worker's own, whether it is driven by the token loop or by an agent through the recording proxy.
   Neither is an ``infra_error`` nor costs an attempt. Inference unreachable for longer than
   ``outage.limit_s`` fails the trajectory at once: ``inference_outage``, naming the outage.
 - A request whose run Redis lost (``shared.state.run_marker``) is refused, with one error line per
@@ -66,7 +66,7 @@ from services.rollout_worker.episode.loop import EpisodeLimits
 from services.rollout_worker.episode.drivers import AgentDriver, TokenLoopDriver, driver_for
 from services.rollout_worker.in_flight import HandBack, InFlight, LeaseLost
 from services.rollout_worker.inference_client import InferenceClient, InferenceOutage, InferenceRejected, InferenceUnavailable
-from services.rollout_worker.inference_targets import InferenceTargetError, RunServers, Served, refuse_agent_driven
+from services.rollout_worker.inference_targets import InferenceTargetError, RunServers, Served
 from services.rollout_worker.sandbox.errors import SandboxInfraError
 from services.rollout_worker.scoring_outbox import ScoringOutbox
 from services.rollout_worker.upload_outbox import UploadOutbox
@@ -201,9 +201,8 @@ async def _episode(ctx: RolloutContext, request: RolloutRequest, attempt: int) -
     own = Served(ctx.inference, ctx.chat, ctx.settings.inference.max_model_len)
     server = await ctx.run_servers.for_request(request, own)
     limits = EpisodeLimits.from_settings(ctx.settings.rollout, server.max_model_len, env.config)
-    driver = driver_for(env, TokenLoopDriver(server.client, server.chat, ctx.store), AgentDriver(lambda: agent_proxy_of(ctx), ctx.store))
-    if isinstance(driver, AgentDriver):
-        refuse_agent_driven(request)
+    driver = driver_for(env, TokenLoopDriver(server.client, server.chat, ctx.store),
+                        AgentDriver(lambda: agent_proxy_of(ctx), ctx.store, server))
     return await driver.run(request, env, limits, policy_version=served, attempt=attempt, worker=ctx.worker_name)
 
 

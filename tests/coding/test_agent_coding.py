@@ -233,4 +233,4 @@ def test_an_agent_that_retries_past_its_budget_is_stopped_at_once(episode, proxy
     agent = trajectory.env_info["agent"]
     assert trajectory.stop_reason is StopReason.max_turns and len(trajectory.turns) == LIMITS.max_turns, agent["output"][-3000:]
     assert not agent["timed_out"] and agent["duration_s"] < 60 and agent["calls_refused"] >= 1, agent
-    assert "budget is used up (max_turns" in agent["output"], agent["output"][-2000:]
+    assert "stopping the agent (max_turns" in agent["output"], agent["output"][-2000:]

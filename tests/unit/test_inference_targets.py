@@ -3,7 +3,8 @@ that names no server gets the worker's own; a run's own server (``RolloutRequest
 intake sets from ``inference.own_server``) gets one client and one tokenizer for the process, its
 tokenizer loaded once however many episodes ask at once; a tokenizer that cannot be loaded fails
 that request with an error naming the run, the server and the path, and the next request tries
-again. The tokenizers are real (the tiny model's)."""
+again. The tokenizers are real (the tiny model's). That an agent-driven episode of such a run calls
+its run's server too is ``tests/agents/test_agent_run_server.py`` (the real proxy and vLLM)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,7 @@ from services.inference.tiny_model import generate_tiny_model
 from services.intake.publisher import build_group
 from services.rollout_worker.chat_tokens import load_chat_tokens
 from services.rollout_worker.inference_client import InferenceClient
-from services.rollout_worker.inference_targets import (
-    InferenceTargetError,
-    RunServers,
-    Served,
-    refuse_agent_driven,
-)
+from services.rollout_worker.inference_targets import InferenceTargetError, RunServers, Served
 from shared.schemas import InferenceTarget, RolloutRequest, TaskProfile
 from shared.settings import Settings
 
@@ -107,10 +103,3 @@ def test_a_tokenizer_that_cannot_be_loaded_fails_that_request_and_the_next_tries
         assert f"run mine's inference server http://10.1.2.3:8123: its tokenizer at '{missing}'" in str(failed.value)
     assert loads == [str(missing)] * 2
 
-
-def test_an_agent_driven_episode_of_a_run_with_its_own_server_is_refused(tiny_model):
-    [with_own, *_] = _requests(_settings(tiny_model, own_server=True))
-    with pytest.raises(InferenceTargetError, match="run mine has its own inference server"):
-        refuse_agent_driven(with_own)
-    [shared, *_] = _requests(_settings(tiny_model, own_server=False))
-    refuse_agent_driven(shared)  # the stack's own server: the proxy serves it

@@ -8,8 +8,15 @@ they are the trajectory.
 Invariants:
 - The trajectory's turns are exactly the calls the proxy recorded for this trajectory's session,
   in order, segments included (``agents.proxy.recording``); nothing else is sampled.
+- The session calls ``server`` (the run's own inference server, ``inference_targets``: the run's
+  client and tokenizer) when given one, else the proxy's (the worker's own), and the agent is told
+  that server's served name; every turn's ids and logprobs are that server's, and its policy
+  version is the run's (``policy_version``).
 - The session is closed before ``verify``: nothing the agent left running can add a turn after
   the episode ended. It is closed, and the environment too, whatever happened.
+- A call that found the server out past ``outage.limit_s`` stops the agent (the proxy's ``stop``)
+  and the episode raises that ``InferenceOutage`` once its environment is closed: the runner fails
+  the trajectory as ``inference_outage``, as it fails a token-loop episode's.
 - Stop reason: ``timeout`` when the agent was stopped at its time limit, the recording's own
   (``max_tokens``, ``context_exhausted``, ``max_turns``) when a call was refused for its budget,
   ``done`` otherwise. An environment that raises is ``env_error``, as in the turn loop.
@@ -30,6 +37,7 @@ from services.rollout_worker.agents import artifacts as agent_artifacts
 from services.rollout_worker.agents.proxy import AgentProxy, RecordingLimits
 from services.rollout_worker.environments.agent_coding import AgentEndpoint, AgentRun
 from services.rollout_worker.episode.loop import EnvironmentFailure, EpisodeLimits, environment_call
+from services.rollout_worker.inference_targets import Served
 from shared.environments import AgentDrivenEnvironment
 from shared.required import required
 from shared.schemas import EpisodeTimings, RolloutRequest, StopReason, Trajectory
@@ -38,16 +46,17 @@ from shared.storage import ObjectStore
 
 async def run_agent_episode(request: RolloutRequest, env: AgentDrivenEnvironment, proxy: AgentProxy, limits: EpisodeLimits,
                             policy_version: Callable[[], int], attempt: int = 1, worker: str = "",
-                            store: ObjectStore | None = None) -> Trajectory:
+                            store: ObjectStore | None = None, server: Served | None = None) -> Trajectory:
+    """``server``: the inference server the agent's calls go to (``RunServers.for_request``); None: the proxy's."""
     started = time.time()
     env.bind_trajectory(run_id=request.run_id, group_id=request.group_id, trajectory_id=request.trajectory_id)
     recording_limits = RecordingLimits(limits.max_tokens_per_turn, limits.max_episode_tokens, limits.max_model_len, limits.max_turns)
-    session = await proxy.open_session(request.trajectory_id, recording_limits, policy_version, with_socket=True)
+    session = await proxy.open_session(request.trajectory_id, recording_limits, policy_version, with_socket=True, server=server)
     stop, error, env_reward, env_info, prompt_messages = StopReason.done, None, None, {}, []
     agent_info: dict = {}
     try:
         socket_path = required(session.socket_path, "the session's socket (opened with_socket)")
-        env.attach_agent(AgentEndpoint(socket_path.parent, session.key, proxy.model_name))
+        env.attach_agent(AgentEndpoint(socket_path.parent, session.key, session.model_name))
         with environment_call("reset"):
             prompt_messages = [{"role": str(m.get("role", "")), "content": str(m.get("content", ""))}
                                for m in await env.reset(request.task.task_data, request.task_seed)]
@@ -77,6 +86,8 @@ async def run_agent_episode(request: RolloutRequest, env: AgentDrivenEnvironment
             await env.close()
         except Exception as exc:  # a failed close must not hide the episode's outcome
             error = error or f"close: {type(exc).__name__}: {exc}"
+    if session.outage is not None:
+        raise session.outage
     turns = session.turns
     timings = EpisodeTimings(queue_wait_s=max(0.0, started - request.dispatched_at), episode_s=time.time() - started,
                              inference_s=sum(t.timings.inference_s for t in turns), env_s=0.0)

@@ -19,8 +19,9 @@ Invariants:
   mounted read-only; the verifier's sandbox gets no socket.
 - The agent runs as the sandbox's non-root user, under the sandbox's limits, in a process group
   of its own. It is stopped at ``agent_timeout_s`` (the episode then ends ``timeout`` and is
-  still graded), and as soon as its session's budget is used up (the proxy's ``stop`` file
-  appears in the mounted directory): SIGTERM to the group, SIGKILL 2 s later.
+  still graded), and as soon as its session's budget is used up or its inference server is out
+  past ``outage.limit_s`` (the proxy's ``stop`` file appears in the mounted directory): SIGTERM
+  to the group, SIGKILL 2 s later.
 - The image must have ``python3`` (the forwarder is a standard-library script).
 - Artifacts are read after the agent has ended or been stopped, each file bounded by
   ``agent_artifact_bytes``; reading them never fails the episode.
@@ -126,7 +127,7 @@ class AgentCodingEnv(CodingEnv, AgentDrivenEnvironment):
             f"setsid env {exports} sh -c {shlex.quote(cfg.agent_command)} & agent=$!\n"
             "while kill -0 $agent 2>/dev/null; do\n"
             f"  if [ -e {stop} ]; then\n"
-            f"    echo \"[conveyor] the agent's budget is used up ($(cat {stop})): stopping it\"\n"
+            f"    echo \"[conveyor] stopping the agent ($(cat {stop})): its budget is used up or its inference server is out\"\n"
             "    kill -TERM -$agent 2>/dev/null; sleep 2; kill -KILL -$agent 2>/dev/null; break\n"
             "  fi\n"
             "  sleep 0.2\n"

@@ -25,6 +25,7 @@ from services.rollout_worker.chat_tokens import ChatTokens
 from services.rollout_worker.environments.main_thread import on_main_thread
 from services.rollout_worker.episode.loop import EpisodeLimits, run_episode
 from services.rollout_worker.inference_client import InferenceClient
+from services.rollout_worker.inference_targets import Served
 from shared.environments import AgentDrivenEnvironment, ArtifactWriter, Environment, SandboxedEnvironment
 from shared.schemas import RolloutRequest, StopReason, Trajectory
 from shared.storage import ObjectStore
@@ -60,13 +61,14 @@ class AgentDriver:
 
     proxy: Callable[[], Awaitable[AgentProxy]]  # the process's proxy, started on first use
     store: ObjectStore | None = None
+    server: Served | None = None  # the inference server the agent's calls go to; None: the proxy's
 
     async def run(self, request: RolloutRequest, env: Environment, limits: EpisodeLimits,
                   policy_version: Callable[[], int], attempt: int, worker: str) -> Trajectory:
         if not isinstance(env, AgentDrivenEnvironment):
             raise TypeError(f"environment {env.name!r} is not agent-driven (driver_for picks the token loop for it)")
         trajectory = await run_agent_episode(request, env, await self.proxy(), limits, policy_version=policy_version,
-                                             attempt=attempt, worker=worker, store=self.store)
+                                             attempt=attempt, worker=worker, store=self.store, server=self.server)
         return await attach_artifacts(env, trajectory, self.store)
 
 

@@ -24,9 +24,17 @@ Invariants:
   cache when it closes.
 - Calls of one session run one at a time, in arrival order (the recording joins each call to
   the previous one).
-- Inference goes through the worker's ``InferenceClient``: an outage is waited out as for the
-  worker's own episodes, a rejected prompt is a 400, a failed one a 503. Bad requests are 400s
-  that say what was wrong; the server never dies on one.
+- A session calls the inference server it was opened with (``open_session(server=...)``: its
+  run's own, ``inference_targets.Served``, shared by the process's episodes of that server), else
+  the proxy's (the worker's own): its client samples, its tokenizer renders the prompts and
+  decodes the answers, its served name is the model ``/v1/models`` names. Another session's
+  server is never called for it. The proxy alone calls the server: a sandbox reaches its session's
+  socket and nothing else (``forward``), whichever server the session calls.
+- Inference goes through that server's ``InferenceClient``: an outage is waited out as for the
+  token loop's episodes, a rejected prompt is a 400, a failed one a 503. An outage past
+  ``outage.limit_s`` is a 503 too, kept as the session's ``outage`` (the episode then fails as
+  ``inference_outage``, ``agents.episode``), and writes ``stop`` as a used-up budget does. Bad
+  requests are 400s that say what was wrong; the server never dies on one.
 - Streaming sends the answer once vLLM has produced all of it (role, content, tool calls, the
   finish reason, usage if asked, ``[DONE]``): the proxy records exact ids and logprobs from one
   token-in/token-out call, so there is no token-by-token stream.
@@ -51,12 +59,13 @@ from services.rollout_worker.agents.proxy.recording import AgentRecording, Budge
 from services.rollout_worker.chat_tokens import ChatTokens
 from services.rollout_worker.episode.loop import turn_seed
 from services.rollout_worker.inference_client import InferenceClient, InferenceOutage, InferenceRejected, InferenceUnavailable
+from services.rollout_worker.inference_targets import Served
 from shared.required import required
 from shared.settings import AgentProxySettings
 
 log = logging.getLogger(__name__)
 
-STOP_FILE = "stop"  # written next to a session's socket once its budget is used up
+STOP_FILE = "stop"  # written next to a session's socket once its budget is used up, or its server is out
 
 
 @dataclass
@@ -66,17 +75,29 @@ class ProxySession:
     recording: AgentRecording
     policy_version: Callable[[], int]
     in_flight: BytesInFlight
+    client: InferenceClient  # the server this session's calls go to (open_session)
+    model_name: str  # its served name, as the agent is told it
     socket_path: Path | None = None
     closed: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     opened_at: float = field(default_factory=time.time)
     first_call_at: float | None = None
     refused: int = 0  # calls refused for a bad request or a used-up budget
+    outage: InferenceOutage | None = None  # the session's server was out past outage.limit_s
     _site: SessionSite | None = None
 
     @property
     def turns(self):
         return self.recording.turns
+
+    @property
+    def chat(self) -> ChatTokens:
+        return self.recording.chat
+
+    def stop_agent(self, why: str) -> None:
+        """Writes ``stop`` next to the session's socket: the sandbox's wrapper stops the agent (agent_coding)."""
+        if self.socket_path is not None and not self.closed:
+            self.socket_path.with_name(STOP_FILE).write_text(f"{why}\n")
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> web.Response:
@@ -125,9 +146,12 @@ class AgentProxy:
             await self._runner.cleanup()
 
     async def open_session(self, trajectory_id: str, limits: RecordingLimits, policy_version: Callable[[], int],
-                           with_socket: bool = False) -> ProxySession:
-        session = ProxySession(trajectory_id, secrets.token_urlsafe(24), AgentRecording(self.chat, limits), policy_version,
-                               BytesInFlight(self.limits.session_bytes_in_flight))
+                           with_socket: bool = False, server: Served | None = None) -> ProxySession:
+        """``server``: the inference server this trajectory's calls go to (its run's own); None: the proxy's."""
+        client, chat, model_name = ((self.client, self.chat, self.model_name) if server is None
+                                    else (server.client, server.chat, server.client.model))
+        session = ProxySession(trajectory_id, secrets.token_urlsafe(24), AgentRecording(chat, limits), policy_version,
+                               BytesInFlight(self.limits.session_bytes_in_flight), client, model_name)
         if with_socket:
             if self.socket_dir is None:
                 raise ValueError("this proxy has no socket_dir: it cannot give a session a socket")
@@ -148,7 +172,7 @@ class AgentProxy:
         401 and its answer is dropped. Closing a closed session does nothing."""
         session.closed = True
         self._by_key.pop(session.key, None)
-        self.chat.forget(set(session.recording.prompt_keys))  # a copy: a call's thread may still add one
+        session.chat.forget(set(session.recording.prompt_keys))  # a copy: a call's thread may still add one
         site, session._site = session._site, None
         if site is not None:
             self._by_socket.pop(str(session.socket_path), None)
@@ -182,7 +206,7 @@ class AgentProxy:
         session = self._session_of(request)
         if isinstance(session, web.Response):
             return session
-        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "conveyor"}]})
+        return web.json_response({"object": "list", "data": [{"id": session.model_name, "object": "model", "owned_by": "conveyor"}]})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         session = self._session_of(request)
@@ -215,26 +239,29 @@ class AgentProxy:
                 call = await asyncio.to_thread(session.recording.prepare, messages, tools, max_tokens, version)
             except BudgetExhausted as exc:
                 session.refused += 1
-                if session.socket_path is not None and not session.closed:  # the sandbox's wrapper stops the agent (agent_coding)
-                    session.socket_path.with_name(STOP_FILE).write_text(f"{exc.reason.value}: {exc}\n")
+                session.stop_agent(f"{exc.reason.value}: {exc}")
                 return _error(400, str(exc), code="context_length_exceeded")
             finally:
                 if session.closed:  # closed while the prompt was tokenized: its key came after the close's forget
-                    self.chat.forget(set(session.recording.prompt_keys))
+                    session.chat.forget(set(session.recording.prompt_keys))
             if session.closed:
                 return _closed()
             try:
-                completion = await self.client.complete(
+                completion = await session.client.complete(
                     call.context, call.max_tokens, turn_seed(session.trajectory_id, len(session.turns)), self.temperature, self.top_p,
                     policy_version=version)
             except InferenceRejected as exc:
                 return _error(400, str(exc))
-            except (InferenceUnavailable, InferenceOutage) as exc:
+            except InferenceOutage as exc:
+                session.outage = session.outage or exc
+                session.stop_agent(f"inference_outage: {exc}")
+                return _error(503, str(exc), "server_error")
+            except InferenceUnavailable as exc:
                 return _error(503, str(exc), "server_error")
             if session.closed:
                 return _closed()
             reply = session.recording.record(call, completion, tools)
-        answer = _chat_completion(reply, self.model_name, session.trajectory_id, len(call.context))
+        answer = _chat_completion(reply, session.model_name, session.trajectory_id, len(call.context))
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return await _stream(request, answer, include_usage)
