@@ -45,12 +45,12 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.mark.timeout(240)
 def test_the_tiny_check_runs_every_check_in_under_a_minute_and_prints_its_table(tiny_run):
-    assert set(tiny_run["checks"]) == {"bf16", "speed", "checkpointing", "lora", "fsdp", "export", "levers"}
+    assert set(tiny_run["checks"]) == {"bf16", "speed", "checkpointing", "lora", "fsdp", "export", "levers", "delta"}
     assert not [name for name, r in tiny_run["checks"].items() if "error" in r]
     assert tiny_run["total_s"] < 60
     assert tiny_run["wheels"] == "host"  # this venv has every package; the GPU host unpacks wheels/gpu
     last_line = tiny_run["stdout"].strip().splitlines()[-1]
-    assert last_line == "bf16=ok  speed=-  checkpointing=ok  lora=ok  fsdp=ok  levers=ok  export=ok"
+    assert last_line == "bf16=ok  speed=-  checkpointing=ok  lora=ok  fsdp=ok  levers=ok  delta=ok  export=ok"
 
 
 @pytest.mark.timeout(240)
