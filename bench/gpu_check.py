@@ -622,7 +622,8 @@ def check_delta(scale: Scale, device: torch.device) -> dict[str, Any]:
     del model
     release_memory()
     bf16_bytes = sum(t.numel() * 2 for t in after.values())
-    name = max(after, key=lambda k: after[k].numel())  # a warm-up (kernels compiled or loaded) left out
+    sizes = {k: v.numel() for k, v in after.items()}
+    name = max(sizes, key=sizes.__getitem__)  # a warm-up (kernels compiled or loaded) left out
     encode_version({name: after[name].reshape(-1)[:1 << 16]}, {name: before[name].reshape(-1)[:1 << 16]}, "grouped")
     sync(device)
     started = time.perf_counter()

@@ -99,6 +99,8 @@ def frame_of_changes(positions: np.ndarray, zigzag: np.ndarray,
     grouped order) and their zigzag differences."""
     from services.weights.delta import byte_planes
 
+    if delta_order_jit.available() and not NUMPY_ONLY:
+        return positions.size, compressor.compress(delta_order_jit.frame_body(positions, zigzag))
     gaps = np.diff(positions, prepend=-1).astype(np.uint32)  # a gap is at most one block: fits
     return positions.size, compressor.compress(byte_planes(gaps) + byte_planes(zigzag))
 

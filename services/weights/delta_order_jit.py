@@ -10,6 +10,8 @@ writes an int64 per element, then gathers the old and new tensors through it):
 
 - ``changes``: per block, the histogram, then the changed elements' positions and zigzag
   differences, put in ascending position by a counting sort of the (few) changed ones by key;
+- ``frame_body``: the gaps and differences in byte planes, in one pass (no int64 gaps, no
+  transposed copies);
 - ``resolve``: per block, the histogram, then a pass that recomputes each element's position
   and takes the element when it is the next wanted position of its key's bucket: flat indices
   come out ascending, with no sort.
@@ -38,7 +40,7 @@ def available() -> bool:
     return njit is not None
 
 
-def _kernels() -> tuple[Any, Any, Any]:
+def _kernels() -> tuple[Any, Any, Any, Any]:
     assert njit is not None
 
     @njit(cache=True, nogil=True)
@@ -140,13 +142,26 @@ def _kernels() -> tuple[Any, Any, Any]:
                 seen[k] = s + 1
         return taken
 
-    return count_changes, changes, resolve
+    @njit(cache=True, nogil=True)
+    def planes(positions, zigzag, out):  # noqa: ANN001, ANN202
+        count, width = positions.size, zigzag.itemsize
+        before = -1
+        for j in range(count):
+            gap = positions[j] - before
+            before = positions[j]
+            for p in range(4):
+                out[p * count + j] = (gap >> (8 * p)) & 0xFF
+            z = np.int64(zigzag[j])
+            for p in range(width):
+                out[(4 + p) * count + j] = (z >> (8 * p)) & 0xFF
+
+    return count_changes, changes, resolve, planes
 
 
-_compiled: tuple[Any, Any, Any] | None = None
+_compiled: tuple[Any, Any, Any, Any] | None = None
 
 
-def _get() -> tuple[Any, Any, Any]:
+def _get() -> tuple[Any, Any, Any, Any]:
     global _compiled
     if _compiled is None:
         _compiled = _kernels()
@@ -156,7 +171,7 @@ def _get() -> tuple[Any, Any, Any]:
 def changes(old: np.ndarray, new: np.ndarray, block: int, shift: int) -> tuple[np.ndarray, np.ndarray]:
     """Positions (int64, ascending, in the grouped order) and zigzag differences of the elements whose
     bits differ; ``old`` and ``new`` flat unsigned ints of one width."""
-    count_changes, kernel, _ = _get()
+    count_changes, kernel, _, _ = _get()
     offsets = count_changes(old, new, block)
     positions: np.ndarray = np.empty(int(offsets[-1]), dtype=np.int64)
     zigzag: np.ndarray = np.empty(positions.size, dtype=old.dtype)
@@ -168,10 +183,18 @@ def resolve(old: np.ndarray, positions: np.ndarray, zigzag: np.ndarray, block: i
             shift: int) -> tuple[np.ndarray, np.ndarray, int]:
     """Flat indices (ascending) and new bits (``old``'s unsigned width) of the elements at
     ``positions`` (sorted, in range) and how many of them were found (fewer: duplicate positions)."""
-    _, _, kernel = _get()
+    _, _, kernel, _ = _get()
     bounds: np.ndarray = np.asarray(np.searchsorted(positions, np.arange(0, old.size + block, block, dtype=np.int64)))
     bounds[-1] = positions.size
     index: np.ndarray = np.empty(positions.size, dtype=np.int64)
     new: np.ndarray = np.empty(positions.size, dtype=old.dtype)
     taken = kernel(old, positions, zigzag, block, shift, bounds.astype(np.int64), index, new, old.itemsize * 8)
     return index, new, int(taken)
+
+
+def frame_body(positions: np.ndarray, zigzag: np.ndarray) -> bytes:
+    """``byte_planes`` of the gaps (uint32, the first from -1) then of ``zigzag``, in one pass:
+    the bytes ``delta_order.frame_of_changes`` compresses."""
+    out: np.ndarray = np.empty(positions.size * (4 + zigzag.itemsize), dtype=np.uint8)
+    _get()[3](positions, zigzag, out)
+    return out.tobytes()
