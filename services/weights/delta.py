@@ -16,7 +16,9 @@ One version is one payload (the per-tensor zstd frames, concatenated) and a list
   by byte planes the same way;
 - ``grouped``: like ``set-planes``, with the elements taken in an order the old tensor decides
   (block by block, by the old value's exponent) and zigzag differences instead of XORs
-  (``services.weights.delta_order``): its positions mean something only against the old tensor.
+  (``services.weights.delta_order``): its positions mean something only against the old tensor;
+  for tensors on a GPU its comparison and order run on the device and only the changed set is
+  copied to the host (``delta_order_device``; the checksum still reads the whole new tensor).
 
 ``FORMAT`` is the chain format these frames belong to (3: all six ops; 2: all but ``grouped``;
 1, a manifest without a format: ``full``, ``set`` and ``xor`` only); ``encoding="smallest"``

@@ -14,6 +14,12 @@ Frame: ``byte_planes(gaps)`` (uint32, the first from -1, positions in that order
 the positions in that order (``Change("ranked")``); ``resolve_ranked`` turns them into flat
 indices and new bits with the old tensor (``Change("set")``).
 
+Three implementations write the same frames bit for bit: the numpy code here (the reference,
+and the fallback: ``NUMPY_ONLY``, or numba not installed), the compiled kernels of
+``delta_order_jit`` (one pass per block, no sort: used on CPU tensors when numba is installed),
+and ``delta_order_device`` (torch ops on the tensors' own device: ``delta.encode_tensor`` uses it
+for tensors on a GPU).
+
 Invariants:
 - The order is a function of the old tensor's bits alone (its exponent bytes, block by
   block), so the encoder and a decoder holding the same old tensor compute the same one; a

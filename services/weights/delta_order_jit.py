@@ -20,8 +20,8 @@ Invariants:
 - The output equals the numpy code's bit for bit (``tests/test_weight_delta.py`` compares the
   two on random tensors and small blocks): this is a faster path, not another format.
 - ``available()`` is False when numba is not installed; the numpy code is then used.
-- Kernels are compiled on first use (about a second; cached on disk where the package
-  directory is writable) and release the GIL.
+- Kernels are compiled on first use (about a second; cached on disk where numba finds a
+  writable folder, else compiled in each process) and release the GIL.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ def available() -> bool:
     return njit is not None
 
 
-def _kernels() -> tuple[Any, Any, Any, Any]:
+def _kernels(cache: bool) -> tuple[Any, Any, Any, Any]:
     assert njit is not None
 
-    @njit(cache=True, nogil=True)
+    @njit(cache=cache, nogil=True)
     def count_changes(old, new, block):  # noqa: ANN001, ANN202 - numba-typed
         blocks = (old.size + block - 1) // block
         counts = np.zeros(blocks + 1, dtype=np.int64)
@@ -55,7 +55,7 @@ def _kernels() -> tuple[Any, Any, Any, Any]:
             counts[b + 1] = counts[b] + c
         return counts
 
-    @njit(cache=True, nogil=True)
+    @njit(cache=cache, nogil=True)
     def changes(old, new, block, shift, offsets, positions, zigzag, width_bits):  # noqa: ANN001, ANN202
         mask = (1 << width_bits) - 1
         half = 1 << (width_bits - 1)
@@ -98,7 +98,7 @@ def _kernels() -> tuple[Any, Any, Any, Any]:
                 positions[at] = lo + less[k] + ranks[j]
                 zigzag[at] = diffs[j]
 
-    @njit(cache=True, nogil=True)
+    @njit(cache=cache, nogil=True)
     def resolve(old, positions, zigzag, block, shift, bounds, index, new, width_bits):  # noqa: ANN001, ANN202
         mask = (1 << width_bits) - 1
         less = np.empty(257, dtype=np.int64)
@@ -142,7 +142,7 @@ def _kernels() -> tuple[Any, Any, Any, Any]:
                 seen[k] = s + 1
         return taken
 
-    @njit(cache=True, nogil=True)
+    @njit(cache=cache, nogil=True)
     def planes(positions, zigzag, out):  # noqa: ANN001, ANN202
         count, width = positions.size, zigzag.itemsize
         before = -1
@@ -164,7 +164,10 @@ _compiled: tuple[Any, Any, Any, Any] | None = None
 def _get() -> tuple[Any, Any, Any, Any]:
     global _compiled
     if _compiled is None:
-        _compiled = _kernels()
+        try:
+            _compiled = _kernels(cache=True)
+        except RuntimeError:  # numba finds no writable cache folder (a read-only install): compile each time
+            _compiled = _kernels(cache=False)
     return _compiled
 
 
