@@ -277,6 +277,26 @@ def test_a_delta_larger_than_the_fraction_is_written_full(tmp_path) -> None:
     assert [writer.publish(v, versions[v]).version.kind for v in (1, 2)] == ["full", "full"]
 
 
+def test_a_writer_keeping_its_last_version_on_the_device_writes_the_same_chain(tmp_path) -> None:
+    """``keep_on_device`` (``inference.weight_sync.encode_on: device``): the same payloads; its last
+    version is a copy on the tensors' own device (here the CPU: a GPU takes the device path of
+    ``encode_tensor``, tested in ``test_the_compiled_grouped_path_writes_and_resolves_...``)."""
+    from shared.storage import LocalStore
+
+    versions = _versions(1e-5, 2, torch.bfloat16)
+    payloads = []
+    for keep, root in ((False, tmp_path / "host"), (True, tmp_path / "device")):
+        writer = ChainWriter(LocalStore(root), "r", keep_on_device=keep)
+        published = [writer.publish(v, versions[v]) for v in (1, 2)]
+        assert [p.version.kind for p in published] == ["full", "delta"]
+        payloads.append([(root / weight_chain_prefix("r", v) / PAYLOAD).read_bytes() for v in (1, 2)])
+        assert writer.last is not None
+        name = next(iter(versions[2]))
+        assert writer.last[name].device == versions[2][name].device
+        assert writer.last[name].data_ptr() != versions[2][name].data_ptr()  # a copy: training moves on
+    assert payloads[0] == payloads[1]
+
+
 def test_a_shadow_refuses_a_wrong_base_and_is_left_as_it_was_by_a_checksum_mismatch(tmp_path) -> None:
     from dataclasses import replace
 
