@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ROOT / "wheels" / "gpu"
 # the import names of scripts/gpu_wheels.sh's requirements (tests/trainer/test_gpu_check.py checks both)
-NEEDED_IMPORTS = ("pydantic", "pydantic_settings", "redis", "tenacity", "dotenv")
+NEEDED_IMPORTS = ("pydantic", "pydantic_settings", "redis", "tenacity", "dotenv", "zstandard", "xxhash")
 
 
 def ensure_trainer_imports(wheels: Path = WHEELS) -> str:

@@ -40,8 +40,12 @@ null for a figure with no bound):
   32,768-entry vocabulary (the levers act on the vocabulary dimension).
 - ``export`` (last: the slowest, about 40 GB written at 1.5B): ``save_checkpoint`` (what the S3
   weight path writes) into a local store, timed, and its weight files read back with
-  ``from_pretrained`` equal the model's weights. Conveyor has no delta encoder for weight
-  updates yet, so none is timed.
+  ``from_pretrained`` equal the model's weights.
+- ``delta``: the delta weight sync's codec at the large model's shapes (7B; ``check_delta``): a
+  synthetic fp32-master step at lr 1e-6 served in bf16, encoded (``grouped``; on a GPU the
+  comparison and the order on the device, only the changed set copied to the host), decoded, and
+  resolved on the device; seconds and GB/s of the bf16 bytes, the bytes against the full version,
+  passed when every resolved tensor equals the new one bit for bit.
 """
 
 from __future__ import annotations
@@ -85,6 +89,8 @@ from services.trainer.step import PolicyTrainer  # noqa: E402
 from shared.schemas import StopReason, TrainingBatch, TrainingSample  # noqa: E402
 from shared.settings import ALARM_MAD_BY_DTYPE, BatchingSettings, LogprobAlarmSettings, LoraSettings, OptimSettings  # noqa: E402
 from shared.storage import LocalStore  # noqa: E402
+from services.weights import delta_order_device  # noqa: E402
+from services.weights.delta import bits_of, decode_frame, encode_version, frame_of  # noqa: E402
 
 # Qwen2.5 shapes (their config.json files); tiny ones stand in for them with --tiny
 FULL_SHAPE = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -591,8 +597,66 @@ def check_export(scale: Scale, device: torch.device, work: Path) -> dict[str, An
         "save_s": seconds, "files": len(files), "weight_bytes": weight_bytes,
         "trainer_state_bytes": files[TRAINER_STATE]["size"], "total_bytes": sum(f["size"] for f in files.values()),
         "save_mb_per_s": sum(f["size"] for f in files.values()) / seconds / 1e6, "mismatched_weights": mismatched[:5],
-        "delta_encoder": "none: Conveyor has no delta encoder for weight updates yet, so none is timed",
         "weights_compared": compared, "passed": not mismatched and compared > 0,
+    }
+
+
+DELTA_LR = 1e-6
+
+
+def check_delta(scale: Scale, device: torch.device) -> dict[str, Any]:
+    """The delta weight sync's codec (``inference.weight_sync: delta``, ``grouped`` frames) at the
+    large model's shapes on ``device``: a synthetic fp32-master step (AdamW's first step: every fp32
+    parameter moved by ``DELTA_LR`` in a random direction), served in bf16; ``encode_version`` of
+    the bf16 tensors against those before (on a GPU the comparison and the order run there:
+    ``delta_order_device``), ``decode_frame`` of every frame on the host, and the resolve of every
+    tensor against the old one on ``device`` (``delta_order_device.resolve``). Passed when every
+    resolved tensor equals the new one bit for bit."""
+    model = build_model(scale.large, scale, device)
+    before = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    g = torch.Generator(device=device).manual_seed(9)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randint(0, 2, p.shape, generator=g, device=device).float() * 2 - 1, alpha=DELTA_LR)
+    after = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    del model
+    release_memory()
+    bf16_bytes = sum(t.numel() * 2 for t in after.values())
+    sizes = {k: v.numel() for k, v in after.items()}
+    name = max(sizes, key=sizes.__getitem__)  # a warm-up (kernels compiled or loaded) left out
+    encode_version({name: after[name].reshape(-1)[:1 << 16]}, {name: before[name].reshape(-1)[:1 << 16]}, "grouped")
+    sync(device)
+    started = time.perf_counter()
+    entries, payload = encode_version(after, before, "grouped")
+    encode_s = time.perf_counter() - started
+    started = time.perf_counter()
+    changes = {e.name: decode_frame(e, frame_of(e, payload)) for e in entries}
+    decode_s = time.perf_counter() - started
+    sync(device)
+    started = time.perf_counter()
+    resolved = {name: delta_order_device.resolve(bits_of(before[name]), c.index, c.bits) if c.op == "ranked"
+                else None for name, c in changes.items()}
+    sync(device)
+    resolve_s = time.perf_counter() - started
+    mismatched = []
+    for name, c in changes.items():
+        held = bits_of(before[name]).clone()
+        if resolved[name] is not None:
+            index, bits = resolved[name]
+            held[index] = bits
+        elif c.op != "set" or c.index is not None and c.index.numel():  # a non-grouped tensor: not expected here
+            mismatched.append(name)
+        if not torch.equal(held, bits_of(after[name])):
+            mismatched.append(name)
+    changed = sum(e.changed for e in entries)
+    del before, after, changes, resolved
+    release_memory()
+    return {
+        "shape": "large", "lr": DELTA_LR, "elements": bf16_bytes // 2, "bf16_bytes": bf16_bytes,
+        "changed_fraction": changed / (bf16_bytes // 2), "payload_bytes": len(payload),
+        "ops": sorted({e.op for e in entries}), "encode_s": encode_s, "encode_gb_per_s": bf16_bytes / encode_s / 1e9,
+        "decode_s": decode_s, "resolve_s": resolve_s, "resolve_gb_per_s": bf16_bytes / resolve_s / 1e9,
+        "resolve_on": str(device), "mismatched": mismatched[:5], "passed": not mismatched and changed > 0,
     }
 
 
@@ -626,6 +690,10 @@ def table(results: dict[str, Any]) -> str:
     add("large LoRA+ckpt peak GiB", "lora",
         lambda r: f"{mem(r['large_lora_checkpointed'], r['compared']):.3f} ({r['compared']})")
     add("FSDP 1-rank max |dw|", "fsdp", lambda r: r["max_weight_abs_diff"], "{:.1e}")
+    add("delta encode s / GB/s", "delta", lambda r: f"{r['encode_s']:.2f} / {r['encode_gb_per_s']:.2f}")
+    add("delta resolve s / GB/s", "delta", lambda r: f"{r['resolve_s']:.2f} / {r['resolve_gb_per_s']:.2f}")
+    add("delta bytes, changed", "delta", lambda r: f"{r['payload_bytes'] / 1e6:.1f} MB ({r['bf16_bytes'] / r['payload_bytes']:.0f}x "
+        f"fewer), {r['changed_fraction']:.2%}")
     add("export s / MB/s", "export", lambda r: f"{r['save_s']:.2f} / {r['save_mb_per_s']:.0f}")
     for variant in lever_variants(TINY_SCALE):
         add(f"{variant}: step s, memory", "levers", lambda r, v=variant: f"{r[v]['median_step_s']:.3f} s, "
@@ -637,7 +705,7 @@ def table(results: dict[str, Any]) -> str:
 
 
 # export last: the slowest and the one that writes most (about 40 GB at 1.5B)
-CHECKS = ("bf16", "speed", "checkpointing", "lora", "fsdp", "levers", "export")
+CHECKS = ("bf16", "speed", "checkpointing", "lora", "fsdp", "levers", "delta", "export")
 
 
 def run_check(name: str, scale: Scale, device: torch.device, args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -649,7 +717,7 @@ def run_check(name: str, scale: Scale, device: torch.device, args: argparse.Name
             result = check_export(scale, device, work)
         else:
             result = {"bf16": check_bf16, "checkpointing": check_checkpointing, "lora": check_lora,
-                      "fsdp": check_fsdp, "levers": check_levers}[name](scale, device)
+                      "fsdp": check_fsdp, "levers": check_levers, "delta": check_delta}[name](scale, device)
     except Exception as exc:  # noqa: BLE001 - a failed check is reported, and the others still run
         result = {"passed": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
     release_memory()  # also after a failure (an out-of-memory one included), before the next check

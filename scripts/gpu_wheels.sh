@@ -3,7 +3,8 @@
 #
 # The GPU host has Python 3.12 with torch, transformers, peft, accelerate, safetensors and numpy
 # (and what they require), and no network. Conveyor's trainer path (services/trainer/step.py,
-# checkpoints.py, lora.py, sharding.py and the shared/ modules they import) needs a few more
+# checkpoints.py, lora.py, sharding.py, the delta codec services/weights/delta*.py and the shared/
+# modules they import) needs a few more
 # packages at import time; they are listed below with pyproject.toml's version bounds, and pip
 # resolves their own requirements. tests/trainer/test_gpu_check.py checks the list against the
 # modules the trainer path imports and against pyproject.toml.
@@ -27,6 +28,8 @@ REQUIREMENTS=(
   "redis>=5"
   "tenacity>=9"
   "python-dotenv"
+  "zstandard>=0.23"
+  "xxhash>=3.4"
 )
 # --- end of requirements ---
 

@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from services.weights.delta import (
     Change,
     DeltaError,
+    TensorEntry,
     apply_change,
     decode_frame,
     encode_version,
@@ -95,13 +96,16 @@ def test_bits_not_values_decide_what_changed() -> None:
         assert torch.equal(bits(held["w"]), bits(new))
 
 
-def test_grouped_frames_cross_blocks_and_chunks_and_need_the_old_tensor(monkeypatch) -> None:
+@pytest.mark.parametrize("numpy_only", [True, False])
+def test_grouped_frames_cross_blocks_and_chunks_and_need_the_old_tensor(monkeypatch, numpy_only) -> None:
     """Positions in the old tensor's order: exact against that tensor across block and chunk edges
-    (both made small here), wrong bits (caught by the checksum) against another one."""
+    (both made small here), wrong bits (caught by the checksum) against another one; on the numpy
+    path and the compiled one (``delta_order_jit``, where numba is installed)."""
     from services.weights import delta_order
 
     monkeypatch.setattr(delta_order, "BLOCK", 64)
     monkeypatch.setattr(delta_order, "CHUNK", 256)
+    monkeypatch.setattr(delta_order, "NUMPY_ONLY", numpy_only)
     g = torch.Generator().manual_seed(3)
     for dtype in (torch.bfloat16, torch.float32):
         old = (torch.randn(1000, generator=g) * torch.logspace(-4, 0, 1000)).to(dtype)
@@ -122,6 +126,58 @@ def test_grouped_frames_cross_blocks_and_chunks_and_need_the_old_tensor(monkeypa
         assert tensor_checksum(other) != entry.checksum
         with pytest.raises(DeltaError, match="beyond"):
             apply_change(old.clone()[:10].contiguous(), change)
+
+
+def test_the_compiled_grouped_path_writes_and_resolves_what_the_numpy_path_does(monkeypatch) -> None:
+    """Same frames, same resolved indices and bits, for bf16 and fp32, blocks with and without
+    changes and a short last block, from the numpy code, the compiled kernels and the device path
+    (torch ops, run here on the CPU); a frame whose positions repeat is refused, not half resolved."""
+    import numpy as np
+    import zstandard
+
+    from services.weights import delta_order, delta_order_device, delta_order_jit
+
+    if not delta_order_jit.available():
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(delta_order, "BLOCK", 128)
+    compressor = zstandard.ZstdCompressor()
+    g = torch.Generator().manual_seed(5)
+    for dtype, ints in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):
+        for size, fraction in ((1000, 0.1), (5000, 0.9), (129, 0.0)):
+            old = (torch.randn(size, generator=g) * torch.logspace(-6, 1, size)).to(dtype)
+            new = old.clone()
+            picked = torch.randperm(size, generator=g)[:int(size * fraction)]
+            new[picked] = (old[picked].float() * (1 + 1e-2 * torch.randn(picked.numel(), generator=g))).to(dtype)
+            new[128:256] = old[128:256]  # a block with no change
+            o, n = old.view(ints).numpy(), new.view(ints).numpy()
+            frames = []
+            for numpy_only in (True, False):
+                monkeypatch.setattr(delta_order, "NUMPY_ONLY", numpy_only)
+                frames.append(delta_order.grouped_frame(o, n, compressor))
+            assert frames[0] == frames[1]
+            changed = int(np.count_nonzero(o != n))
+            assert frames[0][0] == changed
+            entry = TensorEntry("w", str(dtype).removeprefix("torch."), (size,), "grouped", changed, 0,
+                                len(frames[0][1]), tensor_checksum(new))
+            change = decode_frame(entry, frames[0][1])
+            resolved = []
+            for numpy_only in (True, False):
+                monkeypatch.setattr(delta_order, "NUMPY_ONLY", numpy_only)
+                resolved.append(delta_order.resolve_ranked(o, change.index.numpy(), change.bits.numpy()))
+            assert np.array_equal(resolved[0][0], resolved[1][0]) and np.array_equal(resolved[0][1], resolved[1][1])
+            assert resolved[1][1].dtype == o.dtype
+            assert np.array_equal(resolved[1][0], np.flatnonzero(o != n))
+            assert np.array_equal(resolved[1][1], n[o != n])
+        if dtype == torch.bfloat16:  # the device path (torch ops), here on the CPU: the same changed set
+            monkeypatch.setattr(delta_order_device, "SPAN", 256)  # spans of 2 blocks
+            positions, zigzag = delta_order_device.grouped_changes(old.view(ints), new.view(ints))
+            assert np.array_equal(positions, change.index.numpy())
+            assert np.array_equal(zigzag, change.bits.numpy().view(zigzag.dtype))
+            index, bits = delta_order_device.resolve(old.view(ints), change.index, change.bits)
+            assert np.array_equal(index.numpy(), resolved[0][0]) and np.array_equal(bits.numpy(), resolved[0][1])
+    positions = np.array([3, 3, 7], dtype=np.int64)  # a repeated position: a corrupt frame
+    with pytest.raises(delta_order.OrderError, match="repeat"):
+        delta_order.resolve_ranked(o, positions, np.ones(3, dtype=o.dtype))
 
 
 def test_undo_puts_a_tensor_back_and_a_bad_frame_is_refused() -> None:
@@ -219,6 +275,26 @@ def test_a_delta_larger_than_the_fraction_is_written_full(tmp_path) -> None:
     versions = _versions(1e-2, 2, torch.bfloat16)  # a huge lr: most bf16 elements change
     writer = ChainWriter(LocalStore(tmp_path), "r", full_every=100, max_fraction=0.05)
     assert [writer.publish(v, versions[v]).version.kind for v in (1, 2)] == ["full", "full"]
+
+
+def test_a_writer_keeping_its_last_version_on_the_device_writes_the_same_chain(tmp_path) -> None:
+    """``keep_on_device`` (``inference.weight_sync.encode_on: device``): the same payloads; its last
+    version is a copy on the tensors' own device (here the CPU: a GPU takes the device path of
+    ``encode_tensor``, tested in ``test_the_compiled_grouped_path_writes_and_resolves_...``)."""
+    from shared.storage import LocalStore
+
+    versions = _versions(1e-5, 2, torch.bfloat16)
+    payloads = []
+    for keep, root in ((False, tmp_path / "host"), (True, tmp_path / "device")):
+        writer = ChainWriter(LocalStore(root), "r", keep_on_device=keep)
+        published = [writer.publish(v, versions[v]) for v in (1, 2)]
+        assert [p.version.kind for p in published] == ["full", "delta"]
+        payloads.append([(root / weight_chain_prefix("r", v) / PAYLOAD).read_bytes() for v in (1, 2)])
+        assert writer.last is not None
+        name = next(iter(versions[2]))
+        assert writer.last[name].device == versions[2][name].device
+        assert writer.last[name].data_ptr() != versions[2][name].data_ptr()  # a copy: training moves on
+    assert payloads[0] == payloads[1]
 
 
 def test_a_shadow_refuses_a_wrong_base_and_is_left_as_it_was_by_a_checksum_mismatch(tmp_path) -> None:

@@ -9,6 +9,9 @@ Invariants:
   trainer would publish again.
 - A version is announced by its chain prefix when the chain holds it, else by its checkpoint
   prefix (the s3 path serves that one): a resumed trainer re-announces its version either way.
+- With ``inference.weight_sync.encode_on: device`` the served tensors stay on the model's device
+  and the writer keeps the last version there, so a GPU trainer's ``grouped`` encode compares and
+  orders on the GPU (``services.weights.delta_order_device``); the chain's bytes are the same.
 - What the chain holds is what vLLM serves, cast to ``inference.dtype``: ``model.state_dict()``,
   or for a LoRA policy (``trainer.lora.sync: merged``) the base weights with the adapters added,
   under the base's names (``services.trainer.lora.merged_state_dict``, as its checkpoint holds).
@@ -41,8 +44,10 @@ class DeltaPublisher:
         self.dtype = served_dtype(settings.inference.dtype)
         self.last_published: int | None = None
         self.served = served  # the run's served policy version (0: none of the chain's yet)
+        self.on_device = sync.encode_on == "device"
         self.writer = ChainWriter(store, settings.run_id, full_every=sync.full_every,
-                                  max_fraction=sync.delta_max_fraction, encoding=sync.encoding)
+                                  max_fraction=sync.delta_max_fraction, encoding=sync.encoding,
+                                  keep_on_device=self.on_device)
 
     def has(self, version: int) -> bool:
         """Whether chain version ``version`` is committed (the one this publisher last committed is,
@@ -54,7 +59,8 @@ class DeltaPublisher:
 
     def publish(self, version: int, model: torch.nn.Module, probe_json: str | None) -> dict[str, float]:
         served = merged_state_dict(model) if isinstance(model, PeftModel) else model.state_dict()
-        tensors = {name: t.detach().to("cpu", dtype=self.dtype or t.dtype) for name, t in served.items()}
+        device = None if self.on_device else "cpu"  # None: stays on the model's device
+        tensors = {name: t.detach().to(device, dtype=self.dtype or t.dtype) for name, t in served.items()}
         published: Published = self.writer.publish(version, tensors, probe_json)
         self.last_published = version
         pruned: dict[str, float] = {}

@@ -16,7 +16,9 @@ One version is one payload (the per-tensor zstd frames, concatenated) and a list
   by byte planes the same way;
 - ``grouped``: like ``set-planes``, with the elements taken in an order the old tensor decides
   (block by block, by the old value's exponent) and zigzag differences instead of XORs
-  (``services.weights.delta_order``): its positions mean something only against the old tensor.
+  (``services.weights.delta_order``): its positions mean something only against the old tensor;
+  for tensors on a GPU its comparison and order run on the device and only the changed set is
+  copied to the host (``delta_order_device``; the checksum still reads the whole new tensor).
 
 ``FORMAT`` is the chain format these frames belong to (3: all six ops; 2: all but ``grouped``;
 1, a manifest without a format: ``full``, ``set`` and ``xor`` only); ``encoding="smallest"``
@@ -47,7 +49,8 @@ import torch
 import xxhash
 import zstandard
 
-from services.weights.delta_order import OrderError, grouped_frame, resolve_ranked, supports
+from services.weights import delta_order_device
+from services.weights.delta_order import OrderError, frame_of_changes, grouped_frame, resolve_ranked, supports
 
 Encoding = Literal["set", "xor", "set-planes", "xor-planes", "grouped", "smallest"]
 Op = Literal["full", "set", "xor", "set-planes", "xor-planes", "grouped"]
@@ -129,11 +132,12 @@ def _gaps(index: np.ndarray, name: str) -> np.ndarray:
     return gaps.astype(np.uint32)
 
 
-def _delta_frame(name: str, old_bits: np.ndarray, flips: np.ndarray, new_bits: np.ndarray, op: Op,
+def _delta_frame(name: str, old_bits: np.ndarray, new_bits: np.ndarray, op: Op,
                  compressor: zstandard.ZstdCompressor) -> tuple[int, bytes]:
-    """The changed-element count and the frame of one delta op (``flips``: old XOR new bits)."""
+    """The changed-element count and the frame of one delta op."""
     if op == "grouped":
         return grouped_frame(old_bits, new_bits, compressor)
+    flips = np.bitwise_xor(old_bits, new_bits)
     if op == "xor":
         return int(np.count_nonzero(flips)), compressor.compress(flips.tobytes())
     if op == "xor-planes":
@@ -157,13 +161,16 @@ def encode_tensor(name: str, new: torch.Tensor, old: torch.Tensor | None, encodi
         return entry("full", new_bits.numel(), compressor.compress(new_bits.numpy().tobytes()))
     if old.shape != new.shape or old.dtype != new.dtype:
         raise DeltaError(f"{name}: {tuple(old.shape)} {old.dtype} before, {tuple(new.shape)} {new.dtype} now")
+    if encoding == "grouped" and supports(new.element_size()) and new.device.type != "cpu" and old.device == new.device:
+        # the comparison and the order on the device; only the changed set comes to the host
+        count, frame = frame_of_changes(*delta_order_device.grouped_changes(bits_of(old), bits_of(new)), compressor)
+        return entry("grouped", count, frame)
     new_np = new_bits.numpy()
     old_np = bits_of(old.cpu()).numpy()
-    flips = np.bitwise_xor(old_np, new_np)
     ops: tuple[Op, ...] = ("set-planes", "xor-planes") if encoding == "smallest" else (encoding,)
     if encoding == "grouped" and not supports(old_np.itemsize):
         ops = ("set-planes",)  # no exponent byte to order by
-    best = min((_delta_frame(name, old_np, flips, new_np, op, compressor) + (op,) for op in ops),
+    best = min((_delta_frame(name, old_np, new_np, op, compressor) + (op,) for op in ops),
                key=lambda f: len(f[1]))
     return entry(best[2], best[0], best[1])
 

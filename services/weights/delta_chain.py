@@ -95,14 +95,16 @@ class Published:
 
 class ChainWriter:
     """The trainer's end: publishes each version of served-dtype tensors as a delta on the last one
-    it published, or full (see the invariants). Holds a CPU copy of the last published tensors."""
+    it published, or full (see the invariants). Holds a copy of the last published tensors: on the
+    host, or with ``keep_on_device`` on the device they came on (the encode then runs there)."""
 
     def __init__(self, store: ObjectStore, run_id: str, *, full_every: int = FULL_EVERY,
-                 max_fraction: float = MAX_FRACTION, encoding: Encoding = "grouped"):
+                 max_fraction: float = MAX_FRACTION, encoding: Encoding = "grouped", keep_on_device: bool = False):
         if full_every < 1 or not 0 < max_fraction <= 1:
             raise ValueError(f"full_every {full_every} must be >= 1 and max_fraction {max_fraction} in (0, 1]")
         self.store, self.run_id = store, run_id
         self.full_every, self.max_fraction, self.encoding = full_every, max_fraction, encoding
+        self.keep_on_device = keep_on_device  # the last version on the tensors' own device, not the host
         self.last: dict[str, torch.Tensor] | None = None
         self.last_version: int | None = None
         self.last_full: int | None = None
@@ -114,14 +116,15 @@ class ChainWriter:
             raise ChainBroken(f"chain version {prefix} is already committed; versions are never overwritten")
         if self.last_version is not None and version <= self.last_version:
             raise ValueError(f"version {version} published after {self.last_version}: versions only go up")
-        cpu = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in tensors.items()}
-        full_size = sum(t.numel() * t.element_size() for t in cpu.values())
+        held = {name: (t.detach().clone() if self.keep_on_device else t.detach().to("cpu", copy=True)).contiguous()
+               for name, t in tensors.items()}
+        full_size = sum(t.numel() * t.element_size() for t in held.values())
         t0 = time.perf_counter()
         due_full = self.last is None or self.last_full is None or version - self.last_full >= self.full_every
-        entries, payload = encode_version(cpu, None if due_full else self.last, self.encoding)
+        entries, payload = encode_version(held, None if due_full else self.last, self.encoding)
         kind = "full" if due_full else "delta"
         if not due_full and len(payload) > self.max_fraction * full_size:
-            entries, payload, kind = *encode_version(cpu, None, self.encoding), "full"
+            entries, payload, kind = *encode_version(held, None, self.encoding), "full"
         encode_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         self.store.put_bytes(prefix + PAYLOAD, payload, content_type="application/octet-stream")
@@ -130,7 +133,7 @@ class ChainWriter:
                                 {"saved_at": time.time(), "encode_s": encode_s, "full_size": full_size})
         self.store.put_bytes(prefix + CHECKPOINT_COMMITTED, json.dumps(manifest.as_json()).encode(),
                              content_type="application/json")
-        self.last, self.last_version = cpu, version
+        self.last, self.last_version = held, version
         if kind == "full":
             self.last_full = version
         return Published(manifest, encode_s, time.perf_counter() - t1, full_size)

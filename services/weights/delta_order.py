@@ -14,6 +14,12 @@ Frame: ``byte_planes(gaps)`` (uint32, the first from -1, positions in that order
 the positions in that order (``Change("ranked")``); ``resolve_ranked`` turns them into flat
 indices and new bits with the old tensor (``Change("set")``).
 
+Three implementations write the same frames bit for bit: the numpy code here (the reference,
+and the fallback: ``NUMPY_ONLY``, or numba not installed), the compiled kernels of
+``delta_order_jit`` (one pass per block, no sort: used on CPU tensors when numba is installed),
+and ``delta_order_device`` (torch ops on the tensors' own device: ``delta.encode_tensor`` uses it
+for tensors on a GPU).
+
 Invariants:
 - The order is a function of the old tensor's bits alone (its exponent bytes, block by
   block), so the encoder and a decoder holding the same old tensor compute the same one; a
@@ -27,8 +33,11 @@ from __future__ import annotations
 import numpy as np
 import zstandard
 
+from services.weights import delta_order_jit
+
 BLOCK = 1 << 20
 CHUNK = 4 * BLOCK
+NUMPY_ONLY = False  # True: the numpy code even where the compiled kernels (``delta_order_jit``) can run
 _UNSIGNED = {2: np.uint16, 4: np.uint32}
 _EXPONENT_SHIFT = {2: 7, 4: 23}  # bf16, fp32 (a float16's key takes a mantissa bit: still a valid order)
 
@@ -69,10 +78,12 @@ def supports(itemsize: int) -> bool:
 
 def grouped_frame(old: np.ndarray, new: np.ndarray, compressor: zstandard.ZstdCompressor) -> tuple[int, bytes]:
     """The changed-element count and the ``grouped`` frame of ``new`` against ``old`` (flat, same-width ints)."""
-    from services.weights.delta import byte_planes
-
     if not supports(old.itemsize):
         raise OrderError(f"no grouped frame for {old.itemsize}-byte elements")
+    if delta_order_jit.available() and not NUMPY_ONLY:
+        unsigned = _UNSIGNED[old.itemsize]
+        return frame_of_changes(*delta_order_jit.changes(old.view(unsigned), new.view(unsigned), BLOCK,
+                                                         _EXPONENT_SHIFT[old.itemsize]), compressor)
     positions, diffs = [], []
     for lo in range(0, old.size, CHUNK):
         hi = min(old.size, lo + CHUNK)
@@ -85,8 +96,19 @@ def grouped_frame(old: np.ndarray, new: np.ndarray, compressor: zstandard.ZstdCo
         diffs.append(_zigzag(before[at], after[at]))
     index = np.concatenate(positions) if positions else np.empty(0, dtype=np.int64)
     zigzag = np.concatenate(diffs) if diffs else np.empty(0, dtype=_UNSIGNED[old.itemsize])
-    gaps = np.diff(index, prepend=-1).astype(np.uint32)  # a gap is at most one chunk: fits
-    return index.size, compressor.compress(byte_planes(gaps) + byte_planes(zigzag))
+    return frame_of_changes(index, zigzag, compressor)
+
+
+def frame_of_changes(positions: np.ndarray, zigzag: np.ndarray,
+                     compressor: zstandard.ZstdCompressor) -> tuple[int, bytes]:
+    """The changed-element count and the ``grouped`` frame of ``positions`` (ascending, in the
+    grouped order) and their zigzag differences."""
+    from services.weights.delta import byte_planes
+
+    if delta_order_jit.available() and not NUMPY_ONLY:
+        return positions.size, compressor.compress(delta_order_jit.frame_body(positions, zigzag))
+    gaps = np.diff(positions, prepend=-1).astype(np.uint32)  # a gap is at most one block: fits
+    return positions.size, compressor.compress(byte_planes(gaps) + byte_planes(zigzag))
 
 
 def resolve_ranked(old: np.ndarray, positions: np.ndarray, zigzag: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -94,6 +116,13 @@ def resolve_ranked(old: np.ndarray, positions: np.ndarray, zigzag: np.ndarray) -
     the grouped order of ``old``) with differences ``zigzag`` (bits of ``old``'s width)."""
     if positions.size and (positions[0] < 0 or positions[-1] >= old.size):
         raise OrderError(f"a position beyond the tensor's {old.size} elements")
+    if delta_order_jit.available() and not NUMPY_ONLY:
+        unsigned = _UNSIGNED[old.itemsize]
+        flat, bits, found = delta_order_jit.resolve(old.view(unsigned), positions, zigzag.view(unsigned), BLOCK,
+                                                    _EXPONENT_SHIFT[old.itemsize])
+        if found != positions.size:
+            raise OrderError(f"{positions.size - found} of {positions.size} positions repeat one before them")
+        return flat, bits.view(old.dtype)
     index: np.ndarray = np.empty(positions.size, dtype=np.int64)
     taken: np.ndarray = np.empty(positions.size, dtype=np.int64)  # which difference goes with each index
     bounds = np.asarray(np.searchsorted(positions, np.arange(0, old.size + CHUNK, CHUNK)))

@@ -60,6 +60,11 @@ class DeltaWeightSync(Section):
     # (+1.5 GB at Qwen2.5-0.5B in bf16, docs/performance/training.md). false: the delta is applied
     # in place while paused and loaded through vLLM's in-memory reload, which repacks every layer.
     prebuild: bool = True
+    # Where the trainer compares each version with the one before: host (copies every tensor to
+    # the host, encodes there) or device (the model's device: for grouped frames on a GPU the
+    # comparison and order run there and only the changed set is copied; the writer keeps the last
+    # version on that device: 2 bytes per parameter more of its memory in bf16).
+    encode_on: Literal["host", "device"] = "host"
 
 
 # the mode names the variant: a field of the other mode is an error naming it

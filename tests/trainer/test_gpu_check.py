@@ -45,12 +45,12 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.mark.timeout(240)
 def test_the_tiny_check_runs_every_check_in_under_a_minute_and_prints_its_table(tiny_run):
-    assert set(tiny_run["checks"]) == {"bf16", "speed", "checkpointing", "lora", "fsdp", "export", "levers"}
+    assert set(tiny_run["checks"]) == {"bf16", "speed", "checkpointing", "lora", "fsdp", "export", "levers", "delta"}
     assert not [name for name, r in tiny_run["checks"].items() if "error" in r]
     assert tiny_run["total_s"] < 60
     assert tiny_run["wheels"] == "host"  # this venv has every package; the GPU host unpacks wheels/gpu
     last_line = tiny_run["stdout"].strip().splitlines()[-1]
-    assert last_line == "bf16=ok  speed=-  checkpointing=ok  lora=ok  fsdp=ok  levers=ok  export=ok"
+    assert last_line == "bf16=ok  speed=-  checkpointing=ok  lora=ok  fsdp=ok  levers=ok  delta=ok  export=ok"
 
 
 @pytest.mark.timeout(240)
@@ -106,7 +106,15 @@ def test_the_exported_checkpoint_reads_back_as_the_model(tiny_run):
     r = tiny_run["checks"]["export"]
     assert r["mismatched_weights"] == [] and r["weights_compared"] > 0
     assert r["weight_bytes"] > 0 and r["trainer_state_bytes"] > 0
-    assert r["delta_encoder"].startswith("none")
+
+
+@pytest.mark.timeout(240)
+def test_the_delta_check_encodes_and_resolves_a_step_bit_for_bit(tiny_run):
+    r = tiny_run["checks"]["delta"]
+    assert r["passed"] and r["mismatched"] == [] and r["ops"] == ["grouped"] and r["resolve_on"] == "cpu"
+    assert 0.01 < r["changed_fraction"] < 0.1  # an fp32-master step at lr 1e-6 moves a few percent of bf16 values
+    assert 0 < r["payload_bytes"] < r["bf16_bytes"] / 10
+    assert r["encode_s"] > 0 and r["encode_gb_per_s"] == pytest.approx(r["bf16_bytes"] / r["encode_s"] / 1e9)
 
 
 # ---------------------------------------------------------------- the wheel bundle
@@ -228,8 +236,9 @@ def test_the_bundle_gives_python_3_12_the_trainer_paths_packages(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_the_checks_fail_when_what_they_check_is_off(monkeypatch):
-    """No check that cannot fail: bf16 without autocast, checkpointing that does nothing, and
-    sharding that loses the gradient of the embedding (tied to the output head)."""
+    """No check that cannot fail: bf16 without autocast, checkpointing that does nothing,
+    sharding that loses the gradient of the embedding (tied to the output head), and a delta
+    resolve one bit off."""
     gpu_check = runpy.run_path(str(ROOT / "bench" / "gpu_check.py"), run_name="gpu_check")
     scale, cpu = gpu_check["TINY_SCALE"], gpu_check["torch"].device("cpu")
     monkeypatch.setattr(step, "compute_precision", lambda device, dtype: contextlib.nullcontext())
@@ -250,3 +259,13 @@ def test_the_checks_fail_when_what_they_check_is_off(monkeypatch):
     monkeypatch.setitem(gpu_check["check_fsdp"].__globals__, "shard_policy", shard_losing_a_gradient)
     fsdp = gpu_check["check_fsdp"](scale, cpu)
     assert fsdp["passed"] is False and fsdp["sharded_vs_unsharded"]["update_rel"] > 0.1
+    device_order = gpu_check["delta_order_device"]
+    real_resolve = device_order.resolve
+
+    def resolve_one_bit_off(old, positions, zigzag):  # noqa: ANN001, ANN202
+        index, bits = real_resolve(old, positions, zigzag)
+        return index, bits ^ 1
+
+    monkeypatch.setattr(device_order, "resolve", resolve_one_bit_off)
+    delta = gpu_check["check_delta"](scale, cpu)
+    assert delta["passed"] is False and delta["mismatched"]

@@ -177,10 +177,12 @@ def test_a_steps_log_line_says_a_rate_with_no_interval_is_unknown_never_nan(setu
     assert re.search(r"\d+\.\ds since the last step, \d+\.\d trajectories/s", lines[2]), lines[2]
 
 
+@pytest.mark.parametrize("encode_on", ["host", "device"])
 def test_on_delta_each_version_goes_to_the_chain_after_its_checkpoint_and_a_restart_writes_a_full_one(
-        setup, redis_client, make_batch, run_id, tmp_path):
+        setup, redis_client, make_batch, run_id, tmp_path, encode_on):
     """``inference.weight_sync: delta``: the chain holds exactly each checkpoint's served tensors,
-    the announcements name the chain, and a restarted trainer (no previous tensors) starts full."""
+    the announcements name the chain, and a restarted trainer (no previous tensors) starts full;
+    with the encode on the model's device too (the CPU here: the same chain)."""
     import shutil
 
     from safetensors.torch import load as load_safetensors
@@ -191,7 +193,7 @@ def test_on_delta_each_version_goes_to_the_chain_after_its_checkpoint_and_a_rest
 
     settings, store, budget, _ = setup
     settings = settings.model_copy(update={"inference": settings.inference.model_copy(update={
-        "weight_sync": DeltaWeightSync(encoding="xor", delta_max_fraction=1.0)})})
+        "weight_sync": DeltaWeightSync(encoding="xor", delta_max_fraction=1.0, encode_on=encode_on)})})
 
     def make_loop() -> TrainingLoop:
         return TrainingLoop(settings, store, budget, MetricsSink(tmp_path / "delta-steps.jsonl"))

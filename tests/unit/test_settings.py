@@ -123,6 +123,7 @@ def test_bad_yaml_value_names_the_field(tmp_path):
         ({"trainer": {"lora": {"sync": "delta"}}}, "trainer.lora.sync"),
         ({"trainer": {"lora": {"sync": "adapter", "rank": 1024}}}, "trainer.lora"),
         ({"inference": {"weight_sync": "rdma"}}, "inference.weight_sync.mode"),
+        ({"inference": {"weight_sync": {"mode": "delta", "encode_on": "gpu"}}}, "inference.weight_sync.delta.encode_on"),
         ({"storage": {"backend": "local", "endpoint": "s3:9000"}}, "storage.local.endpoint"),
         ({"storage": {"local_root": "objects"}}, "storage.s3.local_root"),
     ],
@@ -183,6 +184,9 @@ def test_delta_weight_sync_carries_merged_lora_and_refuses_an_adapter():
     with pytest.raises(SettingsError, match="weight_sync: delta does not support trainer.lora.sync: adapter"):
         load_settings(inference={"weight_sync": "delta"}, trainer={"lora": {"enabled": True, "sync": "adapter"}})
     load_settings(inference={"weight_sync": "delta"}, trainer={"lora": {"enabled": True, "sync": "merged"}})
+    assert load_settings(inference={"weight_sync": "delta"}).inference.weight_sync.encode_on == "host"
+    assert load_settings(inference={"weight_sync": {"mode": "delta", "encode_on": "device"}}
+                         ).inference.weight_sync.encode_on == "device"
 
 
 def test_unknown_key_in_yaml_is_rejected(tmp_path):
