@@ -15,7 +15,7 @@
 # `swarm` deploys the same stack with `docker stack deploy` (a swarm must exist: docker swarm init).
 # Settings: compose/.env (copied from compose/.env.example on first use). ENV_DIR (default compose)
 # is the folder of .env and of what the script writes beside it (images.env, .stack.env,
-# .worker-hosts): a second stack of one checkout, with settings of its own, gets its own folder.
+# .worker-hosts, .swarm.yml): a second stack of one checkout, with settings of its own, gets its own folder.
 # COMPOSE (default: `docker compose` if present, else docker-compose), PROFILE (cpu|gpu).
 set -euo pipefail
 CALLED_FROM=$PWD  # where a relative CONFIG of `submit` is
@@ -124,8 +124,8 @@ case "${1:-up}" in
     # the same compose file on a swarm (docs/compose.md): rendered, then `docker stack deploy`
     images
     env_file
-    "$PY" -m services.cli.swarm_file --compose "$COMPOSE" --env-file "$ENV_DIR/.stack.env" --profile "$PROFILE" --out compose/.swarm.yml
-    docker stack deploy --resolve-image never -c compose/.swarm.yml "$PROJECT"
+    "$PY" -m services.cli.swarm_file --compose "$COMPOSE" --env-file "$ENV_DIR/.stack.env" --profile "$PROFILE" --out "$ENV_DIR/.swarm.yml"
+    docker stack deploy --resolve-image never -c "$ENV_DIR/.swarm.yml" "$PROJECT"
     ;;
   submit)
     # a run beside the stack's own (docs/compose.md): `conveyor run submit CONFIG` in a detached

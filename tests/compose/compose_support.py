@@ -103,7 +103,7 @@ def doc_commands(containing: str, doc: Path = ROOT / "docs" / "compose.md") -> l
     return [line.strip() for line in blocks[0].splitlines() if line.strip() and not line.strip().startswith("#")]
 
 
-HOST_COMMANDS = {"chmod", "cp"}  # what a doc line may run on the host, outside compose and the script
+HOST_COMMANDS = {"chmod", "cp", "docker"}  # what a doc line may run on the host, outside compose and the script
 
 
 def run_as_written(stack: Stack | None, line: str, cwd: Path, timeout: float = 600, env: dict[str, str] | None = None,

@@ -1,5 +1,6 @@
 """`docker stack deploy` on a single-node swarm, from the same compose file
-(``services/cli/swarm_file.py`` renders what ``docker stack deploy`` reads): the demo experiment
+(``services/cli/swarm_file.py`` renders what ``docker stack deploy`` reads), by docs/compose.md's
+two lines run as written (``docker swarm init``, ``scripts/stack.sh swarm``): the demo experiment
 runs end to end, and removing the stack leaves no container, network or volume behind.
 
 The swarm is created for the test when the daemon is not in one, and left at the end.
@@ -16,11 +17,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from compose_support import COMPOSE_FILE, HEAD_ADDRESS, SECRETS, compose_command, stack_env, write_env
+from compose_support import (HEAD_ADDRESS, SECRETS, Stack, compose_command, doc_commands, run_as_written, stack_env,
+                             write_env)
 
 from services.cli.local_stack import free_port
 from services.cli.stack_images import StackImages
-from services.cli.swarm_file import render
 from shared.state.ledger import Ledger
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
@@ -33,11 +34,16 @@ def docker(*args: str, check: bool = True, timeout: float = 300) -> str:
     return result.stdout
 
 
+SWARM_INIT, SWARM_DEPLOY = doc_commands("scripts/stack.sh swarm")
+
+
 @pytest.fixture(scope="module")
-def swarm() -> Iterator[None]:
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The daemon in a swarm: docs/compose.md's `docker swarm init` line, as written, when it is
+    in none yet (left at the end); a swarm it is in already is used as it is."""
     joined = docker("info", "--format", "{{.Swarm.LocalNodeState}}").strip() == "active"
     if not joined:
-        docker("swarm", "init", "--advertise-addr", HEAD_ADDRESS)
+        run_as_written(None, SWARM_INIT, tmp_path_factory.mktemp("swarm"), examples={"10.0.0.5": HEAD_ADDRESS})
     try:
         yield
     finally:
@@ -84,9 +90,8 @@ def test_the_demo_runs_from_docker_stack_deploy(swarm: None, images: StackImages
     env_file = write_env(tmp_path / "stack.env", stack_env(images, ports, CONVEYOR_MAX_STEPS="2",
                                                            CONVEYOR_NUM_GROUPS="4", CONVEYOR_GROUPS_PER_STEP="2",
                                                            CONVEYOR_STACK_ID=name))
-    stack_file = render(compose_command(), COMPOSE_FILE, env_file, ("cpu",), tmp_path / "stack.yml")
-    try:
-        docker("stack", "deploy", "--resolve-image", "never", "-c", str(stack_file), name, timeout=600)
+    try:  # the doc's line, as written: the stack file goes to the test's settings folder (ENV_DIR)
+        run_as_written(Stack(name, env_file, ports, compose_command()), SWARM_DEPLOY, tmp_path, timeout=900)
         ledger = Ledger.from_url(f"redis://:{SECRETS['REDIS_PASSWORD']}@127.0.0.1:{ports['redis']}/0")
         deadline, counts, trainer_state = time.time() + 1500, {}, ""
         while time.time() < deadline:
