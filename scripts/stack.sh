@@ -41,7 +41,15 @@ stack_id() { echo "${CONVEYOR_STACK_ID:-$PROJECT-$(pwd -P | sha256sum | cut -c1-
 
 images() { CONVEYOR_STACK_ID=$(stack_id) "$PY" -m services.cli.stack_images --env-file "$ENV_DIR/images.env"; }
 
-dc() { $COMPOSE -p "$PROJECT" --env-file "$ENV_DIR/.stack.env" -f compose/docker-compose.yml ${OVERRIDE:+-f "$OVERRIDE"} --profile "$PROFILE" "$@"; }
+# the ledger on the `cluster` profile's Redis Cluster (docs/compose.md, "Redis Cluster"), when the
+# settings say so: its six nodes are then part of every compose call, up to down
+ledger_on_cluster() { grep -Eq "^LEDGER_REDIS_SCHEME=[\"']?redis\+cluster" "$ENV_DIR/.stack.env" 2>/dev/null; }
+
+dc() {
+  local cluster=()
+  ! ledger_on_cluster || cluster=(--profile cluster)
+  $COMPOSE -p "$PROJECT" --env-file "$ENV_DIR/.stack.env" -f compose/docker-compose.yml ${OVERRIDE:+-f "$OVERRIDE"} --profile "$PROFILE" "${cluster[@]}" "$@"
+}
 
 WORKER_HOSTS=$ENV_DIR/.worker-hosts  # worker-host projects started from this checkout, one a line
 
@@ -82,6 +90,10 @@ case "${1:-up}" in
     images
     env_file
     agent_sockets
+    if ledger_on_cluster; then  # the services read redis.url as a cluster at once: joined first
+      echo "[stack] the ledger's Redis Cluster: six nodes, joined (a no-op once they are)"
+      dc run --rm -T redis-cluster-create
+    fi
     dc up -d
     echo "[stack] up; Flower: http://$(grep -E '^FLOWER_PUBLISH=' "$ENV_DIR/.stack.env" | cut -d= -f2 || echo 127.0.0.1:5555)"
     dc logs -f --no-color trainer &

@@ -46,12 +46,14 @@ class Stack:
     ports: dict[str, int]
     compose: list[str]
     overrides: tuple[Path, ...] = ()
+    profiles: tuple[str, ...] = ("cpu",)
 
     def command(self) -> list[str]:
         """The project's compose command line, before the compose subcommand (what the docs
         write as ``docker-compose ...``)."""
         files = [arg for f in (COMPOSE_FILE, *self.overrides) for arg in ("-f", str(f))]
-        return [*self.compose, "-p", self.project, "--env-file", str(self.env_file), *files, "--profile", "cpu"]
+        profiles = [arg for profile in self.profiles for arg in ("--profile", profile)]
+        return [*self.compose, "-p", self.project, "--env-file", str(self.env_file), *files, *profiles]
 
     def dc(self, *args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
         result = subprocess.run([*self.command(), *args], capture_output=True, text=True, timeout=timeout)

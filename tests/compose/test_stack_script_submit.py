@@ -65,6 +65,18 @@ def test_env_dir_gives_a_second_stack_its_own_settings(checkout: Path, tmp_path)
     assert not (checkout / "compose" / ".stack.env").exists()
 
 
+def test_settings_that_put_the_ledger_on_the_cluster_add_its_profile_to_every_compose_call(checkout: Path, tmp_path) -> None:
+    """docs/compose.md, "Redis Cluster": with ``LEDGER_REDIS_SCHEME=redis+cluster`` in the
+    settings, the `cluster` profile's nodes are part of the stack (up to `down`); without, not."""
+    for scheme, profiles in (("redis+cluster", "--profile cpu --profile cluster "), ("redis", "--profile cpu run ")):
+        folder = tmp_path / scheme
+        folder.mkdir()
+        (folder / ".env").write_text(f"REDIS_PASSWORD=secret\nLEDGER_REDIS_SCHEME={scheme}\n")
+        (folder / "images.env").write_text("CONVEYOR_SERVICE_IMAGE=other:test\n")
+        [call] = stack_sh(checkout, "list", ENV_DIR=str(folder))
+        assert profiles in call, call
+
+
 def test_inside_the_container_only_the_stacks_endpoints_reach_run_submit(checkout: Path, tmp_path) -> None:
     fake_conveyor = tmp_path / "bin" / "conveyor"  # prints what the real one would be given
     fake_conveyor.parent.mkdir()
