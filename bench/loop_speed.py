@@ -29,8 +29,8 @@
    drawn in the trainer's thread after each step, or in a thread of its own (the default).
    ``--assembly new,old`` runs Conveyor once per trainer assembly (``ASSEMBLY``): ``new`` (the
    groups one read completes assembled side by side, the batches handed to the step in memory),
-   ``serial`` or ``s3`` (one of the two off), ``old`` (both off: one group after another, the
-   batches read back from S3).
+   ``serial`` (in memory, one group after another: the defaults) or ``s3`` (side by side, read
+   back), ``old`` (neither: one group after another, the batches read back from S3).
    "Scored to group assembled" is taken apart with the group's metrics line: the scored bundle
    and ledger move (to the stream entry's Redis time), the trainer's wake-up (to its read), the
    entries read before it, the assembly.
@@ -55,7 +55,7 @@ step logs and ``loop_speed.json``.
     .venv/bin/python bench/loop_speed.py [--steps 12] [--agentic-steps 10] [--ks 1,2,4] [--threads 1]
         [--worker-slots 8] [--stale-at-use N] [--corrections none,tis,icepop] [--reward-threshold 0.5]
         [--weight-sync s3,gloo] [--trajectories objects,inline] [--scoring scorer,worker]
-        [--reward-curve in_step,behind] [--assembly new,old,serial,s3] [--conveyor-only]
+        [--reward-curve in_step,behind] [--assembly default,new,old,serial,s3] [--conveyor-only]
         [--skip-trl] [--skip-agentic] [--out DIR]
 """
 
@@ -230,15 +230,15 @@ def count_lines(log: Path, needle: str) -> int:
 
 SCORING_IN_WORKER = {"scorer": "never", "worker": "auto"}  # --scoring -> rewards.in_worker
 # --assembly -> the trainer's assembly levers: sibling groups side by side (trainer.assembly_threads)
-# and the step's batches handed over in memory (trainer.batches_in_memory); "new" keeps the defaults
-ASSEMBLY = {"new": {}, "serial": {"CONVEYOR_TRAINER__ASSEMBLY_THREADS": "1"},
-            "s3": {"CONVEYOR_TRAINER__BATCHES_IN_MEMORY": "0"},
-            "old": {"CONVEYOR_TRAINER__ASSEMBLY_THREADS": "1", "CONVEYOR_TRAINER__BATCHES_IN_MEMORY": "0"}}
+# and the step's batches handed over in memory (trainer.batches_in_memory); "default" as configured
+ASSEMBLY = {"default": {}, **{name: {"CONVEYOR_TRAINER__ASSEMBLY_THREADS": threads, "CONVEYOR_TRAINER__BATCHES_IN_MEMORY": kept}
+                                for name, threads, kept in [("new", "8", "64"), ("serial", "1", "64"), ("s3", "8", "0"),
+                                                            ("old", "1", "0")]}}
 
 
 def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_sync: str,
                       trajectories_mode: str = "default", scoring: str = "scorer", reward_curve: str = "behind",
-                      repeat: int = 0, assembly: str = "new") -> dict:
+                      repeat: int = 0, assembly: str = "default") -> dict:
     """One Conveyor run at k = 0: its median step, and the step's hops (critical path)."""
     trajectories: list[dict] = []
     overrides = {**TRL_MATCHED, "CONVEYOR_TRAINER__TORCH_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
@@ -248,7 +248,7 @@ def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_s
     before = load()
     name = "-".join([weight_sync.replace(":", "-"), *([] if trajectories_mode == "default" else [trajectories_mode.replace(":", "-")]),
                      scoring, *([] if reward_curve == "behind" else [f"curve-{reward_curve}"]),
-                     *([] if assembly == "new" else [f"assembly-{assembly}"]), *([str(repeat + 1)] if repeat else [])])
+                     *([] if assembly == "default" else [f"assembly-{assembly}"]), *([str(repeat + 1)] if repeat else [])])
     run = run_learning(out / f"vs-trl-{name}", steps, 0, overrides=overrides, layout=layout,
                        inspect=lambda stack: trajectories.extend(trajectory_hops(stack)))
     (run.workdir / "trajectories.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trajectories))
@@ -280,7 +280,7 @@ def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_s
 def sync_vs_trl(out: Path, steps: int, threads: int, layout: str, weight_syncs: list[str],
                 trajectories_modes: tuple[str, ...] = ("default",), scorings: tuple[str, ...] = ("scorer",),
                 skip_trl: bool = False, reward_curves: tuple[str, ...] = ("behind",),
-                assemblies: tuple[str, ...] = ("new",)) -> dict:
+                assemblies: tuple[str, ...] = ("default",)) -> dict:
     against = "(no TRL run)" if skip_trl else f"against TRL {TRL_VERSION} GRPOTrainer"
     print(f"## sync step: Conveyor (k=0; weight sync {', '.join(weight_syncs)}; trajectories "
           f"{', '.join(trajectories_modes)}; scoring on the {', '.join(scorings)}; reward curve drawn "
@@ -295,7 +295,7 @@ def sync_vs_trl(out: Path, steps: int, threads: int, layout: str, weight_syncs: 
                 for curve, assembly in [(c, a) for c in reward_curves for a in assemblies]:
                     key = "/".join([mode, *([] if kept == "default" else [kept]), *([] if scoring == "scorer" else [scoring]),
                                     *([] if curve == "behind" else [f"curve {curve}"]),
-                                    *([] if assembly == "new" else [f"assembly {assembly}"])])
+                                    *([] if assembly == "default" else [f"assembly {assembly}"])])
                     repeat = sum(k.split(" #")[0] == key for k in conveyor)
                     key += f" #{repeat + 1}" if repeat else ""
                     conveyor[key] = conveyor_sync_run(out, steps, threads, layout, mode, kept, scoring, curve, repeat, assembly)
@@ -412,9 +412,10 @@ def main() -> None:
     parser.add_argument("--reward-curve", default="behind", help="comma list of the sync-vs-TRL runs' "
                         "trainer.reward_curve: behind (drawn in a thread of its own, the default) and/or in_step "
                         "(drawn in the trainer's thread before it reads the next groups, as before)")
-    parser.add_argument("--assembly", default="new", help="comma list of the sync-vs-TRL runs' trainer assembly: new "
-                        "(sibling groups side by side, batches handed over in memory: the defaults), serial "
-                        "(trainer.assembly_threads 1), s3 (trainer.batches_in_memory 0: read back from S3), old (both off)")
+    parser.add_argument("--assembly", default="default", help="comma list of the sync-vs-TRL runs' trainer assembly: "
+                        "default (as configured), new (sibling groups side by side: trainer.assembly_threads 8, batches "
+                        "handed over in memory: trainer.batches_in_memory 64), serial (assembly_threads 1, in memory: the "
+                        "defaults), s3 (8 threads, batches read back from S3), old (1 thread, from S3)")
     parser.add_argument("--conveyor-only", action="store_true",
                         help="the sync step's Conveyor runs (--weight-sync x --trajectories x --scoring) without the TRL run")
     parser.add_argument("--skip-trl", action="store_true",

@@ -619,9 +619,11 @@ def test_groups_one_read_completes_are_assembled_together_each_once_and_their_ba
     """Four groups completed by one read are assembled side by side (trainer.assembly_threads 8):
     each written, queued, consumed and acknowledged once, an entry of a group the read already
     completed is late; each accepted batch is handed to the loop as S3 holds it, once."""
+    settings = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"assembly_threads": 8})})
     groups = register_groups(settings, redis_client, 4)
     handoff = BatchHandoff(8)
     consumer = TrainerConsumer(settings, redis_client, store, handoff=handoff)
+    assert consumer._assembler_pool is not None
     for reqs in groups.values():
         for req, reward in zip(reqs, [0.0, 1.0, 0.5, 1.0]):
             deliver_scored(ledger, store, req, reward)
