@@ -27,6 +27,10 @@
    digit task's one reward, ``verifier``, is declared cheap).
    ``--reward-curve in_step,behind`` runs Conveyor once per ``trainer.reward_curve``: the PNG
    drawn in the trainer's thread after each step, or in a thread of its own (the default).
+   ``--assembly new,old`` runs Conveyor once per trainer assembly (``ASSEMBLY``): ``new`` (the
+   groups one read completes assembled side by side, the batches handed to the step in memory),
+   ``serial`` (in memory, one group after another: the defaults) or ``s3`` (side by side, read
+   back), ``old`` (neither: one group after another, the batches read back from S3).
    "Scored to group assembled" is taken apart with the group's metrics line: the scored bundle
    and ledger move (to the stream entry's Redis time), the trainer's wake-up (to its read), the
    entries read before it, the assembly.
@@ -51,7 +55,7 @@ step logs and ``loop_speed.json``.
     .venv/bin/python bench/loop_speed.py [--steps 12] [--agentic-steps 10] [--ks 1,2,4] [--threads 1]
         [--worker-slots 8] [--stale-at-use N] [--corrections none,tis,icepop] [--reward-threshold 0.5]
         [--weight-sync s3,gloo] [--trajectories objects,inline] [--scoring scorer,worker]
-        [--reward-curve in_step,behind] [--conveyor-only]
+        [--reward-curve in_step,behind] [--assembly default,new,old,serial,s3] [--conveyor-only]
         [--skip-trl] [--skip-agentic] [--out DIR]
 """
 
@@ -225,19 +229,26 @@ def count_lines(log: Path, needle: str) -> int:
 
 
 SCORING_IN_WORKER = {"scorer": "never", "worker": "auto"}  # --scoring -> rewards.in_worker
+# --assembly -> the trainer's assembly levers: sibling groups side by side (trainer.assembly_threads)
+# and the step's batches handed over in memory (trainer.batches_in_memory); "default" as configured
+ASSEMBLY = {"default": {}, **{name: {"CONVEYOR_TRAINER__ASSEMBLY_THREADS": threads, "CONVEYOR_TRAINER__BATCHES_IN_MEMORY": kept}
+                                for name, threads, kept in [("new", "8", "64"), ("serial", "1", "64"), ("s3", "8", "0"),
+                                                            ("old", "1", "0")]}}
 
 
 def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_sync: str,
                       trajectories_mode: str = "default", scoring: str = "scorer", reward_curve: str = "behind",
-                      repeat: int = 0) -> dict:
+                      repeat: int = 0, assembly: str = "default") -> dict:
     """One Conveyor run at k = 0: its median step, and the step's hops (critical path)."""
     trajectories: list[dict] = []
     overrides = {**TRL_MATCHED, "CONVEYOR_TRAINER__TORCH_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
                  **weight_sync_env(weight_sync), **trajectories_env(trajectories_mode),
-                 "CONVEYOR_REWARDS__IN_WORKER": SCORING_IN_WORKER[scoring], "CONVEYOR_TRAINER__REWARD_CURVE": reward_curve}
+                 "CONVEYOR_REWARDS__IN_WORKER": SCORING_IN_WORKER[scoring], "CONVEYOR_TRAINER__REWARD_CURVE": reward_curve,
+                 **ASSEMBLY[assembly]}
     before = load()
     name = "-".join([weight_sync.replace(":", "-"), *([] if trajectories_mode == "default" else [trajectories_mode.replace(":", "-")]),
-                     scoring, *([] if reward_curve == "behind" else [f"curve-{reward_curve}"]), *([str(repeat + 1)] if repeat else [])])
+                     scoring, *([] if reward_curve == "behind" else [f"curve-{reward_curve}"]),
+                     *([] if assembly == "default" else [f"assembly-{assembly}"]), *([str(repeat + 1)] if repeat else [])])
     run = run_learning(out / f"vs-trl-{name}", steps, 0, overrides=overrides, layout=layout,
                        inspect=lambda stack: trajectories.extend(trajectory_hops(stack)))
     (run.workdir / "trajectories.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trajectories))
@@ -245,7 +256,7 @@ def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_s
     median = statistics.median(conveyor_breakdown(run.steps, groups)["wall"])
     parts = hop_breakdown(run.steps, groups, trajectories)
     print(f"  Conveyor, weight sync {weight_sync}, trajectories {trajectories_mode}, scoring on the {scoring}, "
-          f"reward curve drawn {reward_curve}: median "
+          f"reward curve drawn {reward_curve}, assembly {assembly}: median "
           f"{median:.3f} s/step ({before} before, {load()} after); "
           f"critical path through the step's last trajectory scored ({len(trajectories)} trajectories):", flush=True)
     print_parts(parts, median)
@@ -268,23 +279,26 @@ def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_s
 
 def sync_vs_trl(out: Path, steps: int, threads: int, layout: str, weight_syncs: list[str],
                 trajectories_modes: tuple[str, ...] = ("default",), scorings: tuple[str, ...] = ("scorer",),
-                skip_trl: bool = False, reward_curves: tuple[str, ...] = ("behind",)) -> dict:
+                skip_trl: bool = False, reward_curves: tuple[str, ...] = ("behind",),
+                assemblies: tuple[str, ...] = ("default",)) -> dict:
     against = "(no TRL run)" if skip_trl else f"against TRL {TRL_VERSION} GRPOTrainer"
     print(f"## sync step: Conveyor (k=0; weight sync {', '.join(weight_syncs)}; trajectories "
           f"{', '.join(trajectories_modes)}; scoring on the {', '.join(scorings)}; reward curve drawn "
-          f"{', '.join(reward_curves)}) {against}, "
+          f"{', '.join(reward_curves)}; assembly {', '.join(assemblies)}) {against}, "
           f"layout {layout}, {steps} steps, torch threads {threads} on both sides (Conveyor's trainer and "
           f"workers: CONVEYOR_TRAINER__TORCH_THREADS and OMP_NUM_THREADS; vLLM its own)", flush=True)
     conveyor: dict[str, dict] = {}
     for mode in weight_syncs:
         for kept in trajectories_modes:
             for scoring in scorings:
-                for curve in reward_curves:  # a value given twice runs twice (A, B, A, B: the drift of the load shows)
+                # a value given twice runs twice (A, B, A, B: the drift of the load shows)
+                for curve, assembly in [(c, a) for c in reward_curves for a in assemblies]:
                     key = "/".join([mode, *([] if kept == "default" else [kept]), *([] if scoring == "scorer" else [scoring]),
-                                    *([] if curve == "behind" else [f"curve {curve}"])])
+                                    *([] if curve == "behind" else [f"curve {curve}"]),
+                                    *([] if assembly == "default" else [f"assembly {assembly}"])])
                     repeat = sum(k.split(" #")[0] == key for k in conveyor)
                     key += f" #{repeat + 1}" if repeat else ""
-                    conveyor[key] = conveyor_sync_run(out, steps, threads, layout, mode, kept, scoring, curve, repeat)
+                    conveyor[key] = conveyor_sync_run(out, steps, threads, layout, mode, kept, scoring, curve, repeat, assembly)
     between = load()
     if len(conveyor) > 1:
         first, *others = conveyor
@@ -398,6 +412,10 @@ def main() -> None:
     parser.add_argument("--reward-curve", default="behind", help="comma list of the sync-vs-TRL runs' "
                         "trainer.reward_curve: behind (drawn in a thread of its own, the default) and/or in_step "
                         "(drawn in the trainer's thread before it reads the next groups, as before)")
+    parser.add_argument("--assembly", default="default", help="comma list of the sync-vs-TRL runs' trainer assembly: "
+                        "default (as configured), new (sibling groups side by side: trainer.assembly_threads 8, batches "
+                        "handed over in memory: trainer.batches_in_memory 64), serial (assembly_threads 1, in memory: the "
+                        "defaults), s3 (8 threads, batches read back from S3), old (1 thread, from S3)")
     parser.add_argument("--conveyor-only", action="store_true",
                         help="the sync step's Conveyor runs (--weight-sync x --trajectories x --scoring) without the TRL run")
     parser.add_argument("--skip-trl", action="store_true",
@@ -412,12 +430,14 @@ def main() -> None:
     modes, scorings = args.trajectories.split(","), args.scoring.split(",")
     if unknown := set(scorings) - set(SCORING_IN_WORKER):
         parser.error(f"--scoring: {sorted(unknown)} not among {sorted(SCORING_IN_WORKER)}")
-    curves = args.reward_curve.split(",")
-    variants = len(modes) * len(scorings) * len(args.weight_sync.split(",")) * len(curves)
+    curves, assemblies = args.reward_curve.split(","), args.assembly.split(",")
+    if unknown := set(assemblies) - set(ASSEMBLY):
+        parser.error(f"--assembly: {sorted(unknown)} not among {sorted(ASSEMBLY)}")
+    variants = len(modes) * len(scorings) * len(args.weight_sync.split(",")) * len(curves) * len(assemblies)
     if args.conveyor_only or not args.skip_trl or variants > 1:
         results["sync_vs_trl"] = sync_vs_trl(out, args.steps, args.threads, args.layout, args.weight_sync.split(","),
                                              tuple(modes), tuple(scorings), args.skip_trl or args.conveyor_only,
-                                             tuple(curves))
+                                             tuple(curves), tuple(assemblies))
         (out / "loop_speed.json").write_text(json.dumps(results, indent=1))
     if not args.skip_agentic:
         results["agentic"] = agentic(out, args.agentic_steps, [int(k) for k in args.ks.split(",")],

@@ -10,6 +10,11 @@ Invariants:
   at any point re-reads its pending entries on restart and finishes the same groups; every
   write on that path is idempotent (fixed keys, guarded ledger moves, set membership).
   So a restart loses no group and trains no group twice.
+- The groups one read completes are assembled ``trainer.assembly_threads`` at a time (siblings
+  overlap: a step's last group no longer waits behind the others' reads and writes); each
+  group's own writes keep their order, and each group's transaction is its own, so a crash
+  leaves every group done or pending, never half. An entry of a group the read in hand already
+  completed is late, as it is once the group is marked done.
 - What becomes of a completed group is decided by ``services.trainer.group_decision`` (pure:
   accepted, zero_variance, all_failed, filtered or stale); this module applies the decision and
   counts each group by its status. With ``trainer.mode: train`` the staleness bound at use
@@ -50,7 +55,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, cast
@@ -58,6 +63,7 @@ from typing import Callable, cast
 import redis
 from redis.typing import KeyT, StreamIdT
 
+from services.trainer.batch_handoff import BatchHandoff
 from services.trainer.group_decision import decide_group
 from services.trainer.group_filters import build_filter
 from services.trainer.group_metrics import GroupMetricsLog
@@ -102,6 +108,7 @@ class TrainerConsumer:
     settings: Settings
     client: redis.Redis  # the Redis that holds the run: every owner below is built on it
     store: ObjectStore
+    handoff: BatchHandoff | None = None  # mode train: accepted batches kept for this process's training loop
 
     def __post_init__(self) -> None:
         self.run_id = self.settings.run_id
@@ -114,7 +121,9 @@ class TrainerConsumer:
         self.trainer_counters = TrainerCounters(self.client, self.run_id)
         self.train_queue = TrainQueue(self.client, self.run_id)
         self.dead_letters = DeadLetters(self.client)
-        self.assembler = GroupAssembler(self._expected_size, self.groups.is_done, lambda g: self._registration(g).keep)
+        self._completing: set[int] = set()  # groups completed by the read in hand, not yet marked done
+        self.assembler = GroupAssembler(self._expected_size, lambda g: g in self._completing or self.groups.is_done(g),
+                                        lambda g: self._registration(g).keep)
         trainer = self.settings.trainer
         self.group_filters = [build_filter(spec) for spec in trainer.group_filters]
         self.budget = budget_of(self.client, self.run_id, trainer)  # mode train: it throttles rollouts to the steps
@@ -127,7 +136,10 @@ class TrainerConsumer:
         self.marker = RunMarker(self.client, self.run_id, self.store)
         self.marker.check(_STOPS, look_in_store=True)  # before anything of the run is created again
         self._recoveries = outage.recoveries(self.client)
-        self._spiller: ThreadPoolExecutor | None = None  # writes groups' inline members to their spill (_spill)
+        # writes groups' inline members to their spill (_spill); one per assembling thread
+        self._spiller = ThreadPoolExecutor(trainer.assembly_threads, thread_name_prefix="inline-spill")
+        self._assembler_pool = ThreadPoolExecutor(trainer.assembly_threads, thread_name_prefix="group-assembly") \
+            if trainer.assembly_threads > 1 else None
         self._read_at = 0.0  # wall time the last read returned: each group's metrics line says when it was read
         try:
             self.client.xgroup_create(self.stream, STREAM_READERS, id="0", mkstream=True)
@@ -148,18 +160,19 @@ class TrainerConsumer:
             if not entries:
                 return replayed
             self._read_at = time.time()
+            completed = []
             for entry_id, fields in entries:
                 if entry_id not in held:
-                    self._handle(entry_id, fields)
+                    completed += self._handle(entry_id, fields)
                     replayed += 1
                 last = entry_id
+            self._complete_all(completed)
 
     def poll(self, block_ms: int | None = None) -> int:
         batch = self._read({self.stream: ">"}, count=256, block=self.settings.trainer.block_ms if block_ms is None else block_ms)
         entries = batch[0][1] if batch else []
         self._read_at = time.time()
-        for entry_id, fields in entries:
-            self._handle(entry_id, fields)
+        self._complete_all([group for entry_id, fields in entries for group in self._handle(entry_id, fields)])
         return len(entries)
 
     def keep_reading(self) -> bool:
@@ -203,7 +216,8 @@ class TrainerConsumer:
         return counts["queued"] + counts["running"] + counts["uploaded"] + counts["scored"] == 0
 
     # --- one entry --------------------------------------------------------------------------
-    def _handle(self, entry_id: str, fields: dict[str, str]) -> None:
+    def _handle(self, entry_id: str, fields: dict[str, str]) -> list[PendingGroup]:
+        """The group this entry completed, if any, to be assembled with the read's others (``_complete_all``)."""
         try:
             if "event" not in fields:
                 raise BadMessage("trainer event", "the stream entry has no 'event' field", fields)
@@ -215,15 +229,33 @@ class TrainerConsumer:
                 self.dead_letters.add(f"{self.stream} entry {entry_id}", exc)
             self.trainer_counters.add(TrainerCounter.bad_events)
             self.client.xack(self.stream, STREAM_READERS, entry_id)
-            return
+            return []
         outcome, group = self.assembler.add(event, entry_id)
         if outcome != "added":
             self.trainer_counters.add(TrainerCounter.duplicate_events if outcome == "duplicate" else TrainerCounter.late_events)
             if outcome == "late":
                 self.client.xack(self.stream, STREAM_READERS, entry_id)
-            return
-        if group is not None:
-            self._complete(group)
+            return []
+        if group is None:
+            return []
+        self._completing.add(group.group_id)  # decided: a later entry of the same read is late
+        return [group]
+
+    def _complete_all(self, groups: list[PendingGroup]) -> None:
+        """Assemble the groups one read completed, ``trainer.assembly_threads`` at a time: each
+        group's path (members read, batch and record written, then its own transaction) is the
+        one ``_complete`` follows alone, so each keeps its order of writes; only siblings overlap."""
+        try:
+            if len(groups) > 1 and self._assembler_pool is not None:
+                futures = [self._assembler_pool.submit(self._complete, group) for group in groups]
+                wait(futures)  # every sibling ends (done, or failed before its transaction) before an error is raised
+                for future in futures:
+                    future.result()
+            else:
+                for group in groups:
+                    self._complete(group)
+        finally:
+            self._completing.clear()
 
     def _complete(self, group: PendingGroup) -> None:
         """Apply the group's decision (``services.trainer.group_decision``)."""
@@ -244,6 +276,8 @@ class TrainerConsumer:
         if decision.batch is not None:
             batch_object = batch_key(self.run_id, group.group_id)
             put_model(self.store, batch_object, decision.batch)
+            if self.handoff is not None:  # written first: S3 holds what the loop takes from memory
+                self.handoff.keep(batch_object, decision.batch)
         record = decision.record(self.run_id, registration.expected_size, batch_object, completed_at=time.time())
         put_model(self.store, group_record_key(self.run_id, group.group_id), record)
         if spill is not None:
@@ -276,8 +310,6 @@ class TrainerConsumer:
         refs = [e.trajectory_key or "" for e in group.scored]
         if not any(map(is_inline_ref, refs)):
             return None
-        if self._spiller is None:
-            self._spiller = ThreadPoolExecutor(1, thread_name_prefix="inline-spill")
         return self._spiller.submit(spill_group, self.store, self.client, self.run_id, group.group_id, refs, read)
 
     def _is_stale(self, oldest_policy_version: int) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ class GroupMetricsLog:
         # (group id, completing entry) of this run's lines in the file (None: a line without the field)
         self.written: set[tuple[int | None, str | None]] = set()
         self._ends_cleanly = True
+        self._lock = threading.Lock()
         self._read_written()
 
     def _read_written(self) -> None:
@@ -57,13 +59,14 @@ class GroupMetricsLog:
         """Append the group's line unless it is already there; True if this call wrote it.
         ``completed_by``: the id of the stream entry that completed the group."""
         key = (line["group_id"], completed_by)
-        if key in self.written:
-            log.info("group %d: metrics line already written (a replay after a restart)", key[0])
-            return False
-        wait_out_disk_faults("trainer metrics file", lambda: self._append(
-            json.dumps({**line, "run_id": self.run_id, "completed_by": completed_by}) + "\n"))
-        self.written.add(key)
-        return True
+        with self._lock:  # the consumer assembles sibling groups in threads: one line at a time
+            if key in self.written:
+                log.info("group %d: metrics line already written (a replay after a restart)", key[0])
+                return False
+            wait_out_disk_faults("trainer metrics file", lambda: self._append(
+                json.dumps({**line, "run_id": self.run_id, "completed_by": completed_by}) + "\n"))
+            self.written.add(key)
+            return True
 
     def _append(self, text: str) -> None:
         """One whole line, on a line of its own: a write cut short by a fault of the disk leaves

@@ -48,7 +48,7 @@ import math
 import statistics
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.weights.broadcast import WeightBroadcaster
 from services.trainer.alarm import ServedWeightsAlarm
@@ -58,6 +58,7 @@ from services.trainer.evaluation import Evaluator
 from services.trainer.metrics import MetricsSink, RewardCurve, finite_or_none, metric_name
 from services.trainer.selection import Selection, select
 from services.trainer.step import train_version, trainer_from_settings
+from services.trainer.batch_handoff import BatchHandoff
 from services.trainer.broadcast_publish import BroadcastPublisher
 from services.trainer.delta_publish import DeltaPublisher
 from services.policy.model import logprob_probe
@@ -66,7 +67,7 @@ from shared.rates import per_second, show
 from shared.schemas import CheckpointAnnouncement, TrainingBatch
 from shared.settings import Settings, training
 from shared.state.staleness import StalenessBudget
-from shared.storage import ObjectStore, get_model
+from shared.storage import ObjectStore
 from shared.state.train_queue import TrainQueue
 from shared.state.trainer_counters import TrainerCounter, TrainerCounters
 from shared.state.checkpoint_announcements import CheckpointAnnouncements
@@ -88,6 +89,7 @@ class TrainingLoop:
     evaluator: Evaluator | None = None  # evaluation during training (settings.evaluation)
     ranks: TrainerRanks | None = None  # the leader of a torchrun job (services.trainer.distributed)
     broadcaster: WeightBroadcaster | None = None  # inference.weight_sync nccl: built from settings unless given
+    handoff: BatchHandoff = field(default_factory=lambda: BatchHandoff(0))  # the consumer's batches in memory; 0: S3
 
     def __post_init__(self) -> None:
         self.run_id = self.settings.run_id
@@ -114,6 +116,7 @@ class TrainingLoop:
         self.budget.advance_step(self.version)
         self.train_queue = TrainQueue(self.redis, self.run_id)
         self._last_step_at: float | None = None
+        self._ready_selection: tuple[int, Selection] | None = None  # ready()'s (at version), for train_once
         self.reward_curve = RewardCurve(self.training.reward_curve, self.metrics.jsonl_path, self.training.reward_curve_path,
                                         f"{self.run_id}: mean reward per step")
         if self.version > 0:
@@ -143,7 +146,11 @@ class TrainingLoop:
         return max_steps is not None and self.version >= max_steps
 
     def ready(self) -> bool:
-        return self._select() is not None
+        """The next step's groups are queued; the selection is kept for ``train_once``, which
+        follows at once in the same thread (nothing else appends to the queue in between)."""
+        selection = self._select()
+        self._ready_selection = None if selection is None else (self.version, selection)
+        return selection is not None
 
     def check_alarms(self) -> None:
         """Raise ``LogprobAlarm`` (action stop) if a weight sync of this run did not take."""
@@ -164,7 +171,8 @@ class TrainingLoop:
 
     def train_once(self) -> dict[str, float]:
         """Train one step on the next G fresh accepted groups, checkpoint, announce."""
-        selection = self._select()
+        kept, self._ready_selection = self._ready_selection, None
+        selection = kept[1] if kept is not None and kept[0] == self.version else self._select()  # _select once a step
         if selection is None:
             raise RuntimeError("train_once called before a step's groups were queued")
         self.check_alarms()
@@ -172,7 +180,7 @@ class TrainingLoop:
         self._record_selection(selection)
         if self.ranks is not None:
             self.ranks.send(StepOrder(self.version + 1, tuple(selection.keys)))
-        batches = [get_model(self.store, key, TrainingBatch) for key in selection.keys]
+        batches = [self.handoff.take(self.store, key) for key in selection.keys]  # in memory, else read from S3
         metrics = train_version(self.trainer, batches)  # see the module docstring: the version moves on
         if metrics.get("alarm"):
             alarm = self.settings.trainer.logprob_alarm

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Callable
 
 import redis
 
+from services.trainer.batch_handoff import BatchHandoff
 from services.trainer.consumer import TrainerConsumer
 from shared.state.ledger import redis_for
 from shared.required import required
@@ -74,8 +75,10 @@ class TrainerProcess:
 
         sink = MetricsSink(trainer.step_metrics_path, trainer.prometheus_port or settings.metrics_port,
                            trainer.wandb_project, settings.run_id)
+        consumer.handoff = BatchHandoff(trainer.batches_in_memory)  # the consumer's batches to the loop, in memory
         learner = TrainingLoop(settings, store, required(consumer.budget, "the staleness budget of mode train"), sink, ranks=ranks,
-                               evaluator=None if evaluator is None else evaluator(consumer.client, store))
+                               evaluator=None if evaluator is None else evaluator(consumer.client, store),
+                               handoff=consumer.handoff)
         return cls(consumer, learner)
 
     def run(self, stop_when_idle: bool = False) -> None:

@@ -192,6 +192,13 @@ class TrainerSettings(Section):
 
     consumer_name: str = "trainer-0"
     block_ms: Int = Field(1000, gt=0)
+    # groups that one read completes are assembled this many at a time (their members' reads, the
+    # batch and record writes, the final transaction: services.trainer.consumer); 1: one after another.
+    # 8 did not pay on 2 shared cores (docs/performance/loop_speed.md): the assembly is CPU under the GIL
+    assembly_threads: Int = Field(1, ge=1)
+    # mode train: the most batches the consumer hands to the training loop in memory, sparing the
+    # step their read back from S3 (services.trainer.batch_handoff); 0: every batch read from S3
+    batches_in_memory: Int = Field(64, ge=0)
     metrics_path: Path = Path(".conveyor/metrics.jsonl")  # one line per completed group
     pass_threshold: Float = 1.0  # a sample "passes" when its reward reaches this
     prometheus_port: Int | None = Field(None, gt=0, lt=65536)

@@ -14,6 +14,7 @@ from pydantic import TypeAdapter
 from services.intake.datasets import Row
 from services.intake.publisher import run_intake
 from services.trainer.advantages import group_advantages
+from services.trainer.batch_handoff import BatchHandoff
 from services.trainer.consumer import STREAM_READERS, TrainerConsumer
 from services.trainer.groups import GroupAssembler
 from services.trainer.process import TrainerProcess
@@ -611,6 +612,49 @@ def test_redundancy_keeps_the_first_n_scored_and_supersedes_the_rest_keeping_the
     assert pending_count(redis_client, run_id) == 0
     # the slow worker's lease is lost: its heartbeat names it, so the worker cancels the episode
     assert ledger.renew({reqs[4].trajectory_id: "slow-worker"}, 30) == [reqs[4].trajectory_id]
+
+
+def test_groups_one_read_completes_are_assembled_together_each_once_and_their_batches_handed_over_as_written(
+        settings, ledger, store, redis_client, run_id):
+    """Four groups completed by one read are assembled side by side (trainer.assembly_threads 8):
+    each written, queued, consumed and acknowledged once, an entry of a group the read already
+    completed is late; each accepted batch is handed to the loop as S3 holds it, once."""
+    settings = settings.model_copy(update={"trainer": settings.trainer.model_copy(update={"assembly_threads": 8})})
+    groups = register_groups(settings, redis_client, 4)
+    handoff = BatchHandoff(8)
+    consumer = TrainerConsumer(settings, redis_client, store, handoff=handoff)
+    assert consumer._assembler_pool is not None
+    for reqs in groups.values():
+        for req, reward in zip(reqs, [0.0, 1.0, 0.5, 1.0]):
+            deliver_scored(ledger, store, req, reward)
+    stream = RedisKeys.trainer_stream(run_id)
+    redelivered = next(fields for _, fields in redis_client.xrange(stream) if parse_message(TrainerEvent, fields["event"]).group_id == 1)
+    redis_client.xadd(stream, redelivered)  # group 1's first event again, after the entry that completed it
+    assert consumer.poll(block_ms=10) == 4 * GROUP_SIZE + 1  # one read: all four groups complete in it
+    assert redis_client.smembers(RedisKeys.groups_done(run_id)) == {"0", "1", "2", "3"}
+    queue = [parse_message(TrainQueueEntry, e) for e in redis_client.lrange(RedisKeys.train_queue(run_id), 0, -1)]
+    assert sorted(e.key for e in queue if isinstance(e, TrainBatchEntry)) == [batch_key(run_id, g) for g in range(4)]
+    assert ledger.counts(run_id)["consumed"] == 4 * GROUP_SIZE and pending_count(redis_client, run_id) == 0
+    assert consumer.counters() == {"groups_accepted": 4, "late_events": 1}
+    assert sorted(m["group_id"] for m in metrics_lines(settings)) == [0, 1, 2, 3]
+    assert len(handoff) == 4
+    for g in range(4):
+        kept = handoff.take(store, batch_key(run_id, g))
+        assert kept == get_model(store, batch_key(run_id, g), TrainingBatch)  # the S3 copy, field for field
+    assert len(handoff) == 0 and handoff.taken == 4 and handoff.read_back == 0
+    handoff.take(store, batch_key(run_id, 0))  # taken once: a second take reads S3
+    assert handoff.read_back == 1
+
+
+def test_the_handoff_keeps_at_most_its_bound_and_zero_keeps_none(store, run_id):
+    batch = TrainingBatch(run_id=run_id, group_id=0, samples=[])
+    bounded, off = BatchHandoff(2), BatchHandoff(0)
+    for key in ["a", "b", "c"]:
+        bounded.keep(key, batch)
+        off.keep(key, batch)
+    assert len(bounded) == 2 and len(off) == 0
+    put_model(store, "a", batch)
+    assert bounded.take(store, "a") == batch and bounded.read_back == 1  # the oldest was dropped: read from S3
 
 
 def test_a_stopped_run_ends_the_consumer_between_reads_with_every_trajectory_terminal(settings, ledger, redis_client, store, run_id):
