@@ -23,7 +23,8 @@ Invariants:
   by broadcast first, and only every ``inference.weight_sync.checkpoint_every``-th version is
   checkpointed, committed and announced, in the background: ``services.trainer.broadcast_publish``;
   a restart there replays the versions the replicas serve beyond the newest checkpoint,
-  without serving them again); on start the latest checkpoint is announced again (the
+  without serving them again, and logging each step's metrics line only if the crash came
+  before it: one line per step); on start the latest checkpoint is announced again (the
   weight follower ignores versions it already serves).
 - A step with no trainable token (all masks zero), or one the logprob alarm skipped, still
   counts as a step: the version moves on with unchanged weights, so the queue position stays
@@ -211,8 +212,9 @@ class TrainingLoop:
         self.version = version
         self.budget.advance_step(version)
         metrics |= self._rollout_metrics(batches, selection, trained_at=version - 1) | {"checkpoint_s": checkpoint_s}
-        self.metrics.log(version, metrics)
-        self._record_step(version, metrics)
+        if not (metrics.get("replayed") and self.metrics.logged(version)):  # one line per step, replays included
+            self.metrics.log(version, metrics)
+            self._record_step(version, metrics)
         self.reward_curve.step_ended()  # behind the step by default: the consumer reads the next step's groups meanwhile
         now = time.time()
         wall = now - self._last_step_at if self._last_step_at else None  # step 1 has no step before it

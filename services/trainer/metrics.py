@@ -48,6 +48,11 @@ class MetricsSink:
             except Exception as exc:  # W&B is optional; training goes on without it
                 log.error("W&B logging disabled: %s", exc)
 
+    def logged(self, step: int) -> bool:
+        """Whether ``step`` has a line in the metrics file already: a step replayed after a crash
+        that came after its line was written."""
+        return any(line.get("step") == step for line in read_steps(self.jsonl_path))
+
     def log(self, step: int, metrics: dict[str, float], jsonl_path: Path | None = None) -> None:
         """``jsonl_path``: another file for this line (eval passes), the other sinks alike."""
         line = json.dumps({"step": step, "time": time.time(), **{k: finite_or_none(v) for k, v in metrics.items()}}, allow_nan=False)

@@ -130,7 +130,7 @@ def test_a_submitted_run_and_your_own_dataset_run_beside_the_training_demo_as_wr
     assert [h.run_id for h in holders.holders("http://inference:8000")] == ["demo"]
 
     _training_run_config(tmp_path, "second")
-    submit, logs = doc_commands("scripts/stack.sh submit")
+    submit, logs = doc_commands("scripts/stack.sh submit runs/second.yaml")
     started = time.monotonic()
     submitted = SubmitContainer(run_as_written(stack, submit, tmp_path))
 
