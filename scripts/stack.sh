@@ -39,7 +39,7 @@ env_file() {
 # the stack id of PROJECT from this checkout: two checkouts, or two projects, differ
 stack_id() { echo "${CONVEYOR_STACK_ID:-$PROJECT-$(pwd -P | sha256sum | cut -c1-8)}"; }
 
-images() { CONVEYOR_STACK_ID=$(stack_id) "$PY" -m services.cli.stack_images --env-file "$ENV_DIR/images.env"; }
+images() { mkdir -p "$ENV_DIR"; CONVEYOR_STACK_ID=$(stack_id) "$PY" -m services.cli.stack_images --env-file "$ENV_DIR/images.env"; }
 
 # the ledger on the `cluster` profile's Redis Cluster (docs/compose.md, "Redis Cluster"), when the
 # settings say so: its six nodes are then part of every compose call, up to down
