@@ -21,6 +21,7 @@ processes. Invariants:
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -36,11 +37,45 @@ from shared.processes import die_with_parent, release_group, start_group_leader
 from shared.redis_clients import redis_for
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on ``host`` now (``0.0.0.0``: free on every interface)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A port free on ``host`` now (``0.0.0.0``: free on every interface), for a server that
+    listens on it later.
+
+    Never the same port twice in one process: two ports asked for before either server
+    listens were once the same (``bind(0)`` handed vLLM's port out again for the trainer's
+    weight group, which then failed with ``EADDRINUSE``). Drawn outside the kernel's ephemeral
+    range, which the stack's many short outgoing connections (to Redis, S3, vLLM) draw from
+    too. Falls back to the kernel's choice when no such port is free.
+    """
+    low, high = _ephemeral_range()
+    candidates = [p for p in (random.randrange(10_000, 65_536) for _ in range(200))
+                  if not low <= p <= high and p not in _HANDED_OUT]
+    for port in candidates[:64]:
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    while True:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+
+
+_HANDED_OUT: set[int] = set()
 
 
 def _wait_for_port(port: int, timeout_s: float, proc: subprocess.Popen, log_path: Path) -> None:

@@ -16,6 +16,7 @@ import uuid
 import pytest
 from docker_support import leak_checked_docker_client
 
+from services.cli import local_stack
 from services.rollout_worker.sandbox import SandboxLabels, SandboxSpec
 from services.rollout_worker.sandbox.images import build_busybox_image
 
@@ -61,9 +62,7 @@ def containers_of(docker_client):
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("0.0.0.0", 0))
-        return sock.getsockname()[1]
+    return local_stack.free_port("0.0.0.0")
 
 
 @pytest.fixture(scope="session")
