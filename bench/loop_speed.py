@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import re
@@ -236,9 +237,14 @@ ASSEMBLY = {"default": {}, **{name: {"CONVEYOR_TRAINER__ASSEMBLY_THREADS": threa
                                                             ("old", "1", "0")]}}
 
 
+# --storage -> the stack's object store: moto's S3 server over HTTP (the learning demo's), or the
+# filesystem backend (``conveyor demo``'s durable default)
+STORAGE = {"s3": "moto S3 over HTTP", "local": "the filesystem backend"}
+
+
 def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_sync: str,
                       trajectories_mode: str = "default", scoring: str = "scorer", reward_curve: str = "behind",
-                      repeat: int = 0, assembly: str = "default") -> dict:
+                      repeat: int = 0, assembly: str = "default", storage: str = "s3") -> dict:
     """One Conveyor run at k = 0: its median step, and the step's hops (critical path)."""
     trajectories: list[dict] = []
     overrides = {**TRL_MATCHED, "CONVEYOR_TRAINER__TORCH_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
@@ -248,15 +254,16 @@ def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_s
     before = load()
     name = "-".join([weight_sync.replace(":", "-"), *([] if trajectories_mode == "default" else [trajectories_mode.replace(":", "-")]),
                      scoring, *([] if reward_curve == "behind" else [f"curve-{reward_curve}"]),
-                     *([] if assembly == "default" else [f"assembly-{assembly}"]), *([str(repeat + 1)] if repeat else [])])
-    run = run_learning(out / f"vs-trl-{name}", steps, 0, overrides=overrides, layout=layout,
+                     *([] if assembly == "default" else [f"assembly-{assembly}"]),
+                     *([] if storage == "s3" else [f"storage-{storage}"]), *([str(repeat + 1)] if repeat else [])])
+    run = run_learning(out / f"vs-trl-{name}", steps, 0, overrides=overrides, layout=layout, storage=storage,
                        inspect=lambda stack: trajectories.extend(trajectory_hops(stack)))
     (run.workdir / "trajectories.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trajectories))
     groups = [json.loads(line) for line in (run.workdir / "stack" / "metrics.jsonl").read_text().splitlines() if line]
     median = statistics.median(conveyor_breakdown(run.steps, groups)["wall"])
     parts = hop_breakdown(run.steps, groups, trajectories)
     print(f"  Conveyor, weight sync {weight_sync}, trajectories {trajectories_mode}, scoring on the {scoring}, "
-          f"reward curve drawn {reward_curve}, assembly {assembly}: median "
+          f"reward curve drawn {reward_curve}, assembly {assembly}, storage {STORAGE[storage]}: median "
           f"{median:.3f} s/step ({before} before, {load()} after); "
           f"critical path through the step's last trajectory scored ({len(trajectories)} trajectories):", flush=True)
     print_parts(parts, median)
@@ -280,11 +287,12 @@ def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_s
 def sync_vs_trl(out: Path, steps: int, threads: int, layout: str, weight_syncs: list[str],
                 trajectories_modes: tuple[str, ...] = ("default",), scorings: tuple[str, ...] = ("scorer",),
                 skip_trl: bool = False, reward_curves: tuple[str, ...] = ("behind",),
-                assemblies: tuple[str, ...] = ("default",)) -> dict:
+                assemblies: tuple[str, ...] = ("default",), storages: tuple[str, ...] = ("s3",)) -> dict:
     against = "(no TRL run)" if skip_trl else f"against TRL {TRL_VERSION} GRPOTrainer"
     print(f"## sync step: Conveyor (k=0; weight sync {', '.join(weight_syncs)}; trajectories "
           f"{', '.join(trajectories_modes)}; scoring on the {', '.join(scorings)}; reward curve drawn "
-          f"{', '.join(reward_curves)}; assembly {', '.join(assemblies)}) {against}, "
+          f"{', '.join(reward_curves)}; assembly {', '.join(assemblies)}; storage "
+          f"{', '.join(STORAGE[s] for s in storages)}) {against}, "
           f"layout {layout}, {steps} steps, torch threads {threads} on both sides (Conveyor's trainer and "
           f"workers: CONVEYOR_TRAINER__TORCH_THREADS and OMP_NUM_THREADS; vLLM its own)", flush=True)
     conveyor: dict[str, dict] = {}
@@ -292,13 +300,15 @@ def sync_vs_trl(out: Path, steps: int, threads: int, layout: str, weight_syncs: 
         for kept in trajectories_modes:
             for scoring in scorings:
                 # a value given twice runs twice (A, B, A, B: the drift of the load shows)
-                for curve, assembly in [(c, a) for c in reward_curves for a in assemblies]:
+                for curve, assembly, storage in itertools.product(reward_curves, assemblies, storages):
                     key = "/".join([mode, *([] if kept == "default" else [kept]), *([] if scoring == "scorer" else [scoring]),
                                     *([] if curve == "behind" else [f"curve {curve}"]),
-                                    *([] if assembly == "default" else [f"assembly {assembly}"])])
+                                    *([] if assembly == "default" else [f"assembly {assembly}"]),
+                                    *([] if storage == "s3" else [f"storage {storage}"])])
                     repeat = sum(k.split(" #")[0] == key for k in conveyor)
                     key += f" #{repeat + 1}" if repeat else ""
-                    conveyor[key] = conveyor_sync_run(out, steps, threads, layout, mode, kept, scoring, curve, repeat, assembly)
+                    conveyor[key] = conveyor_sync_run(out, steps, threads, layout, mode, kept, scoring, curve, repeat,
+                                                      assembly, storage)
     between = load()
     if len(conveyor) > 1:
         first, *others = conveyor
@@ -369,19 +379,19 @@ def agentic(out: Path, steps: int, ks: list[int], p50: float, p99: float, worker
               f"{to_threshold}; reward per step {runs[key]['rewards']} ({before} before, {runs[key]['load'][1]} after)",
               flush=True)
     sync = runs["0"]
-    for key, run in runs.items():
+    for key, figures in runs.items():
         if key == "0":
             continue
-        run["speedup"] = sync["from_first_dispatch_s"] / run["from_first_dispatch_s"]
-        if run["to_threshold_s"] and sync["to_threshold_s"]:
-            run["threshold_speedup"] = sync["to_threshold_s"] / run["to_threshold_s"]
-        to_threshold = (f"{run['threshold_speedup']:.2f}x to reward {reward_threshold}" if "threshold_speedup" in run
+        figures["speedup"] = sync["from_first_dispatch_s"] / figures["from_first_dispatch_s"]
+        if figures["to_threshold_s"] and sync["to_threshold_s"]:
+            figures["threshold_speedup"] = sync["to_threshold_s"] / figures["to_threshold_s"]
+        to_threshold = (f"{figures['threshold_speedup']:.2f}x to reward {reward_threshold}" if "threshold_speedup" in figures
                         else f"no time-to-threshold ratio (sync step {sync['threshold_step']}, "
-                             f"async step {run['threshold_step']})")
-        print(f"  async k={run['k']} ({run['correction']}) over sync: {run['speedup']:.2f}x from the first dispatch "
-              f"({sync['wall_s'] / run['wall_s']:.2f}x from intake's start; target >= 3x), groups discarded as stale "
-              f"{run['stale_share']:.1%} (target <= 5%); {to_threshold}; reward at step {run['steps']} "
-              f"{run['rewards'][-1]:.3f} against sync's {sync['rewards'][-1]:.3f}")
+                             f"async step {figures['threshold_step']})")
+        print(f"  async k={figures['k']} ({figures['correction']}) over sync: {figures['speedup']:.2f}x from the first dispatch "
+              f"({sync['wall_s'] / figures['wall_s']:.2f}x from intake's start; target >= 3x), groups discarded as stale "
+              f"{figures['stale_share']:.1%} (target <= 5%); {to_threshold}; reward at step {figures['steps']} "
+              f"{figures['rewards'][-1]:.3f} against sync's {sync['rewards'][-1]:.3f}")
     return runs
 
 
@@ -416,6 +426,9 @@ def main() -> None:
                         "default (as configured), new (sibling groups side by side: trainer.assembly_threads 8, batches "
                         "handed over in memory: trainer.batches_in_memory 64), serial (assembly_threads 1, in memory: the "
                         "defaults), s3 (8 threads, batches read back from S3), old (1 thread, from S3)")
+    parser.add_argument("--storage", default="s3", help="comma list of the sync-vs-TRL runs' object store: s3 "
+                        "(moto's S3 server over HTTP, as the learning demo) and/or local (the filesystem backend, "
+                        "conveyor demo's durable default)")
     parser.add_argument("--conveyor-only", action="store_true",
                         help="the sync step's Conveyor runs (--weight-sync x --trajectories x --scoring) without the TRL run")
     parser.add_argument("--skip-trl", action="store_true",
@@ -433,11 +446,14 @@ def main() -> None:
     curves, assemblies = args.reward_curve.split(","), args.assembly.split(",")
     if unknown := set(assemblies) - set(ASSEMBLY):
         parser.error(f"--assembly: {sorted(unknown)} not among {sorted(ASSEMBLY)}")
-    variants = len(modes) * len(scorings) * len(args.weight_sync.split(",")) * len(curves) * len(assemblies)
+    storages = args.storage.split(",")
+    if unknown := set(storages) - set(STORAGE):
+        parser.error(f"--storage: {sorted(unknown)} not among {sorted(STORAGE)}")
+    variants = len(modes) * len(scorings) * len(args.weight_sync.split(",")) * len(curves) * len(assemblies) * len(storages)
     if args.conveyor_only or not args.skip_trl or variants > 1:
         results["sync_vs_trl"] = sync_vs_trl(out, args.steps, args.threads, args.layout, args.weight_sync.split(","),
                                              tuple(modes), tuple(scorings), args.skip_trl or args.conveyor_only,
-                                             tuple(curves), tuple(assemblies))
+                                             tuple(curves), tuple(assemblies), tuple(storages))
         (out / "loop_speed.json").write_text(json.dumps(results, indent=1))
     if not args.skip_agentic:
         results["agentic"] = agentic(out, args.agentic_steps, [int(k) for k in args.ks.split(",")],

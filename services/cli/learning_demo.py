@@ -56,7 +56,7 @@ def run_learning(
     workdir: Path, steps: int, max_off_policy_steps: int, overrides: dict[str, str] | None = None,
     timeout_s: float = 1500, task_config: dict | None = None, layout: str = "llama", worker_extension: bool = True,
     inspect: Callable[[LocalStack], None] | None = None, lora_rank: int | None = None, vllm_gpu: bool | None = None,
-    worker_slots: int = 8, served: tuple[str, Path] | None = None,
+    worker_slots: int = 8, served: tuple[str, Path] | None = None, storage: str = "s3",
 ) -> LearningRun:
     """``inspect``: called with the stack, still up, once the trainer has exited cleanly.
     ``lora_rank``: vLLM serves LoRA adapters of that rank (``trainer.lora.sync: adapter`` in
@@ -65,13 +65,16 @@ def run_learning(
     at once). ``served``: (base URL, model directory) of a vLLM already serving the tiny model of
     ``layout`` (end-of-turn bias 4, 1,024 tokens, Conveyor's worker extension) under the name
     ``tiny``, used instead of starting one (the run trains it: give it back as it was
-    afterwards); None: one started and stopped here. vLLM's dtype and GPU memory share are the stack's
+    afterwards); None: one started and stopped here. ``storage``: ``s3``, an S3 server (moto's, over
+    HTTP), or ``local``, the filesystem backend (``conveyor demo``'s durable default). vLLM's dtype and GPU memory share are the stack's
     ``CONVEYOR_INFERENCE__*`` settings in ``overrides``, so the follower's probe tolerance
     matches what vLLM serves."""
     from services.inference.server import VllmServer
     from services.inference.tiny_model import generate_tiny_model
     from shared.settings import InferenceSettings
 
+    if storage not in ("s3", "local"):
+        raise ValueError(f"storage {storage!r}: expected s3 or local")
     workdir = Path(workdir).resolve()
     settings = {**LEARNING_SETTINGS, **(overrides or {})}
     if task_config:
@@ -102,7 +105,10 @@ def run_learning(
         base_url = vllm.base_url
     try:
         stack.start_redis()
-        stack.start_s3()
+        if storage == "s3":
+            stack.start_s3()
+        else:
+            stack.start_object_store()
         if vllm is not None:
             vllm.start()
             vllm.wait_ready(600)
