@@ -23,9 +23,14 @@ tensor its shared parameter is loaded from. Every other parameter is one checkpo
 its name (a vocabulary embedding may hold padding rows past it).
 
 Invariants:
-- A plan covers every non-empty parameter of the live model and every checkpoint tensor, with
-  the shapes vLLM holds, or ``swap_plan`` raises ``SwapUnavailable`` saying why (the worker then
-  loads through vLLM's reload, as before). Only one tensor-parallel rank is covered.
+- A plan covers every non-empty parameter of the live model and every checkpoint tensor the
+  model loads (under the names its ``hf_to_vllm_mapper`` gives them), with the shapes vLLM holds,
+  or ``swap_plan`` raises ``SwapUnavailable`` saying why (the worker then loads through vLLM's
+  reload, as before). Only one tensor-parallel rank is covered.
+- A plan is used only once ``check_plan`` showed it reproduces the served version: one layer of
+  each kind packed from the served tensors computes what the live layer computes, and every
+  plain parameter equals its tensor; else ``SwapUnavailable`` (a loader that transforms a tensor,
+  as GPT-2's transposes its Conv1D weights, is found whatever the shapes).
 - ``build`` changes nothing the replica serves; every tensor it hands to vLLM's packing has, slice
   by slice, the trainer's checksum of the checkpoint tensor it came from, or ``build`` raises
   ``DeltaChecksumMismatch`` and nothing is swapped.
@@ -125,8 +130,40 @@ def drop_in_background(objects: list) -> None:
     threading.Thread(target=held.clear, name="conveyor-drop", daemon=True).start()
 
 
+def vllm_names(model: torch.nn.Module, checkpoint: dict[str, torch.Tensor]) -> dict[str, str]:
+    """vLLM's name of each checkpoint tensor the model loads -> the checkpoint's own name: the
+    renames of the model's ``hf_to_vllm_mapper`` (a prefix such as ``gpt_neox.`` -> ``model.`` in
+    vLLM's Transformers backend); a tensor the mapper drops is not loaded. Its stacking (``q_proj``
+    into ``qkv_proj``) is left out: the plan fuses by ``packed_modules_mapping``, and ``check_plan``
+    shows the result computes what is served."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if mapper is None:
+        return {name: name for name in checkpoint}
+    renames = mapper.get_rename_mapper() if hasattr(mapper, "get_rename_mapper") else mapper
+    vllm_of: dict[str, str] = {}
+    for name in checkpoint:
+        if not list(mapper.apply([(name, torch.empty(0))])):
+            continue  # the model's loader skips it
+        [(new_name, marker)] = list(renames.apply([(name, torch.empty(0))]))
+        if getattr(marker, "shard_id", None) is not None:
+            raise SwapUnavailable(f"{name}: the model's loader stacks it into {new_name}")
+        vllm_of[new_name] = name
+    return vllm_of
+
+
 def swap_plan(model: torch.nn.Module, checkpoint: dict[str, torch.Tensor]) -> SwapPlan:
-    """The plan for ``model`` (vLLM's, live) and the checkpoint's tensors by name; see the invariants."""
+    """The plan for ``model`` (vLLM's, live) and the checkpoint's tensors by name; see the invariants.
+    The names in the plan are the checkpoint's (``vllm_names``)."""
+    original = vllm_names(model, checkpoint)
+    plan = _plan(model, {name: checkpoint[source] for name, source in original.items()})
+    for layer in plan.packed:
+        layer.weights, layer.biases = [original[n] for n in layer.weights], [original[n] for n in layer.biases]
+    for plain in plan.plain:
+        plain.name = original[plain.name]
+    return plan
+
+
+def _plan(model: torch.nn.Module, checkpoint: dict[str, torch.Tensor]) -> SwapPlan:
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     fused: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
@@ -196,6 +233,60 @@ def swap_plan(model: torch.nn.Module, checkpoint: dict[str, torch.Tensor]) -> Sw
     return SwapPlan(packed, plain)
 
 
+def check_plan(plan: SwapPlan, served: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Refuse a plan (``SwapUnavailable``) that does not reproduce what the replica serves now:
+    ``served`` is the version it serves (the shadow, before staging). Names and shapes can agree
+    while the layout does not (GPT-2's checkpoint holds its Conv1D weights transposed, which vLLM's
+    own ``load_weights`` turns: a square one has the same shape either way), so one layer of each
+    kind is packed from ``served`` as ``build`` would and must compute what the live layer
+    computes on the same input, and every plain parameter must equal its tensor. Returns seconds."""
+    t0 = time.perf_counter()
+    seen: set[tuple] = set()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in plan.packed:
+            kind = (layer.name.rpartition(".")[2], layer.shape, len(layer.weights), len(layer.biases))
+            if kind in seen:
+                continue
+            seen.add(kind)
+            module = layer.module
+            kept = module.weight.detach() if module.weight.numel() else None
+            stand_in = _packed_stand_in(module, _concatenated(served, layer.weights, kept),
+                                        _concatenated(served, layer.biases, None) if layer.biases else None)
+            x = torch.randn((3, layer.shape[1]), generator=generator).to(served[layer.weights[0]].dtype)
+            live = module.cpu_linear(x, module.weight, getattr(module, "bias", None))
+            rebuilt = stand_in.cpu_linear(x, stand_in.weight, stand_in.bias)
+            scale = float(live.abs().max()) or 1.0
+            if live.shape != rebuilt.shape or float((live - rebuilt).abs().max()) > 1e-3 * scale:
+                raise SwapUnavailable(f"{layer.name}: packed from the checkpoint's {layer.weights} it does not compute "
+                                      "what the served layer computes (the model's loader transforms them)")
+        for plain in plan.plain:
+            source = served[plain.name]
+            if not torch.equal(plain.param.data[:source.shape[0]], source):
+                raise SwapUnavailable(f"{plain.name}: the served parameter is not the checkpoint's tensor as it is "
+                                      "(the model's loader transforms it)")
+    return {"check_plan_s": time.perf_counter() - t0}
+
+
+def _concatenated(tensors: dict[str, torch.Tensor], names: list[str], kept: torch.Tensor | None) -> torch.Tensor:
+    if kept is not None:  # a head's live weight: its padding rows stay
+        out = kept.clone()
+        out[:tensors[names[0]].shape[0]].copy_(tensors[names[0]])
+        return out
+    return torch.cat([tensors[n] for n in names])
+
+
+def _packed_stand_in(module: torch.nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module:
+    """A module holding ``weight`` and ``bias`` packed by ``module``'s own method, as vLLM packs at load."""
+    stand_in = torch.nn.Module()
+    stand_in.register_parameter("weight", torch.nn.Parameter(weight, requires_grad=False))
+    stand_in.register_parameter("bias", None if bias is None else torch.nn.Parameter(bias, requires_grad=False))
+    if hasattr(module, "_cpu_skip_gemm_dispatch"):
+        stand_in._cpu_skip_gemm_dispatch = module._cpu_skip_gemm_dispatch
+    module.quant_method.process_weights_after_loading(stand_in)
+    return stand_in
+
+
 def build(plan: SwapPlan, shadow: dict[str, torch.Tensor], checksums: dict[str, str],
           changed: set[str]) -> PreparedSwap:
     """Pack every layer of ``plan`` that reads a ``changed`` checkpoint tensor from ``shadow`` (the
@@ -215,12 +306,7 @@ def build(plan: SwapPlan, shadow: dict[str, torch.Tensor], checksums: dict[str, 
             bias = assemble(layer.name, shadow, layer.biases, checksums, None) if layer.biases else None
             timings["assemble_s"] += time.perf_counter() - t
             t = time.perf_counter()
-            stand_in = torch.nn.Module()
-            stand_in.register_parameter("weight", torch.nn.Parameter(weight, requires_grad=False))
-            stand_in.register_parameter("bias", None if bias is None else torch.nn.Parameter(bias, requires_grad=False))
-            if hasattr(layer.module, "_cpu_skip_gemm_dispatch"):
-                stand_in._cpu_skip_gemm_dispatch = layer.module._cpu_skip_gemm_dispatch
-            layer.module.quant_method.process_weights_after_loading(stand_in)
+            stand_in = _packed_stand_in(layer.module, weight, bias)
             new_bias = None if bias is None else stand_in.bias.data
             if new_bias is not None and (new_bias.shape != layer.module.bias.shape
                                          or new_bias.dtype != layer.module.bias.dtype):

@@ -162,7 +162,7 @@ class ConveyorWorkerExtension:
         ``result["prebuild_skipped"]``. Once staged, the resolved steps are dropped before the packing
         (the apply reads the files again if the packing fails): the packed copy does not sit beside
         them (1.4 GB at Qwen2.5-1.5B, lr 1e-6, fp32 master)."""
-        from services.inference.packed_swap import SwapUnavailable, build, swap_plan
+        from services.inference.packed_swap import SwapUnavailable, build, check_plan, swap_plan
         from services.weights.delta_shadow import DeltaChecksumMismatch
 
         steps = result["steps"]
@@ -171,6 +171,7 @@ class ConveyorWorkerExtension:
             return
         try:
             plan = swap_plan(self.model_runner.get_model(), shadow.tensors)  # type: ignore[attr-defined]  # vLLM's worker's
+            result.update(check_plan(plan, shadow.tensors))  # the shadow holds the served version until staged
         except SwapUnavailable as exc:
             log.warning("conveyor delta: the prebuilt swap cannot map this model (%s); vLLM's reload loads it", exc)
             result["prebuild_skipped"] = str(exc)
