@@ -131,3 +131,28 @@ def test_a_delta_chain_of_another_architecture_is_swapped_in_and_served_exactly(
         assert max(abs(a - b) for a, b in zip(swapped[1], want_logprobs)) < FP32_TOLERANCE
         ws.sync_weights([served], tmp_path / "v3", 3, restore_dir=base_dir)
         assert greedy(client, served, prompt) == swapped  # a fresh load of version 3: the same, exactly
+
+
+def test_a_broadcast_of_another_architecture_is_served_exactly(layout, base_dir, served):
+    """The broadcast path (``inference.weight_sync: nccl``, here on gloo) on these layouts: the
+    trainer's ``named_parameters`` (GPT-2's tied head under both names, its Conv1D weights as the
+    checkpoint holds them; GPT-NeoX's fused query_key_value) sent from memory and loaded by the
+    replica's own loader, checked by the probe."""
+    from services.cli.local_stack import free_port
+    from services.weights.broadcast import WeightBroadcaster
+
+    model, _ = load_policy(base_dir)
+    for _ in range(3):
+        one_optimizer_step(model)
+    model.eval()
+    prompt = [5, 77, 200, 301, 42, 9]
+    with WeightBroadcaster([served], backend="gloo", port=free_port(), timeout_s=120) as sender, \
+            httpx.Client(timeout=60) as client:
+        report = sender.sync(model.named_parameters(), 4,
+                             probe=SyncProbe(logprob_probe(model, 4), SERVED, FP32_TOLERANCE))
+        assert report.extra["probe_max_abs_diff"] < FP32_TOLERANCE
+        assert ws.weight_version(client, served) == "4"
+        tokens, logprobs = greedy(client, served, prompt)
+    want_tokens, want_logprobs = hf_greedy(model, prompt)
+    assert tokens == want_tokens, layout
+    assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < FP32_TOLERANCE
