@@ -29,8 +29,9 @@ Invariants:
   reload, as before). Only one tensor-parallel rank is covered.
 - A plan is used only once ``check_plan`` showed it reproduces the served version: one layer of
   each kind packed from the served tensors computes what the live layer computes, and every
-  plain parameter equals its tensor; else ``SwapUnavailable`` (a loader that transforms a tensor,
-  as GPT-2's transposes its Conv1D weights, is found whatever the shapes).
+  plain parameter equals its tensor; else ``SwapUnavailable``. A single weight the model's loader
+  turns (GPT-2's Conv1D) is packed turned, and only once the check showed that orientation is the
+  served one (a square weight has the same shape either way); any other transform is refused.
 - ``build`` changes nothing the replica serves; every tensor it hands to vLLM's packing has, slice
   by slice, the trainer's checksum of the checkpoint tensor it came from, or ``build`` raises
   ``DeltaChecksumMismatch`` and nothing is swapped.
@@ -67,6 +68,19 @@ class PackedLayer:
     weights: list[str]  # checkpoint names, in the fused layout's order
     biases: list[str]  # the same for its bias ([]: none)
     shape: tuple[int, int]  # the full weight vLLM packs: (out, in)
+    # the checkpoint holds the weight as (in, out) and the model's loader turns it (GPT-2's
+    # Conv1D); set only by ``check_plan``, which shows that this orientation is what is served
+    transposed: bool = False
+
+    def weight_from(self, tensors: dict[str, torch.Tensor], checksums: dict[str, str] | None) -> torch.Tensor:
+        """The weight vLLM packs, from ``tensors`` by checkpoint name (each slice checked
+        against ``checksums`` when given)."""
+        kept = self.module.weight.detach() if self.module.weight.numel() else None
+        if self.transposed:
+            [name] = self.weights
+            _check(self.name, name, tensors[name], checksums)
+            return tensors[name].t().contiguous()
+        return assemble(self.name, tensors, self.weights, checksums, kept)
 
 
 @dataclass
@@ -203,12 +217,13 @@ def _plan(model: torch.nn.Module, checkpoint: dict[str, torch.Tensor]) -> SwapPl
         if missing:
             raise SwapUnavailable(f"{name}: the checkpoint has no {', '.join(missing)}")
         rows = sum(int(checkpoint[n].shape[0]) for n in weights)
-        if any(tuple(checkpoint[n].shape[1:]) != shape[1:] for n in weights) or (
-                rows != shape[0] and not (weight.numel() and rows <= shape[0])):
+        turned = len(weights) == 1 and not weight.numel() and tuple(checkpoint[weights[0]].shape) == shape[::-1]
+        if not turned and (any(tuple(checkpoint[n].shape[1:]) != shape[1:] for n in weights) or (
+                rows != shape[0] and not (weight.numel() and rows <= shape[0]))):
             raise SwapUnavailable(f"{name}: the checkpoint's {weights} do not make its {shape} weight")
         if biases and sum(int(checkpoint[n].numel()) for n in biases) != bias_size:
             raise SwapUnavailable(f"{name}: the checkpoint's {biases} do not make its bias of {bias_size}")
-        packed.append(PackedLayer(name, module, weights, biases, shape))
+        packed.append(PackedLayer(name, module, weights, biases, shape, transposed=turned and shape[0] != shape[1]))
         if biases:
             taken.add(id(bias))
     plain: list[PlainParameter] = []
@@ -239,27 +254,19 @@ def check_plan(plan: SwapPlan, served: dict[str, torch.Tensor]) -> dict[str, flo
     while the layout does not (GPT-2's checkpoint holds its Conv1D weights transposed, which vLLM's
     own ``load_weights`` turns: a square one has the same shape either way), so one layer of each
     kind is packed from ``served`` as ``build`` would and must compute what the live layer
-    computes on the same input, and every plain parameter must equal its tensor. Returns seconds."""
+    computes on the same input, and every plain parameter must equal its tensor. A kind whose
+    single weight fits either way is tried as held, then turned; the orientation that computes
+    what is served is set on every layer of the kind. Returns seconds."""
     t0 = time.perf_counter()
-    seen: set[tuple] = set()
+    orientation: dict[tuple, bool] = {}
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for layer in plan.packed:
             kind = (layer.name.rpartition(".")[2], layer.shape, len(layer.weights), len(layer.biases))
-            if kind in seen:
-                continue
-            seen.add(kind)
-            module = layer.module
-            kept = module.weight.detach() if module.weight.numel() else None
-            stand_in = _packed_stand_in(module, _concatenated(served, layer.weights, kept),
-                                        _concatenated(served, layer.biases, None) if layer.biases else None)
-            x = torch.randn((3, layer.shape[1]), generator=generator).to(served[layer.weights[0]].dtype)
-            live = module.cpu_linear(x, module.weight, getattr(module, "bias", None))
-            rebuilt = stand_in.cpu_linear(x, stand_in.weight, stand_in.bias)
-            scale = float(live.abs().max()) or 1.0
-            if live.shape != rebuilt.shape or float((live - rebuilt).abs().max()) > 1e-3 * scale:
-                raise SwapUnavailable(f"{layer.name}: packed from the checkpoint's {layer.weights} it does not compute "
-                                      "what the served layer computes (the model's loader transforms them)")
+            if kind not in orientation:
+                x = torch.randn((3, layer.shape[1]), generator=generator).to(served[layer.weights[0]].dtype)
+                orientation[kind] = _orientation(layer, served, x)
+            layer.transposed = orientation[kind]
         for plain in plan.plain:
             source = served[plain.name]
             if not torch.equal(plain.param.data[:source.shape[0]], source):
@@ -268,11 +275,26 @@ def check_plan(plan: SwapPlan, served: dict[str, torch.Tensor]) -> dict[str, flo
     return {"check_plan_s": time.perf_counter() - t0}
 
 
-def _concatenated(tensors: dict[str, torch.Tensor], names: list[str], kept: torch.Tensor | None) -> torch.Tensor:
-    if kept is not None:  # a head's live weight: its padding rows stay
-        out = kept.clone()
-        out[:tensors[names[0]].shape[0]].copy_(tensors[names[0]])
-        return out
+def _orientation(layer: PackedLayer, served: dict[str, torch.Tensor], x: torch.Tensor) -> bool:
+    """Whether ``layer`` is packed from its checkpoint weight turned (see ``check_plan``)."""
+    module = layer.module
+    live = module.cpu_linear(x, module.weight, getattr(module, "bias", None))
+    scale = float(live.abs().max()) or 1.0
+    held = tuple(served[layer.weights[0]].shape)
+    choices = [c for c in (False, True) if (c and len(layer.weights) == 1 and not module.weight.numel()
+                                             and held == layer.shape[::-1]) or (not c and held[1:] == layer.shape[1:])]
+    for transposed in choices:
+        layer.transposed = transposed
+        stand_in = _packed_stand_in(module, layer.weight_from(served, None),
+                                    _concatenated(served, layer.biases) if layer.biases else None)
+        rebuilt = stand_in.cpu_linear(x, stand_in.weight, stand_in.bias)
+        if live.shape == rebuilt.shape and float((live - rebuilt).abs().max()) <= 1e-3 * scale:
+            return transposed
+    raise SwapUnavailable(f"{layer.name}: packed from the checkpoint's {layer.weights} it does not compute what the "
+                          "served layer computes (the model's loader transforms them)")
+
+
+def _concatenated(tensors: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
     return torch.cat([tensors[n] for n in names])
 
 
@@ -301,8 +323,8 @@ def build(plan: SwapPlan, shadow: dict[str, torch.Tensor], checksums: dict[str, 
             if not changed.intersection(layer.weights + layer.biases):
                 continue
             t = time.perf_counter()
-            kept = layer.module.weight.detach() if layer.module.weight.numel() else None
-            weight = assemble(layer.name, shadow, layer.weights, checksums, kept)
+            kept = layer.module.weight.numel() > 0
+            weight = layer.weight_from(shadow, checksums)
             bias = assemble(layer.name, shadow, layer.biases, checksums, None) if layer.biases else None
             timings["assemble_s"] += time.perf_counter() - t
             t = time.perf_counter()
@@ -312,17 +334,18 @@ def build(plan: SwapPlan, shadow: dict[str, torch.Tensor], checksums: dict[str, 
                                          or new_bias.dtype != layer.module.bias.dtype):
                 raise DeltaChecksumMismatch(f"{layer.name}: its packed bias is {new_bias.dtype} {tuple(new_bias.shape)}, "
                                             f"the served one {layer.module.bias.dtype} {tuple(layer.module.bias.shape)}")
-            layers.append((layer, stand_in.cpu_linear, new_bias, None if kept is None else stand_in.weight.data))
+            layers.append((layer, stand_in.cpu_linear, new_bias, stand_in.weight.data if kept else None))
             timings["pack_s"] += time.perf_counter() - t
     replaced = {id(layer.module.weight) for layer, _, _, weight in layers if weight is not None}
     plain = [p for p in plan.plain if p.name in changed and id(p.param) not in replaced]
     return PreparedSwap(layers, plain, checksums, time.perf_counter() - t0, timings)
 
 
-def assemble(layer: str, shadow: dict[str, torch.Tensor], names: list[str], checksums: dict[str, str],
-               kept: torch.Tensor | None) -> torch.Tensor:
+def assemble(layer: str, shadow: dict[str, torch.Tensor], names: list[str], checksums: dict[str, str] | None,
+             kept: torch.Tensor | None) -> torch.Tensor:
     """``names``' shadow tensors concatenated along the output dimension (over a copy of ``kept``,
-    a head's live weight, so padding rows stay as vLLM holds them), each slice checked."""
+    a head's live weight, so padding rows stay as vLLM holds them), each slice checked against
+    ``checksums`` (None: not checked)."""
     if kept is not None:
         out = kept.clone()
     else:
@@ -332,7 +355,11 @@ def assemble(layer: str, shadow: dict[str, torch.Tensor], names: list[str], chec
     for name in names:
         part = out[at:at + shadow[name].shape[0]]
         part.copy_(shadow[name])
-        if tensor_checksum(part) != checksums[name]:
-            raise DeltaChecksumMismatch(f"{layer}: its {name} slice differs from the trainer's checksum")
+        _check(layer, name, part, checksums)
         at += shadow[name].shape[0]
     return out
+
+
+def _check(layer: str, name: str, tensor: torch.Tensor, checksums: dict[str, str] | None) -> None:
+    if checksums is not None and tensor_checksum(tensor) != checksums[name]:
+        raise DeltaChecksumMismatch(f"{layer}: its {name} slice differs from the trainer's checksum")

