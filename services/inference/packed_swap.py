@@ -248,7 +248,7 @@ def _plan(model: torch.nn.Module, checkpoint: dict[str, torch.Tensor]) -> SwapPl
     return SwapPlan(packed, plain)
 
 
-def check_plan(plan: SwapPlan, served: dict[str, torch.Tensor]) -> dict[str, float]:
+def check_plan(plan: SwapPlan, served: dict[str, torch.Tensor], known: dict[tuple, bool] | None = None) -> dict[str, float]:
     """Refuse a plan (``SwapUnavailable``) that does not reproduce what the replica serves now:
     ``served`` is the version it serves (the shadow, before staging). Names and shapes can agree
     while the layout does not (GPT-2's checkpoint holds its Conv1D weights transposed, which vLLM's
@@ -256,9 +256,13 @@ def check_plan(plan: SwapPlan, served: dict[str, torch.Tensor]) -> dict[str, flo
     kind is packed from ``served`` as ``build`` would and must compute what the live layer
     computes on the same input, and every plain parameter must equal its tensor. A kind whose
     single weight fits either way is tried as held, then turned; the orientation that computes
-    what is served is set on every layer of the kind. Returns seconds."""
+    what is served is set on every layer of the kind. ``known``: the orientations an earlier check
+    of the same live model showed, by kind (the layout is the model's, not the version's): those
+    kinds are set without packing, and the plain parameters are not compared again; filled here.
+    Returns seconds."""
     t0 = time.perf_counter()
-    orientation: dict[tuple, bool] = {}
+    orientation = dict(known or {})
+    plain_checked = bool(known)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for layer in plan.packed:
@@ -267,11 +271,13 @@ def check_plan(plan: SwapPlan, served: dict[str, torch.Tensor]) -> dict[str, flo
                 x = torch.randn((3, layer.shape[1]), generator=generator).to(served[layer.weights[0]].dtype)
                 orientation[kind] = _orientation(layer, served, x)
             layer.transposed = orientation[kind]
-        for plain in plan.plain:
+        for plain in [] if plain_checked else plan.plain:
             source = served[plain.name]
             if not torch.equal(plain.param.data[:source.shape[0]], source):
                 raise SwapUnavailable(f"{plain.name}: the served parameter is not the checkpoint's tensor as it is "
                                       "(the model's loader transforms it)")
+    if known is not None:  # only a check that passed whole is remembered
+        known.update(orientation)
     return {"check_plan_s": time.perf_counter() - t0}
 
 

@@ -102,6 +102,7 @@ class ConveyorWorkerExtension:
     _conveyor_weight_group: WeightProcessGroup | None  # set while this worker is in the trainer's weight group
     _conveyor_shadow: DeltaShadow | None  # the delta path's tensors of the served version
     _conveyor_prepared: _Prepared | None
+    _conveyor_layout: dict[tuple, bool] | None  # packed_swap.check_plan's orientations by layer kind
 
     def _conveyor_drop_shadow(self) -> None:
         self._conveyor_take_prepared(None)
@@ -171,7 +172,9 @@ class ConveyorWorkerExtension:
             return
         try:
             plan = swap_plan(self.model_runner.get_model(), shadow.tensors)  # type: ignore[attr-defined]  # vLLM's worker's
-            result.update(check_plan(plan, shadow.tensors))  # the shadow holds the served version until staged
+            if getattr(self, "_conveyor_layout", None) is None:
+                self._conveyor_layout = {}  # the live model's orientations, once checked (check_plan)
+            result.update(check_plan(plan, shadow.tensors, self._conveyor_layout))  # the shadow: the served version
         except SwapUnavailable as exc:
             log.warning("conveyor delta: the prebuilt swap cannot map this model (%s); vLLM's reload loads it", exc)
             result["prebuild_skipped"] = str(exc)

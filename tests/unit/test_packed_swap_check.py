@@ -64,3 +64,26 @@ def test_a_plain_parameter_that_is_not_its_tensor_is_refused() -> None:
     embedding = torch.nn.Parameter(torch.randn(16, 16), requires_grad=False)
     with pytest.raises(SwapUnavailable, match="wte.weight: the served parameter is not the checkpoint's tensor"):
         check_plan(_plan(weight, embedding), {"h.0.c_proj.weight": weight, "wte.weight": embedding.data.t().contiguous()})
+
+
+def test_a_layout_checked_once_is_not_packed_again_for_the_next_version() -> None:
+    checkpoint = torch.randn(16, 16)
+    embedding = torch.nn.Parameter(torch.randn(10, 16), requires_grad=False)
+    served = {"h.0.c_proj.weight": checkpoint, "wte.weight": embedding.data.clone()}
+    known: dict[tuple, bool] = {}
+    check_plan(_plan(checkpoint.t().contiguous(), embedding), served, known)
+    assert list(known.values()) == [True]
+    plan = _plan(checkpoint.t().contiguous(), embedding)
+    plan.packed[0].module.quant_method = None  # packing again would fail
+    check_plan(plan, {**served, "wte.weight": torch.zeros(10, 16)}, known)  # nor are plain parameters compared again
+    assert plan.packed[0].transposed
+
+
+def test_a_check_that_fails_remembers_nothing() -> None:
+    checkpoint = torch.randn(16, 16)
+    embedding = torch.nn.Parameter(torch.randn(10, 16), requires_grad=False)
+    known: dict[tuple, bool] = {}
+    with pytest.raises(SwapUnavailable, match="wte.weight"):
+        check_plan(_plan(checkpoint, embedding), {"h.0.c_proj.weight": checkpoint, "wte.weight": torch.zeros(10, 16)},
+                   known)
+    assert known == {}
