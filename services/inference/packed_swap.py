@@ -69,7 +69,8 @@ class PackedLayer:
     biases: list[str]  # the same for its bias ([]: none)
     shape: tuple[int, int]  # the full weight vLLM packs: (out, in)
     # the checkpoint holds the weight as (in, out) and the model's loader turns it (GPT-2's
-    # Conv1D); set only by ``check_plan``, which shows that this orientation is what is served
+    # Conv1D): set by the plan where only the turned shape fits, and by ``check_plan``, which
+    # shows which orientation is served (a square weight fits both)
     transposed: bool = False
 
     def weight_from(self, tensors: dict[str, torch.Tensor], checksums: dict[str, str] | None) -> torch.Tensor:
@@ -292,16 +293,12 @@ def _orientation(layer: PackedLayer, served: dict[str, torch.Tensor], x: torch.T
     for transposed in choices:
         layer.transposed = transposed
         stand_in = _packed_stand_in(module, layer.weight_from(served, None),
-                                    _concatenated(served, layer.biases) if layer.biases else None)
+                                    assemble(layer.name, served, layer.biases, None, None) if layer.biases else None)
         rebuilt = stand_in.cpu_linear(x, stand_in.weight, stand_in.bias)
         if live.shape == rebuilt.shape and float((live - rebuilt).abs().max()) <= 1e-3 * scale:
             return transposed
     raise SwapUnavailable(f"{layer.name}: packed from the checkpoint's {layer.weights} it does not compute what the "
                           "served layer computes (the model's loader transforms them)")
-
-
-def _concatenated(tensors: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
-    return torch.cat([tensors[n] for n in names])
 
 
 def _packed_stand_in(module: torch.nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module:
