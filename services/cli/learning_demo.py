@@ -65,10 +65,10 @@ def run_learning(
     at once). ``served``: (base URL, model directory) of a vLLM already serving the tiny model of
     ``layout`` (end-of-turn bias 4, 1,024 tokens, Conveyor's worker extension) under the name
     ``tiny``, used instead of starting one (the run trains it: give it back as it was
-    afterwards); None: one started and stopped here. ``storage``: ``s3``, an S3 server (moto's, over
-    HTTP), or ``local``, the filesystem backend (``conveyor demo``'s durable default). vLLM's dtype and GPU memory share are the stack's
-    ``CONVEYOR_INFERENCE__*`` settings in ``overrides``, so the follower's probe tolerance
-    matches what vLLM serves."""
+    afterwards); None: one started and stopped here. ``storage``: ``s3``, an S3 server (moto's,
+    over HTTP), or ``local``, the filesystem backend (``conveyor demo``'s durable default).
+    vLLM's dtype and GPU memory share are the stack's ``CONVEYOR_INFERENCE__*`` settings in
+    ``overrides``, so the follower's probe tolerance matches what vLLM serves."""
     from services.inference.server import VllmServer
     from services.inference.tiny_model import generate_tiny_model
     from shared.settings import InferenceSettings
