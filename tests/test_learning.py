@@ -24,7 +24,10 @@ from shared.state.weight_sync_record import WeightSyncRecord
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("layout", ["llama", "llama-tied"])
+# the tied head, the harder layout for weight sync; the untied default is synced, probed and
+# trained on in every other pipeline test, and its learning run is a benchmark
+# (bench/learning_check.py --layout llama), which keeps CI under its 45 minutes
+@pytest.mark.parametrize("layout", ["llama-tied"])
 def test_mean_reward_rises_through_the_distributed_pipeline(tmp_path, layout):
     run = run_learning(tmp_path, steps=20, max_off_policy_steps=1, layout=layout)
     assert_clear_learning(run, logprob_tolerance=FP32_TOLERANCE)  # fp32 trainer, fp32 vLLM
