@@ -56,9 +56,10 @@ def free_port(host: str = "127.0.0.1") -> int:
     too. Falls back to the kernel's choice when no such port is free.
     """
     low, high = _ephemeral_range()
-    candidates = [p for p in (random.randrange(10_000, 65_536) for _ in range(200))
-                  if not low <= p <= high and p not in _HANDED_OUT]
-    for port in candidates[:64]:
+    for _ in range(64):
+        port = random.randrange(10_000, 65_536)
+        if low <= port <= high or port in _HANDED_OUT:
+            continue
         with socket.socket() as sock:
             try:
                 sock.bind((host, port))

@@ -218,7 +218,7 @@ def _plan(model: torch.nn.Module, checkpoint: dict[str, torch.Tensor]) -> SwapPl
         if missing:
             raise SwapUnavailable(f"{name}: the checkpoint has no {', '.join(missing)}")
         rows = sum(int(checkpoint[n].shape[0]) for n in weights)
-        turned = len(weights) == 1 and not weight.numel() and tuple(checkpoint[weights[0]].shape) == shape[::-1]
+        turned = _fits_turned(module, weights, checkpoint, shape)
         if not turned and (any(tuple(checkpoint[n].shape[1:]) != shape[1:] for n in weights) or (
                 rows != shape[0] and not (weight.numel() and rows <= shape[0]))):
             raise SwapUnavailable(f"{name}: the checkpoint's {weights} do not make its {shape} weight")
@@ -287,9 +287,9 @@ def _orientation(layer: PackedLayer, served: dict[str, torch.Tensor], x: torch.T
     module = layer.module
     live = module.cpu_linear(x, module.weight, getattr(module, "bias", None))
     scale = float(live.abs().max()) or 1.0
-    held = tuple(served[layer.weights[0]].shape)
-    choices = [c for c in (False, True) if (c and len(layer.weights) == 1 and not module.weight.numel()
-                                             and held == layer.shape[::-1]) or (not c and held[1:] == layer.shape[1:])]
+    choices = [False] if tuple(served[layer.weights[0]].shape[1:]) == layer.shape[1:] else []
+    if _fits_turned(module, layer.weights, served, layer.shape):
+        choices.append(True)
     for transposed in choices:
         layer.transposed = transposed
         stand_in = _packed_stand_in(module, layer.weight_from(served, None),
@@ -299,6 +299,12 @@ def _orientation(layer: PackedLayer, served: dict[str, torch.Tensor], x: torch.T
             return transposed
     raise SwapUnavailable(f"{layer.name}: packed from the checkpoint's {layer.weights} it does not compute what the "
                           "served layer computes (the model's loader transforms them)")
+
+
+def _fits_turned(module: torch.nn.Module, weights: list[str], tensors: dict[str, torch.Tensor],
+                 shape: tuple[int, int]) -> bool:
+    """A single checkpoint weight (not a kept head's) that makes the layer's weight once turned."""
+    return len(weights) == 1 and not module.weight.numel() and tuple(tensors[weights[0]].shape) == shape[::-1]
 
 
 def _packed_stand_in(module: torch.nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module:
