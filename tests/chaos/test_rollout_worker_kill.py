@@ -23,6 +23,7 @@ import pytest
 from pipeline_support import REWARD_WEIGHTS, run_stack, start_with_a_victim, stream_events, wait_terminal
 
 from services.cli.demo import write_demo_dataset
+from services.cli.local_stack import log_tail
 from shared.state.ledger import SCORING, Ledger
 from shared.names import RedisKeys
 
@@ -53,16 +54,26 @@ def kill_with_a_batch_in_flight(victim, ledger: Ledger, run_id: str, deadline: f
     """SIGKILL the victim's process group at a moment it holds episodes and an unsent scoring
     batch; returns that batch's members. The victim is frozen (SIGSTOP) while the ledger is
     read, so the batch cannot leave between the look and the kill; frozen for well under a
-    lease, so nothing it holds expires meanwhile."""
+    lease, so nothing it holds expires meanwhile. Fails at once, with what it saw, when the
+    victim dies or the run leaves no episode to kill."""
+    most_running, looks = 0, 0
     while time.time() < deadline:
-        if ledger.counts(run_id)["running"] >= 8:
+        counts = ledger.counts(run_id)
+        most_running = max(most_running, counts["running"])
+        if counts["running"] >= 8:
+            looks += 1
             victim.kill(signal.SIGSTOP)
             if unsent := in_unsent_batch(ledger, run_id):
                 victim.kill()  # SIGKILL to the worker's whole process group, mid-episode
                 return unsent
             victim.kill(signal.SIGCONT)
+        assert victim.alive(), f"the victim died before the kill:\n{log_tail(victim.log_path)}"
+        if counts["queued"] + counts["running"] == 0 and counts["consumed"] + counts["failed"] > 0:
+            break
         time.sleep(0.05)
-    raise AssertionError("the victim never held 8 episodes and an unsent scoring batch at once")
+    raise AssertionError(f"the victim never held 8 episodes and an unsent scoring batch at once: at most {most_running} "
+                         f"running, {looks} looks at 8 or more found no unsent batch; counts {ledger.counts(run_id)}\n"
+                         f"{log_tail(victim.log_path)}")
 
 
 def test_rollout_worker_killed_mid_episode_loses_and_duplicates_nothing(base, tmp_path):
@@ -73,7 +84,9 @@ def test_rollout_worker_killed_mid_episode_loses_and_duplicates_nothing(base, tm
         CONVEYOR_LEDGER__LEASE_TTL_S=str(LEASE_TTL_S), CONVEYOR_LEDGER__HEARTBEAT_S="1", CONVEYOR_LEDGER__REAPER_INTERVAL_S="1",
         CONVEYOR_ROLLOUT__MAX_TURNS="4", CONVEYOR_ROLLOUT__MAX_TOKENS_PER_TURN="32",
         # each step takes a while, as tool use does: episodes are still running when the fault comes
-        CONVEYOR_INTAKE__ENV_CONFIG=json.dumps({"step_latency_s": 0.5}),
+        # tool times vary (a lognormal draw per step, seeded by the trajectory): a group's members
+        # end apart, so its early finishers wait in the outbox while the rest still run
+        CONVEYOR_INTAKE__ENV_CONFIG=json.dumps({"step_latency_s": 0.5, "step_latency_p99_s": 2.5}),
         # tasks the victim received and had not begun to claim come back through the broker
         CONVEYOR_LEDGER__VISIBILITY_TIMEOUT_S=str(VISIBILITY_S),
         # a group's early finishers wait in the outbox for the rest of their group
