@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from services.cli.local_stack import free_port
-from services.weights import sync as ws
+from services.weights import admin_calls, sync as ws
+from services.weights.admin_calls import CONVEYOR_PAUSE
 from services.weights.follower import (
     COMMITTED_MARKER,
     CheckpointCorrupt,
@@ -223,6 +224,31 @@ def test_sync_serves_new_weights(server: VllmServer, models: dict[str, Path], hf
     phases = (report.pause_s, report.reload_s, report.version_s, report.resume_s)
     assert all(p > 0 for p in phases) and sum(phases) <= report.total_s
     print(f"sync: {report.as_dict()}")
+
+
+@pytest.mark.slow
+def test_conveyors_pause_freezes_requests_until_the_resume(server: VllmServer, prompt: list[int],
+                                                           admin: httpx.Client) -> None:
+    """``POST /conveyor/pause`` (``services.inference.vllm_admin``) is the engine's keep-mode
+    pause: the server says it is paused, a request sent meanwhile waits, and after the resume
+    it completes. Other methods on the path, and every other path, reach vLLM untouched."""
+    r = admin.post(f"{server.base_url}{CONVEYOR_PAUSE}")
+    assert r.status_code == 200 and r.json() == {"status": "paused"}, r.text
+    done: dict[str, Any] = {}
+    waiter = threading.Thread(target=lambda: done.update(choice=_complete(server, prompt, max_tokens=4)))
+    try:
+        assert ws.is_paused(admin, server.base_url) is True
+        waiter.start()
+        time.sleep(1.0)
+        assert not done, "a request completed while the server was paused"
+    finally:
+        ws.resume(admin, server.base_url)
+    waiter.join(60)
+    assert len(done["choice"]["token_ids"]) == 4 and ws.is_paused(admin, server.base_url) is False
+    assert admin.get(f"{server.base_url}{CONVEYOR_PAUSE}").status_code in (404, 405)  # not ours: vLLM's answer
+    ws.pause(admin, server.base_url)  # the weight sync's call takes Conveyor's route: no fallback warned
+    ws.resume(admin, server.base_url)
+    assert server.base_url not in admin_calls._WITHOUT_ADMIN_ROUTES
 
 
 def _switch_point(hf_old: Any, hf_new: Any, prompt: list[int], ids: list[int]) -> int | None:

@@ -7,7 +7,8 @@ Invariants:
   rejected.
 - The reload is the worker extension's ``conveyor_reload_weights`` (vLLM's reload, then the
   re-processing of tied layers: ``services.inference.vllm_worker``). A replica launched without
-  the extension falls back to vLLM's plain ``reload_weights``, with one warning per replica.
+  the extension falls back to vLLM's plain ``reload_weights``, with one warning per replica;
+  one launched without Conveyor's admin routes is paused through vLLM's ``/pause``, likewise.
 """
 
 from __future__ import annotations
@@ -27,10 +28,24 @@ RELOAD_TIMEOUT_S = 600.0  # a real model's safetensors can take minutes to read
 EXTENSION_RELOAD = "conveyor_reload_weights"
 PLAIN_RELOAD = "reload_weights"
 _WITHOUT_EXTENSION: set[str] = set()  # replicas seen to lack the extension: warned once, then plain reloads
+CONVEYOR_PAUSE = "/conveyor/pause"  # services.inference.vllm_admin.PAUSE_PATH (not imported: it runs in vLLM)
+_WITHOUT_ADMIN_ROUTES: set[str] = set()  # replicas seen to lack Conveyor's admin routes: vLLM's /pause
 
 
 def pause(client: httpx.Client, base_url: str, mode: str = "keep") -> None:
-    """``POST /pause?mode=keep``: stop scheduling; in-flight requests are frozen, not aborted."""
+    """``POST /pause?mode=keep``: stop scheduling; in-flight requests are frozen, not aborted.
+    A keep-mode pause goes to Conveyor's own route (``services.inference.vllm_admin``: the same
+    pause without vLLM's 20 ms sleep); a replica launched without it gets vLLM's, warned once."""
+    if mode == "keep" and base_url not in _WITHOUT_ADMIN_ROUTES:
+        try:
+            admin_request(client, "POST", base_url, CONVEYOR_PAUSE, call="pause", retry_5xx=True)
+            return
+        except AdminCallError as exc:
+            if exc.status != 404:
+                raise
+        log.warning("%s was launched without Conveyor's admin routes (--middleware "
+                    "services.inference.vllm_admin.ConveyorAdminRoutes): pausing through vLLM's /pause", base_url)
+        _WITHOUT_ADMIN_ROUTES.add(base_url)
     admin_request(client, "POST", base_url, "/pause", call="pause", retry_5xx=True, params={"mode": mode})
 
 

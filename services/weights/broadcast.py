@@ -7,7 +7,7 @@ broadcast, so it keeps the same discipline:
 
     pause(mode=keep) -> [collective_rpc conveyor_receive_weights  ||  broadcast each tensor]
                      -> reset_prefix_cache -> [resume -> probe] -> update_weight_version
-                     -> [on_served()] -> resume
+                     -> [on_served()] -> resume (if no probe)
 
 Invariants (besides those of ``sync_weights``: resume in a ``finally``, the version label and
 ``on_served`` only after every replica received every tensor and passed the probe):

@@ -11,7 +11,8 @@ Invariants:
 - A failed load or probe reloads every replica from ``restore_dir`` when one is given, and
   the error says whether that worked; without one it names the replicas to restart.
 - The probe resumes every replica first (it is a real request); a mismatch pauses them again
-  before the restore.
+  before the restore. A passed probe leaves nothing to resume: ``resume_all`` then calls no
+  replica.
 - The seconds of each phase and the probe's largest difference are kept for the report
   (``SyncReport``).
 """
@@ -140,6 +141,7 @@ class ReplicaSet:
         with self._timed(self.extra, "probe_s"):
             _verify_served(self.http, self.urls, probe, self.version, self.restore_dir, self.reload_timeout_s,
                            self._pause_one, self.extra)
+        self.sent_pause.clear()  # passed: every replica was resumed for it and none paused since
 
     def label(self, label: str) -> None:
         with self._timed(self.timings, "version_s"):

