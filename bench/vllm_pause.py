@@ -74,7 +74,7 @@ def main() -> None:
             routes = {"vllm /pause?mode=keep": ("/pause", {"mode": "keep"}), "conveyor /conveyor/pause": (CONVEYOR_PAUSE, {})}
             times: dict[str, list[tuple[float, float]]] = {name: [] for name in routes}
             with httpx.Client(timeout=60) as client:
-                for name, (path, params) in routes.items():
+                for path, params in routes.values():
                     timed_round(client, base, path, params)  # warm-up
                 for _ in range(args.rounds):
                     for name, (path, params) in routes.items():

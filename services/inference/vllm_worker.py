@@ -13,9 +13,10 @@ silent "tied embeddings stop learning" bug.
 
 The broadcast path (``inference.weight_sync: nccl``, ``services.weights.broadcast``):
 ``conveyor_join_weight_group`` makes each worker a rank of the trainer's process group
-(``services.weights.process_group``), and ``conveyor_receive_weights(names, dtypes, shapes)`` receives
-the trainer's tensors one at a time, in that order, straight into vLLM's in-place reload (the
-same lifecycle as a reload from disk: ``reload_weights(weights_iterator=...)``).
+(``services.weights.process_group``), and ``conveyor_receive_weights(names, dtypes, shapes, buckets)``
+receives the trainer's tensors, one flat broadcast per bucket (``services.weights.broadcast.bucket_layout``)
+cut into the named tensors, in that order, straight into vLLM's in-place reload (the same
+lifecycle as a reload from disk: ``reload_weights(weights_iterator=...)``).
 
 Invariants:
 - After ``conveyor_reload_weights`` or ``conveyor_receive_weights`` returns, every layer that
@@ -23,9 +24,9 @@ Invariants:
   current values, so what a layer computes with is what its parameters hold. Whether the
   served model is the trainer's is checked from outside by the sync probe
   (``services.weights.probe``).
-- ``conveyor_receive_weights`` takes part in exactly one broadcast per named tensor, in the
-  order given, whatever the model's loader does with the tensor (a tied head it skips is
-  still received), so the trainer and every worker stay in step.
+- ``conveyor_receive_weights`` takes part in exactly one broadcast per bucket, in the order
+  given, whatever the model's loader does with its tensors (a tied head it skips is still
+  received), so the trainer and every worker stay in step.
 - At most one weight group per worker: joining again closes the previous one first.
 - The delta path (``inference.weight_sync: delta``, ``services.weights.delta_sync``):
   ``conveyor_apply_delta(paths)`` applies decoded chain versions to the worker's shadow
@@ -50,6 +51,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import defaultdict
@@ -294,9 +296,12 @@ class ConveyorWorkerExtension:
         if group is not None:
             group.close()
 
-    def conveyor_receive_weights(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[str]:
+    def conveyor_receive_weights(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                 buckets: list[list[int]] | None = None) -> list[str]:
         """Receive each named tensor from the trainer's broadcast into vLLM's in-place reload,
-        then reprocess tied layers; returns the reprocessed layers' names."""
+        then reprocess tied layers; returns the reprocessed layers' names. ``buckets``: the
+        ``[start, end)`` runs of tensors sent as one flat broadcast each (one dtype per run);
+        none: one broadcast per tensor."""
         group = getattr(self, "_conveyor_weight_group", None)
         if group is None:
             raise RuntimeError("conveyor_receive_weights before conveyor_join_weight_group: this worker is in no "
@@ -304,10 +309,17 @@ class ConveyorWorkerExtension:
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError(f"{len(names)} names, {len(dtypes)} dtypes and {len(shapes)} shapes: they must match")
 
+        runs = buckets if buckets is not None else [[i, i + 1] for i in range(len(names))]
+        if [i for start, end in runs for i in range(start, end)] != list(range(len(names))) or any(
+                len({dtypes[i] for i in range(start, end)}) != 1 for start, end in runs):
+            raise ValueError(f"buckets {runs} do not cover the {len(names)} tensors in order, one dtype each")
+
         def received():
-            for name, dtype, shape in zip(names, dtypes, shapes):
-                tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=group.device)
-                yield name, group.broadcast(tensor)
+            for start, end in runs:
+                sizes = [math.prod(shape) for shape in shapes[start:end]]
+                flat = group.broadcast(torch.empty(sum(sizes), dtype=getattr(torch, dtypes[start]), device=group.device))
+                for name, part, shape in zip(names[start:end], flat.split(sizes), shapes[start:end]):
+                    yield name, part.view(shape)
 
         stream = received()
         self._conveyor_drop_shadow()

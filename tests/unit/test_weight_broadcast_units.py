@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.cli.local_stack import free_port
-from services.weights.broadcast import WeightBroadcaster
+from services.weights.broadcast import WeightBroadcaster, bucket_layout
 from shared.settings import NcclWeightSync, S3WeightSync, SettingsError, load_settings
 from services.weights.process_group import WeightProcessGroup, WeightProcessGroupError
 
@@ -130,6 +130,17 @@ def test_gloo_group_broadcasts_every_tensor_to_every_rank():
     for rank, tensors in received.items():
         assert tensors == [t.tolist() for _, t in SENT], rank
     assert [p.exitcode for p in procs] == [0, 0]
+
+
+def test_buckets_are_runs_of_one_dtype_cut_at_the_byte_limit_in_order():
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert bucket_layout([], []) == []
+    assert bucket_layout([40, 40, 40], [f32] * 3, bucket_bytes=100) == [[0, 2], [2, 3]]
+    assert bucket_layout([40, 40, 40], [f32, bf16, f32], bucket_bytes=1000) == [[0, 1], [1, 2], [2, 3]]
+    assert bucket_layout([10, 500, 10, 10], [f32] * 4, bucket_bytes=100) == [[0, 1], [1, 2], [2, 4]]  # too big: alone
+    layout = bucket_layout([8] * 50, [f32] * 25 + [bf16] * 25, bucket_bytes=64)
+    assert [i for start, end in layout for i in range(start, end)] == list(range(50))
+    assert all(end - start <= 8 for start, end in layout)
 
 
 def test_sparse_checkpoints_are_refused_where_every_version_is_served_from_its_checkpoint():
