@@ -201,13 +201,16 @@ def print_parts(parts: dict[str, list[float]], wall: float) -> None:
 def weight_sync_env(mode: str) -> dict[str, str]:
     """``s3``: the checkpoint, then the follower's download and reload (the default). ``gloo``: the
     trainer broadcasts from its memory to the co-located replica and writes the checkpoint behind;
-    ``gloo:N``: and only every N-th version's (``checkpoint_every``)."""
+    ``gloo:N``: and only every N-th version's (``checkpoint_every``); ``gloo@M`` (or ``gloo:N@M``):
+    broadcasts of at most M MiB (``bucket_mib``; 0: one per tensor)."""
     if mode == "s3":
         return {}
+    mode, _, bucket = mode.partition("@")
     backend, _, every = mode.partition(":")
     return {"CONVEYOR_INFERENCE__WEIGHT_SYNC__MODE": "nccl", "CONVEYOR_INFERENCE__WEIGHT_SYNC__BACKEND": backend,
             "CONVEYOR_INFERENCE__WEIGHT_SYNC__PORT": str(free_port()),
-            "CONVEYOR_INFERENCE__WEIGHT_SYNC__CHECKPOINT_EVERY": every or "1"}
+            "CONVEYOR_INFERENCE__WEIGHT_SYNC__CHECKPOINT_EVERY": every or "1",
+            **({"CONVEYOR_INFERENCE__WEIGHT_SYNC__BUCKET_MIB": bucket} if bucket else {})}
 
 
 def trajectories_env(mode: str) -> dict[str, str]:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from services.cli.local_stack import free_port  # noqa: E402
 from services.inference.server import VllmServer  # noqa: E402
 from services.inference.tiny_model import generate_tiny_model  # noqa: E402
-from services.weights.admin_calls import CONVEYOR_PAUSE  # noqa: E402
+from services.weights.admin_calls import KEEP_PAUSE_ROUTE  # noqa: E402
 
 SERVED = "tiny"
 
@@ -71,7 +71,7 @@ def main() -> None:
                        for _ in range(args.load)]
             for t in loaders:
                 t.start()
-            routes = {"vllm /pause?mode=keep": ("/pause", {"mode": "keep"}), "conveyor /conveyor/pause": (CONVEYOR_PAUSE, {})}
+            routes = {"vllm /pause?mode=keep": ("/pause", {"mode": "keep"}), "conveyor /conveyor/pause": (KEEP_PAUSE_ROUTE, {})}
             times: dict[str, list[tuple[float, float]]] = {name: [] for name in routes}
             with httpx.Client(timeout=60) as client:
                 for path, params in routes.values():

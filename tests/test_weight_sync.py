@@ -25,7 +25,7 @@ import torch
 
 from services.cli.local_stack import free_port
 from services.weights import admin_calls, sync as ws
-from services.weights.admin_calls import CONVEYOR_PAUSE
+from services.weights.admin_calls import KEEP_PAUSE_ROUTE
 from services.weights.follower import (
     COMMITTED_MARKER,
     CheckpointCorrupt,
@@ -232,7 +232,7 @@ def test_conveyors_pause_freezes_requests_until_the_resume(server: VllmServer, p
     """``POST /conveyor/pause`` (``services.inference.vllm_admin``) is the engine's keep-mode
     pause: the server says it is paused, a request sent meanwhile waits, and after the resume
     it completes. Other methods on the path, and every other path, reach vLLM untouched."""
-    r = admin.post(f"{server.base_url}{CONVEYOR_PAUSE}")
+    r = admin.post(f"{server.base_url}{KEEP_PAUSE_ROUTE}")
     assert r.status_code == 200 and r.json() == {"status": "paused"}, r.text
     done: dict[str, Any] = {}
     waiter = threading.Thread(target=lambda: done.update(choice=_complete(server, prompt, max_tokens=4)))
@@ -245,7 +245,7 @@ def test_conveyors_pause_freezes_requests_until_the_resume(server: VllmServer, p
         ws.resume(admin, server.base_url)
     waiter.join(60)
     assert len(done["choice"]["token_ids"]) == 4 and ws.is_paused(admin, server.base_url) is False
-    assert admin.get(f"{server.base_url}{CONVEYOR_PAUSE}").status_code in (404, 405)  # not ours: vLLM's answer
+    assert admin.get(f"{server.base_url}{KEEP_PAUSE_ROUTE}").status_code in (404, 405)  # not ours: vLLM's answer
     ws.pause(admin, server.base_url)  # the weight sync's call takes Conveyor's route: no fallback warned
     ws.resume(admin, server.base_url)
     assert server.base_url not in admin_calls._WITHOUT_ADMIN_ROUTES

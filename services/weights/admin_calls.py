@@ -28,7 +28,7 @@ RELOAD_TIMEOUT_S = 600.0  # a real model's safetensors can take minutes to read
 EXTENSION_RELOAD = "conveyor_reload_weights"
 PLAIN_RELOAD = "reload_weights"
 _WITHOUT_EXTENSION: set[str] = set()  # replicas seen to lack the extension: warned once, then plain reloads
-CONVEYOR_PAUSE = "/conveyor/pause"  # services.inference.vllm_admin.PAUSE_PATH (not imported: it runs in vLLM)
+KEEP_PAUSE_ROUTE = "/conveyor/pause"  # services.inference.vllm_admin.PAUSE_PATH (not imported: it runs in vLLM)
 _WITHOUT_ADMIN_ROUTES: set[str] = set()  # replicas seen to lack Conveyor's admin routes: vLLM's /pause
 
 
@@ -38,7 +38,7 @@ def pause(client: httpx.Client, base_url: str, mode: str = "keep") -> None:
     pause without vLLM's 20 ms sleep); a replica launched without it gets vLLM's, warned once."""
     if mode == "keep" and base_url not in _WITHOUT_ADMIN_ROUTES:
         try:
-            admin_request(client, "POST", base_url, CONVEYOR_PAUSE, call="pause", retry_5xx=True)
+            admin_request(client, "POST", base_url, KEEP_PAUSE_ROUTE, call="pause", retry_5xx=True)
             return
         except AdminCallError as exc:
             if exc.status != 404:

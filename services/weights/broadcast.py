@@ -54,7 +54,7 @@ LEAVE = "conveyor_leave_weight_group"
 _rpc = ws.collective_rpc
 
 
-BUCKET_BYTES = 256 << 20  # one broadcast carries at most this much (a larger tensor goes alone)
+BUCKET_BYTES = 256 << 20  # one broadcast carries at most this much (inference.weight_sync.bucket_mib)
 
 
 def bucket_layout(nbytes: list[int], dtypes: list[torch.dtype], bucket_bytes: int = BUCKET_BYTES
@@ -97,6 +97,7 @@ class WeightBroadcaster:
             raise ValueError(f"inference.weight_sync is {sync.mode!r}: the broadcast path is not chosen")
         served = served_dtype(inference.dtype)
         kwargs.setdefault("wire_dtype", served if served in (torch.bfloat16, torch.float16) else None)
+        kwargs.setdefault("bucket_bytes", sync.bucket_mib << 20)
         return cls(inference.replica_urls or [inference.base_url], backend=sync.backend, host=sync.host,
                    port=sync.port, workers_per_replica=inference.tensor_parallel_size, **kwargs)
 

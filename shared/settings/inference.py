@@ -36,6 +36,10 @@ class NcclWeightSync(Section):
     # resumes from); the versions between are served by broadcast only. The last version a
     # trainer publishes is always written at shutdown (services.trainer.broadcast_publish)
     checkpoint_every: Int = Field(1, gt=0)
+    # one broadcast carries at most this many MiB of consecutive tensors of one dtype
+    # (services.weights.broadcast.bucket_layout; a larger tensor goes alone); the trainer holds one
+    # bucket's copy at a time. 0: one broadcast per tensor
+    bucket_mib: Int = Field(256, ge=0)
 
 
 class DeltaWeightSync(Section):
