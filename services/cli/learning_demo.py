@@ -76,6 +76,9 @@ def run_learning(
     if storage not in ("s3", "local"):
         raise ValueError(f"storage {storage!r}: expected s3 or local")
     workdir = Path(workdir).resolve()
+    if (workdir / "stack").exists():  # its Redis would reload the old run, and intake refuse to start it again
+        raise ValueError(f"{workdir} holds an earlier run's stack (its Redis data and objects): give the run an "
+                         "empty directory (a benchmark: another --out)")
     settings = {**LEARNING_SETTINGS, **(overrides or {})}
     if task_config:
         settings["CONVEYOR_INTAKE__ENV_CONFIG"] = json.dumps({"reward_fn": TOY_REWARD_FN, **task_config})
