@@ -129,6 +129,7 @@ def save_checkpoint(
     snapshot: Snapshot | None = None,
     sharded_files: dict[str, dict] | None = None,
     probe: LogprobProbe | None = None,
+    step_metrics: dict[str, Any] | None = None,
 ) -> str:
     """Upload the checkpoint of ``version`` and commit it; returns its key prefix. The manifest
     records the dataset versions the run's intake published from (``dataset_versions``), and a
@@ -139,7 +140,9 @@ def save_checkpoint(
     ``sharded_files``: the manifest entries of the ``trainer_state_sharded/`` files every rank of
     a sharded trainer has already uploaded under the prefix (``services.trainer.distributed``);
     the optimizer state is in them, so ``trainer_state.pt`` holds step and version only.
-    ``probe``: the logprob probe of ``model`` at ``version`` when the caller already has it."""
+    ``probe``: the logprob probe of ``model`` at ``version`` when the caller already has it.
+    ``step_metrics``: the step's metrics line (JSON values), kept in the manifest for a trainer
+    that dies after the commit and before it logs the line."""
     prefix = checkpoint_prefix(run_id, version)
     if is_committed(store, prefix):
         raise CheckpointError(f"checkpoint {prefix} is already committed; versions are never overwritten")
@@ -174,6 +177,8 @@ def save_checkpoint(
     fields = {"run_id": run_id, "version": version, "step": step, "dataset_versions": list(dataset_versions or [])}
     if lora:
         fields["lora"] = {**lora_shape(model), "sync": lora_sync}
+    if step_metrics is not None:
+        fields["step_metrics"] = step_metrics
     commit_checkpoint(store, prefix, fields, files)
     return prefix
 

@@ -26,6 +26,10 @@ Invariants:
   without serving them again, and logging each step's metrics line only if the crash came
   before it: one line per step); on start the latest checkpoint is announced again (the
   weight follower ignores versions it already serves).
+- One metrics line per step, whatever crash came between. On the S3 and delta paths the
+  checkpoint's manifest keeps the step's line (without ``checkpoint_s``): a trainer resumed at
+  ``v`` whose metrics file lacks line ``v`` (its writer died between the commit and the line)
+  logs it from there, marked ``recovered``.
 - A step with no trainable token (all masks zero), or one the logprob alarm skipped, still
   counts as a step: the version moves on with unchanged weights, so the queue position stays
   a function of the version.
@@ -53,7 +57,7 @@ from dataclasses import dataclass, field
 
 from services.weights.broadcast import WeightBroadcaster
 from services.trainer.alarm import ServedWeightsAlarm
-from services.trainer.checkpoints import resume, save_checkpoint
+from services.trainer.checkpoints import read_manifest, resume, save_checkpoint
 from services.trainer.distributed import StepOrder, TrainerRanks
 from services.trainer.evaluation import Evaluator
 from services.trainer.metrics import MetricsSink, RewardCurve, finite_or_none, metric_name
@@ -121,6 +125,7 @@ class TrainingLoop:
         self.reward_curve = RewardCurve(self.training.reward_curve, self.metrics.jsonl_path, self.training.reward_curve_path,
                                         f"{self.run_id}: mean reward per step")
         if self.version > 0:
+            self._log_a_line_lost(self.version)
             self._announce(self.version)
         log.info("training loop at version %d (step %d)", self.version, step)
         self.evaluate_if_due()  # a trainer restarted in the middle of a pass finishes it
@@ -190,6 +195,9 @@ class TrainingLoop:
                       metrics["mismatch_kl_on_policy"], alarm.max_on_policy_mismatch_kl)
             self.counters.add(TrainerCounter.alarm_skipped_steps)
         version = self.version + 1
+        # before the checkpoint, which keeps them: a trainer dying between its commit and this
+        # step's metrics line logs the line from there when it restarts (``_log_a_line_lost``)
+        metrics |= self._rollout_metrics(batches, selection, trained_at=version - 1)
         t0 = time.perf_counter()
         datasets = RunRecords(self.redis, self.run_id).dataset_versions()
         if self.publisher is not None:
@@ -203,7 +211,8 @@ class TrainingLoop:
             probe = logprob_probe(self.trainer.model, version) if self.delta is not None else None
             save_checkpoint(self.store, self.run_id, version, self.trainer.model, self.tokenizer,
                             self.trainer.optimizer, self.trainer.step, dataset_versions=datasets,
-                            lora_sync=self.settings.trainer.lora.sync, probe=probe)
+                            lora_sync=self.settings.trainer.lora.sync, probe=probe,
+                            step_metrics={k: finite_or_none(v) for k, v in metrics.items()})
             if self.delta is not None and probe is not None:
                 metrics |= self.delta.publish(version, self.trainer.model, probe.to_json().decode())
             self._announce(version)
@@ -211,7 +220,7 @@ class TrainingLoop:
         self._in_step = False
         self.version = version
         self.budget.advance_step(version)
-        metrics |= self._rollout_metrics(batches, selection, trained_at=version - 1) | {"checkpoint_s": checkpoint_s}
+        metrics["checkpoint_s"] = checkpoint_s
         if not (metrics.get("replayed") and self.metrics.logged(version)):  # one line per step, replays included
             self.metrics.log(version, metrics)
             self._record_step(version, metrics)
@@ -224,6 +233,21 @@ class TrainingLoop:
                  show(wall, ".1f", "s"), show(per_second(metrics["sequences"], wall)))
         self.evaluate_if_due()
         return metrics
+
+    def _log_a_line_lost(self, version: int) -> None:
+        """The resumed version's metrics line, from its checkpoint, if the trainer that wrote the
+        checkpoint died before it logged the line (one line per step)."""
+        if self.metrics.logged(version):
+            return
+        saved = read_manifest(self.store, checkpoint_prefix(self.run_id, version)).get("step_metrics")
+        if saved is None:  # written under torchrun or in the background (nccl): its line is not kept there
+            log.warning("step %d has no metrics line, and its checkpoint keeps none", version)
+            return
+        metrics = {k: math.nan if v is None else v for k, v in saved.items()} | {"recovered": 1.0}
+        log.warning("step %d's metrics line was lost with the trainer that wrote its checkpoint: logged from the "
+                    "checkpoint", version)
+        self.metrics.log(version, metrics)
+        self._record_step(version, metrics)
 
     def _record_step(self, version: int, metrics: dict[str, float]) -> None:
         """The step's metrics on the run's capped steps stream, for the viewer (strict JSON)."""

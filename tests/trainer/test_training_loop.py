@@ -90,6 +90,36 @@ def test_a_restarted_trainer_resumes_at_its_checkpoint_and_counts_nothing_twice(
     assert latest_checkpoint(store, run_id)[0] == 2
 
 
+def test_a_trainer_dying_after_its_checkpoint_and_before_its_line_gets_the_line_back_on_restart(
+        setup, redis_client, make_batch, run_id, monkeypatch):
+    """Killed between the commit of step 2's checkpoint and step 2's metrics line, the restarted
+    trainer resumes at version 2 (it does not train it again) and logs the line its checkpoint
+    kept, once: one line per step."""
+    _, store, _, make_loop = setup
+    for group_id in range(4):
+        queue_group(redis_client, store, make_batch, run_id, group_id, 0)
+    first = make_loop()
+    first.train_once()
+
+    class Killed(BaseException):
+        pass
+
+    def die(*_args, **_kwargs):
+        raise Killed
+
+    monkeypatch.setattr(first.metrics, "log", die)  # SIGKILL right after the announcement
+    with pytest.raises(Killed):
+        first.train_once()
+    assert latest_checkpoint(store, run_id)[0] == 2
+    assert [int(s["step"]) for s in read_steps(first.metrics.jsonl_path)] == [1]
+    second = make_loop()
+    assert second.version == 2
+    steps = read_steps(second.metrics.jsonl_path)
+    assert [int(s["step"]) for s in steps] == [1, 2] and steps[1]["recovered"] == 1.0
+    assert steps[1]["groups_trained"] == 2.0 and steps[1]["loss"] is not None and "checkpoint_s" not in steps[1]
+    assert [int(s["step"]) for s in read_steps(make_loop().metrics.jsonl_path)] == [1, 2]  # again: nothing twice
+
+
 def test_a_bad_queue_entry_is_passed_over_and_counted_once_across_restarts(setup, redis_client, make_batch, run_id, caplog):
     _, store, _, make_loop = setup
     queue_group(redis_client, store, make_batch, run_id, 0, 0)
