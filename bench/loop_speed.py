@@ -247,18 +247,19 @@ STORAGE = {"s3": "moto S3 over HTTP", "local": "the filesystem backend"}
 
 def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_sync: str,
                       trajectories_mode: str = "default", scoring: str = "scorer", reward_curve: str = "behind",
-                      repeat: int = 0, assembly: str = "default", storage: str = "s3") -> dict:
+                      repeat: int = 0, assembly: str = "default", storage: str = "s3", burst: str = "default") -> dict:
     """One Conveyor run at k = 0: its median step, and the step's hops (critical path)."""
     trajectories: list[dict] = []
     overrides = {**TRL_MATCHED, "CONVEYOR_TRAINER__TORCH_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
                  **weight_sync_env(weight_sync), **trajectories_env(trajectories_mode),
                  "CONVEYOR_REWARDS__IN_WORKER": SCORING_IN_WORKER[scoring], "CONVEYOR_TRAINER__REWARD_CURVE": reward_curve,
-                 **ASSEMBLY[assembly]}
+                 **ASSEMBLY[assembly], **({} if burst == "default" else {"CONVEYOR_INTAKE__PUBLISH_BURST": burst})}
     before = load()
     name = "-".join([weight_sync.replace(":", "-"), *([] if trajectories_mode == "default" else [trajectories_mode.replace(":", "-")]),
                      scoring, *([] if reward_curve == "behind" else [f"curve-{reward_curve}"]),
                      *([] if assembly == "default" else [f"assembly-{assembly}"]),
-                     *([] if storage == "s3" else [f"storage-{storage}"]), *([str(repeat + 1)] if repeat else [])])
+                     *([] if storage == "s3" else [f"storage-{storage}"]), *([] if burst == "default" else [f"burst-{burst}"]),
+                     *([str(repeat + 1)] if repeat else [])])
     run = run_learning(out / f"vs-trl-{name}", steps, 0, overrides=overrides, layout=layout, storage=storage,
                        inspect=lambda stack: trajectories.extend(trajectory_hops(stack)))
     (run.workdir / "trajectories.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trajectories))
@@ -266,7 +267,7 @@ def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_s
     median = statistics.median(conveyor_breakdown(run.steps, groups)["wall"])
     parts = hop_breakdown(run.steps, groups, trajectories)
     print(f"  Conveyor, weight sync {weight_sync}, trajectories {trajectories_mode}, scoring on the {scoring}, "
-          f"reward curve drawn {reward_curve}, assembly {assembly}, storage {STORAGE[storage]}: median "
+          f"reward curve drawn {reward_curve}, assembly {assembly}, storage {STORAGE[storage]}, publish burst {burst}: median "
           f"{median:.3f} s/step ({before} before, {load()} after); "
           f"critical path through the step's last trajectory scored ({len(trajectories)} trajectories):", flush=True)
     print_parts(parts, median)
@@ -290,7 +291,8 @@ def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_s
 def sync_vs_trl(out: Path, steps: int, threads: int, layout: str, weight_syncs: list[str],
                 trajectories_modes: tuple[str, ...] = ("default",), scorings: tuple[str, ...] = ("scorer",),
                 skip_trl: bool = False, reward_curves: tuple[str, ...] = ("behind",),
-                assemblies: tuple[str, ...] = ("default",), storages: tuple[str, ...] = ("s3",)) -> dict:
+                assemblies: tuple[str, ...] = ("default",), storages: tuple[str, ...] = ("s3",),
+                bursts: tuple[str, ...] = ("default",)) -> dict:
     against = "(no TRL run)" if skip_trl else f"against TRL {TRL_VERSION} GRPOTrainer"
     print(f"## sync step: Conveyor (k=0; weight sync {', '.join(weight_syncs)}; trajectories "
           f"{', '.join(trajectories_modes)}; scoring on the {', '.join(scorings)}; reward curve drawn "
@@ -303,15 +305,16 @@ def sync_vs_trl(out: Path, steps: int, threads: int, layout: str, weight_syncs: 
         for kept in trajectories_modes:
             for scoring in scorings:
                 # a value given twice runs twice (A, B, A, B: the drift of the load shows)
-                for curve, assembly, storage in itertools.product(reward_curves, assemblies, storages):
+                for curve, assembly, storage, burst in itertools.product(reward_curves, assemblies, storages, bursts):
                     key = "/".join([mode, *([] if kept == "default" else [kept]), *([] if scoring == "scorer" else [scoring]),
                                     *([] if curve == "behind" else [f"curve {curve}"]),
                                     *([] if assembly == "default" else [f"assembly {assembly}"]),
-                                    *([] if storage == "s3" else [f"storage {storage}"])])
+                                    *([] if storage == "s3" else [f"storage {storage}"]),
+                                    *([] if burst == "default" else [f"burst {burst}"])])
                     repeat = sum(k.split(" #")[0] == key for k in conveyor)
                     key += f" #{repeat + 1}" if repeat else ""
                     conveyor[key] = conveyor_sync_run(out, steps, threads, layout, mode, kept, scoring, curve, repeat,
-                                                      assembly, storage)
+                                                      assembly, storage, burst)
     between = load()
     if len(conveyor) > 1:
         first, *others = conveyor
@@ -432,6 +435,9 @@ def main() -> None:
     parser.add_argument("--storage", default="s3", help="comma list of the sync-vs-TRL runs' object store: s3 "
                         "(moto's S3 server over HTTP, as the learning demo) and/or local (the filesystem backend, "
                         "conveyor demo's durable default)")
+    parser.add_argument("--publish-burst", default="default", help="comma list of the sync-vs-TRL runs' "
+                        "intake.publish_burst: 1 (each group published as soon as it is admitted) and/or N (the groups "
+                        "one admission lets in registered, then published together, at most N); default as configured")
     parser.add_argument("--conveyor-only", action="store_true",
                         help="the sync step's Conveyor runs (--weight-sync x --trajectories x --scoring) without the TRL run")
     parser.add_argument("--skip-trl", action="store_true",
@@ -452,11 +458,13 @@ def main() -> None:
     storages = args.storage.split(",")
     if unknown := set(storages) - set(STORAGE):
         parser.error(f"--storage: {sorted(unknown)} not among {sorted(STORAGE)}")
-    variants = len(modes) * len(scorings) * len(args.weight_sync.split(",")) * len(curves) * len(assemblies) * len(storages)
+    bursts = args.publish_burst.split(",")
+    variants = (len(modes) * len(scorings) * len(args.weight_sync.split(",")) * len(curves) * len(assemblies) * len(storages)
+                * len(bursts))
     if args.conveyor_only or not args.skip_trl or variants > 1:
         results["sync_vs_trl"] = sync_vs_trl(out, args.steps, args.threads, args.layout, args.weight_sync.split(","),
                                              tuple(modes), tuple(scorings), args.skip_trl or args.conveyor_only,
-                                             tuple(curves), tuple(assemblies), tuple(storages))
+                                             tuple(curves), tuple(assemblies), tuple(storages), tuple(bursts))
         (out / "loop_speed.json").write_text(json.dumps(results, indent=1))
     if not args.skip_agentic:
         results["agentic"] = agentic(out, args.agentic_steps, [int(k) for k in args.ks.split(",")],

@@ -58,6 +58,10 @@ class AdmissionWait:
         self.ledger = Ledger(self.client)  # read only: its counts
         self.wake = AdmissionWake(self.client, self.budget.run_id)
 
+    def try_now(self) -> bool:
+        """One try of the budget (admitted: counted), never a wait."""
+        return self.budget.try_admit()
+
     def admit(self) -> None:
         """Block until the budget admits one group, saying why while it waits, or until the run
         is stopped (``shared.state.run_stop``: the trainer holding the bound has exited)."""

@@ -10,6 +10,11 @@ Invariants:
   registration says to keep the first ``group_size`` scored (``keep``, ``members``).
 - A group is registered (Redis) and its trajectories recorded as queued in the ledger before
   its rollout task is published, so a worker never sees a trajectory the ledger does not know.
+- Groups are published in bursts (``PublishBurst``, ``intake.publish_burst`` groups at most; 1, the
+  default, publishes each as it is admitted): each admitted group is registered at once, and
+  the registered ones go out together, before intake waits on the staleness bound or the
+  queue share, before it stops for a stopped run, every ``intake.publish_burst`` groups, and
+  at the end. A crash in between leaves them registered and unpublished: a re-run publishes them.
 - With a staleness bound configured, a group is published only once ``StalenessBudget``
   admits it: intake waits instead of running too far ahead of the trainer.
 - A bad row is rejected with its location and reason, recorded in Redis and counted;
@@ -240,6 +245,7 @@ def run_intake(
         return admit_row(row.value, row.source, settings.intake.env_name, settings.intake.env_config, environments,
                          dataset_version, prompt_limit)
 
+    burst = PublishBurst(publish, groups, report, on_group, settings.intake.publish_burst)
     rows = rows_of_role(settings.intake.splits, rows, admit)
     row_envs = [_env_of(row, admit) for row in rows] if settings.intake.env_weights and settings.intake.mode == "sample" else None
     for group_id, row in select_rows(settings, rows, row_envs):
@@ -256,12 +262,15 @@ def run_intake(
         if groups.is_published(group_id):
             report.already_known += 1  # a re-run of intake: this group went out before
             continue
-        if admission is not None and not groups.is_registered(group_id):
+        if admission is not None and not groups.is_registered(group_id) and not admission.try_now():
+            burst.publish()  # what the bound admitted goes out before intake waits
             admission.admit()  # wait for the trainer rather than run too far ahead of it, saying why
         if share is not None and not groups.is_registered(group_id):
+            burst.publish()  # the share counts published groups
             share.wait_for_room()  # leave the queue to other runs' groups too, saying why
         stop = stop_of(client, run)
         if stop is not None:
+            burst.publish()  # admitted before the stop was seen, as they would have gone out one by one
             report.stopped = stop.describe()
             log.warning("intake of run %s: the run was %s; publishing no more groups", run, report.stopped)
             break
@@ -274,11 +283,36 @@ def run_intake(
         )
         groups.register(registration)  # the first registration stays: a re-run keeps it
         ledger.register(requests, require_marker=True)  # idempotent: a group left unpublished by a crash goes out now
-        publish(requests)  # duplicates of a message are harmless: the ledger claim runs it once
-        groups.mark_published(group_id)
-        report.groups += 1
-        report.trajectories += len(requests)
-        if on_group:
-            on_group(group_id)
+        burst.add(group_id, requests)
+    burst.publish()
     records.mark_intake_done()
     return report
+
+
+@dataclass
+class PublishBurst:
+    """Registered groups whose rollout tasks go out together: the groups the bound admits at one
+    time are registered first, then published back to back, so none waits behind the CPU its
+    siblings' rollouts take (on 2 cores a step's groups went out one by one over up to 70 ms)."""
+
+    publish_requests: Callable[[list[RolloutRequest]], None]
+    groups: GroupRegistry
+    report: IntakeReport
+    on_group: Callable[[int], None] | None
+    most: int  # intake.publish_burst
+    pending: list[tuple[int, list[RolloutRequest]]] = field(default_factory=list)
+
+    def add(self, group_id: int, requests: list[RolloutRequest]) -> None:
+        self.pending.append((group_id, requests))
+        if len(self.pending) >= self.most:
+            self.publish()
+
+    def publish(self) -> None:
+        for group_id, requests in self.pending:
+            self.publish_requests(requests)  # duplicates of a message are harmless: the ledger claim runs it once
+            self.groups.mark_published(group_id)
+            self.report.groups += 1
+            self.report.trajectories += len(requests)
+            if self.on_group:
+                self.on_group(group_id)
+        self.pending.clear()

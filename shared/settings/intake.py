@@ -47,6 +47,11 @@ class IntakeSettings(Section):
     # group only while fewer than this many of the run's groups wait unclaimed in the rollout queue.
     # None: publish as fast as rows are read
     max_queued_groups: Int | None = Field(None, gt=0)
+    # the groups admitted at one time are registered, then published together, at most this many
+    # (services/intake/publisher.py's PublishBurst); 1, the default: each group published as soon as
+    # it is admitted. Opt-in: on 2 cores it cut a step's dispatch spread from 20-24 ms to 3-4 ms but
+    # not the last group's start (the worker receives the tasks one by one) (docs/performance/loop_speed.md)
+    publish_burst: Int = Field(1, gt=0)
 
     @field_validator("env_config")
     @classmethod

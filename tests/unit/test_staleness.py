@@ -11,6 +11,8 @@ from services.intake.admission_wait import AdmissionWait
 from services.intake.datasets import Row
 from services.intake.publisher import run_intake
 from shared.names import RedisKeys
+from shared.state.group_registry import GroupRegistry
+from shared.state.ledger import Ledger
 from shared.state.policy_version import PolicyVersion
 from shared.state.staleness import StalenessBudget
 from shared.settings import Settings
@@ -74,6 +76,35 @@ def test_intake_waits_for_the_trainer_instead_of_over_admitting(redis_client, re
     redis_client.set(RedisKeys.policy_version(run_id), 1)
     worker.join(10)
     assert published == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("burst", [16, 1])
+def test_the_groups_one_admission_lets_in_go_out_together_once_all_are_registered(redis_client, redis_url, run_id,
+                                                                                   burst):
+    """A step's groups are registered before the first is published (``intake.publish_burst``
+    16), and published before intake waits on the bound; with 1, each goes out as admitted."""
+    settings = Settings(run_id=run_id, redis={"url": redis_url}, rollout={"group_size": 2},
+                        trainer={"max_off_policy_steps": 0, "groups_per_step": 3}, intake={"publish_burst": burst})
+    rows = [Row(f"mem:{i}", {"task_data": {"low": 1, "high": 9, "target": 5}}) for i in range(6)]
+    ledger, registry = Ledger(redis_client), GroupRegistry(redis_client, run_id)
+    seen: list[tuple[int, int]] = []  # (group published, trajectories the ledger knew then)
+
+    def publish(requests):
+        seen.append((requests[0].group_id, sum(ledger.counts(run_id).values())))
+
+    worker = threading.Thread(target=run_intake, args=(settings, rows, redis_client, publish), daemon=True)
+    worker.start()
+    deadline = time.monotonic() + 10
+    while len(seen) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    assert [g for g, _ in seen] == [0, 1, 2]  # the bound: 3 groups before the first step, all published
+    assert [known for _, known in seen] == ([6, 6, 6] if burst > 1 else [2, 4, 6])
+    assert registry.published_count() == 3
+    StalenessBudget(redis_client, run_id, 0, 3).advance_step(1)
+    PolicyVersion(redis_client, run_id).advance(1)
+    worker.join(10)
+    assert [g for g, _ in seen] == list(range(6)) and not worker.is_alive()
 
 
 def test_intake_publishes_a_group_a_crash_left_registered_but_unpublished(redis_client, redis_url, run_id):
