@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from services.inference.vllm_admin import PAUSE_PATH as KEEP_PAUSE_ROUTE  # the route vLLM answers with our middleware
 from services.weights.admin_http import AdminCallError, admin_request
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,6 @@ RELOAD_TIMEOUT_S = 600.0  # a real model's safetensors can take minutes to read
 EXTENSION_RELOAD = "conveyor_reload_weights"
 PLAIN_RELOAD = "reload_weights"
 _WITHOUT_EXTENSION: set[str] = set()  # replicas seen to lack the extension: warned once, then plain reloads
-KEEP_PAUSE_ROUTE = "/conveyor/pause"  # services.inference.vllm_admin.PAUSE_PATH (not imported: it runs in vLLM)
 _WITHOUT_ADMIN_ROUTES: set[str] = set()  # replicas seen to lack Conveyor's admin routes: vLLM's /pause
 
 
