@@ -135,8 +135,12 @@ def hop_breakdown(steps: list[dict], groups: list[dict], trajectories: list[dict
         add("  download of the checkpoint", sync["download_s"])
         add("  replica reload", sync["reload_s"])
         add("  probe", sync["probe_s"])
-        add("admission after the sync (intake's wake-up, dispatch)", admission - (sync["s"] if sync["s"] == sync["s"] else 0.0))
-        add("rollout hop: dispatch to episode start (Celery)", last["start"] - last["dispatched"])
+        add("admission after the sync (intake's wake-up, dispatch)",
+            max(0.0, admission) - (sync["s"] if sync["s"] == sync["s"] else 0.0))
+        # trainer.admit_before_served: dispatched while the step synced; from the step's end on, it waited for the version
+        add("rollout hop: dispatch (or the step's end) to episode start (Celery)", last["start"] - max(last["dispatched"], prev["time"]))
+        if admission < 0:
+            add("  dispatched before the step's end by (trainer.admit_before_served)", -admission)
         add("episode: inference + environment", last["episode_s"])
         add("trajectory upload (S3 object; none when inline)", last["upload_s"])
         add("scoring hop: uploaded to scoring start (Celery; none when scored in the worker)", last["scoring_start"] - last["uploaded"])
@@ -243,23 +247,27 @@ ASSEMBLY = {"default": {}, **{name: {"CONVEYOR_TRAINER__ASSEMBLY_THREADS": threa
 # --storage -> the stack's object store: moto's S3 server over HTTP (the learning demo's), or the
 # filesystem backend (``conveyor demo``'s durable default)
 STORAGE = {"s3": "moto S3 over HTTP", "local": "the filesystem backend"}
+# --admit -> trainer.admit_before_served
+ADMIT = {"served": "false", "trained": "true"}
 
 
 def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_sync: str,
                       trajectories_mode: str = "default", scoring: str = "scorer", reward_curve: str = "behind",
-                      repeat: int = 0, assembly: str = "default", storage: str = "s3", burst: str = "default") -> dict:
+                      repeat: int = 0, assembly: str = "default", storage: str = "s3", burst: str = "default",
+                      admit: str = "default") -> dict:
     """One Conveyor run at k = 0: its median step, and the step's hops (critical path)."""
     trajectories: list[dict] = []
     overrides = {**TRL_MATCHED, "CONVEYOR_TRAINER__TORCH_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
                  **weight_sync_env(weight_sync), **trajectories_env(trajectories_mode),
                  "CONVEYOR_REWARDS__IN_WORKER": SCORING_IN_WORKER[scoring], "CONVEYOR_TRAINER__REWARD_CURVE": reward_curve,
-                 **ASSEMBLY[assembly], **({} if burst == "default" else {"CONVEYOR_INTAKE__PUBLISH_BURST": burst})}
+                 **ASSEMBLY[assembly], **({} if burst == "default" else {"CONVEYOR_INTAKE__PUBLISH_BURST": burst}),
+                 **({} if admit == "default" else {"CONVEYOR_TRAINER__ADMIT_BEFORE_SERVED": ADMIT[admit]})}
     before = load()
     name = "-".join([weight_sync.replace(":", "-"), *([] if trajectories_mode == "default" else [trajectories_mode.replace(":", "-")]),
                      scoring, *([] if reward_curve == "behind" else [f"curve-{reward_curve}"]),
                      *([] if assembly == "default" else [f"assembly-{assembly}"]),
                      *([] if storage == "s3" else [f"storage-{storage}"]), *([] if burst == "default" else [f"burst-{burst}"]),
-                     *([str(repeat + 1)] if repeat else [])])
+                     *([] if admit == "default" else [f"admit-{admit}"]), *([str(repeat + 1)] if repeat else [])])
     run = run_learning(out / f"vs-trl-{name}", steps, 0, overrides=overrides, layout=layout, storage=storage,
                        inspect=lambda stack: trajectories.extend(trajectory_hops(stack)))
     (run.workdir / "trajectories.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trajectories))
@@ -267,7 +275,8 @@ def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_s
     median = statistics.median(conveyor_breakdown(run.steps, groups)["wall"])
     parts = hop_breakdown(run.steps, groups, trajectories)
     print(f"  Conveyor, weight sync {weight_sync}, trajectories {trajectories_mode}, scoring on the {scoring}, "
-          f"reward curve drawn {reward_curve}, assembly {assembly}, storage {STORAGE[storage]}, publish burst {burst}: median "
+          f"reward curve drawn {reward_curve}, assembly {assembly}, storage {STORAGE[storage]}, publish burst {burst}, "
+          f"admission {admit}: median "
           f"{median:.3f} s/step ({before} before, {load()} after); "
           f"critical path through the step's last trajectory scored ({len(trajectories)} trajectories):", flush=True)
     print_parts(parts, median)
@@ -292,7 +301,7 @@ def sync_vs_trl(out: Path, steps: int, threads: int, layout: str, weight_syncs: 
                 trajectories_modes: tuple[str, ...] = ("default",), scorings: tuple[str, ...] = ("scorer",),
                 skip_trl: bool = False, reward_curves: tuple[str, ...] = ("behind",),
                 assemblies: tuple[str, ...] = ("default",), storages: tuple[str, ...] = ("s3",),
-                bursts: tuple[str, ...] = ("default",)) -> dict:
+                bursts: tuple[str, ...] = ("default",), admits: tuple[str, ...] = ("default",)) -> dict:
     against = "(no TRL run)" if skip_trl else f"against TRL {TRL_VERSION} GRPOTrainer"
     print(f"## sync step: Conveyor (k=0; weight sync {', '.join(weight_syncs)}; trajectories "
           f"{', '.join(trajectories_modes)}; scoring on the {', '.join(scorings)}; reward curve drawn "
@@ -305,16 +314,18 @@ def sync_vs_trl(out: Path, steps: int, threads: int, layout: str, weight_syncs: 
         for kept in trajectories_modes:
             for scoring in scorings:
                 # a value given twice runs twice (A, B, A, B: the drift of the load shows)
-                for curve, assembly, storage, burst in itertools.product(reward_curves, assemblies, storages, bursts):
+                for curve, assembly, storage, burst, admit in itertools.product(reward_curves, assemblies, storages, bursts,
+                                                                                admits):
                     key = "/".join([mode, *([] if kept == "default" else [kept]), *([] if scoring == "scorer" else [scoring]),
                                     *([] if curve == "behind" else [f"curve {curve}"]),
                                     *([] if assembly == "default" else [f"assembly {assembly}"]),
                                     *([] if storage == "s3" else [f"storage {storage}"]),
-                                    *([] if burst == "default" else [f"burst {burst}"])])
+                                    *([] if burst == "default" else [f"burst {burst}"]),
+                                    *([] if admit == "default" else [f"admit {admit}"])])
                     repeat = sum(k.split(" #")[0] == key for k in conveyor)
                     key += f" #{repeat + 1}" if repeat else ""
                     conveyor[key] = conveyor_sync_run(out, steps, threads, layout, mode, kept, scoring, curve, repeat,
-                                                      assembly, storage, burst)
+                                                      assembly, storage, burst, admit)
     between = load()
     if len(conveyor) > 1:
         first, *others = conveyor
@@ -438,6 +449,10 @@ def main() -> None:
     parser.add_argument("--publish-burst", default="default", help="comma list of the sync-vs-TRL runs' "
                         "intake.publish_burst: 1 (each group published as soon as it is admitted) and/or N (the groups "
                         "one admission lets in registered, then published together, at most N); default as configured")
+    parser.add_argument("--admit", default="default", help="comma list of the sync-vs-TRL runs' admission: "
+                        "served (a step's groups admitted once its weights are served) and/or trained (admitted once "
+                        "the optimizer step is done, their first turn waiting in the worker for the weights: "
+                        "trainer.admit_before_served); default as configured")
     parser.add_argument("--conveyor-only", action="store_true",
                         help="the sync step's Conveyor runs (--weight-sync x --trajectories x --scoring) without the TRL run")
     parser.add_argument("--skip-trl", action="store_true",
@@ -458,13 +473,15 @@ def main() -> None:
     storages = args.storage.split(",")
     if unknown := set(storages) - set(STORAGE):
         parser.error(f"--storage: {sorted(unknown)} not among {sorted(STORAGE)}")
-    bursts = args.publish_burst.split(",")
+    bursts, admits = args.publish_burst.split(","), args.admit.split(",")
+    if unknown := set(admits) - set(ADMIT) - {"default"}:
+        parser.error(f"--admit: {sorted(unknown)} not among {sorted(ADMIT)}")
     variants = (len(modes) * len(scorings) * len(args.weight_sync.split(",")) * len(curves) * len(assemblies) * len(storages)
-                * len(bursts))
+                * len(bursts) * len(admits))
     if args.conveyor_only or not args.skip_trl or variants > 1:
         results["sync_vs_trl"] = sync_vs_trl(out, args.steps, args.threads, args.layout, args.weight_sync.split(","),
                                              tuple(modes), tuple(scorings), args.skip_trl or args.conveyor_only,
-                                             tuple(curves), tuple(assemblies), tuple(storages), tuple(bursts))
+                                             tuple(curves), tuple(assemblies), tuple(storages), tuple(bursts), tuple(admits))
         (out / "loop_speed.json").write_text(json.dumps(results, indent=1))
     if not args.skip_agentic:
         results["agentic"] = agentic(out, args.agentic_steps, [int(k) for k in args.ks.split(",")],

@@ -125,14 +125,20 @@ class RolloutRequest(Message):
     policy_version: int = 0  # the policy version when intake dispatched the group
     dispatched_at: float  # unix time; queue wait is measured from here
     inference: InferenceTarget | None = None  # the run's own server; None: the rollout workers' inference settings
+    # the earliest served policy version the first turn may be sampled by: the worker waits for it
+    # (trainer.admit_before_served admits a group before its weights are served); 0: no wait
+    generate_from_version: int = Field(0, ge=0)
 
     @model_serializer(mode="wrap")
-    def _no_server_left_out(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """Without a server of the run's own, ``inference`` is left out: the request reads as a
-        1.2 one, so a worker of the build before (whose requests forbid unknown fields) takes it."""
+    def _defaults_left_out(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Without a server of the run's own, ``inference`` is left out, and so is a
+        ``generate_from_version`` of 0: the request reads as a 1.2 one, so a worker of the build
+        before (whose requests forbid unknown fields) takes it."""
         data = handler(self)
         if data.get("inference") is None:
             data.pop("inference", None)
+        if not data.get("generate_from_version"):
+            data.pop("generate_from_version", None)
         return data
 
     @property

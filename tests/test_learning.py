@@ -102,7 +102,13 @@ def test_a_lora_run_serves_every_version_it_trains(tmp_path):
 
     Asserted is what is deterministic: 8 steps, every sync probed (k = 0, so step v's groups
     were sampled at version v - 1, which a probed sync served), and the served version reaches
-    8. The tiny model's reward over 8 steps is noise, so it is only checked to be a reward."""
+    8. The tiny model's reward over 8 steps is noise, so it is only checked to be a reward.
+
+    It runs with ``trainer.admit_before_served``: each step's groups are admitted as soon as the
+    optimizer step is done and wait in the rollout worker for the adapter of their version, so
+    the same checks show that no turn was sampled before its version was served (a turn sampled
+    by the adapter before would be labelled one version behind, and dropped as stale at k = 0;
+    its tokens would disagree with the trainer's logprobs)."""
     steps = 8
     served: dict = {}
 
@@ -115,13 +121,17 @@ def test_a_lora_run_serves_every_version_it_trains(tmp_path):
         served["last_sync"] = WeightSyncRecord(client, stack.run_id).last_sync()
 
     run = run_learning(tmp_path, steps=steps, max_off_policy_steps=0, inspect=inspect,
-                       overrides={**LORA, **EAGER, "CONVEYOR_TRAINER__LORA__SYNC": "adapter"}, lora_rank=8)
+                       overrides={**LORA, **EAGER, "CONVEYOR_TRAINER__LORA__SYNC": "adapter",
+                                  "CONVEYOR_TRAINER__ADMIT_BEFORE_SERVED": "true"}, lora_rank=8)
     rewards = run.rewards
     print(f"reward per step {[round(r, 3) for r in rewards]}; sync seconds "
           f"{[round(h['weight_sync_s'], 3) for h in run.steps if h['weight_sync_s'] is not None]}")
     assert [int(h["step"]) for h in run.steps] == list(range(1, steps + 1))
     mads = [h["logprob_mad_on_policy"] for h in run.steps]
     assert all(m < 1e-4 for m in mads), mads  # k = 0: every trained token was sampled by the trainer's weights
+    every_token = [h["logprob_mad_vs_inference"] for h in run.steps]  # labelled on-policy or not
+    assert all(m < 1e-4 for m in every_token), every_token
+    assert all(h["filtered_stale"] == 0 and h.get("staleness_0") == h["sequences"] for h in run.steps), run.steps
     probes = [h["served_probe_max_abs_diff"] for h in run.steps[1:]]  # step v follows the sync of v - 1
     assert all(p is not None and p < 1e-4 for p in probes), probes
     assert served["version"] == steps, served

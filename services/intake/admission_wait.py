@@ -58,22 +58,34 @@ class AdmissionWait:
         self.ledger = Ledger(self.client)  # read only: its counts
         self.wake = AdmissionWake(self.client, self.budget.run_id)
 
-    def try_now(self) -> bool:
-        """One try of the budget (admitted: counted), never a wait."""
-        return self.budget.try_admit()
+    def try_now(self) -> int | None:
+        """One try of the budget, never a wait: admitted (counted), the earliest version the
+        group's rollouts may start on (``StalenessBudget.admit_for``); None: the bound is full."""
+        return self.budget.admit_for()
 
-    def admit(self) -> None:
+    def admit(self) -> int:
         """Block until the budget admits one group, saying why while it waits, or until the run
-        is stopped (``shared.state.run_stop``: the trainer holding the bound has exited)."""
-        if self.budget.try_admit():
-            return
+        is stopped (``shared.state.run_stop``: the trainer holding the bound has exited; 0, nothing
+        admitted). Admitted: the earliest version the group's rollouts may start on."""
+        first = self.budget.admit_for()
+        if first is not None:
+            return first
         run = self.budget.run_id
         start = WaitStart(time.monotonic(), self.ledger.counts(run)["consumed"], self.budget.state().trainer_step)
+        admitted: list[int] = []
+
+        def ready() -> bool:
+            version = self.budget.admit_for()
+            if version is not None:
+                admitted.append(version)
+            return version is not None
+
         try:
-            wait_saying_why(self.client, run, self.budget.try_admit, lambda waited: self.why(start, start.monotonic + waited),
+            wait_saying_why(self.client, run, ready, lambda waited: self.why(start, start.monotonic + waited),
                             self.log_every_s, "the staleness bound admits groups again", self.poll_s, self.wake.pause)
         finally:
             self.wake.close()  # subscribed only while waiting: no announcements pile up between waits
+        return admitted[0] if admitted else 0
 
     def why(self, start: WaitStart, now: float) -> str:
         run, budget = self.budget.run_id, self.budget

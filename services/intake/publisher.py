@@ -16,7 +16,11 @@ Invariants:
   queue share, before it stops for a stopped run, every ``intake.publish_burst`` groups, and
   at the end. A crash in between leaves them registered and unpublished: a re-run publishes them.
 - With a staleness bound configured, a group is published only once ``StalenessBudget``
-  admits it: intake waits instead of running too far ahead of the trainer.
+  admits it: intake waits instead of running too far ahead of the trainer. With
+  ``trainer.admit_before_served`` each of its requests carries the earliest version the
+  admission gave it (``generate_from_version``), which the rollout worker waits for; a group
+  registered by a crashed intake and published by a re-run carries 0 (its staleness is still
+  checked at use).
 - A bad row is rejected with its location and reason, recorded in Redis and counted;
   intake goes on with the next row. Rows pass the same admission ``conveyor data validate``
   uses (``adapters.admit_row``).
@@ -113,7 +117,8 @@ def run_history(client: redis.Redis, run_id: str) -> RunHistory:
                       groups.published_count(), Ledger(client).counts(run_id))
 
 
-def build_group(settings: Settings, group_id: int, task: TaskProfile, policy_version: int = 0) -> list[RolloutRequest]:
+def build_group(settings: Settings, group_id: int, task: TaskProfile, policy_version: int = 0,
+                generate_from_version: int = 0) -> list[RolloutRequest]:
     now = time.time()
     dispatched = settings.rollout.group_size + settings.rollout.redundancy  # kept: rollout.group_size
     inference = inference_target(settings)
@@ -125,6 +130,7 @@ def build_group(settings: Settings, group_id: int, task: TaskProfile, policy_ver
                 run_id=settings.run_id, group_id=group_id, episode_index=index, episode_seed=seed,
                 trajectory_id=ids.trajectory_id(settings.run_id, group_id, index, seed), members_dispatched=dispatched,
                 task=task, policy_version=policy_version, dispatched_at=now, inference=inference,
+                generate_from_version=generate_from_version,
             )
         )
     return requests
@@ -262,9 +268,13 @@ def run_intake(
         if groups.is_published(group_id):
             report.already_known += 1  # a re-run of intake: this group went out before
             continue
-        if admission is not None and not groups.is_registered(group_id) and not admission.try_now():
-            burst.publish()  # what the bound admitted goes out before intake waits
-            admission.admit()  # wait for the trainer rather than run too far ahead of it, saying why
+        first_version = 0  # the earliest policy version this group's rollouts may start on
+        if admission is not None and not groups.is_registered(group_id):
+            admitted = admission.try_now()
+            if admitted is None:
+                burst.publish()  # what the bound admitted goes out before intake waits
+                admitted = admission.admit()  # wait for the trainer rather than run too far ahead of it, saying why
+            first_version = admitted if admission.budget.admit_before_served else 0  # else: served already
         if share is not None and not groups.is_registered(group_id):
             burst.publish()  # the share counts published groups
             share.wait_for_room()  # leave the queue to other runs' groups too, saying why
@@ -275,7 +285,7 @@ def run_intake(
             log.warning("intake of run %s: the run was %s; publishing no more groups", run, report.stopped)
             break
         policy_version = served.get()
-        requests = build_group(settings, group_id, task, policy_version)
+        requests = build_group(settings, group_id, task, policy_version, first_version)
         registration = GroupRegistration(
             run_id=run, group_id=group_id, expected_size=len(requests), task_id=task.task_id,
             policy_version=policy_version, dispatched_at=requests[0].dispatched_at, env_name=task.env_name,

@@ -45,6 +45,10 @@ Invariants, per trajectory:
   fails it (the heartbeat finds the lease gone: ``LeaseLost``). Other runs' tasks go on.
 - A worker shutting down hands its running trajectories back (``in_flight``): queued again
   with the attempt not counted.
+- A request with ``generate_from_version`` (``trainer.admit_before_served``) starts its episode
+  only once that version is served (``ServedVersion.at_least``): its wait is counted in the
+  trajectory's queue wait, not in the episode's time or its timeout, and it holds the lease
+  like a running episode (a stop or a shutdown ends it the same way).
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ from services.rollout_worker.upload_outbox import UploadOutbox
 from services.rollout_worker.worker_scoring import WorkerScoring
 from shared.environments import EnvironmentConfigError, EnvironmentUnavailable, registry_for
 from shared.inline_trajectories import inline_json, inline_ref
+from shared.state.admission_wake import AdmissionWake
 from shared.state.leases import LeaseKeeper
 from shared.state.ledger import Ledger, TransitionResult
 from shared.names import trajectory_bundle_key
@@ -195,7 +200,10 @@ async def _episode(ctx: RolloutContext, request: RolloutRequest, attempt: int) -
     env = registry_for(ctx.settings.environments).make(request.task.env_name, request.task.env_config)
     served = ctx.served_versions.get(request.run_id)
     if served is None:  # one per run for the process: its episodes' turns share the reads
-        served = ctx.served_versions[request.run_id] = ServedVersion(PolicyVersion(ctx.redis, request.run_id).get)
+        served = ctx.served_versions[request.run_id] = ServedVersion(PolicyVersion(ctx.redis, request.run_id).get,
+                                                                     AdmissionWake(ctx.redis, request.run_id))
+    if request.generate_from_version:  # admitted before its weights were served (trainer.admit_before_served)
+        await served.at_least(request.generate_from_version)
     if ctx.run_servers is None:
         ctx.run_servers = RunServers.from_settings(ctx.settings)
     own = Served(ctx.inference, ctx.chat, ctx.settings.inference.max_model_len)

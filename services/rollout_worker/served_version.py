@@ -16,19 +16,32 @@ Invariants:
   error reaches every turn that waited for it.
 - ``fresh()`` runs in the process's event loop only; calling the object reads at once, from
   any thread (the agent proxy's callers).
+- ``at_least(v)`` returns a fresh read of at least ``v`` (a rollout admitted before its weights
+  were served: ``trainer.admit_before_served``). Its waiters share one wait for the version's
+  announcement (``wake``: a subscription to the run's admission channel, which
+  ``PolicyVersion.advance`` announces on), in one thread, with a read after each; an announcement
+  lost costs one ``CHANGE_POLL_S``, never a turn sampled before its version. The subscription is
+  closed when the last waiter is through, so announcements do not pile up between waits.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from typing import Any, Callable
+
+from shared.state.admission_wake import AdmissionWake
+
+CHANGE_POLL_S = 0.2  # at_least reads again at least this often, announcement or not
 
 
 class ServedVersion:
-    def __init__(self, read: Callable[[], int]):
+    def __init__(self, read: Callable[[], int], wake: AdmissionWake | None = None):
         self._read = read
         self._next: asyncio.Future[int] | None = None  # the read the callers since the last one wait for
         self._pump: asyncio.Task[None] | None = None
+        self._wake = wake  # its pause returns on an announcement or after its timeout
+        self._change: asyncio.Future[Any] | None = None  # the one wait at_least's callers share
+        self._waiting = 0  # at_least calls under way
 
     def __call__(self) -> int:
         return self._read()
@@ -39,6 +52,22 @@ class ServedVersion:
         if self._pump is None or self._pump.done():
             self._pump = asyncio.ensure_future(self._read_while_waited())
         return await asyncio.shield(self._next)
+
+    async def at_least(self, version: int) -> int:
+        """A fresh read of the served version once it is at least ``version``."""
+        self._waiting += 1
+        try:
+            while (served := await self.fresh()) < version:
+                if self._change is None or self._change.done():
+                    wake = self._wake
+                    self._change = asyncio.ensure_future(asyncio.sleep(CHANGE_POLL_S) if wake is None
+                                                         else asyncio.to_thread(wake.pause, CHANGE_POLL_S))
+                await asyncio.shield(self._change)
+            return served
+        finally:
+            self._waiting -= 1
+            if not self._waiting and self._wake is not None and (self._change is None or self._change.done()):
+                self._wake.close()  # no thread is in its pause: the next wait subscribes again
 
     async def _read_while_waited(self) -> None:
         while (waiting := self._next) is not None:

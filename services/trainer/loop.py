@@ -25,7 +25,11 @@ Invariants:
   a restart there replays the versions the replicas serve beyond the newest checkpoint,
   without serving them again, and logging each step's metrics line only if the crash came
   before it: one line per step); on start the latest checkpoint is announced again (the
-  weight follower ignores versions it already serves).
+  weight follower ignores versions it already serves). With ``trainer.admit_before_served`` the
+  optimizer step is recorded as trained (``StalenessBudget.trained``) before the publish, so the
+  next step's groups are admitted while the weights sync; they start on the new version only
+  (``shared.state.staleness``), and a crash before the commit leaves them waiting for the step the
+  restarted trainer trains again.
 - One metrics line per step, whatever crash came between. On the S3 and delta paths the
   checkpoint's manifest keeps the step's line (without ``checkpoint_s``): a trainer resumed at
   ``v`` whose metrics file lacks line ``v`` (its writer died between the commit and the line)
@@ -195,6 +199,7 @@ class TrainingLoop:
                       metrics["mismatch_kl_on_policy"], alarm.max_on_policy_mismatch_kl)
             self.counters.add(TrainerCounter.alarm_skipped_steps)
         version = self.version + 1
+        self.budget.trained(version)  # trainer.admit_before_served: the next groups are admitted while it syncs
         # before the checkpoint, which keeps them: a trainer dying between its commit and this
         # step's metrics line logs the line from there when it restarts (``_log_a_line_lost``)
         metrics |= self._rollout_metrics(batches, selection, trained_at=version - 1)

@@ -228,6 +228,11 @@ class TrainTrainerSettings(TrainerSettings):
     # inside the bound is trained off-policy instead of thrown away: its tokens were sampled by a policy
     # up to this many steps old, so turn on a correction (loss.correction, with the proximal policy)
     max_staleness_at_use: Int | None = Field(None, ge=0)
+    # admit the next step's groups once the optimizer step is done, not once its weights are served:
+    # they are published, picked up and set up while the weights sync, and their first turn waits for
+    # the version the bound gave them (RolloutRequest.generate_from_version). Which policy samples a
+    # group is the same as without it (shared.state.staleness); off: the rule as before
+    admit_before_served: bool = False
     groups_per_step: Int = Field(4, gt=0)
     max_steps: Int | None = Field(None, gt=0)  # the trainer exits after this many optimizer steps
     # while dropping: how many dropped groups one step may wait for beyond groups_per_step;

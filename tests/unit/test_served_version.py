@@ -59,3 +59,45 @@ def test_a_failed_read_reaches_every_waiting_turn_and_the_next_read_runs():
         return await served.fresh()
 
     assert asyncio.run(scenario()) == 7
+
+
+def test_at_least_waits_for_the_announced_version_sharing_one_wait(redis_url):
+    """Episodes admitted before their weights were served wait for that version; the advance's
+    announcement wakes them at once (not at the poll), and the subscription is closed after."""
+    from shared.state.admission_wake import AdmissionWake
+
+    redis_client = redis_for(redis_url)
+    version = PolicyVersion(redis_client, "sv-gate")
+    reads: list[int] = []
+
+    def read() -> int:
+        reads.append(1)
+        return version.get()
+
+    wake = AdmissionWake(redis_client, "sv-gate")
+    served = ServedVersion(read, wake)
+
+    async def scenario() -> tuple[list[int], float]:
+        waiting = [asyncio.ensure_future(served.at_least(2)) for _ in range(50)]
+        await asyncio.sleep(0.3)  # more than one poll: still waiting, version 0 then 1 are not enough
+        version.advance(1)
+        await asyncio.sleep(0.1)
+        assert not any(w.done() for w in waiting)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        version.advance(2)  # announces on the run's admission channel
+        results = await asyncio.gather(*waiting)
+        return list(results), loop.time() - t0
+
+    results, woke_after = asyncio.run(scenario())
+    assert results == [2] * 50
+    assert woke_after < 0.15  # the announcement, not the 0.2 s poll
+    assert len(reads) < 20  # 50 waiters share the reads
+    assert wake._pubsub is None  # closed once the last waiter was through
+    assert asyncio.run(served.at_least(1)) == 2  # served already: no wait
+
+
+def test_at_least_without_announcements_polls():
+    values = iter([0, 0, 5])
+    served = ServedVersion(lambda: next(values))
+    assert asyncio.run(served.at_least(5)) == 5

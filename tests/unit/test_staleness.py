@@ -39,6 +39,37 @@ def test_synchronous_mode_admits_one_step_at_a_time(redis_client, run_id):
     assert sum(budget.try_admit() for _ in range(10)) == 3
 
 
+def test_each_group_is_told_the_first_version_it_may_start_on(redis_client, run_id):
+    budget = StalenessBudget(redis_client, run_id, max_off_policy_steps=1, groups_per_step=2)
+    # (1 + 0 + 1) * 2: the first two groups belong to step 0's bound with k = 1 (version 0), as do the next two
+    assert [budget.admit_for() for _ in range(5)] == [0, 0, 0, 0, None]
+    budget.advance_step(1)
+    redis_client.set(RedisKeys.policy_version(run_id), 1)
+    assert [budget.admit_for() for _ in range(3)] == [1, 1, None]  # admitted at step 1: version 1 at the earliest
+    budget.filtered(1)
+    assert budget.admit_for() == 1  # a filtered group's slot: the same step
+
+
+def test_admitted_before_served_starts_on_the_trained_version(redis_client, run_id):
+    """trainer.admit_before_served: a synchronous step's next groups are admitted once the
+    optimizer step is done, and told to start on its version, which is not served yet."""
+    budget = StalenessBudget(redis_client, run_id, max_off_policy_steps=0, groups_per_step=2, admit_before_served=True)
+    assert [budget.admit_for() for _ in range(3)] == [0, 0, None]
+    budget.trained(1)  # the optimizer step is done; its weights are not served yet
+    assert [budget.admit_for() for _ in range(3)] == [1, 1, None]
+    assert budget.terms().step == 1 and budget.terms().served_version == 0
+    budget.trained(2)  # never more than one version past the served one
+    assert budget.admit_for() is None
+    redis_client.set(RedisKeys.policy_version(run_id), 1)
+    budget.advance_step(1)
+    assert [budget.admit_for() for _ in range(3)] == [2, 2, None]
+    # without the setting the same hash admits on the served version only, and trained() writes nothing
+    plain = StalenessBudget(redis_client, run_id + "-plain", 0, 2)
+    plain.trained(1)
+    assert [plain.admit_for() for _ in range(3)] == [0, 0, None]
+    assert "trained_step" not in redis_client.hgetall(RedisKeys.staleness(run_id + "-plain"))
+
+
 def test_step_never_goes_back(redis_client, run_id):
     budget = StalenessBudget(redis_client, run_id, 1, 1)
     assert budget.advance_step(3) == 3
@@ -105,6 +136,26 @@ def test_the_groups_one_admission_lets_in_go_out_together_once_all_are_registere
     PolicyVersion(redis_client, run_id).advance(1)
     worker.join(10)
     assert [g for g, _ in seen] == list(range(6)) and not worker.is_alive()
+
+
+def test_intake_admitting_before_served_tells_each_request_its_first_version(redis_client, redis_url, run_id):
+    settings = Settings(run_id=run_id, redis={"url": redis_url}, rollout={"group_size": 2},
+                        trainer={"max_off_policy_steps": 0, "groups_per_step": 2, "admit_before_served": True})
+    rows = [Row(f"mem:{i}", {"task_data": {"low": 1, "high": 9, "target": 5}}) for i in range(4)]
+    published: list[list] = []
+    worker = threading.Thread(target=run_intake, args=(settings, rows, redis_client, published.append), daemon=True)
+    worker.start()
+    deadline = time.monotonic() + 10
+    while len(published) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    budget = StalenessBudget(redis_client, run_id, 0, 2, admit_before_served=True)
+    budget.trained(1)  # the optimizer step: the next groups go out before version 1 is served
+    worker.join(10)
+    assert not worker.is_alive() and PolicyVersion(redis_client, run_id).get() == 0
+    assert [[r.generate_from_version for r in group] for group in published] == [[0, 0], [0, 0], [1, 1], [1, 1]]
+    first, later = published[0][0], published[2][0]
+    assert "generate_from_version" not in first.model_dump() and later.model_dump()["generate_from_version"] == 1
+    assert type(later).model_validate_json(later.model_dump_json()) == later
 
 
 def test_intake_publishes_a_group_a_crash_left_registered_but_unpublished(redis_client, redis_url, run_id):
