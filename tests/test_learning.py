@@ -105,7 +105,7 @@ def test_a_lora_run_serves_every_version_it_trains(tmp_path):
     8. The tiny model's reward over 8 steps is noise, so it is only checked to be a reward.
 
     It runs with ``trainer.admit_before_served``: each step's groups are admitted as soon as the
-    optimizer step is done and wait in the rollout worker for the adapter of their version, so
+    trainer begins a step and wait in the rollout worker for the adapter of their version, so
     the same checks show that no turn was sampled before its version was served (a turn sampled
     by the adapter before would be labelled one version behind, and dropped as stale at k = 0;
     its tokens would disagree with the trainer's logprobs)."""

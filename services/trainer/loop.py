@@ -26,10 +26,10 @@ Invariants:
   without serving them again, and logging each step's metrics line only if the crash came
   before it: one line per step); on start the latest checkpoint is announced again (the
   weight follower ignores versions it already serves). With ``trainer.admit_before_served`` the
-  optimizer step is recorded as trained (``StalenessBudget.trained``) before the publish, so the
-  next step's groups are admitted while the weights sync; they start on the new version only
+  step is recorded as under way (``StalenessBudget.begin_step``) once its selection is recorded, so
+  the next step's groups are admitted while it trains and syncs; they start on its version only
   (``shared.state.staleness``), and a crash before the commit leaves them waiting for the step the
-  restarted trainer trains again.
+  restarted trainer trains again (on the same recorded selection).
 - One metrics line per step, whatever crash came between. On the S3 and delta paths the
   checkpoint's manifest keeps the step's line (without ``checkpoint_s``): a trainer resumed at
   ``v`` whose metrics file lacks line ``v`` (its writer died between the commit and the line)
@@ -188,6 +188,10 @@ class TrainingLoop:
         self.check_alarms()
         self._in_step = True
         self._record_selection(selection)
+        # trainer.admit_before_served: the next step's groups are admitted now, and set up while this one
+        # trains (one thread: a core is free then) and syncs; they start on its version (the selection is
+        # recorded: a restarted trainer trains this step again on the same groups)
+        self.budget.begin_step(self.version + 1)
         if self.ranks is not None:
             self.ranks.send(StepOrder(self.version + 1, tuple(selection.keys)))
         batches = [self.handoff.take(self.store, key) for key in selection.keys]  # in memory, else read from S3
@@ -199,7 +203,6 @@ class TrainingLoop:
                       metrics["mismatch_kl_on_policy"], alarm.max_on_policy_mismatch_kl)
             self.counters.add(TrainerCounter.alarm_skipped_steps)
         version = self.version + 1
-        self.budget.trained(version)  # trainer.admit_before_served: the next groups are admitted while it syncs
         # before the checkpoint, which keeps them: a trainer dying between its commit and this
         # step's metrics line logs the line from there when it restarts (``_log_a_line_lost``)
         metrics |= self._rollout_metrics(batches, selection, trained_at=version - 1)

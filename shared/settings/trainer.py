@@ -228,8 +228,8 @@ class TrainTrainerSettings(TrainerSettings):
     # inside the bound is trained off-policy instead of thrown away: its tokens were sampled by a policy
     # up to this many steps old, so turn on a correction (loss.correction, with the proximal policy)
     max_staleness_at_use: Int | None = Field(None, ge=0)
-    # admit the next step's groups once the optimizer step is done, not once its weights are served:
-    # they are published, picked up and set up while the weights sync, and their first turn waits for
+    # admit the next step's groups once the trainer begins a step, not once its weights are served:
+    # they are published, picked up and set up while it trains and syncs, and their first turn waits for
     # the version the bound gave them (RolloutRequest.generate_from_version). Which policy samples a
     # group is the same as without it (shared.state.staleness); off: the rule as before
     admit_before_served: bool = False

@@ -19,10 +19,11 @@ Invariants:
 - Each admitted group gets the earliest version its rollouts may start on (``admit_for``): the step
   ``s`` at which the rule admits it, the smallest with ``held <= (max_off_policy_steps + s + 1) *
   groups_per_step``. Without ``admit_before_served`` that version is already served.
-  With it (``trainer.admit_before_served``), the step in the bound is the trainer's optimizer step
-  (``trained``, the ``trained_step`` field) capped at one past the served version: a synchronous
-  step's next groups are admitted, published and picked up while its weights sync, and their first
-  turn waits in the rollout worker until ``s`` is served (``RolloutRequest.generate_from_version``).
+  With it (``trainer.admit_before_served``), the step in the bound is the step the trainer has
+  begun (``begin_step``, the ``begun_step`` field: its groups selected and recorded), capped at one
+  past the served version: a synchronous step's next groups are admitted, published and picked up
+  while it trains and its weights sync, and their first turn waits in the rollout worker until
+  ``s`` is served (``RolloutRequest.generate_from_version``).
   So the policy that samples a group is never older than without it; only where the group waits moves.
 - Two bounds: ``max_off_policy_steps`` bounds admission (the rule above), ``max_staleness_at_use``
   (never below it; None: the same) bounds use: a group whose oldest turn is more than it behind the
@@ -33,10 +34,10 @@ Invariants:
   (``advance_step``), and it comes back from the checkpoint after a restart.
 - Intake waits on ``try_admit`` and says why while it waits (``services.intake.admission_wait``,
   which reads the rule's terms through ``terms``). Every write that can raise the bound
-  (``advance_step``, ``trained``, ``filtered``, and the served version's ``PolicyVersion.advance``) is
+  (``advance_step``, ``begin_step``, ``filtered``, and the served version's ``PolicyVersion.advance``) is
   announced (``shared.state.admission_wake``), so the wait ends at once, not at its next poll.
 - ``StalenessBudget`` is the one owner of the run's staleness hash (``RedisKeys.staleness``):
-  its fields are ``ADMITTED``, ``FILTERED``, ``TRAINER_STEP`` and ``TRAINED_STEP``; a Lua script elsewhere that
+  its fields are ``ADMITTED``, ``FILTERED``, ``TRAINER_STEP`` and ``BEGUN_STEP``; a Lua script elsewhere that
   must move one in the same call as other state takes its name from here.
 """
 
@@ -62,8 +63,8 @@ local filtered = tonumber(redis.call('HGET', staleness, 'filtered') or '0')
 local step = tonumber(redis.call('HGET', staleness, 'trainer_step') or '0')
 local served = tonumber(redis.call('GET', served_key) or '0')
 if ARGV[3] == '1' then
-  local trained = tonumber(redis.call('HGET', staleness, 'trained_step') or '0')
-  if trained > step then step = trained end
+  local begun = tonumber(redis.call('HGET', staleness, 'begun_step') or '0')
+  if begun > step then step = begun end
   if served + 1 < step then step = served + 1 end
 elseif served < step then
   step = served
@@ -76,7 +77,7 @@ if first < 0 then first = 0 end
 return first + 1
 """
 
-# KEYS: staleness hash ; ARGV: field (trainer_step or trained_step), new step -> the step now recorded (never lowered)
+# KEYS: staleness hash ; ARGV: field (trainer_step or begun_step), new step -> the step now recorded (never lowered)
 _ADVANCE = """
 local staleness, field, new_step = KEYS[1], ARGV[1], tonumber(ARGV[2])
 local step = tonumber(redis.call('HGET', staleness, field) or '0')
@@ -112,7 +113,7 @@ def budget_key(run_id: str) -> str:
 
 
 class StalenessBudget:
-    ADMITTED, FILTERED, TRAINER_STEP, TRAINED_STEP = "admitted", "filtered", "trainer_step", "trained_step"  # the hash's fields
+    ADMITTED, FILTERED, TRAINER_STEP, BEGUN_STEP = "admitted", "filtered", "trainer_step", "begun_step"  # the hash's fields
 
     def __init__(self, client: redis.Redis, run_id: str, max_off_policy_steps: int, groups_per_step: int,
                  max_staleness_at_use: int | None = None, admit_before_served: bool = False):
@@ -156,11 +157,12 @@ class StalenessBudget:
         announce(self.redis, self.run_id)
         return recorded
 
-    def trained(self, step: int) -> None:
-        """Optimizer step ``step`` is done, its weights not yet served: with ``admit_before_served``
-        the bound admits its next groups now (they start on ``step``); nothing else reads it."""
+    def begin_step(self, step: int) -> None:
+        """The trainer has begun step ``step`` (its groups selected and recorded; a restarted trainer
+        trains it again on them): with ``admit_before_served`` the bound admits the next step's groups
+        now (they start on version ``step``, once served); nothing else reads it."""
         if self.admit_before_served:
-            self._advance(keys=[self.key], args=[self.TRAINED_STEP, step])
+            self._advance(keys=[self.key], args=[self.BEGUN_STEP, step])
             announce(self.redis, self.run_id)
 
     def state(self) -> StalenessState:
@@ -173,7 +175,7 @@ class StalenessBudget:
         state = StalenessState(int(raw.get(self.ADMITTED, 0)), int(raw.get(self.FILTERED, 0)), int(raw.get(self.TRAINER_STEP, 0)))
         step = min(state.trainer_step, served)
         if self.admit_before_served:
-            step = min(max(state.trainer_step, int(raw.get(self.TRAINED_STEP, 0))), served + 1)
+            step = min(max(state.trainer_step, int(raw.get(self.BEGUN_STEP, 0))), served + 1)
         bound = (self.max_off_policy_steps + step + 1) * self.groups_per_step
         return AdmissionTerms(state.admitted - state.filtered, bound, state.trainer_step, served, step)
 

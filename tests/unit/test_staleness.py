@@ -52,22 +52,22 @@ def test_each_group_is_told_the_first_version_it_may_start_on(redis_client, run_
 
 def test_admitted_before_served_starts_on_the_trained_version(redis_client, run_id):
     """trainer.admit_before_served: a synchronous step's next groups are admitted once the
-    optimizer step is done, and told to start on its version, which is not served yet."""
+    trainer begins the step, and told to start on its version, which is not served yet."""
     budget = StalenessBudget(redis_client, run_id, max_off_policy_steps=0, groups_per_step=2, admit_before_served=True)
     assert [budget.admit_for() for _ in range(3)] == [0, 0, None]
-    budget.trained(1)  # the optimizer step is done; its weights are not served yet
+    budget.begin_step(1)  # the trainer began step 1; its weights are not served yet
     assert [budget.admit_for() for _ in range(3)] == [1, 1, None]
     assert budget.terms().step == 1 and budget.terms().served_version == 0
-    budget.trained(2)  # never more than one version past the served one
+    budget.begin_step(2)  # never more than one version past the served one
     assert budget.admit_for() is None
     redis_client.set(RedisKeys.policy_version(run_id), 1)
     budget.advance_step(1)
     assert [budget.admit_for() for _ in range(3)] == [2, 2, None]
-    # without the setting the same hash admits on the served version only, and trained() writes nothing
+    # without the setting the same hash admits on the served version only, and begin_step() writes nothing
     plain = StalenessBudget(redis_client, run_id + "-plain", 0, 2)
-    plain.trained(1)
+    plain.begin_step(1)
     assert [plain.admit_for() for _ in range(3)] == [0, 0, None]
-    assert "trained_step" not in redis_client.hgetall(RedisKeys.staleness(run_id + "-plain"))
+    assert "begun_step" not in redis_client.hgetall(RedisKeys.staleness(run_id + "-plain"))
 
 
 def test_step_never_goes_back(redis_client, run_id):
@@ -149,7 +149,7 @@ def test_intake_admitting_before_served_tells_each_request_its_first_version(red
     while len(published) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     budget = StalenessBudget(redis_client, run_id, 0, 2, admit_before_served=True)
-    budget.trained(1)  # the optimizer step: the next groups go out before version 1 is served
+    budget.begin_step(1)  # the trainer began step 1: the next groups go out before version 1 is served
     worker.join(10)
     assert not worker.is_alive() and PolicyVersion(redis_client, run_id).get() == 0
     assert [[r.generate_from_version for r in group] for group in published] == [[0, 0], [0, 0], [1, 1], [1, 1]]
