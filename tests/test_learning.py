@@ -77,8 +77,10 @@ def assert_clear_learning(run: LearningRun, logprob_tolerance: float) -> None:
     assert lags and max(lags) <= 1
     # the trainer's logprobs and vLLM's agree on tokens sampled by the same weights
     assert run.steps[0]["logprob_mad_on_policy"] < logprob_tolerance
-    # weight syncs happened and were timed (the follower records each one)
-    syncs = [h["weight_sync_s"] for h in run.steps if h["weight_sync_s"] is not None]  # null: no sync that step
+    # weight syncs happened and were timed (the follower records each one; on the broadcast path the
+    # trainer's own sync is in its step's line)
+    syncs = [h["weight_sync_s"] if h["weight_sync_s"] is not None else h.get("broadcast_sync_s") for h in run.steps]
+    syncs = [s for s in syncs if s is not None]  # null: no sync that step
     assert len(syncs) >= len(run.steps) - 2 and max(syncs) < 5
     # every sync was verified by the probe: vLLM served the trainer's logprobs to the precision's noise
     probes = [h["served_probe_max_abs_diff"] for h in run.steps if h["served_probe_max_abs_diff"] is not None]

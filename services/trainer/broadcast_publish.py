@@ -31,6 +31,9 @@ Invariants:
   monotonic, and the version stays the number of optimizer steps and the train queue position.
 - At most one checkpoint is being written at a time, and a failed write raises at the next
   ``publish`` (or in ``close``), never silently.
+- A step's metrics carry its own sync: ``broadcast_sync_s`` and the probe's
+  ``served_probe_max_abs_diff`` for the version just broadcast (on the S3 path that field is the
+  weight follower's last sync, of the version before).
 """
 
 from __future__ import annotations
@@ -133,8 +136,9 @@ class BroadcastPublisher:
             self._unwritten = None
         else:
             self._unwritten = _Unwritten(version, model, tokenizer, optimizer, step, dataset_versions, announce)
+        probed = {"served_probe_max_abs_diff": report.extra["probe_max_abs_diff"]} if "probe_max_abs_diff" in report.extra else {}
         return {"snapshot_s": t1 - t0, "broadcast_sync_s": t2 - t1, "broadcast_s": report.reload_s, "replayed": 0.0,
-                "checkpoint_queued": float(write), "checkpoint_deferred": float(due and busy)}
+                "checkpoint_queued": float(write), "checkpoint_deferred": float(due and busy), **probed}
 
     def wait(self) -> None:
         """Wait for the checkpoint being written (if any); its failure is raised here."""
