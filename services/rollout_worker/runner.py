@@ -48,7 +48,8 @@ Invariants, per trajectory:
 - A request with ``generate_from_version`` (``trainer.admit_before_served``) starts its episode
   only once that version is served (``ServedVersion.at_least``): its wait is counted in the
   trajectory's queue wait, not in the episode's time or its timeout, and it holds the lease
-  like a running episode (a stop or a shutdown ends it the same way).
+  like a running episode (a stop or a shutdown ends it the same way). A long wait is logged
+  with the version it waits for and the one served, at doubling intervals.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ INFRA_ERRORS: tuple[type[BaseException], ...] = (
     redis.ConnectionError, redis.TimeoutError, kombu.exceptions.OperationalError,
 )
 MAX_TRACEBACK_CHARS = 8000
+VERSION_WAIT_LOG_S, MAX_VERSION_WAIT_LOG_S = 60.0, 600.0  # a wait for a version not yet served is logged
 FinishedEpisode = tuple[Trajectory, str]  # a finished trajectory and its attempt's lease token
 HandedOn = tuple[RolloutResult, ScoringTask | None]  # its outcome, and its scoring task to send
 Uploads = UploadOutbox[FinishedEpisode, HandedOn]
@@ -203,7 +205,7 @@ async def _episode(ctx: RolloutContext, request: RolloutRequest, attempt: int) -
         served = ctx.served_versions[request.run_id] = ServedVersion(PolicyVersion(ctx.redis, request.run_id).get,
                                                                      AdmissionWake(ctx.redis, request.run_id))
     if request.generate_from_version:  # admitted before its weights were served (trainer.admit_before_served)
-        await served.at_least(request.generate_from_version)
+        await _wait_for_version(served, request)
     if ctx.run_servers is None:
         ctx.run_servers = RunServers.from_settings(ctx.settings)
     own = Served(ctx.inference, ctx.chat, ctx.settings.inference.max_model_len)
@@ -212,6 +214,24 @@ async def _episode(ctx: RolloutContext, request: RolloutRequest, attempt: int) -
     driver = driver_for(env, TokenLoopDriver(server.client, server.chat, ctx.store),
                         AgentDriver(lambda: agent_proxy_of(ctx), ctx.store, server))
     return await driver.run(request, env, limits, policy_version=served, attempt=attempt, worker=ctx.worker_name)
+
+
+async def _wait_for_version(served: ServedVersion, request: RolloutRequest) -> None:
+    """Wait until the request's ``generate_from_version`` is served, saying so at doubling
+    intervals from ``VERSION_WAIT_LOG_S`` (a trainer that stopped serving new versions holds the
+    episode here, as it would hold intake without the setting)."""
+    wanted, every, waited = request.generate_from_version, VERSION_WAIT_LOG_S, 0.0
+    arrival = asyncio.ensure_future(served.at_least(wanted))
+    try:
+        while not (await asyncio.wait({arrival}, timeout=every))[0]:
+            waited += every
+            log.warning("%s waits %.0fs for policy version %d to be served (trainer.admit_before_served admitted it "
+                        "before its weights were served; served now: %d): the trainer's log says whether it still "
+                        "trains and syncs", request.trajectory_id, waited, wanted, served())
+            every = min(2 * every, MAX_VERSION_WAIT_LOG_S)
+        arrival.result()
+    finally:
+        arrival.cancel()  # cancelled itself (a lost lease, a shutdown): the shared wait goes on for the others
 
 
 async def agent_proxy_of(ctx: RolloutContext) -> AgentProxy:

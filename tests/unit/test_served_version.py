@@ -101,3 +101,27 @@ def test_at_least_without_announcements_polls():
     values = iter([0, 0, 5])
     served = ServedVersion(lambda: next(values))
     assert asyncio.run(served.at_least(5)) == 5
+
+
+def test_a_long_wait_for_a_version_is_logged_and_ends_when_it_is_served(monkeypatch, caplog):
+    import logging
+    import types
+
+    from services.rollout_worker import runner
+
+    monkeypatch.setattr(runner, "VERSION_WAIT_LOG_S", 0.1)
+    version = {"served": 1}
+    served = ServedVersion(lambda: version["served"])
+    request = types.SimpleNamespace(trajectory_id="run/0/0", generate_from_version=2)
+
+    async def scenario() -> None:
+        waiting = asyncio.ensure_future(runner._wait_for_version(served, request))
+        await asyncio.sleep(0.35)
+        assert not waiting.done()
+        version["served"] = 2
+        await asyncio.wait_for(waiting, 1)
+
+    with caplog.at_level(logging.WARNING, logger=runner.__name__):
+        asyncio.run(scenario())
+    lines = [r.getMessage() for r in caplog.records if "waits" in r.getMessage()]
+    assert lines and "policy version 2" in lines[0] and "served now: 1" in lines[0], lines
