@@ -188,7 +188,7 @@ class TrainingLoop:
         self.check_alarms()
         self._in_step = True
         self._record_selection(selection)
-        # trainer.admit_before_served: the next step's groups are admitted now, and set up while this one
+        # trainer.admit_before_served: the next step's groups are admitted now, and claimed while this one
         # trains (one thread: a core is free then) and syncs; they start on its version (the selection is
         # recorded: a restarted trainer trains this step again on the same groups)
         self.budget.begin_step(self.version + 1)

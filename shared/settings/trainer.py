@@ -229,8 +229,8 @@ class TrainTrainerSettings(TrainerSettings):
     # up to this many steps old, so turn on a correction (loss.correction, with the proximal policy)
     max_staleness_at_use: Int | None = Field(None, ge=0)
     # admit the next step's groups once the trainer begins a step, not once its weights are served:
-    # they are published, picked up and set up while it trains and syncs, and their first turn waits for
-    # the version the bound gave them (RolloutRequest.generate_from_version). Which policy samples a
+    # they are published and claimed while it trains and syncs, and the episode waits (before its reset)
+    # for the version the bound gave them (RolloutRequest.generate_from_version). Which policy samples a
     # group is the same as without it (shared.state.staleness); off: the rule as before
     admit_before_served: bool = False
     groups_per_step: Int = Field(4, gt=0)

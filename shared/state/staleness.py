@@ -57,12 +57,13 @@ from shared.state.policy_version import PolicyVersion
 # admit_before_served (1/0) -> 0 not admitted / 1 + the version the group's rollouts start on at the earliest
 _TRY_ADMIT = """
 local staleness, served_key = KEYS[1], KEYS[2]
-local max_off_policy_steps, groups_per_step = tonumber(ARGV[1]), tonumber(ARGV[2])
+local max_off_policy_steps, groups_per_step, admit_before_served = ARGV[1], ARGV[2], ARGV[3]
+local k, per_step = tonumber(max_off_policy_steps), tonumber(groups_per_step)
 local admitted = tonumber(redis.call('HGET', staleness, 'admitted') or '0')
 local filtered = tonumber(redis.call('HGET', staleness, 'filtered') or '0')
 local step = tonumber(redis.call('HGET', staleness, 'trainer_step') or '0')
 local served = tonumber(redis.call('GET', served_key) or '0')
-if ARGV[3] == '1' then
+if admit_before_served == '1' then
   local begun = tonumber(redis.call('HGET', staleness, 'begun_step') or '0')
   if begun > step then step = begun end
   if served + 1 < step then step = served + 1 end
@@ -70,20 +71,21 @@ elseif served < step then
   step = served
 end
 local held = admitted - filtered + 1
-if held > (max_off_policy_steps + step + 1) * groups_per_step then return 0 end
+if held > (k + step + 1) * per_step then return 0 end
 redis.call('HINCRBY', staleness, 'admitted', 1)
-local first = math.floor((held + groups_per_step - 1) / groups_per_step) - max_off_policy_steps - 1
+local first = math.floor((held + per_step - 1) / per_step) - k - 1
 if first < 0 then first = 0 end
 return first + 1
 """
 
 # KEYS: staleness hash ; ARGV: field (trainer_step or begun_step), new step -> the step now recorded (never lowered)
 _ADVANCE = """
-local staleness, field, new_step = KEYS[1], ARGV[1], tonumber(ARGV[2])
+local staleness = KEYS[1]
+local field, new_step = ARGV[1], ARGV[2]
 local step = tonumber(redis.call('HGET', staleness, field) or '0')
-if new_step > step then
+if tonumber(new_step) > step then
   redis.call('HSET', staleness, field, new_step)
-  return new_step
+  return tonumber(new_step)
 end
 return step
 """
