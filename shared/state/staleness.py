@@ -168,13 +168,15 @@ class StalenessBudget:
             announce(self.redis, self.run_id)
 
     def state(self) -> StalenessState:
-        raw = self.redis.hgetall(self.key)
+        return self._state_of(self.redis.hgetall(self.key))
+
+    def _state_of(self, raw: dict) -> StalenessState:
         return StalenessState(int(raw.get(self.ADMITTED, 0)), int(raw.get(self.FILTERED, 0)), int(raw.get(self.TRAINER_STEP, 0)))
 
     def terms(self) -> AdmissionTerms:
         """The rule's terms now (read, not admitted: the same formula as ``_TRY_ADMIT``)."""
         raw, served = self.redis.hgetall(self.key), self.served.get()
-        state = StalenessState(int(raw.get(self.ADMITTED, 0)), int(raw.get(self.FILTERED, 0)), int(raw.get(self.TRAINER_STEP, 0)))
+        state = self._state_of(raw)
         step = min(state.trainer_step, served)
         if self.admit_before_served:
             step = min(max(state.trainer_step, int(raw.get(self.BEGUN_STEP, 0))), served + 1)
