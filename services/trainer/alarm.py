@@ -29,6 +29,7 @@ import logging
 from typing import Any
 
 from shared.state.policy_version import PolicyVersion
+from shared.state.run_marker import TRAINER_STOPS, RunMarker
 from shared.settings import LogprobAlarmSettings
 from shared.state.trainer_counters import TrainerCounter, TrainerCounters
 from shared.state.weight_sync_record import WeightSyncRecord
@@ -67,8 +68,9 @@ def on_policy_breach(mad: float, mismatch_kl: float, settings: LogprobAlarmSetti
 class ServedWeightsAlarm:
     """Reads the weight follower's failure record for the run and applies the alarm's action."""
 
-    def __init__(self, redis: Any, run_id: str, settings: LogprobAlarmSettings):
+    def __init__(self, redis: Any, run_id: str, settings: LogprobAlarmSettings, marker: RunMarker | None = None):
         self.redis, self.run_id, self.settings = redis, run_id, settings
+        self.marker = marker or RunMarker(redis, run_id)  # its count is never written into a Redis that lost the run
         self.weight_syncs = WeightSyncRecord(redis, run_id)
         self.served = PolicyVersion(redis, run_id)
         self.counters = TrainerCounters(redis, run_id)
@@ -90,5 +92,6 @@ class ServedWeightsAlarm:
         if version not in self._reported:
             self._reported.add(version)
             log.error("%s (trainer.logprob_alarm.action=skip_step: training goes on)", message)
-            self.counters.add(TrainerCounter.alarm_failed_syncs)
+            self.marker.guarded(lambda tx: self.counters.add(TrainerCounter.alarm_failed_syncs, transaction=tx),
+                                TRAINER_STOPS)
         return True

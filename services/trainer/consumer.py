@@ -42,7 +42,9 @@ Invariants:
   was lost with the connection.
 - A run whose data Redis lost (``shared.state.run_marker``: checked at start, against the object
   store too, and at every poll) stops the consumer with ``RedisDataLost``: it never goes on
-  with an empty ledger.
+  with an empty ledger. Its writes outside the ledger's guarded moves (a group's transaction,
+  an event counted alone) are ``RunMarker.guarded``, so one that waited out the Redis restart
+  that lost the run is refused, not applied to the empty Redis.
 - The loop that reads (``services.trainer.process.TrainerProcess``) asks ``keep_reading`` before
   each read, and stops only between two reads, never in the middle of a group: what was read and
   not yet decided stays pending in the stream.
@@ -72,7 +74,7 @@ from shared import outage
 from shared.state.ledger import UNFINISHED, Ledger
 from shared.outcomes import FailureKind, reason
 from shared.names import batch_key, group_record_key
-from shared.state.run_marker import RunMarker
+from shared.state.run_marker import TRAINER_STOPS, RunMarker
 from shared.state.run_records import RunRecords
 from shared.state.run_stop import RunStop, end_unfinished, stop_of
 from shared.state.dead_letters import DeadLetters
@@ -100,7 +102,7 @@ log = logging.getLogger(__name__)
 # the Redis consumer group that reads the trainer stream (a group of stream readers, not a GRPO
 # group); named in shared: intake reads whether a trainer reads the run
 STREAM_READERS = TRAINER_CONSUMER_GROUP
-_STOPS = "stops rather than train on it"
+_STOPS = TRAINER_STOPS
 
 
 @dataclass
@@ -224,15 +226,15 @@ class TrainerConsumer:
             event = parse_message(TrainerEvent, fields["event"])
             self._expected_size(event.group_id)  # unknown group -> KeyError now, not later
         except (KeyError, BadMessage) as exc:  # the entry stays in the stream; it is acked, not deleted
+            self._count(TrainerCounter.bad_events)  # first: a group unknown since Redis lost the run stops here
             log.error("trainer stream entry %s rejected: %s", entry_id, exc)
             if isinstance(exc, BadMessage):
                 self.dead_letters.add(f"{self.stream} entry {entry_id}", exc)
-            self.trainer_counters.add(TrainerCounter.bad_events)
             self.client.xack(self.stream, STREAM_READERS, entry_id)
             return []
         outcome, group = self.assembler.add(event, entry_id)
         if outcome != "added":
-            self.trainer_counters.add(TrainerCounter.duplicate_events if outcome == "duplicate" else TrainerCounter.late_events)
+            self._count(TrainerCounter.duplicate_events if outcome == "duplicate" else TrainerCounter.late_events)
             if outcome == "late":
                 self.client.xack(self.stream, STREAM_READERS, entry_id)
             return []
@@ -330,25 +332,15 @@ class TrainerConsumer:
         return failed
 
     def _commit(self, group_id: int, fill: Callable[[redis.client.Pipeline], None]) -> None:
-        """Run a group's final transaction exactly once, and never into a Redis that lost the run:
-        it watches the run's marker and the done set. A transaction cut by a lost connection is
-        looked at again: done already (its reply was lost), or done now; a vanished marker
-        stops the trainer (``RedisDataLost``) instead of writing the group into an empty Redis."""
+        """Run a group's final transaction exactly once, and never into a Redis that lost the run
+        (``RunMarker.guarded`` watches the run's marker, and here the done set too). A transaction
+        cut by a lost connection is looked at again: done already (its reply was lost), or done now."""
         done = self.groups.done_key
-        while True:
-            try:
-                with self.client.pipeline(transaction=True) as tx:
-                    tx.watch(self.marker.key, done)
-                    if not tx.exists(self.marker.key):
-                        self.marker.check(_STOPS)
-                    if tx.sismember(done, str(group_id)):  # what redis-py would send for the int
-                        return
-                    tx.multi()
-                    fill(tx)
-                    tx.execute()
-                    return
-            except redis.WatchError:
-                self.marker.check(_STOPS)
+        self.marker.guarded(fill, _STOPS, watch=(done,), unless=lambda tx: bool(tx.sismember(done, str(group_id))))
+
+    def _count(self, counter: TrainerCounter) -> None:
+        """Count one event outside a group's transaction, never into a Redis that lost the run."""
+        self.marker.guarded(lambda tx: self.trainer_counters.add(counter, transaction=tx), _STOPS)
 
     # --- bookkeeping ------------------------------------------------------------------------
     def _registration(self, group_id: int) -> GroupRegistration:

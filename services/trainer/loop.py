@@ -58,6 +58,7 @@ import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from services.weights.broadcast import WeightBroadcaster
 from services.trainer.alarm import ServedWeightsAlarm
@@ -81,6 +82,7 @@ from shared.state.train_queue import TrainQueue
 from shared.state.trainer_counters import TrainerCounter, TrainerCounters
 from shared.state.checkpoint_announcements import CheckpointAnnouncements
 from shared.state.policy_version import PolicyVersion
+from shared.state.run_marker import TRAINER_STOPS, RunMarker
 from shared.state.run_records import RunRecords
 from shared.state.step_metrics import StepMetrics
 from shared.state.weight_sync_record import WeightSyncRecord
@@ -99,15 +101,17 @@ class TrainingLoop:
     ranks: TrainerRanks | None = None  # the leader of a torchrun job (services.trainer.distributed)
     broadcaster: WeightBroadcaster | None = None  # inference.weight_sync nccl: built from settings unless given
     handoff: BatchHandoff = field(default_factory=lambda: BatchHandoff(0))  # the consumer's batches in memory; 0: S3
+    marker: RunMarker | None = None  # the run's marker, as the consumer saw it; None: the loop's own
 
     def __post_init__(self) -> None:
         self.run_id = self.settings.run_id
         self.redis = self.budget.redis
+        self.run_marker = self.marker or RunMarker(self.redis, self.run_id, self.store)
         self.training = training(self.settings.trainer)  # the train variant: built in mode train only
         self.groups_per_step = self.training.groups_per_step
         trainer = self.settings.trainer
         self.trainer, self.tokenizer = trainer_from_settings(self.settings, shard=self.ranks is not None)
-        self.served_alarm = ServedWeightsAlarm(self.redis, self.run_id, trainer.logprob_alarm)
+        self.served_alarm = ServedWeightsAlarm(self.redis, self.run_id, trainer.logprob_alarm, self.run_marker)
         self.counters = TrainerCounters(self.redis, self.run_id)
         self.weight_syncs = WeightSyncRecord(self.redis, self.run_id)
         self._reported_bad: set[int] = set()  # queue positions of bad entries already logged
@@ -122,7 +126,7 @@ class TrainingLoop:
         self.delta = DeltaPublisher(self.settings, self.store, PolicyVersion(self.redis, self.run_id).get) \
             if self.settings.inference.weight_sync.mode == "delta" else None
         self._in_step = False  # weights may differ from the last published version's
-        self.budget.advance_step(self.version)
+        self._write(lambda tx: self.budget.advance_step(self.version, transaction=tx))
         self.train_queue = TrainQueue(self.redis, self.run_id)
         self._last_step_at: float | None = None
         self._ready_selection: tuple[int, Selection] | None = None  # ready()'s (at version), for train_once
@@ -188,10 +192,6 @@ class TrainingLoop:
         self.check_alarms()
         self._in_step = True
         self._record_selection(selection)
-        # trainer.admit_before_served: the next step's groups are admitted now, and claimed while this one
-        # trains (one thread: a core is free then) and syncs; they start on its version (the selection is
-        # recorded: a restarted trainer trains this step again on the same groups)
-        self.budget.begin_step(self.version + 1)
         if self.ranks is not None:
             self.ranks.send(StepOrder(self.version + 1, tuple(selection.keys)))
         batches = [self.handoff.take(self.store, key) for key in selection.keys]  # in memory, else read from S3
@@ -201,7 +201,7 @@ class TrainingLoop:
             log.error("step %d applied no update: logprob alarm (on-policy mean |dlogprob| %.3g, max %g; mismatch KL "
                       "%.3g, max %g)", self.version + 1, metrics["logprob_mad_on_policy"], alarm.max_on_policy_mad,
                       metrics["mismatch_kl_on_policy"], alarm.max_on_policy_mismatch_kl)
-            self.counters.add(TrainerCounter.alarm_skipped_steps)
+            self._write(lambda tx: self.counters.add(TrainerCounter.alarm_skipped_steps, transaction=tx))
         version = self.version + 1
         # before the checkpoint, which keeps them: a trainer dying between its commit and this
         # step's metrics line logs the line from there when it restarts (``_log_a_line_lost``)
@@ -227,7 +227,7 @@ class TrainingLoop:
         checkpoint_s = time.perf_counter() - t0
         self._in_step = False
         self.version = version
-        self.budget.advance_step(version)
+        self._write(lambda tx: self.budget.advance_step(version, transaction=tx))
         metrics["checkpoint_s"] = checkpoint_s
         if not (metrics.get("replayed") and self.metrics.logged(version)):  # one line per step, replays included
             self.metrics.log(version, metrics)
@@ -260,11 +260,26 @@ class TrainingLoop:
     def _record_step(self, version: int, metrics: dict[str, float]) -> None:
         """The step's metrics on the run's capped steps stream, for the viewer (strict JSON)."""
         line = {"step": version, "time": time.time(), **{k: finite_or_none(v) for k, v in metrics.items()}}
-        StepMetrics(self.redis, self.run_id).append(line)
+        self._write(lambda tx: StepMetrics(self.redis, self.run_id).append(line, transaction=tx))
 
     def _record_selection(self, selection: Selection) -> None:
-        self.train_queue.commit_selection(self.version + 1, selection.cursor, selection.stale, len(selection.keys),
-                                          len(selection.bad), selection.deferred)
+        """Record the step's selection and, in the same transaction, begin the step: with
+        ``trainer.admit_before_served`` the next step's groups are admitted now, and claimed while
+        this step trains (one thread: a core is free then) and syncs; they start on its version (a
+        restarted trainer trains this step again on the same groups)."""
+        step = self.version + 1
+
+        def record(tx: Any) -> None:
+            self.train_queue.commit_selection(step, selection.cursor, selection.stale, len(selection.keys),
+                                              len(selection.bad), selection.deferred, transaction=tx)
+            self.budget.begin_step(step, transaction=tx)
+
+        self._write(record)
+
+    def _write(self, fill: Callable[[Any], object]) -> None:
+        """The loop's writes of the run's records, never into a Redis that lost the run
+        (``RunMarker.guarded``: ``RedisDataLost`` stops the trainer instead)."""
+        self.run_marker.guarded(fill, TRAINER_STOPS)
 
     def _announce(self, version: int) -> None:
         """Announce ``version``: its chain version on delta (its checkpoint when the chain lacks it:
@@ -273,7 +288,7 @@ class TrainingLoop:
         if self.delta is not None and self.delta.has(version):
             prefix = weight_chain_prefix(self.run_id, version)
         announcement = CheckpointAnnouncement(version=version, prefix=prefix)
-        CheckpointAnnouncements(self.redis, self.run_id).announce(announcement)
+        self._write(lambda tx: CheckpointAnnouncements(self.redis, self.run_id).announce(announcement, transaction=tx))
 
     def _rollout_metrics(self, batches: list[TrainingBatch], selection: Selection, trained_at: int) -> dict[str, float]:
         samples = [s for b in batches for s in b.samples]

@@ -78,7 +78,7 @@ class TrainerProcess:
         consumer.handoff = BatchHandoff(trainer.batches_in_memory)  # the consumer's batches to the loop, in memory
         learner = TrainingLoop(settings, store, required(consumer.budget, "the staleness budget of mode train"), sink, ranks=ranks,
                                evaluator=None if evaluator is None else evaluator(consumer.client, store),
-                               handoff=consumer.handoff)
+                               handoff=consumer.handoff, marker=consumer.marker)
         return cls(consumer, learner)
 
     def run(self, stop_when_idle: bool = False) -> None:

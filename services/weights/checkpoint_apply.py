@@ -5,7 +5,8 @@ Invariants:
 - A checkpoint reaches a replica only downloaded complete and verified
   (``checkpoint_files.download_checkpoint``), under ``work_dir/{version:06d}``.
 - ``policy_version`` advances only from the sync's ``on_served`` hook: once every replica
-  serves the version, labelled and probed, while they are all still paused.
+  serves the version, labelled and probed, while they are all still paused. It and the sync's
+  record are never written into a Redis that lost the run (``RunMarker.guarded``).
 - A checkpoint with a LoRA adapter is served as an adapter (``lora_sync.sync_adapter``), any
   other by a reload of the full weights (``sync.sync_weights``), restoring the served version's
   directory (or the base checkpoint at version 0) if the reload or probe fails.
@@ -26,7 +27,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
@@ -38,6 +39,7 @@ from services.weights.sync import SyncProbe, SyncReport, WeightSyncError, sync_w
 from shared.names import CHECKPOINT_ADAPTER_CONFIG, CHECKPOINT_PROBE
 from shared.prometheus import SERVED_POLICY_VERSION, WEIGHT_SYNC_SECONDS
 from shared.state.policy_version import PolicyVersion
+from shared.state.run_marker import FOLLOWER_STOPS, RunMarker
 from shared.state.weight_sync_record import WeightSyncRecord
 from shared.storage import ObjectStore
 
@@ -70,9 +72,17 @@ class CheckpointApplier:
     probe_model: str | None  # the served model name to probe; None: no probe
     probe_tolerance: float
     served_model: str  # the base model's served name: LoRA adapters are named from it
+    marker: RunMarker  # the run's marker: its records are never written into a Redis that lost the run
     delta: DeltaCatchUp | None = None  # inference.weight_sync delta: the run's chain, read and decoded
     delta_prefix: str | None = None  # announcements under it are delta-chain versions
     delta_prebuild: bool = True  # inference.weight_sync.prebuild: sync_delta's prebuild
+
+    def _write(self, fill: Callable[[Any], object]) -> None:
+        """The run's records, written only while Redis holds the run (``RunMarker.guarded``)."""
+        self.marker.guarded(fill, FOLLOWER_STOPS)
+
+    def _advance(self, version: int) -> None:
+        self._write(lambda tx: self.policy_version.advance(version, transaction=tx))
 
     def local_dir(self, version: int) -> Path:
         return self.work_dir / f"{version:06d}"
@@ -89,17 +99,14 @@ class CheckpointApplier:
         t0 = time.perf_counter()
         download = download_checkpoint(self.store, prefix, self.local_dir(version))
 
-        def advance() -> None:
-            self.policy_version.advance(version)
-
         adapter = (download.local_dir / CHECKPOINT_ADAPTER_CONFIG).is_file()
         try:
             if adapter:
                 report = sync_adapter(urls, download.local_dir, version, self.served_model, keep_from=served,
-                                      on_served=advance, client=self.http, probe=self._probe(download.local_dir))
+                                      on_served=lambda: self._advance(version), client=self.http, probe=self._probe(download.local_dir))
             else:
                 restore = self._restore_dir(served) if version != served else None
-                report = sync_weights(urls, download.local_dir, version, restore_dir=restore, on_served=advance,
+                report = sync_weights(urls, download.local_dir, version, restore_dir=restore, on_served=lambda: self._advance(version),
                                       client=self.http, probe=self._probe(download.local_dir), **self.sync_options)
         except WeightSyncError as exc:
             self._record_failure(version, exc)
@@ -116,12 +123,9 @@ class CheckpointApplier:
         """A version of the delta chain (``inference.weight_sync: delta``): ``delta_sync.sync_delta``."""
         t0 = time.perf_counter()
 
-        def advance() -> None:
-            self.policy_version.advance(version)
-
         try:
             report = sync_delta(urls, catch_up, version, http=self.http, probe_model=self.probe_model,
-                                probe_tolerance=self.probe_tolerance, on_served=advance, prebuild=self.delta_prebuild)
+                                probe_tolerance=self.probe_tolerance, on_served=lambda: self._advance(version), prebuild=self.delta_prebuild)
         except WeightSyncError as exc:
             self._record_failure(version, exc)
             raise
@@ -144,7 +148,7 @@ class CheckpointApplier:
     def _record_failure(self, version: int, exc: WeightSyncError) -> None:
         log.error("weight sync to version %d failed (%s): %s", version, exc.phase, exc)
         try:
-            self.weight_syncs.record_failure(version, exc.phase, str(exc))
+            self._write(lambda tx: self.weight_syncs.record_failure(version, exc.phase, str(exc), transaction=tx))
         except Exception:
             log.exception("could not record the weight-sync failure")
 
@@ -153,11 +157,11 @@ class CheckpointApplier:
         SERVED_POLICY_VERSION.set(applied.version)
         s = applied.sync
         try:
-            self.weight_syncs.record_sync(
+            self._write(lambda tx: self.weight_syncs.record_sync(
                 applied.version, len(applied.replicas), applied.total_s, applied.download.seconds, s.total_s,
                 s.pause_s, s.reload_s, s.version_s, s.resume_s, s.extra.get("probe_max_abs_diff", "nan"),
-                s.extra.get("probe_s", "nan"),
-            )
+                s.extra.get("probe_s", "nan"), transaction=tx,
+            ))
         except Exception:
             log.exception("could not record weight-sync stats")
 

@@ -90,7 +90,7 @@ from shared.state.dead_letters import DeadLetters
 from shared.names import checkpoint_prefix, weight_chain_of_run
 from shared.outage import OutageTooLong
 from shared.redis_clients import redis_for
-from shared.state.run_marker import RedisDataLost, RunMarker
+from shared.state.run_marker import FOLLOWER_STOPS, RedisDataLost, RunMarker
 from shared.state.policy_version import PolicyVersion
 from shared.state.replica_holders import ReplicaHold, ReplicaHolders
 from shared.schemas import BadMessage, CheckpointAnnouncement, parse_message
@@ -99,7 +99,7 @@ from shared.storage import ObjectStore
 from shared.state.weight_sync_record import WeightSyncRecord
 
 log = logging.getLogger(__name__)
-_STOPS = "stops following it"
+_STOPS = FOLLOWER_STOPS
 
 
 @dataclass(frozen=True)
@@ -177,9 +177,10 @@ class WeightFollower:
         self.policy_version = PolicyVersion(redis_client, run_id)
         self.dead_letters = DeadLetters(redis_client)
         self._http = weight_sync.admin_client()  # one for the follower's life: no per-sync setup cost
+        self.marker = RunMarker(redis_client, run_id, store)  # checked at start and at each poll (``run``)
         self.applier = CheckpointApplier(store, Path(work_dir), self.initial_weights_dir, self._http, self.policy_version,
                                          WeightSyncRecord(redis_client, run_id), dict(sync_options or {}), probe_model,
-                                         probe_tolerance, served_model,
+                                         probe_tolerance, served_model, marker=self.marker,
                                          delta=DeltaCatchUp(ChainReader(store, run_id), Path(work_dir) / "delta"),
                                          delta_prefix=weight_chain_of_run(run_id), delta_prebuild=delta_prebuild)
         held_as = [u.rstrip("/") for u in hold_names or self.base_urls]
@@ -321,7 +322,7 @@ class WeightFollower:
         """Follow until ``stop_event`` is set; failures are logged and retried with backoff."""
         backoff = self.backoff_s[0]
         log.info("following %s for %d replica(s)", self.announcements.key, len(self.base_urls))
-        marker = RunMarker(self.redis, self.run_id, self.store)
+        marker = self.marker
         marker.check(_STOPS, look_in_store=True)
         hold_replicas(self.hold)  # a restarted follower past version 0 holds its replicas too
         if self.served_version() == 0:

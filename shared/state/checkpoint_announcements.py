@@ -21,9 +21,10 @@ class CheckpointAnnouncements:
     def __init__(self, client: Any, run_id: str):
         self.redis, self.key = client, RedisKeys.checkpoints(run_id)
 
-    def announce(self, announcement: CheckpointAnnouncement) -> None:
+    def announce(self, announcement: CheckpointAnnouncement, transaction: Any = None) -> None:
+        """With a transaction (a Redis pipeline), as part of it."""
         # redis-py types the fields as an invariant Dict of its own unions, so it refuses a dict[str, str]
-        self.redis.xadd(self.key, announcement.stream_fields())  # type: ignore[arg-type]
+        (transaction if transaction is not None else self.redis).xadd(self.key, announcement.stream_fields())  # type: ignore[arg-type]
 
     def read_after(self, cursor: str, block_ms: int | None) -> list[tuple[Any, dict[Any, Any]]]:
         """(entry id, fields) of the entries after ``cursor``, waiting up to ``block_ms`` for one

@@ -40,8 +40,14 @@ class PolicyVersion:
     def get(self) -> int:
         return int(self.redis.get(self.key) or 0)
 
-    def advance(self, version: int) -> bool:
-        """Serve ``version`` from now on if it is above the current one; True if it moved."""
+    def advance(self, version: int, transaction: Any = None) -> bool | None:
+        """Serve ``version`` from now on if it is above the current one; True if it moved. With a
+        transaction (a Redis pipeline), as part of it: None, whether it moved is its reply (and
+        the wake-up is announced either way: a hint, ``shared.state.admission_wake``)."""
+        if transaction is not None:
+            self._set_if_higher(keys=[self.key], args=[int(version)], client=transaction)
+            announce(transaction, self.run_id)
+            return None
         moved = bool(self._set_if_higher(keys=[self.key], args=[int(version)]))
         if moved:
             announce(self.redis, self.run_id)  # the staleness bound may admit again

@@ -15,7 +15,12 @@ Invariants:
   tasks with one error line per run.
 - Nothing recreates a lost run: once intake opened a run, its registrations require the
   marker in the same Lua call (``Ledger.register(require_marker=True)``), and intake refuses to
-  open a run the store knows but Redis does not.
+  open a run the store knows but Redis does not. A service's other writes of the run's records
+  (the trainer's counters, selections, steps and announcements; the weight follower's served
+  version and sync records) go through ``RunMarker.guarded``: one transaction that watches the
+  marker, so a write that waited out a Redis restart is refused (``RedisDataLost``), not
+  applied to the empty Redis. A check before a write would not do: the write itself waits
+  through the outage, and lands after it.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import json
 import logging
 import threading
 import time
-from typing import cast
+from typing import Any, Callable, cast
 
 import redis
 
@@ -32,6 +37,11 @@ from shared.names import RedisKeys, run_marker_key
 from shared.storage import ObjectStore, StorageError
 
 log = logging.getLogger(__name__)
+
+
+# what a service does on a lost run, as its line says it
+TRAINER_STOPS = "stops rather than train on it"
+FOLLOWER_STOPS = "stops following it"
 
 
 class RedisDataLost(RuntimeError):
@@ -82,6 +92,31 @@ class RunMarker:
             raise RedisDataLost(lost_message(self.run_id, "this service saw it earlier", consequence))
         if look_in_store and self._in_store():
             raise RedisDataLost(lost_message(self.run_id, f"the object store holds it ({run_marker_key(self.run_id)})", consequence))
+
+    def guarded(self, fill: Callable[[Any], object], consequence: str, watch: tuple[str, ...] = (),
+                unless: Callable[[Any], bool] | None = None) -> list[Any] | None:
+        """Apply ``fill``'s writes (queued on a Redis transaction) once, and only while Redis holds
+        the run: the transaction watches the marker (and ``watch``), so a Redis that lost the
+        run's data meanwhile, a restart the write waited out included, raises ``RedisDataLost``
+        (``consequence``: what this service does then) and applies nothing. A run whose marker
+        was never written (a trainer started before intake) is written to, as before the marker.
+        ``unless`` (asked under the watch) says the writes were made already: None is returned.
+        Else EXEC's replies, one per queued command."""
+        while True:
+            try:
+                with self.redis.pipeline(transaction=True) as tx:
+                    tx.watch(self.key, *watch)
+                    if tx.exists(self.key):
+                        self.seen = True
+                    else:
+                        self.check(consequence, look_in_store=True)  # raises if the run was lost
+                    if unless is not None and unless(tx):
+                        return None
+                    tx.multi()
+                    fill(tx)
+                    return cast(list[Any], tx.execute())
+            except redis.WatchError:  # a watched key moved, or the connection dropped while watching
+                self.check(consequence)
 
     def _in_store(self) -> bool:
         if self.store is None:

@@ -153,19 +153,24 @@ class StalenessBudget:
         writer.hincrby(self.key, self.FILTERED, groups)
         announce(writer, self.run_id)
 
-    def advance_step(self, step: int) -> int:
-        """The trainer's step is ``step`` (its version published): the bound moves, and ``is_stale`` measures from it."""
-        recorded = int(self._advance(keys=[self.key], args=[self.TRAINER_STEP, step]))
-        announce(self.redis, self.run_id)
-        return recorded
+    def advance_step(self, step: int, transaction: Any = None) -> int | None:
+        """The trainer's step is ``step`` (its version published): the bound moves, and ``is_stale``
+        measures from it (never lowered). Returns the step now recorded; with a transaction (a
+        Redis pipeline), None: the step is its reply."""
+        writer = transaction if transaction is not None else self.redis
+        recorded = self._advance(keys=[self.key], args=[self.TRAINER_STEP, step], client=writer)
+        announce(writer, self.run_id)
+        return None if transaction is not None else int(recorded)
 
-    def begin_step(self, step: int) -> None:
+    def begin_step(self, step: int, transaction: Any = None) -> None:
         """The trainer has begun step ``step`` (its groups selected and recorded; a restarted trainer
         trains it again on them): with ``admit_before_served`` the bound admits the next step's groups
-        now (they start on version ``step``, once served); nothing else reads it."""
+        now (they start on version ``step``, once served); nothing else reads it. With a
+        transaction (a Redis pipeline), as part of it."""
         if self.admit_before_served:
-            self._advance(keys=[self.key], args=[self.BEGUN_STEP, step])
-            announce(self.redis, self.run_id)
+            writer = transaction if transaction is not None else self.redis
+            self._advance(keys=[self.key], args=[self.BEGUN_STEP, step], client=writer)
+            announce(writer, self.run_id)
 
     def state(self) -> StalenessState:
         return self._state_of(self.redis.hgetall(self.key))

@@ -24,8 +24,9 @@ class StepMetrics:
     def __init__(self, client: Any, run_id: str):
         self.redis, self.key = client, RedisKeys.step_metrics(run_id)
 
-    def append(self, line: dict[str, Any]) -> None:
-        self.redis.xadd(self.key, {"metrics": json.dumps(line)}, maxlen=STEPS_KEPT, approximate=True)
+    def append(self, line: dict[str, Any], transaction: Any = None) -> None:
+        """With a transaction (a Redis pipeline), as part of it."""
+        (transaction if transaction is not None else self.redis).xadd(self.key, {"metrics": json.dumps(line)}, maxlen=STEPS_KEPT, approximate=True)
 
     def newest(self, limit: int) -> list[tuple[str, dict[str, Any]]]:
         """The newest ``limit`` lines with their entry ids, oldest first."""

@@ -51,10 +51,12 @@ class TrainQueue:
         return cursor, self.redis.lrange(self.queue_key, cursor, -1)
 
     def commit_selection(self, version: int, cursor: int, stale: int, trained: int, bad: int,
-                         deferred: list[str | bytes]) -> None:
-        """Record the selection of step ``version`` (its cursor after): see the module invariants."""
+                         deferred: list[str | bytes], transaction: Any = None) -> None:
+        """Record the selection of step ``version`` (its cursor after): see the module invariants.
+        With a transaction (a Redis pipeline), as part of it."""
         self._commit_selection(
             keys=[self.cursor_key, budget_key(self.run_id), TrainerCounters(self.redis, self.run_id).key, self.queue_key],
             args=[version, cursor, stale, trained, bad, StalenessBudget.FILTERED, TrainerCounter.groups_stale.value,
                   TrainerCounter.groups_trained.value, TrainerCounter.bad_train_entries.value, *deferred],
+            client=transaction,
         )

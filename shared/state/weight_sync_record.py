@@ -38,15 +38,16 @@ class WeightSyncRecord:
 
     def record_sync(self, version: int, replicas: int, total_s: float, download_s: float, sync_s: float,
                     pause_s: float, reload_s: float, version_s: float, resume_s: float,
-                    probe_max_abs_diff: float | str = "nan", probe_s: float | str = "nan") -> None:
-        self.redis.hset(self.key, mapping={
+                    probe_max_abs_diff: float | str = "nan", probe_s: float | str = "nan", transaction: Any = None) -> None:
+        """With a transaction (a Redis pipeline), as part of it (so ``record_failure`` too)."""
+        (transaction if transaction is not None else self.redis).hset(self.key, mapping={
             "version": version, "replicas": replicas, "at": time.time(), "seconds": total_s, "total_s": total_s,
             "download_s": download_s, "sync_s": sync_s, "pause_s": pause_s, "reload_s": reload_s,
             "version_s": version_s, "resume_s": resume_s, "probe_s": probe_s, "probe_max_abs_diff": probe_max_abs_diff,
         })
 
-    def record_failure(self, version: int, phase: str, error: str) -> None:
-        self.redis.hset(self.key, mapping={
+    def record_failure(self, version: int, phase: str, error: str, transaction: Any = None) -> None:
+        (transaction if transaction is not None else self.redis).hset(self.key, mapping={
             "failed_version": version, "failed_phase": phase, "error": error[:2000], "failed_at": time.time(),
         })
 

@@ -7,11 +7,13 @@ import re
 
 import pytest
 
+import services.trainer.loop as loop_module
 from services.trainer.checkpoints import latest_checkpoint
 from services.trainer.loop import TrainingLoop
 from services.trainer.metrics import MetricsSink, read_steps
 from shared.names import RedisKeys
 from shared.settings import DeltaWeightSync, Settings
+from shared.state.run_marker import RedisDataLost, RunMarker
 from shared.state.staleness import StalenessBudget
 from shared.schemas import CheckpointAnnouncement, SkippedGroupEntry, TrainBatchEntry, TrainingBatch, TrainQueueEntry, parse_message
 from shared.storage import LocalStore, get_model, put_model
@@ -250,3 +252,23 @@ def test_on_delta_each_version_goes_to_the_chain_after_its_checkpoint_and_a_rest
     chain = {e.name: e.checksum for e in reader.manifest(2).tensors}
     assert checkpoint and set(checkpoint) <= set(chain)
     assert {name: tensor_checksum(t) for name, t in checkpoint.items()} == {n: c for n, c in chain.items() if n in checkpoint}
+
+
+def test_a_step_under_way_when_redis_loses_the_run_writes_nothing_into_the_empty_redis(setup, redis_client, make_batch, run_id,
+                                                                                      monkeypatch):
+    settings, store, budget, make_loop = setup
+    RunMarker(redis_client, run_id, store).open()  # as intake does
+    loop = make_loop()
+    for group_id in (0, 1):
+        queue_group(redis_client, store, make_batch, run_id, group_id, 0)
+    assert loop.ready()
+    train = loop_module.train_version
+
+    def lose_the_data_while_training(*args, **kwargs):  # Redis restarts empty while the step trains
+        redis_client.flushall()
+        return train(*args, **kwargs)
+
+    monkeypatch.setattr(loop_module, "train_version", lose_the_data_while_training)
+    with pytest.raises(RedisDataLost, match=f"marker of run {run_id} .* this service stops rather than train on it"):
+        loop.train_once()  # its announcement, step and metrics are refused
+    assert redis_client.keys(f"conveyor:{{{run_id}}}:*") == []

@@ -108,3 +108,38 @@ def test_a_group_completed_as_redis_loses_the_run_is_not_written_into_the_empty_
     with pytest.raises(RedisDataLost):
         consumer.poll(block_ms=10)
     assert ledger.redis.keys(f"conveyor:{{{run_id}}}:*") == []  # no done mark, queue entry or counter
+
+
+def test_an_event_read_as_redis_loses_the_run_is_not_counted_into_the_empty_redis(settings, ledger, redis_client, store, run_id, monkeypatch):
+    [requests] = register_groups(settings, redis_client, 1).values()
+    consumer = TrainerConsumer(settings, redis_client, store)
+    deliver_scored(ledger, store, requests[0], 1.0)
+    read = consumer._read
+
+    def lose_the_data_after_the_read(*args, **kwargs):  # the read's reply in hand, its group's registration gone
+        entries = read(*args, **kwargs)
+        ledger.redis.flushall()
+        return entries
+
+    monkeypatch.setattr(consumer, "_read", lose_the_data_after_the_read)
+    with pytest.raises(RedisDataLost, match=f"marker of run {run_id} .* this service stops"):
+        consumer.poll(block_ms=10)  # the event's group is unknown now: a loss, not a bad event to count
+    assert ledger.redis.keys(f"conveyor:{{{run_id}}}:*") == []
+
+
+def test_a_guarded_write_is_refused_when_the_marker_goes_before_it_commits(ledger, redis_client, store, run_id):
+    marker = RunMarker(redis_client, run_id, store)
+    counts = f"conveyor:{{{run_id}}}:trainer"
+    assert marker.guarded(lambda tx: tx.hincrby(counts, "n", 1), "stops") == [1]  # a run not yet opened: written
+    marker.open()
+    assert marker.guarded(lambda tx: tx.hincrby(counts, "n", 1), "stops") == [2]
+
+    def lose_the_data_while_queued(tx):  # the marker goes between the watch and the commit
+        ledger.redis.flushall()
+        tx.hincrby(counts, "n", 1)
+
+    with pytest.raises(RedisDataLost, match="this service saw it earlier; .* so this service stops"):
+        marker.guarded(lose_the_data_while_queued, "stops")
+    with pytest.raises(RedisDataLost, match="the object store holds it"):  # a writer that never saw the marker
+        RunMarker(redis_client, run_id, store).guarded(lambda tx: tx.hincrby(counts, "n", 1), "stops")
+    assert ledger.redis.keys(f"conveyor:{{{run_id}}}:*") == []
