@@ -30,6 +30,7 @@ import redis
 
 from shared.state.admission_wake import AdmissionWake
 from shared.state.ledger import Ledger
+from shared.state.run_marker import RunMarker
 from shared.state.run_stop import stop_of
 from shared.state.staleness import StalenessBudget
 from shared.state.trainer_reads import TRAINER_CONSUMER_GROUP, TrainerReading, trainer_reading
@@ -51,6 +52,7 @@ class AdmissionWait:
     client: redis.Redis  # the run's Redis: its ledger counts, its stop, its trainer's reading
     log_every_s: float
     poll_s: float = 0.2
+    marker: RunMarker | None = None  # the run intake opened: each try refuses it once Redis lost it (StalenessBudget.admit_for)
     ledger: Ledger = field(init=False)
     wake: AdmissionWake = field(init=False)
 
@@ -61,13 +63,13 @@ class AdmissionWait:
     def try_now(self) -> int | None:
         """One try of the budget, never a wait: admitted (counted), the earliest version the
         group's rollouts may start on (``StalenessBudget.admit_for``); None: the bound is full."""
-        return self.budget.admit_for()
+        return self.budget.admit_for(self.marker)
 
     def admit(self) -> int:
         """Block until the budget admits one group, saying why while it waits, or until the run
         is stopped (``shared.state.run_stop``: the trainer holding the bound has exited; 0, nothing
         admitted). Admitted: the earliest version the group's rollouts may start on."""
-        first = self.budget.admit_for()
+        first = self.budget.admit_for(self.marker)
         if first is not None:
             return first
         run = self.budget.run_id
@@ -75,7 +77,7 @@ class AdmissionWait:
         admitted: list[int] = []
 
         def ready() -> bool:
-            version = self.budget.admit_for()
+            version = self.budget.admit_for(self.marker)
             if version is not None:
                 admitted.append(version)
             return version is not None

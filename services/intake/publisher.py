@@ -34,8 +34,10 @@ Invariants:
   records the versions it published from; the trainer writes them into each checkpoint.
 - Intake opens the run (``shared.state.run_marker``) before it registers anything, and refuses with
   ``RedisDataLost`` a run the object store knows but Redis lost; every later registration
-  requires the run's marker in the same Lua call, so a Redis that lost its data mid-intake
-  is never filled again with part of the run.
+  requires the run's marker in the same Lua call, and so does each admission by the staleness
+  bound; intake's other writes of the run (group registrations and publications, its records) are
+  ``RunMarker.guarded``. So a Redis that lost its data mid-intake is never filled again with
+  part of the run, not even by a write that waited out the restart.
 - An outage of Redis (or of the S3 server, for the marker) is waited out by the ledger client
   and the publisher (``shared.outage``); a wait on the staleness bound is logged with its
   reasons (``admission_wait``). Intake never waits silently.
@@ -58,7 +60,8 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from functools import partial
+from typing import Any, Callable, Iterable
 
 import redis
 
@@ -73,7 +76,7 @@ from shared.environments import check_startup, registry_for
 from shared.state.group_registry import GroupRegistry
 from shared.state.ledger import Ledger
 from shared.state.policy_version import PolicyVersion
-from shared.state.run_marker import RunMarker
+from shared.state.run_marker import INTAKE_STOPS, RunMarker
 from shared.state.run_records import RunRecords
 from shared.state.run_stop import stop_of
 from shared.schemas import GroupRegistration, InferenceTarget, RejectedRow, RolloutRequest, TaskProfile
@@ -239,19 +242,25 @@ def run_intake(
     environments = registry_for(settings.environments)
     # an unknown environment or a bad intake.env_config stops intake before anything is published
     check_startup(environments, settings.intake.env_name, settings.intake.env_config, settings.environments)
-    RunMarker(client, run, store).open()
+    marker = RunMarker(client, run, store)
+    marker.open()
+
+    def write(fill: Callable[[Any], object]) -> None:  # never into a Redis that lost the run (module invariants)
+        marker.guarded(fill, INTAKE_STOPS)
+
     ledger = Ledger(client, settings.ledger.dispatch_ttl_s)
     budget = budget_of(client, run, settings.trainer)  # mode train: admission waits for the trainer's steps
-    admission = None if budget is None else AdmissionWait(budget, client, settings.intake.wait_log_every_s)
+    admission = None if budget is None else AdmissionWait(budget, client, settings.intake.wait_log_every_s,
+                                                           marker=marker)
     share = queue_share_of(client, settings)  # fair share of the rollout queue between runs, if set
     groups, served, records = GroupRegistry(client, run), PolicyVersion(client, run), RunRecords(client, run)
     if dataset_version:
-        records.add_dataset_version(dataset_version)
+        write(lambda tx: records.add_dataset_version(dataset_version, transaction=tx))
     def admit(row: Row) -> TaskProfile:
         return admit_row(row.value, row.source, settings.intake.env_name, settings.intake.env_config, environments,
                          dataset_version, prompt_limit)
 
-    burst = PublishBurst(publish, groups, report, on_group, settings.intake.publish_burst)
+    burst = PublishBurst(publish, groups, report, on_group, settings.intake.publish_burst, write)
     rows = rows_of_role(settings.intake.splits, rows, admit)
     row_envs = [_env_of(row, admit) for row in rows] if settings.intake.env_weights and settings.intake.mode == "sample" else None
     for group_id, row in select_rows(settings, rows, row_envs):
@@ -262,7 +271,7 @@ def run_intake(
         except (RowRejected, ValueError) as exc:  # ValueError: the row broke a schema
             rejection = RejectedRow(source=row.source, reason=str(exc))
             report.rejected.append(rejection.model_dump())
-            records.reject_row(rejection)
+            write(partial(records.reject_row, rejection))
             log.warning("rejected row %s: %s", row.source, exc)
             continue
         if groups.is_published(group_id):
@@ -291,11 +300,11 @@ def run_intake(
             policy_version=policy_version, dispatched_at=requests[0].dispatched_at, env_name=task.env_name,
             **_redundancy(settings, requests),
         )
-        groups.register(registration)  # the first registration stays: a re-run keeps it
+        write(partial(groups.register, registration))  # the first registration stays: a re-run keeps it
         ledger.register(requests, require_marker=True)  # idempotent: a group left unpublished by a crash goes out now
         burst.add(group_id, requests)
     burst.publish()
-    records.mark_intake_done()
+    write(lambda tx: records.mark_intake_done(transaction=tx))
     return report
 
 
@@ -310,6 +319,7 @@ class PublishBurst:
     report: IntakeReport
     on_group: Callable[[int], None] | None
     most: int  # intake.publish_burst
+    write: Callable[[Callable[[Any], object]], None]  # the run's writes, guarded (run_intake's ``write``)
     pending: list[tuple[int, list[RolloutRequest]]] = field(default_factory=list)
 
     def add(self, group_id: int, requests: list[RolloutRequest]) -> None:
@@ -320,7 +330,7 @@ class PublishBurst:
     def publish(self) -> None:
         for group_id, requests in self.pending:
             self.publish_requests(requests)  # duplicates of a message are harmless: the ledger claim runs it once
-            self.groups.mark_published(group_id)
+            self.write(partial(self.groups.mark_published, group_id))
             self.report.groups += 1
             self.report.trajectories += len(requests)
             if self.on_group:

@@ -18,7 +18,8 @@ checkpoint costs only a longer replay after a crash (below), never data.
 
 Invariants:
 - ``policy_version`` moves to ``v`` only once every replica serves ``v`` and passed the probe
-  (``on_served``), as on the S3 path. The announcement of ``v`` comes after its checkpoint is
+  (``on_served``), as on the S3 path, and never into a Redis that lost the run
+  (``RunMarker.guarded``). The announcement of ``v`` comes after its checkpoint is
   committed (later); the weight follower ignores it, since ``v`` is already served.
 - A label is served with one set of weights only, and a checkpoint ``v`` holds exactly what was
   broadcast as ``v``: the snapshot is taken before the next optimizer step can change the
@@ -50,6 +51,7 @@ from services.trainer.checkpoints import save_checkpoint, take_snapshot
 from services.policy.model import logprob_probe
 from services.policy.probe import default_tolerance
 from shared.state.policy_version import PolicyVersion
+from shared.state.run_marker import TRAINER_STOPS, RunMarker
 from shared.settings import NcclWeightSync, Settings
 from shared.storage import ObjectStore
 
@@ -82,6 +84,7 @@ class BroadcastPublisher:
         self.every = sync.checkpoint_every
         self.broadcaster = broadcaster or WeightBroadcaster.from_settings(settings)  # refuses nccl without CUDA
         self.policy_version = PolicyVersion(redis_client, settings.run_id)
+        self.marker = RunMarker(redis_client, settings.run_id, store)  # never advanced into a Redis that lost the run
         self.served_at_start = self.policy_version.get()  # versions up to it are replays
         self.durable_version = resumed_version  # the newest version committed or being written
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
@@ -123,7 +126,7 @@ class BroadcastPublisher:
         t1 = time.perf_counter()
         report: SyncReport = self.broadcaster.sync(
             model.named_parameters(), version, probe=self._probe(model, version, snapshot and snapshot.probe),
-            on_served=lambda: self.policy_version.advance(version))
+            on_served=lambda: self.policy_version.advance(version, self.marker, TRAINER_STOPS))
         t2 = time.perf_counter()
         if write:
             def write_checkpoint() -> None:

@@ -40,6 +40,7 @@ from shared.state.group_registry import GroupRegistry
 from shared.state.ledger import Ledger
 from shared.state.eval_ends import EvalEnds
 from shared.state.policy_version import PolicyVersion
+from shared.state.run_marker import RunMarker
 from shared.schemas import EvalEnd, RolloutRequest, ScoredEvent
 from shared.settings import Settings, assembling, training
 from shared.storage import ObjectStore
@@ -121,6 +122,7 @@ class Evaluator:
         self.run_id = self.settings.run_id
         self.ledger = Ledger(self.client, self.settings.ledger.dispatch_ttl_s)
         self.ends = EvalEnds(self.client, self.run_id)
+        self.marker = RunMarker(self.client, self.run_id, self.store)  # the end is never written into a Redis that lost the run
 
     def due(self, version: int) -> bool:
         """Version ``v`` is evaluated after every ``every_steps``-th step and after the last one."""
@@ -156,7 +158,7 @@ class Evaluator:
         end = EvalEnd(run_id=self.run_id, eval_run_id=run, policy_version=version, served_version=served,
                       tasks=len(tasks), trajectories=sum(self.ledger.counts(run).values()), scored=scored, failed=failed,
                       timed_out=timed_out, metrics={k: v for k, v in metrics.items() if math.isfinite(v)})
-        if not self.ends.end_once(end):
+        if not self.ends.end_once(end, self.marker):
             return self.ended(version) or end  # another trainer ended this version first
         log.info("eval of version %d ended: %s", version,
                  ", ".join(f"{k} {v:.3f}" for k, v in sorted(end.metrics.items()) if "_pass_at_" in k or k.endswith("reward_mean")))

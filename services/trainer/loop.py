@@ -126,7 +126,7 @@ class TrainingLoop:
         self.delta = DeltaPublisher(self.settings, self.store, PolicyVersion(self.redis, self.run_id).get) \
             if self.settings.inference.weight_sync.mode == "delta" else None
         self._in_step = False  # weights may differ from the last published version's
-        self._write(lambda tx: self.budget.advance_step(self.version, transaction=tx))
+        self.budget.advance_step(self.version, self.run_marker)
         self.train_queue = TrainQueue(self.redis, self.run_id)
         self._last_step_at: float | None = None
         self._ready_selection: tuple[int, Selection] | None = None  # ready()'s (at version), for train_once
@@ -227,7 +227,7 @@ class TrainingLoop:
         checkpoint_s = time.perf_counter() - t0
         self._in_step = False
         self.version = version
-        self._write(lambda tx: self.budget.advance_step(version, transaction=tx))
+        self.budget.advance_step(version, self.run_marker)
         metrics["checkpoint_s"] = checkpoint_s
         if not (metrics.get("replayed") and self.metrics.logged(version)):  # one line per step, replays included
             self.metrics.log(version, metrics)
@@ -263,18 +263,14 @@ class TrainingLoop:
         self._write(lambda tx: StepMetrics(self.redis, self.run_id).append(line, transaction=tx))
 
     def _record_selection(self, selection: Selection) -> None:
-        """Record the step's selection and, in the same transaction, begin the step: with
-        ``trainer.admit_before_served`` the next step's groups are admitted now, and claimed while
-        this step trains (one thread: a core is free then) and syncs; they start on its version (a
-        restarted trainer trains this step again on the same groups)."""
+        """Record the step's selection, then begin the step: with ``trainer.admit_before_served``
+        the next step's groups are admitted now, and claimed while this step trains (one thread: a
+        core is free then) and syncs; they start on its version (a restarted trainer trains this
+        step again on the same groups)."""
         step = self.version + 1
-
-        def record(tx: Any) -> None:
-            self.train_queue.commit_selection(step, selection.cursor, selection.stale, len(selection.keys),
-                                              len(selection.bad), selection.deferred, transaction=tx)
-            self.budget.begin_step(step, transaction=tx)
-
-        self._write(record)
+        self.train_queue.commit_selection(step, selection.cursor, selection.stale, len(selection.keys),
+                                          len(selection.bad), selection.deferred, self.run_marker)
+        self.budget.begin_step(step, self.run_marker)
 
     def _write(self, fill: Callable[[Any], object]) -> None:
         """The loop's writes of the run's records, never into a Redis that lost the run

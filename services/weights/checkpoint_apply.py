@@ -82,7 +82,7 @@ class CheckpointApplier:
         self.marker.guarded(fill, FOLLOWER_STOPS)
 
     def _advance(self, version: int) -> None:
-        self._write(lambda tx: self.policy_version.advance(version, transaction=tx))
+        self.policy_version.advance(version, self.marker, FOLLOWER_STOPS)
 
     def local_dir(self, version: int) -> Path:
         return self.work_dir / f"{version:06d}"

@@ -13,10 +13,14 @@ from typing import Any
 
 from shared.names import RedisKeys
 from shared.schemas import EvalEnd, parse_message
+from shared.state.run_marker import TRAINER_STOPS, RunMarker, run_script
 
+# KEYS: ends, stream[, run marker: required] ; ARGV: version, end JSON -> 1 recorded / 0 ended already /
+# -1 the run's marker is required and gone (shared.state.run_marker.LOST)
 _END_ONCE = """
-local ends, stream = KEYS[1], KEYS[2]
+local ends, stream, marker = KEYS[1], KEYS[2], KEYS[3]
 local version, end_json = ARGV[1], ARGV[2]
+if marker and redis.call('EXISTS', marker) == 0 then return -1 end
 if redis.call('HSETNX', ends, version, end_json) == 1 then
   redis.call('XADD', stream, '*', 'eval', end_json)
   return 1
@@ -35,10 +39,11 @@ class EvalEnds:
         raw = self.redis.hget(self.key, str(version))
         return None if raw is None else parse_message(EvalEnd, raw, f"eval end of version {version}")
 
-    def end_once(self, end: EvalEnd) -> bool:
-        """Record the end of ``end.policy_version``; False if that version had ended already."""
-        return bool(self._end_once(keys=[self.key, RedisKeys.eval_stream(self.run_id)],
-                                   args=[end.policy_version, end.model_dump_json()]))
+    def end_once(self, end: EvalEnd, marker: RunMarker | None = None) -> bool:
+        """Record the end of ``end.policy_version``; False if that version had ended already. With
+        the run's ``marker`` (the trainer's), never into a Redis that lost the run."""
+        return bool(run_script(marker, self._end_once, [self.key, RedisKeys.eval_stream(self.run_id)],
+                               [end.policy_version, end.model_dump_json()], TRAINER_STOPS))
 
     def all(self) -> list[EvalEnd]:
         """Every ended version's end, by version."""

@@ -32,11 +32,14 @@ class GroupRegistry:
         self.done_key = RedisKeys.groups_done(run_id)  # set of group ids
 
     # --- registrations (intake writes, the trainer reads) ---------------------------------
-    def register(self, registration: GroupRegistration) -> bool:
-        """Record the group unless it is known; True if this call recorded it."""
+    def register(self, registration: GroupRegistration, transaction: Any = None) -> bool | None:
+        """Record the group unless it is known; True if this call recorded it. With a transaction
+        (a Redis pipeline), as part of it: None, whether it recorded is its reply."""
         if registration.run_id != self.run_id:
             raise ValueError(f"registration of run {registration.run_id!r} given to the registry of {self.run_id!r}")
-        return bool(self.redis.hsetnx(self.registrations_key, str(registration.group_id), registration.model_dump_json()))
+        writer = transaction if transaction is not None else self.redis
+        recorded = writer.hsetnx(self.registrations_key, str(registration.group_id), registration.model_dump_json())
+        return None if transaction is not None else bool(recorded)
 
     def is_registered(self, group_id: int) -> bool:
         return bool(self.redis.hexists(self.registrations_key, str(group_id)))
@@ -61,8 +64,9 @@ class GroupRegistry:
         return {g: parse_message(GroupRegistration, r) for g, r in zip(group_ids, raw) if r is not None}
 
     # --- published (intake) ---------------------------------------------------------------
-    def mark_published(self, group_id: int) -> None:
-        self.redis.sadd(self.published_key, group_id)
+    def mark_published(self, group_id: int, transaction: Any = None) -> None:
+        """With a transaction (a Redis pipeline), as part of it."""
+        (transaction if transaction is not None else self.redis).sadd(self.published_key, group_id)
 
     def is_published(self, group_id: int) -> bool:
         return bool(self.redis.sismember(self.published_key, group_id))

@@ -19,11 +19,14 @@ from typing import Any
 
 from shared.names import RedisKeys
 from shared.state.admission_wake import announce
+from shared.state.run_marker import RunMarker, run_script
 
-# KEYS: the version ; ARGV: the new version -> 1 if it was above the current one and set, else 0
+# KEYS: the version[, run marker: required] ; ARGV: the new version -> 1 if it was above the current one and set,
+# else 0 / -1 the run's marker is required and gone (shared.state.run_marker.LOST)
 _SET_IF_HIGHER = """
-local version_key = KEYS[1]
+local version_key, marker = KEYS[1], KEYS[2]
 local new_version = ARGV[1]
+if marker and redis.call('EXISTS', marker) == 0 then return -1 end
 local cur = tonumber(redis.call('GET', version_key) or '0')
 local new = tonumber(new_version)
 if new > cur then redis.call('SET', version_key, new_version) return 1 end
@@ -40,15 +43,11 @@ class PolicyVersion:
     def get(self) -> int:
         return int(self.redis.get(self.key) or 0)
 
-    def advance(self, version: int, transaction: Any = None) -> bool | None:
-        """Serve ``version`` from now on if it is above the current one; True if it moved. With a
-        transaction (a Redis pipeline), as part of it: None, whether it moved is its reply (and
-        the wake-up is announced either way: a hint, ``shared.state.admission_wake``)."""
-        if transaction is not None:
-            self._set_if_higher(keys=[self.key], args=[int(version)], client=transaction)
-            announce(transaction, self.run_id)
-            return None
-        moved = bool(self._set_if_higher(keys=[self.key], args=[int(version)]))
+    def advance(self, version: int, marker: RunMarker | None = None, consequence: str = "") -> bool:
+        """Serve ``version`` from now on if it is above the current one; True if it moved. With the
+        run's ``marker``, never into a Redis that lost the run (``RunMarker.run_script``;
+        ``consequence``: what the caller does then)."""
+        moved = bool(run_script(marker, self._set_if_higher, [self.key], [int(version)], consequence))
         if moved:
             announce(self.redis, self.run_id)  # the staleness bound may admit again
         return moved

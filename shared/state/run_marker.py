@@ -16,11 +16,14 @@ Invariants:
 - Nothing recreates a lost run: once intake opened a run, its registrations require the
   marker in the same Lua call (``Ledger.register(require_marker=True)``), and intake refuses to
   open a run the store knows but Redis does not. A service's other writes of the run's records
-  (the trainer's counters, selections, steps and announcements; the weight follower's served
-  version and sync records) go through ``RunMarker.guarded``: one transaction that watches the
-  marker, so a write that waited out a Redis restart is refused (``RedisDataLost``), not
-  applied to the empty Redis. A check before a write would not do: the write itself waits
-  through the outage, and lands after it.
+  (intake's; the trainer's counters, selections, steps, announcements and eval ends; the
+  weight follower's served version and sync records) are refused too, not applied to an empty
+  Redis, even one restarted while the write waited out the outage (a check before a write
+  would not do: the write lands after the outage). Plain commands go through
+  ``RunMarker.guarded``, one transaction that watches the marker; a Lua script requires the
+  marker in its own call (``RunMarker.run_script``: the marker is its last KEY, and it returns
+  ``LOST`` without writing when the marker is gone). Scripts stay out of transactions: a
+  cluster's pipeline refuses EVALSHA (``shared.state.redis_scripts``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import time
 from typing import Any, Callable, cast
 
 import redis
+from redis.commands.core import Script
 
 from shared.names import RedisKeys, run_marker_key
 from shared.storage import ObjectStore, StorageError
@@ -39,9 +43,12 @@ from shared.storage import ObjectStore, StorageError
 log = logging.getLogger(__name__)
 
 
+LOST = -1  # what a script that requires the run's marker (its last KEY) returns when it is gone, having written nothing
+
 # what a service does on a lost run, as its line says it
 TRAINER_STOPS = "stops rather than train on it"
 FOLLOWER_STOPS = "stops following it"
+INTAKE_STOPS = "registers nothing more of it"
 
 
 class RedisDataLost(RuntimeError):
@@ -118,6 +125,18 @@ class RunMarker:
             except redis.WatchError:  # a watched key moved, or the connection dropped while watching
                 self.check(consequence)
 
+    def run_script(self, script: Script, keys: list[str], args: list[Any], consequence: str) -> Any:
+        """Run ``script`` only while Redis holds the run: called with the marker as its last KEY,
+        the script returns ``LOST`` and writes nothing when the marker is gone. Then a lost run
+        raises ``RedisDataLost``; a run not opened yet (a trainer started before intake) is
+        written to without the requirement, as before the marker."""
+        reply = script(keys=[*keys, self.key], args=args)
+        if reply != LOST:
+            self.seen = True
+            return reply
+        self.check(consequence, look_in_store=True)
+        return script(keys=keys, args=args)
+
     def _in_store(self) -> bool:
         if self.store is None:
             return False
@@ -126,6 +145,12 @@ class RunMarker:
         except StorageError:  # not there
             return False
         return True
+
+
+def run_script(marker: RunMarker | None, script: Script, keys: list[str], args: list[Any], consequence: str) -> Any:
+    """An owner's script call: as is without a ``marker``, else never into a Redis that lost the
+    run (``RunMarker.run_script``; ``consequence``: what the caller does then)."""
+    return script(keys=keys, args=args) if marker is None else marker.run_script(script, keys, args, consequence)
 
 
 _refused: set[str] = set()

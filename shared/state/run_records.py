@@ -22,20 +22,21 @@ class RunRecords:
     def __init__(self, client: Any, run_id: str):
         self.redis, self.run_id = client, run_id
 
-    def mark_intake_done(self) -> None:
-        self.redis.set(RedisKeys.intake_done(self.run_id), "1")
+    # each write below: with a transaction (a Redis pipeline), as part of it
+    def mark_intake_done(self, transaction: Any = None) -> None:
+        (transaction if transaction is not None else self.redis).set(RedisKeys.intake_done(self.run_id), "1")
 
     def intake_done(self) -> bool:
         return bool(self.redis.get(RedisKeys.intake_done(self.run_id)))
 
-    def add_dataset_version(self, version: str) -> None:
-        self.redis.sadd(RedisKeys.dataset_versions(self.run_id), version)
+    def add_dataset_version(self, version: str, transaction: Any = None) -> None:
+        (transaction if transaction is not None else self.redis).sadd(RedisKeys.dataset_versions(self.run_id), version)
 
     def dataset_versions(self) -> list[str]:
         return sorted(_text(v) for v in self.redis.smembers(RedisKeys.dataset_versions(self.run_id)))
 
-    def reject_row(self, row: RejectedRow) -> None:
-        self.redis.rpush(RedisKeys.rejected_rows(self.run_id), row.model_dump_json())
+    def reject_row(self, row: RejectedRow, transaction: Any = None) -> None:
+        (transaction if transaction is not None else self.redis).rpush(RedisKeys.rejected_rows(self.run_id), row.model_dump_json())
 
     def rejected_rows(self, first: int = 0, last: int = -1) -> list[RejectedRow]:
         """Rows ``first`` to ``last`` (inclusive, as LRANGE counts) of the rejections, oldest first."""

@@ -10,7 +10,8 @@ ones keep it until they are trained on (and the step that trains them raises the
 
 Invariants:
 - ``try_admit`` checks and counts in one Lua call, so any number of intake processes never
-  admit more than the bound together.
+  admit more than the bound together. Intake's tries, and the trainer's steps, require the run's
+  marker in the same call (``shared.state.run_marker``), so none writes into a Redis that lost the run.
 - The step in the bound is the trainer step as the inference service serves it: the smaller
   of the trainer's step and the served policy version. Admitting on the trainer's step alone
   would start rollouts on weights the trainer has already left behind, and they would arrive stale.
@@ -52,12 +53,15 @@ from shared.names import RedisKeys
 from shared.settings import TrainerSettings, TrainTrainerSettings
 from shared.state.admission_wake import announce
 from shared.state.policy_version import PolicyVersion
+from shared.state.run_marker import INTAKE_STOPS, TRAINER_STOPS, RunMarker, run_script
 
-# KEYS: staleness hash, served policy version ; ARGV: max_off_policy_steps, groups_per_step,
-# admit_before_served (1/0) -> 0 not admitted / 1 + the version the group's rollouts start on at the earliest
+# KEYS: staleness hash, served policy version[, run marker: required] ; ARGV: max_off_policy_steps, groups_per_step,
+# admit_before_served (1/0) -> 0 not admitted / 1 + the version the group's rollouts start on at the earliest /
+# -1 the run's marker is required and gone (shared.state.run_marker.LOST)
 _TRY_ADMIT = """
-local staleness, served_key = KEYS[1], KEYS[2]
+local staleness, served_key, marker = KEYS[1], KEYS[2], KEYS[3]
 local max_off_policy_steps, groups_per_step, admit_before_served = ARGV[1], ARGV[2], ARGV[3]
+if marker and redis.call('EXISTS', marker) == 0 then return -1 end
 local k, per_step = tonumber(max_off_policy_steps), tonumber(groups_per_step)
 local admitted = tonumber(redis.call('HGET', staleness, 'admitted') or '0')
 local filtered = tonumber(redis.call('HGET', staleness, 'filtered') or '0')
@@ -78,10 +82,12 @@ if first < 0 then first = 0 end
 return first + 1
 """
 
-# KEYS: staleness hash ; ARGV: field (trainer_step or begun_step), new step -> the step now recorded (never lowered)
+# KEYS: staleness hash[, run marker: required] ; ARGV: field (trainer_step or begun_step), new step
+# -> the step now recorded (never lowered) / -1 the run's marker is required and gone
 _ADVANCE = """
-local staleness = KEYS[1]
+local staleness, marker = KEYS[1], KEYS[2]
 local field, new_step = ARGV[1], ARGV[2]
+if marker and redis.call('EXISTS', marker) == 0 then return -1 end
 local step = tonumber(redis.call('HGET', staleness, field) or '0')
 if tonumber(new_step) > step then
   redis.call('HSET', staleness, field, new_step)
@@ -138,13 +144,15 @@ class StalenessBudget:
     def try_admit(self) -> bool:
         return self.admit_for() is not None
 
-    def admit_for(self) -> int | None:
+    def admit_for(self, marker: RunMarker | None = None) -> int | None:
         """Admit one group if the bound has room: the earliest policy version its rollouts may
         start on (the step at which the rule above admits it; a version already served unless
-        ``admit_before_served``), or None when the bound is full."""
+        ``admit_before_served``), or None when the bound is full. With the run's ``marker``
+        (intake's), a run Redis lost is refused in the same call (``RunMarker.run_script``:
+        ``RedisDataLost``), nothing counted into the empty Redis."""
         keys = [self.key, self.served.key]
         args = [self.max_off_policy_steps, self.groups_per_step, int(self.admit_before_served)]
-        admitted = int(self._try_admit(keys=keys, args=args))
+        admitted = int(run_script(marker, self._try_admit, keys, args, INTAKE_STOPS))
         return admitted - 1 if admitted else None
 
     def filtered(self, groups: int = 1, transaction: Any = None) -> None:
@@ -153,24 +161,22 @@ class StalenessBudget:
         writer.hincrby(self.key, self.FILTERED, groups)
         announce(writer, self.run_id)
 
-    def advance_step(self, step: int, transaction: Any = None) -> int | None:
+    def advance_step(self, step: int, marker: RunMarker | None = None) -> int:
         """The trainer's step is ``step`` (its version published): the bound moves, and ``is_stale``
-        measures from it (never lowered). Returns the step now recorded; with a transaction (a
-        Redis pipeline), None: the step is its reply."""
-        writer = transaction if transaction is not None else self.redis
-        recorded = self._advance(keys=[self.key], args=[self.TRAINER_STEP, step], client=writer)
-        announce(writer, self.run_id)
-        return None if transaction is not None else int(recorded)
+        measures from it. Returns the step now recorded (never lowered). With the run's ``marker``
+        (the trainer's), never into a Redis that lost the run (``RunMarker.run_script``)."""
+        recorded = run_script(marker, self._advance, [self.key], [self.TRAINER_STEP, step], TRAINER_STOPS)
+        announce(self.redis, self.run_id)
+        return int(recorded)
 
-    def begin_step(self, step: int, transaction: Any = None) -> None:
+    def begin_step(self, step: int, marker: RunMarker | None = None) -> None:
         """The trainer has begun step ``step`` (its groups selected and recorded; a restarted trainer
         trains it again on them): with ``admit_before_served`` the bound admits the next step's groups
-        now (they start on version ``step``, once served); nothing else reads it. With a
-        transaction (a Redis pipeline), as part of it."""
+        now (they start on version ``step``, once served); nothing else reads it. ``marker``: as
+        ``advance_step``'s."""
         if self.admit_before_served:
-            writer = transaction if transaction is not None else self.redis
-            self._advance(keys=[self.key], args=[self.BEGUN_STEP, step], client=writer)
-            announce(writer, self.run_id)
+            run_script(marker, self._advance, [self.key], [self.BEGUN_STEP, step], TRAINER_STOPS)
+            announce(self.redis, self.run_id)
 
     def state(self) -> StalenessState:
         return self._state_of(self.redis.hgetall(self.key))

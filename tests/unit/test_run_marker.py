@@ -1,7 +1,9 @@
 """Redis losing a run's data is detected (``shared.state.run_marker``), against a real Redis and a
 local object store: the marker is written with the run, a run opened by intake cannot be
 refilled after a FLUSHALL, intake refuses a run the store knows and Redis does not, workers
-refuse its tasks, and the trainer's consumer stops instead of going on with an empty ledger."""
+refuse its tasks, and the trainer's consumer stops instead of going on with an empty ledger. A
+write that was under way as Redis lost the run (intake's, the trainer's) is refused, not applied
+to the empty Redis (``RunMarker.guarded``, and the admission's Lua call)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from services.trainer.process import TrainerProcess
 from shared.names import RedisKeys, run_marker_key
 from shared.state.run_marker import RedisDataLost, RunMarker, refuse_lost_run
 from shared.settings import Settings
+from shared.state.policy_version import PolicyVersion
+from shared.state.staleness import StalenessBudget
 
 from unit.test_groups import deliver_scored, register_groups
 from unit.test_ledger import requests_for
@@ -143,3 +147,31 @@ def test_a_guarded_write_is_refused_when_the_marker_goes_before_it_commits(ledge
     with pytest.raises(RedisDataLost, match="the object store holds it"):  # a writer that never saw the marker
         RunMarker(redis_client, run_id, store).guarded(lambda tx: tx.hincrby(counts, "n", 1), "stops")
     assert ledger.redis.keys(f"conveyor:{{{run_id}}}:*") == []
+
+
+def test_intake_going_on_as_redis_loses_the_run_writes_nothing_more_of_it(settings, ledger, redis_client, store, run_id):
+    published = []
+
+    def publish_then_lose_the_data(requests):  # Redis restarts empty right after a group went out
+        published.append(requests)
+        redis_client.flushall()
+
+    with pytest.raises(RedisDataLost, match=f"marker of run {run_id} .* this service registers nothing more of it"):
+        run_intake(settings, rows(3), redis_client, publish_then_lose_the_data, store=store)
+    assert len(published) == 1  # the group's publication is not marked, and no later group is admitted or registered
+    assert ledger.redis.keys(f"conveyor:{{{run_id}}}:*") == []
+
+
+def test_the_runs_scripts_write_nothing_into_a_redis_that_lost_the_run(redis_client, store, run_id):
+    budget, served = StalenessBudget(redis_client, run_id, 0, 1), PolicyVersion(redis_client, run_id)
+    marker = RunMarker(redis_client, run_id, store)
+    assert budget.advance_step(1, marker) == 1  # a run not opened yet (a trainer before intake): written
+    marker.open()
+    assert budget.admit_for(marker) == 0 and served.advance(1, marker)
+    redis_client.flushall()
+    for write in (lambda: budget.admit_for(marker), lambda: budget.advance_step(2, marker),
+                  lambda: served.advance(2, marker, "stops"),
+                  lambda: budget.admit_for(RunMarker(redis_client, run_id, store))):  # one that never saw it: the store did
+        with pytest.raises(RedisDataLost, match=f"the marker of run {run_id} "):
+            write()
+    assert redis_client.keys(f"conveyor:{{{run_id}}}:*") == []

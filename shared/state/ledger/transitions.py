@@ -28,7 +28,7 @@ from shared.state.ledger.reads import LedgerReads
 from shared.state.ledger.stages import LEASE_STAGES, ROLLOUT, SCORING, UNFINISHED, LeaseStage, TransitionResult
 from shared.state.redis_scripts import ScriptCall, run_pipelined
 from shared.state.replica_ack import ReplicaAck
-from shared.state.run_marker import RedisDataLost, RunMarker, lost_message, marker_value
+from shared.state.run_marker import INTAKE_STOPS, RedisDataLost, RunMarker, lost_message, marker_value
 from shared.state.trainer_stream import stream_key
 from shared.schemas import FailedEvent, RolloutRequest, ScoredEvent, TrajectoryState
 from shared.settings import LedgerSettings, OutageSettings
@@ -88,7 +88,7 @@ class Ledger(LedgerReads):
         added = self._replicas.write([keys[0]], lambda: [int(self._register(keys=keys, args=argv))],
                                      lambda first, again: first)[0]
         if added < 0:
-            raise RedisDataLost(lost_message(run_id, "intake saw it when it opened the run", "registers nothing more of it"))
+            raise RedisDataLost(lost_message(run_id, "intake saw it when it opened the run", INTAKE_STOPS))
         return added
 
     # --- leases (rollout worker, scorer) ----------------------------------------------------
