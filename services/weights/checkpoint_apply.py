@@ -6,7 +6,8 @@ Invariants:
   (``checkpoint_files.download_checkpoint``), under ``work_dir/{version:06d}``.
 - ``policy_version`` advances only from the sync's ``on_served`` hook: once every replica
   serves the version, labelled and probed, while they are all still paused. It and the sync's
-  record are never written into a Redis that lost the run (``RunMarker.guarded``).
+  record are never written into a Redis that lost the run (``shared.state.run_marker``: the
+  version's script requires the marker, the record is ``RunMarker.guarded``).
 - A checkpoint with a LoRA adapter is served as an adapter (``lora_sync.sync_adapter``), any
   other by a reload of the full weights (``sync.sync_weights``), restoring the served version's
   directory (or the base checkpoint at version 0) if the reload or probe fails.
@@ -103,11 +104,13 @@ class CheckpointApplier:
         try:
             if adapter:
                 report = sync_adapter(urls, download.local_dir, version, self.served_model, keep_from=served,
-                                      on_served=lambda: self._advance(version), client=self.http, probe=self._probe(download.local_dir))
+                                      on_served=lambda: self._advance(version), client=self.http,
+                                      probe=self._probe(download.local_dir))
             else:
                 restore = self._restore_dir(served) if version != served else None
-                report = sync_weights(urls, download.local_dir, version, restore_dir=restore, on_served=lambda: self._advance(version),
-                                      client=self.http, probe=self._probe(download.local_dir), **self.sync_options)
+                report = sync_weights(urls, download.local_dir, version, restore_dir=restore,
+                                      on_served=lambda: self._advance(version), client=self.http,
+                                      probe=self._probe(download.local_dir), **self.sync_options)
         except WeightSyncError as exc:
             self._record_failure(version, exc)
             raise
@@ -125,7 +128,8 @@ class CheckpointApplier:
 
         try:
             report = sync_delta(urls, catch_up, version, http=self.http, probe_model=self.probe_model,
-                                probe_tolerance=self.probe_tolerance, on_served=lambda: self._advance(version), prebuild=self.delta_prebuild)
+                                probe_tolerance=self.probe_tolerance, on_served=lambda: self._advance(version),
+                                prebuild=self.delta_prebuild)
         except WeightSyncError as exc:
             self._record_failure(version, exc)
             raise
