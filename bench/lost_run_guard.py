@@ -42,8 +42,7 @@ def main() -> None:
     parser.add_argument("--writes", type=int, default=2000, help="writes per arm and round")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    stack = LocalStack(Path(tempfile.mkdtemp(prefix="lost-run-guard-")))
-    try:
+    with LocalStack(Path(tempfile.mkdtemp(prefix="lost-run-guard-"))) as stack:  # stops its redis-server on the way out
         client = redis.Redis.from_url(stack.start_redis(), decode_responses=True)
         run_id = "guard"
         marker = RunMarker(client, run_id)
@@ -69,9 +68,6 @@ def main() -> None:
             ratio = statistics.median(times[f"{kind}, guarded"]) / statistics.median(times[f"{kind}, bare"])
             print(f"{kind}: guarded / bare = {ratio:.2f}")
         print(f"load average {os.getloadavg()[0]:.2f}")
-    finally:
-        for process in stack.processes:
-            process.stop()
 
 
 if __name__ == "__main__":
